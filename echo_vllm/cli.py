@@ -1,0 +1,47 @@
+"""``echo-vllm`` command: a thin router to each subcommand's own module.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this
+file only maps names to modules and imports lazily, so ``echo-vllm demo``
+never imports vLLM and ``echo-vllm serve`` never imports matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "demo": ("echo_vllm.demo", "error vs depth of exact, naive 4-bit and Echo over gloo processes"),
+    "bench": ("echo_vllm.bench.cli", "benchmarks: all-reduce (GPU/gloo) and kernels"),
+    "serve": ("echo_vllm.server.cli", "vLLM's OpenAI-compatible server with --tp-comm echo"),
+    "eval": ("echo_vllm.eval.cli", "accuracy, perplexity and TTFT: exact vs naive 4-bit vs Echo"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: echo-vllm <command> [args]", "", "commands:"]
+    lines += [f"  {name:<6} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "echo-vllm <command> --help for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "--version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    if name not in SUBCOMMANDS:
+        print(f"echo-vllm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Echo's configuration: one dataclass, validated once, parsed from one place.
+
+Every knob a user can set lives here. The vLLM plugin reads it from
+``--additional-config`` (keys without the ``echo_`` prefix, or a nested
+``echo`` dict), the CLI from its flags, and everything else from ``ECHO_*``
+environment variables (never ``VLLM_*``: vLLM rejects variables it does not
+know). Bad values raise :class:`EchoConfigError` with the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+#: Group sizes the wire format supports. Smaller groups quantize more finely
+#: (a 16-bit scale per group) at the cost of more scale bytes on the wire:
+#: g=32 -> 4.5 bit/value, g=64 -> 4.25, g=128 -> 4.125.
+SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
+
+#: Only 4-bit payloads exist today; the field is kept so configs say it.
+SUPPORTED_BITS = (4,)
+
+#: 256 KiB: below this a quantized two-shot all-reduce cannot beat a 16-bit
+#: one-shot all-reduce on NVLink (peers measured 18-25 us floors for
+#: quantized kernels against 5-25 us for vLLM's custom all-reduce at decode
+#: sizes). Prefill messages (tokens x hidden x 2 bytes) are far above it.
+DEFAULT_MIN_BYTES = 256 * 1024
+
+ROUNDING_MODES = ("nearest", "stochastic")
+FEEDBACK_DTYPES = ("float32", "bfloat16")
+
+
+class EchoConfigError(ValueError):
+    """A configuration value Echo cannot run with."""
+
+
+@dataclass(frozen=True)
+class EchoConfig:
+    """How one Echo all-reduce quantizes, and what it carries between calls."""
+
+    group_size: int = 32
+    """Values per quantization group (one bf16 scale each). Power of two in
+    SUPPORTED_GROUP_SIZES; also the Hadamard block size."""
+
+    bits: int = 4
+    """Bits per value on the wire. Only 4 is implemented."""
+
+    feedback: bool = True
+    """Carry each call's quantization error into the next call of the same
+    forward pass (Echo). False gives naive 4-bit, the baseline Echo beats."""
+
+    hadamard: bool = True
+    """Rotate every group with a Walsh-Hadamard transform before quantizing
+    (undone after the final dequantization). Spreads outlier channels over the
+    group so the shared scale fits the rest; costs a few adds per value."""
+
+    exact_last_call: bool = True
+    """Run the last all-reduce of a forward pass in 16-bit, consuming the
+    carried error so the residual stream enters the final norm / LM head with
+    no quantization error left in it."""
+
+    min_bytes: int = DEFAULT_MIN_BYTES
+    """Messages smaller than this (in input bytes) take the exact 16-bit path:
+    latency-bound sizes gain nothing from a 4x smaller payload."""
+
+    max_bytes: int = 0
+    """Messages larger than this take the exact path (0 = no upper limit).
+    Bounds the feedback buffer a deployment must reserve."""
+
+    rounding: str = "nearest"
+    """"nearest" (round half to even, deterministic) or "stochastic"
+    (unbiased, uses ``seed``)."""
+
+    seed: int = 0
+    """Seed of the stochastic-rounding generator; ignored for "nearest"."""
+
+    feedback_dtype: str = "float32"
+    """Storage dtype of the feedback buffer. float32 keeps the telescoping
+    exact to fp32 rounding; bfloat16 halves its memory traffic at the cost of
+    rounding each carried error to 8 significant bits."""
+
+    first_exact_calls: int = 0
+    """Run the first k calls of every forward pass in 16-bit (the embedding
+    and early layers, where activations are most outlier-heavy)."""
+
+    def __post_init__(self) -> None:
+        g = self.group_size
+        if not isinstance(g, int) or g not in SUPPORTED_GROUP_SIZES:
+            raise EchoConfigError(
+                f"group_size={g!r}: must be a power of two in {SUPPORTED_GROUP_SIZES}"
+            )
+        if self.bits not in SUPPORTED_BITS:
+            raise EchoConfigError(f"bits={self.bits!r}: only {SUPPORTED_BITS} is implemented")
+        if self.rounding not in ROUNDING_MODES:
+            raise EchoConfigError(f"rounding={self.rounding!r}: choose one of {ROUNDING_MODES}")
+        if self.feedback_dtype not in FEEDBACK_DTYPES:
+            raise EchoConfigError(
+                f"feedback_dtype={self.feedback_dtype!r}: choose one of {FEEDBACK_DTYPES}"
+            )
+        for name in ("min_bytes", "max_bytes", "first_exact_calls", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer")
+
+    # -- presets -------------------------------------------------------------
+
+    @classmethod
+    def naive(cls, **overrides: Any) -> "EchoConfig":
+        """Plain 4-bit two-shot all-reduce: no feedback, no rotation, no exact
+        last call. The baseline every Echo number is compared with."""
+        base = dict(feedback=False, hadamard=False, exact_last_call=False)
+        base.update(overrides)
+        return cls(**base)
+
+    def replace(self, **changes: Any) -> "EchoConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def qmax(self) -> int:
+        """Largest quantized magnitude: symmetric [-7, 7] keeps zero exact and
+        the rounding error unbiased (the 16th code, -8, is left unused)."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def wire_bits_per_value(self) -> float:
+        """Payload bits plus the amortised 16-bit scale."""
+        return self.bits + 16.0 / self.group_size
+
+    # -- parsing ---------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], *, prefix: str = "") -> "EchoConfig":
+        """Build from a dict such as vLLM's ``additional_config``.
+
+        Keys are field names, optionally with ``prefix`` (e.g. ``echo_``);
+        unknown keys that carry the prefix are an error (a typo must not
+        silently run a different experiment), others are ignored.
+        """
+        names = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            if prefix:
+                if not key.startswith(prefix):
+                    continue
+                key = key[len(prefix):]
+            if key not in names:
+                if prefix:
+                    raise EchoConfigError(
+                        f"unknown option {prefix}{key!r}; known: "
+                        + ", ".join(prefix + n for n in names)
+                    )
+                continue
+            kwargs[key] = _coerce(key, value, names[key].type)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "EchoConfig":
+        """Fields from ``ECHO_<FIELD>`` variables (e.g. ``ECHO_GROUP_SIZE=64``)."""
+        environ = os.environ if environ is None else environ
+        raw = {
+            k[len("ECHO_"):].lower(): v
+            for k, v in environ.items()
+            if k.startswith("ECHO_") and k[len("ECHO_"):].lower() in {f.name for f in fields(cls)}
+        }
+        return cls.from_mapping(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Turn strings from the environment or a CLI into the field's type."""
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise EchoConfigError(f"{key}={value!r}: expected a boolean")
+    if kind == "int":
+        if isinstance(value, bool):
+            raise EchoConfigError(f"{key}={value!r}: expected an integer")
+        if isinstance(value, int):
+            return value
+        try:
+            return _parse_int(str(value))
+        except ValueError:
+            raise EchoConfigError(f"{key}={value!r}: expected an integer") from None
+    return str(value) if not isinstance(value, str) else value
+
+
+_SUFFIXES = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def _parse_int(text: str) -> int:
+    """Integers with optional binary size suffix: ``256k``, ``4MiB``."""
+    t = text.strip().lower().replace("_", "")
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if t.endswith(suffix) and t[: -len(suffix)].strip().isdigit():
+            return int(t[: -len(suffix)]) * _SUFFIXES[suffix]
+    return int(t, 0)
+
+
+__all__ = [
+    "DEFAULT_MIN_BYTES",
+    "EchoConfig",
+    "EchoConfigError",
+    "SUPPORTED_GROUP_SIZES",
+]

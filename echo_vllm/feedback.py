@@ -1,0 +1,141 @@
+"""The error Echo carries from one all-reduce to the next of a forward pass.
+
+Why a chain: in a pre-norm transformer every all-reduce output is added to the
+residual stream. If call t returns ``S_t + E_{t-1} - E_t`` (exact sum plus the
+error carried in, minus the error carried out), the residual after T calls
+holds ``sum S_t + E_0 - E_T``: the errors telescope and the residual carries
+one call's error at any depth. That needs
+
+* the carried error to enter the *next* call of the *same* stream (same
+  forward pass, same shape), and nothing else;
+* call 0 of every forward pass to start clean (``E_0 = 0``): a token's error
+  never crosses into another step;
+* an exact (16-bit) call in the middle to *consume* the carried error (add it
+  to its input) and leave none.
+
+One buffer per local rank is enough storage: each error is consumed by the
+very next call, and the stage kernels read and rewrite it in place. The
+buffer is allocated once (outside CUDA-graph capture) at its largest size
+and reused at every size; which part of it is valid is Python state decided
+only by call index and shape, so a captured graph bakes in the same decision
+that eager execution makes.
+
+A chain is an explicit object (no module-level state) so that independent
+streams -- two models, a forward and a backward chain in training -- each
+own one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ChainStats:
+    """What the chain did, for metrics and tests."""
+
+    carried: int = 0
+    """Calls that consumed an incoming error."""
+    started_clean: int = 0
+    """Calls that began with no incoming error (call 0, after an exact call)."""
+    dropped: int = 0
+    """Pending errors thrown away because the next call did not continue the
+    chain (index gap or different shape): a bounded one-call error left in
+    the residual, counted so it is never silent."""
+
+
+@dataclass
+class FeedbackChain:
+    """Carried quantization error of ``local_ranks`` ranks for one stream.
+
+    ``capacity_numel`` (values per rank) may be given up front -- the vLLM
+    plugin sizes it for ``max_num_batched_tokens * hidden`` and allocates it
+    before any graph capture; otherwise the buffer grows on demand (eager use).
+    """
+
+    local_ranks: int
+    device: torch.device | str = "cpu"
+    dtype: str = "float32"
+    capacity_numel: int = 0
+    stats: ChainStats = field(default_factory=ChainStats)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"feedback dtype {self.dtype!r}: choose one of {tuple(_DTYPES)}")
+        self.device = torch.device(self.device)
+        self._buffer: torch.Tensor | None = None
+        self._pending_key: tuple | None = None
+        self._last_index: int | None = None
+        if self.capacity_numel:
+            self.reserve(self.capacity_numel)
+
+    # -- storage ---------------------------------------------------------------
+
+    def reserve(self, numel: int) -> None:
+        """Make the buffer hold at least ``numel`` values per rank. Allocates
+        (zeroed); never call it under CUDA-graph capture with a larger size
+        than reserved before."""
+        if self._buffer is not None and self._buffer.shape[1] >= numel:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"feedback buffer must grow to {numel} values during CUDA-graph capture; "
+                "reserve it before capture (EchoCommunicator sizes it on the profiling run)"
+            )
+        self._buffer = torch.zeros(
+            self.local_ranks, numel, dtype=_DTYPES[self.dtype], device=self.device
+        )
+        self.capacity_numel = numel
+        self._pending_key = None
+
+    def fits(self, numel: int) -> bool:
+        return self._buffer is not None and self._buffer.shape[1] >= numel
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        """The [local_ranks, capacity] buffer, grown to ``numel`` if needed."""
+        self.reserve(numel)
+        assert self._buffer is not None
+        return self._buffer
+
+    # -- the chain rule --------------------------------------------------------
+
+    def incoming(self, call_index: int | None, key: tuple) -> bool:
+        """Whether the buffer holds an error this call must absorb.
+
+        True only if the previous call of this chain was ``call_index - 1``,
+        had the same ``key`` (shape, dtype, layout) and left an error. Call 0
+        (a new forward pass) and calls outside a forward pass never carry.
+        """
+        pending = self._pending_key is not None
+        ok = (
+            pending
+            and call_index is not None
+            and call_index > 0
+            and self._last_index == call_index - 1
+            and self._pending_key == key
+        )
+        if pending and not ok and call_index not in (None, 0):
+            self.stats.dropped += 1
+        if ok:
+            self.stats.carried += 1
+        else:
+            self.stats.started_clean += 1
+        return bool(ok)
+
+    def record(self, call_index: int | None, key: tuple, left_error: bool) -> None:
+        """After a call: remember whether it left an error for the next one."""
+        self._last_index = call_index
+        self._pending_key = key if (left_error and call_index is not None) else None
+
+    def reset(self) -> None:
+        """Forget any pending error (the buffer contents become irrelevant)."""
+        self._pending_key = None
+        self._last_index = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending_key is not None

@@ -1,0 +1,306 @@
+"""Echo's 4-bit wire format and the plain-torch reference of every stage.
+
+Format (what travels between ranks)
+-----------------------------------
+A message of ``numel`` values is padded to ``padded_numel`` (a multiple of
+``world_size * 8 * group_size``) and cut into ``world_size`` chunks of
+``chunk_numel`` values; chunk ``j`` is reduced by rank ``j``. Each chunk is one
+contiguous byte string, ready for an all-to-all::
+
+    [ payload: chunk_numel / 2 bytes | scales: chunk_numel / group_size bf16 ]
+
+* payload: two 4-bit codes per byte, element ``2i`` in the low nibble,
+  ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (symmetric:
+  zero is exact and round-to-nearest is unbiased; code 0 is never written).
+* scales: one bf16 per group. bf16 has fp32's exponent range, so no finite
+  input overflows it (fp16 scales overflow above 65504 * 7) and groups with
+  max below 1e-3 keep full precision (fp16 reciprocals underflow there).
+  A group holding NaN or Inf gets a NaN scale and codes 0, so it decodes to
+  NaN: non-finite input never comes out finite.
+
+The 8-group alignment makes every chunk a multiple of 16 bytes long (and the
+scale block 16-byte aligned inside it) for every supported group size, so
+kernels can use 16-byte accesses on the wire buffers.
+
+Reference functions
+-------------------
+``stage1_reference``, ``stage2_reference``, ``output_reference`` and
+``consume_reference`` are the specification of the Triton kernels in
+``echo_vllm.kernels``: same fp32 operations in the same order, so the kernels
+are compared bit for bit. Two details make that possible: division appears
+only as one correctly rounded ``1 / scale`` per group, and round-to-nearest-
+even uses the ``(y + 1.5 * 2**23) - 1.5 * 2**23`` identity (valid for
+|y| <= 2**22) instead of a library call. The kernels are compiled with FMA
+contraction disabled for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SUPPORTED_GROUP_SIZES, EchoConfigError
+from .rotation import fwht
+
+#: Values per kernel alignment unit, in groups: keeps chunks 16-byte aligned.
+ALIGN_GROUPS = 8
+
+#: Smallest normal fp32 (and bf16) number. Scales are clamped to it so that
+#: 1 / scale stays finite; an all-zero group quantizes to zeros exactly.
+FLT_MIN = 2.0**-126
+
+#: (y + RNE_MAGIC) - RNE_MAGIC rounds y to the nearest integer, ties to even,
+#: for |y| <= 2**22 in fp32 arithmetic.
+RNE_MAGIC = 12582912.0
+
+#: Code offset: q in [-7, 7] is stored as q + 8 in [1, 15].
+CODE_OFFSET = 8
+
+#: Wire and scale dtypes.
+SCALE_DTYPE = torch.bfloat16
+WIRE_DTYPE = torch.uint8
+
+
+def inv_qmax_f32(qmax: int) -> torch.Tensor:
+    """fp32(1 / qmax): scales are ``amax * inv_qmax`` (a multiply, identical
+    in every backend) rather than ``amax / qmax``."""
+    return torch.tensor(1.0 / qmax, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class WireLayout:
+    """Sizes of one all-reduce of ``numel`` values over ``world_size`` ranks."""
+
+    numel: int
+    world_size: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise EchoConfigError(f"group_size={self.group_size}: not in {SUPPORTED_GROUP_SIZES}")
+        if self.world_size < 2:
+            raise EchoConfigError(f"world_size={self.world_size}: Echo needs at least 2 ranks")
+        if self.numel < 1:
+            raise EchoConfigError(f"numel={self.numel}: nothing to reduce")
+
+    @property
+    def align_numel(self) -> int:
+        return self.world_size * ALIGN_GROUPS * self.group_size
+
+    @property
+    def padded_numel(self) -> int:
+        a = self.align_numel
+        return -(-self.numel // a) * a
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def chunk_groups(self) -> int:
+        return self.chunk_numel // self.group_size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of packed codes in one chunk."""
+        return self.chunk_numel // 2
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk on the wire: payload then scales."""
+        return self.payload_bytes + 2 * self.chunk_groups
+
+    @property
+    def wire_bytes_per_rank(self) -> int:
+        """Bytes one rank sends per call: (P-1) chunks in the all-to-all and
+        (P-1) copies of its reduced chunk in the all-gather."""
+        return 2 * (self.world_size - 1) * self.chunk_bytes
+
+    def ring_bytes_per_rank(self, elem_bytes: int = 2) -> int:
+        """Bytes one rank sends in a bandwidth-optimal 16-bit all-reduce of the
+        same message (reduce-scatter + all-gather), for comparison."""
+        p = self.world_size
+        return int(2 * (p - 1) * self.numel * elem_bytes / p)
+
+
+# --------------------------------------------------------------------------
+# Group quantization
+# --------------------------------------------------------------------------
+
+
+def quantize_groups(
+    u: torch.Tensor, qmax: int, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize fp32 ``u[..., G, g]`` group-wise.
+
+    Returns ``(codes uint8 [..., G, g] in [1, 15], scales bf16 [..., G],
+    err fp32 [..., G, g])`` with ``err = u - dequant``; ``err`` is 0 for
+    non-finite groups (their scale is NaN). ``noise`` (uniform [0, 1), same
+    shape as ``u``) switches to stochastic rounding ``floor(y + noise)``.
+
+    Error bound: for finite groups, |err| <= scale / 2 element-wise for
+    round-to-nearest (< scale for stochastic), scale = bf16(amax / qmax).
+    """
+    assert u.dtype == torch.float32
+    finite = torch.isfinite(u)
+    bad = ~finite.all(dim=-1)
+    amax = torch.where(finite, u.abs(), torch.zeros((), dtype=u.dtype)).amax(dim=-1)
+    s32 = torch.clamp_min(amax * inv_qmax_f32(qmax), FLT_MIN)
+    s16 = s32.to(SCALE_DTYPE)
+    s = s16.float()
+    inv = 1.0 / s
+    y = u * inv.unsqueeze(-1)
+    y = torch.clamp(y, -float(qmax), float(qmax))
+    if noise is None:
+        r = (y + RNE_MAGIC) - RNE_MAGIC
+    else:
+        r = torch.clamp(torch.floor(y + noise), -float(qmax), float(qmax))
+    r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
+    codes = (r + CODE_OFFSET).to(WIRE_DTYPE)
+    err = u - r * s.unsqueeze(-1)
+    err = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=err.dtype), err)
+    scales = torch.where(bad, torch.full((), float("nan"), dtype=SCALE_DTYPE), s16)
+    return codes, scales, err
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``(code - 8) * scale`` for ``codes [..., G, g]``, ``scales [..., G]``."""
+    q = codes.float() - CODE_OFFSET
+    return q * scales.float().unsqueeze(-1)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., 2k] (each < 16) -> bytes [..., k]: even index low."""
+    lo = codes[..., 0::2]
+    hi = codes[..., 1::2]
+    return lo | (hi << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+# --------------------------------------------------------------------------
+# Chunks on the wire
+# --------------------------------------------------------------------------
+
+
+def encode_chunks(codes: torch.Tensor, scales: torch.Tensor, layout: WireLayout) -> torch.Tensor:
+    """codes [R, K*C] + scales [R, K*C/g] -> wire [R, K, chunk_bytes] for K chunks."""
+    r = codes.shape[0]
+    c, g = layout.chunk_numel, layout.group_size
+    k = codes.numel() // (r * c)
+    payload = pack_nibbles(codes.reshape(r, k, c))
+    scale_bytes = scales.reshape(r, k, c // g).contiguous().view(WIRE_DTYPE)
+    return torch.cat((payload, scale_bytes), dim=-1)
+
+
+def decode_chunks(wire: torch.Tensor, layout: WireLayout) -> torch.Tensor:
+    """wire [..., chunk_bytes] -> fp32 values [..., chunk_numel]."""
+    c, g = layout.chunk_numel, layout.group_size
+    payload = wire[..., : layout.payload_bytes]
+    scales = wire[..., layout.payload_bytes :].contiguous().view(SCALE_DTYPE)
+    codes = unpack_nibbles(payload).reshape(*wire.shape[:-1], c // g, g)
+    return dequantize_groups(codes, scales).reshape(*wire.shape[:-1], c)
+
+
+# --------------------------------------------------------------------------
+# The three stages of one Echo all-reduce (reference = kernel specification)
+# --------------------------------------------------------------------------
+
+
+def _rotate(v: torch.Tensor, g: int) -> torch.Tensor:
+    return fwht(v.reshape(*v.shape[:-1], -1, g)).reshape(v.shape)
+
+
+def stage1_reference(
+    x: torch.Tensor,
+    feedback: torch.Tensor | None,
+    layout: WireLayout,
+    *,
+    qmax: int = 7,
+    hadamard: bool = False,
+    has_incoming: bool = False,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize each local rank's input plus its carried error.
+
+    ``x``: [R, numel] (any float dtype). ``feedback``: [R, >= padded_numel]
+    buffer or None (no feedback). If ``has_incoming`` the buffer's first
+    ``padded_numel`` values are added to the (rotated) input; the new
+    stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
+    Order: u = rot(pad(x)) [+ e]; quantize; e <- u - dequant(q).
+    """
+    r, n, np_ = x.shape[0], layout.numel, layout.padded_numel
+    u = torch.zeros(r, np_, dtype=torch.float32, device=x.device)
+    u[:, :n] = x.float()
+    if hadamard:
+        u = _rotate(u, layout.group_size)
+    if feedback is not None and has_incoming:
+        u = u + feedback[:, :np_].float()
+    g = layout.group_size
+    codes, scales, err = quantize_groups(
+        u.reshape(r, np_ // g, g), qmax, None if noise is None else noise.reshape(r, np_ // g, g)
+    )
+    if feedback is not None:
+        feedback[:, :np_] = err.reshape(r, np_).to(feedback.dtype)
+    return encode_chunks(codes.reshape(r, np_), scales.reshape(r, -1), layout)
+
+
+def stage2_reference(
+    recv: torch.Tensor,
+    feedback: torch.Tensor | None,
+    own_chunks: list[int],
+    layout: WireLayout,
+    *,
+    qmax: int = 7,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce the chunks each local rank received and requantize the sum.
+
+    ``recv``: [R, P, chunk_bytes], ``recv[r, i]`` = rank i's chunk for local
+    rank r (whose chunk index is ``own_chunks[r]``). The sum runs in fp32 in
+    rank order 0..P-1 (the same order on every rank and in every transport).
+    The requantization error is added to the feedback buffer's own chunk.
+    Returns wire [R, chunk_bytes].
+    """
+    r, p = recv.shape[0], recv.shape[1]
+    c, g = layout.chunk_numel, layout.group_size
+    acc = torch.zeros(r, c, dtype=torch.float32, device=recv.device)
+    for i in range(p):
+        acc = acc + decode_chunks(recv[:, i], layout)
+    codes, scales, err = quantize_groups(
+        acc.reshape(r, c // g, g), qmax, None if noise is None else noise.reshape(r, c // g, g)
+    )
+    if feedback is not None:
+        for k, j in enumerate(own_chunks):
+            own = feedback[k, j * c : (j + 1) * c]
+            own.copy_((own.float() + err[k].reshape(c)).to(feedback.dtype))
+    return encode_chunks(codes.reshape(r, c), scales.reshape(r, -1), layout)[:, 0]
+
+
+def output_reference(
+    gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool = False
+) -> torch.Tensor:
+    """Decode the all-gathered chunks [P, chunk_bytes] into [numel] values of
+    ``out_dtype``: y = rot(dequant(q2)) / g, cast with round-to-nearest."""
+    v = decode_chunks(gathered, layout).reshape(layout.padded_numel)
+    if hadamard:
+        v = _rotate(v, layout.group_size) * (1.0 / layout.group_size)
+    return v[: layout.numel].to(out_dtype)
+
+
+def consume_reference(
+    x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *, hadamard: bool = False
+) -> torch.Tensor:
+    """The input of an exact (16-bit) call that absorbs the carried error:
+    x + rot^-1(e), rounded to x's dtype. ``x``: [R, numel]."""
+    np_ = layout.padded_numel
+    e = feedback[:, :np_].float()
+    if hadamard:
+        e = _rotate(e, layout.group_size) * (1.0 / layout.group_size)
+    return (x.float() + e[:, : layout.numel]).to(x.dtype)

@@ -1,0 +1,132 @@
+"""How Echo's bytes move between ranks: one small interface, three backends.
+
+Echo needs three collectives, all on a leading "local ranks" dimension R
+(the ranks whose data this process holds: 1 in a real multi-process group,
+P for in-process virtual ranks):
+
+* ``all_to_all(send[R, P, B]) -> recv[R, P, B]``: ``recv[r, i]`` is what
+  rank i sent to local rank r (its chunk ``r``'s index);
+* ``all_gather(chunk[R, B]) -> [P, B]``: every rank's reduced chunk;
+* ``all_reduce_exact(x[R, ...]) -> [...]``: the 16-bit fallback.
+
+Backends:
+
+* :class:`ProcessGroupTransport` -- ``torch.distributed`` (gloo on CPU,
+  NCCL on GPU): ``all_to_all_single`` + ``all_gather_into_tensor``.
+* :class:`VirtualTransport` -- P ranks in one process (one-GPU emulation of
+  TP=P, evaluation). A transpose and a no-op; Echo's numerics are
+  bit-identical to the multi-process run on the same inputs because every
+  stage is elementwise per rank and the stage-2 sum runs in rank order.
+* vLLM's pynccl communicator, wrapped by the plugin (``echo_vllm.plugin``).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class EchoShapeMismatch(RuntimeError):
+    """Ranks entered the same Echo call with different message shapes."""
+
+
+class Transport(abc.ABC):
+    """The collectives Echo needs."""
+
+    world_size: int
+    local_ranks: tuple[int, ...]
+    capturable: bool = False
+    """True if the collectives can be recorded into a CUDA graph."""
+
+    @property
+    def is_virtual(self) -> bool:
+        return len(self.local_ranks) > 1
+
+    @abc.abstractmethod
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def all_gather(self, chunks: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def check_same(self, values: Sequence[int]) -> None:
+        """Raise :class:`EchoShapeMismatch` on every rank if ranks disagree on
+        ``values``. Virtual ranks share one call, so they always agree."""
+
+
+class VirtualTransport(Transport):
+    """P ranks held by one process; inputs are stacked on dim 0."""
+
+    capturable = True
+
+    def __init__(self, world_size: int):
+        if world_size < 2:
+            raise ValueError(f"VirtualTransport needs world_size >= 2, got {world_size}")
+        self.world_size = world_size
+        self.local_ranks = tuple(range(world_size))
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        # send[src, dst] -> recv[dst, src]
+        return send.transpose(0, 1).contiguous()
+
+    def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
+        return chunks
+
+    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 accumulation in rank order, one rounding: what vLLM's custom
+        # all-reduce and NCCL's one-shot kernels do for 16-bit inputs.
+        acc = torch.zeros(x.shape[1:], dtype=torch.float32, device=x.device)
+        for r in range(x.shape[0]):
+            acc = acc + x[r].float()
+        return acc.to(x.dtype)
+
+
+class ProcessGroupTransport(Transport):
+    """One rank of a ``torch.distributed`` process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_ranks = (self.rank,)
+        self.backend = dist.get_backend(group)
+        # NCCL collectives issued on the current stream can be captured; gloo
+        # runs on the host and cannot.
+        self.capturable = self.backend == "nccl"
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
+        return recv
+
+    def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(
+            (self.world_size,) + tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device
+        )
+        dist.all_gather_into_tensor(out, chunks.contiguous(), group=self.group)
+        return out
+
+    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
+        out = x[0].clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def check_same(self, values: Sequence[int]) -> None:
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        every = torch.empty(self.world_size, len(values), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        rows = every.tolist()
+        if any(row != rows[0] for row in rows):
+            raise EchoShapeMismatch(
+                f"ranks disagree on the all-reduce message (numel, dtype, ...): {rows}; "
+                f"this is rank {self.rank}"
+            )
