@@ -1,0 +1,119 @@
+"""Emulate tensor parallelism of size P on one device.
+
+Real TP=P splits a row-parallel linear's input dimension (and the embedding's
+vocabulary) into P shards; rank r computes a partial output from its shard,
+and the all-reduce sums the partials. Here one process computes all P
+partials -- with one separate matmul per rank, exactly as each rank would --
+and reduces them with Echo over :class:`~echo_vllm.transport.VirtualTransport`.
+On the same inputs this gives the bits a real P-GPU run gives (up to the
+matmul kernel the BLAS picks for a shape, which is the same on the same
+GPU model).
+
+Framework glue (vLLM layers, transformers modules) calls these functions;
+nothing here imports either framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .communicator import EchoCommunicator
+from .config import EchoConfig, EchoConfigError
+from .transport import VirtualTransport
+
+#: vLLM pads the vocabulary to a multiple of this before sharding it.
+VOCAB_PADDING = 64
+
+
+def shard_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
+    """Even contiguous shards, as vLLM's ``divide`` requires."""
+    if size % world_size:
+        raise EchoConfigError(
+            f"dimension {size} is not divisible by the emulated tensor-parallel size {world_size}"
+        )
+    per = size // world_size
+    return [(r * per, (r + 1) * per) for r in range(world_size)]
+
+
+def vocab_shard_bounds(vocab_size: int, world_size: int) -> list[tuple[int, int]]:
+    """Token-id ranges of each rank's embedding shard: the vocabulary padded to
+    a multiple of 64, then split evenly (``VocabParallelEmbedding``)."""
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return [(lo, min(hi, vocab_size)) for lo, hi in shard_bounds(padded, world_size)]
+
+
+def row_parallel_partials(
+    x: torch.Tensor, weight: torch.Tensor, world_size: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Partial outputs [P, ..., out] of ``F.linear(x, weight, bias)`` under
+    row parallelism: rank r multiplies input features ``r``'s shard; rank 0
+    alone adds the bias (vLLM's ``RowParallelLinear``)."""
+    parts = []
+    for r, (lo, hi) in enumerate(shard_bounds(weight.shape[1], world_size)):
+        parts.append(F.linear(x[..., lo:hi], weight[:, lo:hi], bias if r == 0 else None))
+    return torch.stack(parts)
+
+
+def vocab_parallel_partials(
+    ids: torch.Tensor, weight: torch.Tensor, world_size: int
+) -> torch.Tensor:
+    """Partial embeddings [P, ..., hidden]: rank r looks up the ids in its
+    vocabulary shard and writes zeros for the others."""
+    parts = []
+    for lo, hi in vocab_shard_bounds(weight.shape[0], world_size):
+        inside = (ids >= lo) & (ids < hi)
+        local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+        emb = F.embedding(local, weight[lo:hi])
+        parts.append(emb.masked_fill(~inside.unsqueeze(-1), 0))
+    return torch.stack(parts)
+
+
+@dataclass
+class EmulatedTP:
+    """P virtual ranks reduced by Echo, with the per-forward call counter.
+
+    Call :meth:`begin_forward` at the start of every forward pass (the
+    counter restarts and the chain starts clean); :meth:`reduce` each
+    partial stack in model order. ``calls_per_forward`` (learned from the
+    first forward if not given) marks the last call for ``exact_last_call``.
+    ``mode="exact"`` reduces every call in 16-bit (the baseline).
+    """
+
+    world_size: int
+    config: EchoConfig = field(default_factory=EchoConfig)
+    mode: str = "echo"
+    calls_per_forward: int | None = None
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("echo", "exact"):
+            raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
+        self.comm = EchoCommunicator(
+            self.config, VirtualTransport(self.world_size), device=self.device
+        )
+        self.call_index = 0
+        self._in_forward = False
+
+    def begin_forward(self) -> None:
+        if self._in_forward and self.calls_per_forward is None and self.call_index:
+            self.calls_per_forward = self.call_index
+        self.call_index = 0
+        self._in_forward = True
+
+    def end_forward(self) -> None:
+        if self.calls_per_forward is None and self.call_index:
+            self.calls_per_forward = self.call_index
+        self._in_forward = False
+
+    def reduce(self, partials: torch.Tensor) -> torch.Tensor:
+        """Sum partials [P, ...] as the configured all-reduce would."""
+        idx = self.call_index if self._in_forward else None
+        if self._in_forward:
+            self.call_index += 1
+        if self.mode == "exact":
+            return self.comm.transport.all_reduce_exact(partials)
+        last = self.calls_per_forward is not None and idx == self.calls_per_forward - 1
+        return self.comm.all_reduce(partials, idx, last_call=last)
