@@ -9,6 +9,7 @@ leaving the others hanging.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -16,6 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -38,7 +40,11 @@ def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, 
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        # tensors travel as bytes: a queue would pass them by shared-memory
+        # handle, which dies with the child process
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report everything, including assertion errors
         results.put((rank, "error", traceback.format_exc()))
 
@@ -85,7 +91,7 @@ def run_processes(
                         break
                     continue
                 if status == "ok":
-                    out[rank] = value
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
                 else:
                     errors.append(f"rank {rank}:\n{value}")
                     break

@@ -108,11 +108,13 @@ class ProcessGroupTransport(Transport):
         return recv
 
     def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
+        # flat buffers: gloo wants the output to be the input's shape with
+        # its first dimension multiplied by world_size
         out = torch.empty(
-            (self.world_size,) + tuple(chunks.shape[1:]), dtype=chunks.dtype, device=chunks.device
+            self.world_size * chunks.numel(), dtype=chunks.dtype, device=chunks.device
         )
-        dist.all_gather_into_tensor(out, chunks.contiguous(), group=self.group)
-        return out
+        dist.all_gather_into_tensor(out, chunks.reshape(-1), group=self.group)
+        return out.view((self.world_size,) + tuple(chunks.shape[1:]))
 
     def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
         out = x[0].clone()
@@ -122,9 +124,9 @@ class ProcessGroupTransport(Transport):
     def check_same(self, values: Sequence[int]) -> None:
         device = "cuda" if self.backend == "nccl" else "cpu"
         mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-        every = torch.empty(self.world_size, len(values), dtype=torch.int64, device=device)
+        every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self.group)
-        rows = every.tolist()
+        rows = every.view(self.world_size, -1).tolist()
         if any(row != rows[0] for row in rows):
             raise EchoShapeMismatch(
                 f"ranks disagree on the all-reduce message (numel, dtype, ...): {rows}; "

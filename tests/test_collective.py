@@ -1,0 +1,164 @@
+"""EchoAllReduce over real gloo process groups (P = 2, 3, 4) and in-process
+virtual ranks: same bits everywhere, error within the derived bound, clear
+errors for bad input."""
+
+import pytest
+import torch
+
+from echo_vllm import (
+    EchoAllReduce,
+    EchoConfig,
+    EchoConfigError,
+    EchoShapeMismatch,
+    FeedbackChain,
+    ProcessGroupTransport,
+    VirtualTransport,
+)
+from echo_vllm.launch import run_processes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (dtype, shape, hadamard): none of the sizes is a multiple of P * 8 * group
+CASES = [
+    ("bf16", (7, 333), False),
+    ("fp16", (5, 97), True),
+    ("fp32", (1, 1), False),
+    ("bf16", (3, 1000), True),
+]
+CALLS = 3  # consecutive calls of one chain: the feedback path is compared too
+
+
+def _inputs(rank: int, case_id: int, call: int, shape, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case_id + 10 * call + rank)
+    x = torch.randn(shape, generator=g) * (1 + rank)
+    x.view(-1)[:: 11] *= 20  # some outliers
+    return x.to(dtype)
+
+
+def _worker(rank, world, cases):
+    transport = ProcessGroupTransport()
+    results = []
+    for cid, (dt, shape, hadamard) in enumerate(cases):
+        cfg = EchoConfig(min_bytes=0, hadamard=hadamard)
+        ar = EchoAllReduce(cfg, transport)
+        chain = FeedbackChain(1)
+        outs = [
+            ar.all_reduce(_inputs(rank, cid, t, shape, DTYPES[dt]), chain, t) for t in range(CALLS)
+        ]
+        results.append(outs)
+    # mismatched sizes must raise on every rank, not hang
+    ar = EchoAllReduce(EchoConfig(min_bytes=0), transport)
+    try:
+        ar.all_reduce(torch.zeros(100 + rank, dtype=torch.bfloat16))
+        mismatch = "no error"
+    except EchoShapeMismatch as e:
+        mismatch = str(e)
+    # the exact path still works afterwards: 16-bit sum of rank+1
+    exact = ar.exact_all_reduce(torch.full((4,), float(rank + 1), dtype=torch.bfloat16))
+    return results, mismatch, exact
+
+
+def _virtual(world, cases):
+    results = []
+    for cid, (dt, shape, hadamard) in enumerate(cases):
+        cfg = EchoConfig(min_bytes=0, hadamard=hadamard)
+        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        chain = FeedbackChain(world)
+        outs = []
+        for t in range(CALLS):
+            xs = torch.stack([_inputs(r, cid, t, shape, DTYPES[dt]) for r in range(world)])
+            outs.append(ar.all_reduce(xs, chain, t))
+        results.append(outs)
+    return results
+
+
+def _one_call_bound(xs: torch.Tensor, g: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Element-wise bound on |y - sum(x)| for one call with no incoming error
+    and no rotation: each stage-1 error <= s1_r/2 with s1_r = bf16(amax_r/7)
+    <= amax_r/7 * (1 + 2^-8); the stage-2 sum's group max is <= sum_r
+    (amax_r + s1_r/2), giving s2 likewise; plus half an ulp of the output
+    cast."""
+    p = xs.shape[0]
+    flat = xs.double().reshape(p, -1)
+    n = flat.shape[1]
+    pad = (-n) % g
+    grouped = torch.nn.functional.pad(flat, (0, pad)).reshape(p, -1, g)
+    amax = grouped.abs().amax(-1)  # [P, G]
+    s1 = amax / 7 * (1 + 2**-8)
+    s2 = (amax + s1 / 2).sum(0) / 7 * (1 + 2**-8)
+    per_group = s1.sum(0) / 2 + s2 / 2
+    bound = per_group.repeat_interleave(g)[:n]
+    exact = flat.sum(0)
+    ulp_half = (exact.abs() + bound) * (torch.finfo(out_dtype).eps / 2)
+    return (bound + ulp_half).reshape(xs.shape[1:])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo_matches_virtual_and_bound(world):
+    per_rank = run_processes(_worker, world, CASES)
+    virtual = _virtual(world, CASES)
+    for cid, (dt, shape, hadamard) in enumerate(CASES):
+        for t in range(CALLS):
+            ref = per_rank[0][0][cid][t]
+            assert ref.dtype == DTYPES[dt] and ref.shape == shape
+            for r in range(1, world):
+                assert torch.equal(per_rank[r][0][cid][t], ref), "ranks disagree"
+            assert torch.equal(virtual[cid][t], ref), "virtual transport differs"
+        if not hadamard:
+            xs = torch.stack([_inputs(r, cid, 0, shape, DTYPES[dt]) for r in range(world)])
+            err = (per_rank[0][0][cid][0].double() - xs.double().sum(0)).abs()
+            assert torch.all(err <= _one_call_bound(xs, 32, DTYPES[dt]))
+    for r in range(world):
+        assert "disagree" in per_rank[r][1]
+        assert torch.equal(
+            per_rank[r][2], torch.full((4,), world * (world + 1) / 2, dtype=torch.bfloat16)
+        )
+
+
+def test_virtual_one_call_bound_many_shapes():
+    for world in (2, 3, 4):
+        for n in (1, 31, 33 * 32, 1000 * 32 + 5):
+            torch.manual_seed(n + world)
+            xs = torch.randn(world, n).bfloat16()
+            ar = EchoAllReduce(EchoConfig(min_bytes=0, hadamard=False), VirtualTransport(world))
+            y = ar.all_reduce(xs)
+            err = (y.double() - xs.double().sum(0)).abs()
+            assert torch.all(err <= _one_call_bound(xs, 32, torch.bfloat16))
+
+
+def test_world_size_one_is_rejected():
+    class One(VirtualTransport):
+        def __init__(self):
+            self.world_size = 1
+            self.local_ranks = (0,)
+
+    with pytest.raises(EchoConfigError, match="at least 2 ranks"):
+        EchoAllReduce(EchoConfig(), One())
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        VirtualTransport(1)
+
+
+def test_bad_inputs_are_rejected():
+    ar = EchoAllReduce(EchoConfig(), VirtualTransport(4))
+    with pytest.raises(ValueError, match="stacked"):
+        ar.all_reduce(torch.zeros(3, 64))
+    with pytest.raises(TypeError, match="floating-point"):
+        ar.all_reduce(torch.zeros(4, 64, dtype=torch.int32))
+
+
+def test_output_is_bit_identical_for_every_virtual_rank_view():
+    """Each rank dequantizes the same gathered bytes: the virtual transport
+    returns one tensor, and re-decoding any rank's gathered copy gives it."""
+    from echo_vllm import quant
+
+    world, n = 3, 4000
+    torch.manual_seed(0)
+    xs = torch.randn(world, n).bfloat16()
+    cfg = EchoConfig(min_bytes=0)
+    t = VirtualTransport(world)
+    ar = EchoAllReduce(cfg, t)
+    lay = ar.layout(n)
+    wire = quant.stage1_reference(xs, None, lay, hadamard=True)
+    q2 = quant.stage2_reference(t.all_to_all(wire), None, [0, 1, 2], lay)
+    y = ar.all_reduce(xs)
+    for _ in range(world):  # every rank decodes the same all-gathered bytes
+        assert torch.equal(quant.output_reference(q2, lay, torch.bfloat16, hadamard=True), y)
