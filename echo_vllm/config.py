@@ -148,7 +148,7 @@ class EchoConfig:
             if key not in names:
                 if prefix:
                     raise EchoConfigError(
-                        f"unknown option {prefix}{key!r}; known: "
+                        f"unknown option {prefix + key!r}; known: "
                         + ", ".join(prefix + n for n in names)
                     )
                 continue

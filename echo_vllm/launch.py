@@ -28,6 +28,9 @@ DEFAULT_TIMEOUT_S = 300
 
 def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, env):
     os.environ.update(env)
+    # P processes share the machine's cores: more threads than cores per
+    # process makes every collective wait on descheduled spinners.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         dist.init_process_group(
             backend,

@@ -1,0 +1,100 @@
+"""The routing policy, branch by branch, and configuration validation."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from echo_vllm import CallInfo, EchoConfig, EchoConfigError, Path, Reason, decide
+from echo_vllm.config import DEFAULT_MIN_BYTES
+
+CFG = EchoConfig(min_bytes=1024, max_bytes=1 << 20, first_exact_calls=2)
+BASE = CallInfo(nbytes=4096, dtype=torch.bfloat16, world_size=4, call_index=5)
+
+# (change to the base call, config override, expected path, expected reason)
+TABLE = [
+    ({}, {}, Path.ECHO, Reason.ECHO),
+    ({"dtype": torch.float16}, {}, Path.ECHO, Reason.ECHO),
+    ({"world_size": 1}, {}, Path.EXACT, Reason.WORLD_SIZE_1),
+    ({"dtype": torch.float32}, {}, Path.EXACT, Reason.DTYPE),
+    ({"dtype": torch.int32}, {}, Path.EXACT, Reason.DTYPE),
+    ({"call_index": None}, {}, Path.EXACT, Reason.NO_FORWARD_CONTEXT),
+    ({"residual": False}, {}, Path.EXACT, Reason.NOT_RESIDUAL),
+    ({"nbytes": 1023}, {}, Path.EXACT, Reason.BELOW_MIN_BYTES),
+    ({"nbytes": 1024}, {}, Path.ECHO, Reason.ECHO),
+    ({"nbytes": (1 << 20) + 1}, {}, Path.EXACT, Reason.ABOVE_MAX_BYTES),
+    ({"nbytes": 1 << 40}, {"max_bytes": 0}, Path.ECHO, Reason.ECHO),
+    ({"capturing": True, "transport_capturable": False}, {}, Path.EXACT, Reason.CAPTURE_UNSUPPORTED),
+    ({"capturing": True}, {}, Path.ECHO, Reason.ECHO),
+    ({"fits_buffer": False}, {}, Path.EXACT, Reason.EXCEEDS_BUFFER),
+    ({"fits_buffer": False}, {"feedback": False}, Path.ECHO, Reason.ECHO),
+    ({"call_index": 1}, {}, Path.EXACT, Reason.FIRST_EXACT_CALLS),
+    ({"call_index": 2}, {}, Path.ECHO, Reason.ECHO),
+    ({"last_call": True}, {}, Path.EXACT, Reason.LAST_CALL),
+    ({"last_call": True}, {"exact_last_call": False}, Path.ECHO, Reason.ECHO),
+    # several reasons: the structural one wins
+    ({"world_size": 1, "nbytes": 1}, {}, Path.EXACT, Reason.WORLD_SIZE_1),
+    ({"nbytes": 1, "last_call": True}, {}, Path.EXACT, Reason.BELOW_MIN_BYTES),
+]
+
+
+@pytest.mark.parametrize("change,override,path,reason", TABLE)
+def test_decide_table(change, override, path, reason):
+    call = dataclasses.replace(BASE, **change)
+    d = decide(call, CFG.replace(**override))
+    assert (d.path, d.reason) == (path, reason)
+    assert d.echo == (path is Path.ECHO)
+
+
+def test_disabled_or_missing_config():
+    assert decide(BASE, CFG, enabled=False).reason is Reason.DISABLED
+    assert decide(BASE, None).reason is Reason.DISABLED
+
+
+def test_default_min_bytes_routes_decode_sizes_to_exact():
+    # one decode token of a 4096-wide model in bf16 is 8 KiB: latency-bound
+    d = decide(dataclasses.replace(BASE, nbytes=8192), EchoConfig())
+    assert d.reason is Reason.BELOW_MIN_BYTES
+    # a 2048-token prefill is 16 MiB: Echo
+    d = decide(dataclasses.replace(BASE, nbytes=2048 * 4096 * 2), EchoConfig())
+    assert d.echo and DEFAULT_MIN_BYTES < 2048 * 4096 * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"group_size": 48}, "power of two"),
+        ({"group_size": 256}, "power of two"),
+        ({"bits": 8}, "only"),
+        ({"rounding": "up"}, "rounding"),
+        ({"feedback_dtype": "float16"}, "feedback_dtype"),
+        ({"min_bytes": -1}, "non-negative"),
+        ({"first_exact_calls": True}, "non-negative"),
+    ],
+)
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(EchoConfigError, match=match):
+        EchoConfig(**kwargs)
+
+
+def test_from_mapping_and_env():
+    cfg = EchoConfig.from_mapping(
+        {"echo_group_size": "64", "echo_feedback": "false", "echo_min_bytes": "4MiB", "tp_comm": "echo"},
+        prefix="echo_",
+    )
+    assert (cfg.group_size, cfg.feedback, cfg.min_bytes) == (64, False, 4 << 20)
+    with pytest.raises(EchoConfigError, match="unknown option 'echo_group'"):
+        EchoConfig.from_mapping({"echo_group": 64}, prefix="echo_")
+    with pytest.raises(EchoConfigError, match="expected a boolean"):
+        EchoConfig.from_mapping({"echo_hadamard": "maybe"}, prefix="echo_")
+    env = {"ECHO_GROUP_SIZE": "128", "ECHO_EXACT_LAST_CALL": "0", "VLLM_X": "1", "ECHO_UNRELATED": "x"}
+    cfg = EchoConfig.from_env(env)
+    assert cfg.group_size == 128 and cfg.exact_last_call is False
+
+
+def test_naive_preset_and_wire_bits():
+    naive = EchoConfig.naive()
+    assert not (naive.feedback or naive.hadamard or naive.exact_last_call)
+    assert EchoConfig(group_size=32).wire_bits_per_value == 4.5
+    assert EchoConfig(group_size=128).wire_bits_per_value == 4.125
+    assert EchoConfig().qmax == 7
