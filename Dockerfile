@@ -1,0 +1,31 @@
+# echo-vllm on the official vLLM OpenAI-compatible server image, at the vLLM
+# version pyproject.toml pins (tests/test_docker.py checks they agree).
+#
+#   docker build -t echo-vllm:0.1.0 .
+#   docker run --gpus all --ipc=host -p 8000:8000 \
+#       -v hf-cache:/root/.cache/huggingface \
+#       echo-vllm:0.1.0 Qwen/Qwen3-8B --tensor-parallel-size 4 --tp-comm echo
+#
+# Arguments after the image name go to `echo-vllm serve` (Echo's flags and
+# every `vllm serve` flag). docker/compose.yaml is a ready-made TP=4 service.
+FROM vllm/vllm-openai:v0.26.0
+
+WORKDIR /opt/echo-vllm
+COPY pyproject.toml README.md ./
+COPY echo_vllm ./echo_vllm
+
+# The image's torch, triton and vLLM stay exactly as built (constraints from
+# what is installed); only echo-vllm and its small pure-Python dependencies
+# are added. The image ships uv; pip is the fallback.
+RUN set -eux; \
+    python3 -c "import importlib.metadata as m; print('\n'.join(f'{p}=={m.version(p)}' for p in ('torch', 'triton', 'vllm', 'numpy')))" > /tmp/keep.txt; \
+    if command -v uv >/dev/null 2>&1; then \
+        uv pip install --system --no-cache --constraint /tmp/keep.txt . ; \
+    else \
+        python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt . ; \
+    fi; \
+    python3 -c "import importlib.metadata as m; assert any(e.name == 'echo_vllm' for e in m.entry_points(group='vllm.general_plugins')), 'vLLM plugin entry point missing'"; \
+    command -v echo-vllm
+
+ENTRYPOINT ["echo-vllm", "serve"]
+CMD ["--help"]

@@ -1,0 +1,204 @@
+"""Echo's counters on vLLM's Prometheus ``/metrics``.
+
+vLLM's API server answers ``/metrics``; Echo counts in the worker processes
+(one per GPU, or one for the one-GPU emulation), two process hops away. The
+mechanism is the one vLLM uses when it runs several API-server processes:
+``prometheus_client`` multiprocess mode. With ``PROMETHEUS_MULTIPROC_DIR``
+set, every process writes its metric values into memory-mapped files in that
+directory, and vLLM's ``/metrics`` (``vllm.v1.metrics.prometheus.
+get_prometheus_registry``) serves a ``MultiProcessCollector`` that sums them.
+vLLM only turns the mode on for ``--api-server-count > 1``;
+``echo-vllm serve --tp-comm echo`` turns it on always
+(:func:`prepare_multiprocess_dir`, before anything imports
+``prometheus_client``: the client picks its value store at import time), and
+the variable is inherited by the engine-core and worker processes.
+
+Workers call :func:`publish` with :meth:`EchoStats.snapshot` (cumulative
+counts) about once a second; it turns the totals into counter increments, so
+calling it again with the same snapshot changes nothing, and a restarted
+EchoStats (totals going down) counts from zero again.
+
+Exported (``rank`` = tensor-parallel rank of the worker):
+
+- ``echo:allreduce_calls_total{rank,path,reason}`` all-reduce calls by path
+  (echo / exact) and reason (``echo``, or why it fell back: below_min_bytes,
+  exact_last_call, ...; see ``echo_vllm.policy.Reason``)
+- ``echo:wire_bytes_total{rank}`` bytes sent in Echo calls
+- ``echo:equiv_16bit_bytes_total{rank}`` what a 16-bit all-reduce of the same
+  calls would have sent (wire / equiv = the traffic ratio, ~0.28 at g=32)
+- ``echo:exact_bytes_total{rank}`` input bytes of exact-path calls
+- ``echo:rel_error_sum_total{rank}``, ``echo:rel_error_samples_total{rank}``
+  sampled relative error |y - exact| / |exact| of Echo outputs (mean over a
+  window = rate(sum) / rate(samples))
+- ``echo:rel_error_mean{rank}`` the same mean since start (gauge)
+- ``echo:config_info{...}`` = 1, labels = Echo's settings (API server)
+
+Without the variable (plain ``vllm serve``), each worker keeps its values in
+its own registry and nothing reaches ``/metrics`` unless the worker lives in
+the API-server process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Mapping
+
+logger = logging.getLogger("echo_vllm")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PREFIX = "echo:"
+
+_tmpdir: tempfile.TemporaryDirectory | None = None
+
+
+def prepare_multiprocess_dir() -> str:
+    """Turn on prometheus_client multiprocess mode for this process and the
+    ones it starts; returns the directory.
+
+    Call before vLLM (or anything else) imports ``prometheus_client``. An
+    existing ``PROMETHEUS_MULTIPROC_DIR`` is kept (vLLM warns that a user
+    directory must be emptied between runs); otherwise a fresh temporary one
+    is made and removed at exit.
+    """
+    global _tmpdir
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+    else:
+        _tmpdir = tempfile.TemporaryDirectory(prefix="echo-vllm-prometheus-")
+        path = os.environ[MULTIPROC_ENV] = _tmpdir.name
+    if "prometheus_client" in sys.modules:
+        # The client chose its value store when imported; metrics created
+        # from now on must write to the shared files.
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()
+    return path
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class EchoMetrics:
+    """Echo's metrics in one registry, fed from cumulative snapshots."""
+
+    def __init__(self, registry: Any = None):
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = REGISTRY if registry is None else registry
+        rank = ["rank"]
+        self.calls = Counter(PREFIX + "allreduce_calls", "Echo all-reduce calls by path and reason.",
+                             rank + ["path", "reason"], registry=registry)
+        self.wire_bytes = Counter(PREFIX + "wire_bytes", "Bytes sent on the wire by Echo calls.",
+                                  rank, registry=registry)
+        self.equiv_bytes = Counter(
+            PREFIX + "equiv_16bit_bytes",
+            "Bytes a bandwidth-optimal 16-bit all-reduce of the same Echo calls would send.",
+            rank, registry=registry)
+        self.exact_bytes = Counter(PREFIX + "exact_bytes", "Input bytes of exact-path (16-bit) calls.",
+                                   rank, registry=registry)
+        self.rel_err_sum = Counter(PREFIX + "rel_error_sum",
+                                   "Sum of sampled relative errors |y - exact| / |exact| of Echo outputs.",
+                                   rank, registry=registry)
+        self.rel_err_samples = Counter(PREFIX + "rel_error_samples", "Number of relative-error samples.",
+                                       rank, registry=registry)
+        self.rel_err_mean = Gauge(PREFIX + "rel_error_mean", "Mean sampled relative error since start.",
+                                  rank, registry=registry, multiprocess_mode="mostrecent")
+        self._last: dict[tuple, Any] = {}
+        self._last_snapshot: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def _advance(self, key: tuple, total: float) -> float:
+        """Increment that brings a counter from the last total to ``total``;
+        a smaller total means the source restarted from zero."""
+        last = self._last.get(key, 0)
+        self._last[key] = total
+        return total - last if total >= last else total
+
+    def publish(self, snapshot: Mapping[str, Any], rank: int) -> None:
+        """Bring the counters of ``rank`` up to ``snapshot`` (EchoStats.snapshot())."""
+        r = str(int(rank))
+        with self._lock:
+            if self._last_snapshot.get(r) == snapshot:
+                return
+            for path_reason, total in (snapshot.get("calls") or {}).items():
+                path, _, reason = str(path_reason).partition("/")
+                delta = self._advance((r, "calls", path, reason), int(total))
+                if delta:
+                    self.calls.labels(r, path, reason or "unknown").inc(delta)
+            for name, counter in (("wire_bytes", self.wire_bytes), ("equiv_16bit_bytes", self.equiv_bytes),
+                                  ("exact_bytes", self.exact_bytes)):
+                delta = self._advance((r, name), int(snapshot.get(name) or 0))
+                if delta:
+                    counter.labels(r).inc(delta)
+            self._publish_error(snapshot, r)
+            self._last_snapshot[r] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in snapshot.items()}
+
+    def _publish_error(self, snapshot: Mapping[str, Any], r: str) -> None:
+        samples = int(snapshot.get("rel_err_samples") or 0)
+        mean = snapshot.get("rel_err_mean")
+        total = snapshot.get("rel_err_sum")
+        if total is None:
+            total = float(mean) * samples if mean is not None else 0.0
+        last_n, last_sum = self._last.get((r, "rel_err"), (0, 0.0))
+        if samples < last_n:  # the source restarted from zero
+            last_n, last_sum = 0, 0.0
+        if samples > last_n:
+            # max(): mean * samples may come back a last bit lower than before
+            self.rel_err_samples.labels(r).inc(samples - last_n)
+            self.rel_err_sum.labels(r).inc(max(float(total) - last_sum, 0.0))
+            self._last[(r, "rel_err")] = (samples, float(total))
+        if mean is not None:
+            self.rel_err_mean.labels(r).set(float(mean))
+
+
+def publish_config(labels: Mapping[str, Any], registry: Any = None) -> None:
+    """``echo:config_info{...} 1``: which Echo settings this server runs."""
+    from prometheus_client import REGISTRY, Gauge
+
+    names = sorted(labels)
+    gauge = Gauge(PREFIX + "config_info", "Echo settings of this server (value is always 1).",
+                  names, registry=REGISTRY if registry is None else registry,
+                  multiprocess_mode="mostrecent")
+    gauge.labels(*(str(labels[n]) for n in names)).set(1)
+
+
+_default: EchoMetrics | None = None
+_default_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def publish(snapshot: Mapping[str, Any], rank: int) -> None:
+    """Export one rank's cumulative Echo counters (call ~once a second).
+
+    Idempotent (same snapshot -> no change) and cheap (a dict compare when
+    nothing moved; a few mmap writes otherwise). Never raises: a failure is
+    logged once and the serving path goes on.
+    """
+    global _default
+    try:
+        if _default is None:
+            with _default_lock:
+                if _default is None:
+                    if not multiprocess_mode():
+                        logger.info("echo: %s is not set; Echo metrics of this process (pid %d) reach "
+                                    "/metrics only if it is the API server (run `echo-vllm serve`)",
+                                    MULTIPROC_ENV, os.getpid())
+                    _default = EchoMetrics()
+        _default.publish(snapshot, rank)
+    except Exception as e:  # metrics must never take the model down
+        _warn_once(type(e).__name__, "echo: publishing metrics failed (%r); logged once", e)
+
+
+__all__ = ["EchoMetrics", "prepare_multiprocess_dir", "publish", "publish_config"]

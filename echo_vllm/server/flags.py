@@ -1,0 +1,144 @@
+"""Echo's own ``echo-vllm serve`` flags, derived from :class:`EchoConfig`.
+
+Every EchoConfig field becomes one flag (``group_size`` -> ``--echo-group-size``;
+booleans also get ``--no-echo-...``), with the field's default and its
+docstring as help, so the command line can never drift from the config. Two
+flags are not EchoConfig fields: ``--tp-comm`` (which all-reduce vLLM uses)
+and ``--echo-emulate-tp`` (one-GPU emulation of TP=P).
+
+Each flag knows the vLLM ``additional_config`` key the plugin reads it from.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
+
+TP_COMM_CHOICES = ("nccl", "echo")
+TP_COMM_KEY = "tp_comm"
+"""additional_config key the plugin reads the all-reduce backend from."""
+EMULATE_KEY = "tp_comm_emulate"
+"""additional_config key of the one-GPU emulation's virtual TP size."""
+ECHO_KEY_PREFIX = "echo_"
+"""additional_config keys ``echo_<EchoConfig field>`` carry Echo's options."""
+
+#: Allowed values shown in --help (validation itself is EchoConfig's).
+_CHOICES: dict[str, tuple] = {
+    "group_size": SUPPORTED_GROUP_SIZES,
+    "bits": SUPPORTED_BITS,
+    "rounding": ROUNDING_MODES,
+    "feedback_dtype": FEEDBACK_DTYPES,
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One Echo command-line flag."""
+
+    option: str
+    """``--echo-group-size``; booleans also accept ``--no-`` + option[2:]."""
+    key: str
+    """additional_config key the value lands in."""
+    kind: str
+    """"bool", "int", "str" or "choice"."""
+    default: Any
+    help: str
+    choices: tuple = ()
+
+    @property
+    def negative(self) -> str | None:
+        return "--no-" + self.option[2:] if self.kind == "bool" else None
+
+    @property
+    def field(self) -> str | None:
+        """The EchoConfig field, or None for --tp-comm / --echo-emulate-tp."""
+        return self.key[len(ECHO_KEY_PREFIX):] if self.key.startswith(ECHO_KEY_PREFIX) else None
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen app): flags without help text
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@functools.lru_cache(maxsize=1)
+def echo_flags() -> tuple[Flag, ...]:
+    """All Echo flags, ``--tp-comm`` first, then one per EchoConfig field."""
+    docs = _field_docs(EchoConfig)
+    flags = [
+        Flag("--tp-comm", TP_COMM_KEY, "choice", "nccl",
+             "Tensor-parallel all-reduce: 'echo' (4-bit, error feedback) or 'nccl' "
+             "(stock vLLM, the default).", TP_COMM_CHOICES),
+        Flag("--echo-emulate-tp", EMULATE_KEY, "int", 0,
+             "Emulate TP=P on one GPU (needs --tensor-parallel-size 1): every "
+             "row-parallel layer is split into P partial matmuls reduced by Echo. "
+             "0 = off."),
+    ]
+    for f in dataclasses.fields(EchoConfig):
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        choices = _CHOICES.get(f.name, ())
+        if kind == "str" and choices:
+            kind = "choice"
+        flags.append(Flag("--echo-" + f.name.replace("_", "-"), ECHO_KEY_PREFIX + f.name,
+                          kind, f.default, docs.get(f.name, ""), tuple(choices)))
+    return tuple(flags)
+
+
+def flags_by_option() -> dict[str, Flag]:
+    """Every accepted spelling (``--x`` and ``--no-x``) -> its flag."""
+    table: dict[str, Flag] = {}
+    for flag in echo_flags():
+        table[flag.option] = flag
+        if flag.negative:
+            table[flag.negative] = flag
+    return table
+
+
+def format_help(width: int = 100) -> str:
+    """Echo's section of ``echo-vllm serve --help``."""
+    lines = [
+        "usage: echo-vllm serve MODEL [vllm serve options] [--tp-comm {nccl,echo}] [echo options]",
+        "",
+        "Runs vLLM's own OpenAI-compatible server (`vllm serve`). Echo's flags are",
+        "rewritten into vLLM's --additional-config (keys tp_comm, tp_comm_emulate,",
+        "echo_<option>), and with --tp-comm echo the compilation passes that would",
+        "bypass the all-reduce are switched off. Every other flag goes to vLLM as is.",
+        "",
+        "Echo options:",
+    ]
+    for flag in echo_flags():
+        spell = flag.option if flag.kind != "bool" else f"{flag.option}, {flag.negative}"
+        if flag.kind == "int":
+            spell += " N"
+        elif flag.kind == "choice":
+            spell += " {" + ",".join(str(c) for c in flag.choices) + "}"
+        elif flag.kind == "str":
+            spell += " TEXT"
+        lines.append(f"  {spell}")
+        text = flag.help
+        if flag.kind == "int" and flag.choices:
+            text += f" One of {', '.join(str(c) for c in flag.choices)}."
+        text += f" (default: {flag.default})"
+        lines += textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return "\n".join(lines)

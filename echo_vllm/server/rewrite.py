@@ -1,0 +1,498 @@
+"""``echo-vllm serve ARGS`` -> ``vllm serve ARGS'``: one pure function.
+
+:func:`rewrite_args` removes Echo's flags (``--tp-comm``, ``--echo-*``), puts
+them into vLLM's ``--additional-config`` (merged with whatever the user gave
+there, JSON or dotted, ``=`` or space form, or in a ``--config`` YAML file),
+switches off the compilation passes that would replace the all-reduce Echo
+hooks, rejects combinations that cannot work, and passes every other token to
+vLLM unchanged and in order.
+
+Merging: vLLM itself keeps only the dotted form when a JSON and a dotted
+``--additional-config`` are both given (the dotted dict is parsed last and
+replaces the JSON one). With ``--tp-comm echo`` we merge them instead, in
+command-line order (later keys win), and hand vLLM one JSON object per
+option; with ``--tp-comm nccl`` (stock vLLM) the argv is left as vLLM sees it.
+
+It reads nothing but ``argv`` (and the ``--config`` file, through an
+injectable reader), imports neither vLLM nor torch's CUDA, and raises
+:class:`ServeArgsError` with a one-line message on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, Mapping
+
+from ..config import EchoConfig, EchoConfigError
+from .flags import ECHO_KEY_PREFIX, EMULATE_KEY, TP_COMM_CHOICES, TP_COMM_KEY, Flag, flags_by_option
+
+ADDITIONAL_CONFIG = "--additional-config"
+COMPILATION_CONFIG = "--compilation-config"
+_CONFIG_ALIASES = {ADDITIONAL_CONFIG: ADDITIONAL_CONFIG, COMPILATION_CONFIG: COMPILATION_CONFIG,
+                   "-cc": COMPILATION_CONFIG}
+_TP_OPTIONS = ("-tp", "--tensor-parallel-size")
+_DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
+
+#: Compilation passes that remove or replace the all-reduce Echo hooks:
+#: FlashInfer's fused all-reduce + RMSNorm, sequence parallelism
+#: (reduce-scatter + all-gather instead of all-reduce) and async TP
+#: (GEMM fused with those collectives, built on sequence parallelism).
+BYPASS_PASSES_0_26 = ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms")
+#: vLLM 0.33 removed enable_sp / fuse_gemm_comms (passing them errors there).
+BYPASS_PASSES_0_33 = ("fuse_allreduce_rms",)
+_SP_REMOVED_IN = (0, 33)
+
+_REASONS = {
+    "fuse_allreduce_rms": "replaces all-reduce + RMSNorm with FlashInfer's fused kernel",
+    "enable_sp": "replaces the all-reduce with reduce-scatter + all-gather (sequence parallelism)",
+    "fuse_gemm_comms": "fuses GEMMs with reduce-scatter/all-gather (async TP)",
+}
+
+
+class ServeArgsError(ValueError):
+    """A command line ``echo-vllm serve`` refuses; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the rewrite decided, for the caller, the metrics and the tests."""
+
+    tp_comm: str
+    """"echo" or "nccl"."""
+    tensor_parallel_size: int
+    """As vLLM will parse it (1 when not given)."""
+    emulate_tp: int = 0
+    """Virtual TP size of the one-GPU emulation; 0 = off."""
+    echo: EchoConfig | None = None
+    """The resolved Echo configuration (None with --tp-comm nccl)."""
+    additional_config: dict = field(default_factory=dict)
+    """additional_config handed to vLLM (echo mode) or found (nccl mode)."""
+    compilation_config: dict | None = None
+    """compilation_config handed to vLLM (echo mode only)."""
+    bypass_passes: tuple[str, ...] = ()
+    """Pass-config keys switched off because they would bypass Echo."""
+
+    @property
+    def echo_on(self) -> bool:
+        return self.tp_comm == "echo"
+
+
+def bypass_passes_for(vllm_version: str | None) -> tuple[str, ...]:
+    """Pass keys to switch off for the installed vLLM (0.26 spelling if unknown)."""
+    nums = [int(n) for n in re.findall(r"\d+", vllm_version or "")[:2]]
+    if len(nums) == 2 and tuple(nums) >= _SP_REMOVED_IN:
+        return BYPASS_PASSES_0_33
+    return BYPASS_PASSES_0_26
+
+
+def installed_vllm_version() -> str | None:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# -- values as vLLM parses them ------------------------------------------------
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_dotted_value(text: str) -> Any:
+    """A dotted option's value the way vLLM reads it: JSON, else a
+    human-readable integer (``80g`` decimal, ``2K`` binary), else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match:
+        number, suffix = match.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." not in number:
+            return int(number) * _BINARY[suffix]
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+_TRUE_TEXT = {"1", "true", "t", "yes", "y", "on"}
+
+
+def _truthy(value: Any) -> bool:
+    """Would pydantic read this pass-config value as True?"""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_TEXT
+    return bool(value)
+
+
+# -- scanning ------------------------------------------------------------------
+
+
+@dataclass
+class _Scan:
+    """Everything the token walk found, in command-line order."""
+
+    keep: list[str] = field(default_factory=list)
+    """Tokens for vLLM, with Echo's flags removed (nccl mode argv)."""
+    keep_no_configs: list[str] = field(default_factory=list)
+    """Same, also without --additional-config / --compilation-config (echo mode)."""
+    echo_flags: dict[str, tuple[Flag, Any, str]] = field(default_factory=dict)
+    """key -> (flag, raw value, spelling as given); last one wins."""
+    configs: dict[str, list[tuple[list[str], Any, bool]]] = field(
+        default_factory=lambda: {ADDITIONAL_CONFIG: [], COMPILATION_CONFIG: []}
+    )
+    """option -> [(dotted path or [], value, append)] in order."""
+    tp: int | None = None
+    dbo: bool | None = None
+    file_tp: int | None = None
+    """From a --config file: used only when the command line does not say."""
+    file_dbo: bool | None = None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return next((v for v in (self.tp, self.file_tp) if v is not None), 1)
+
+    @property
+    def enable_dbo(self) -> bool:
+        return bool(next((v for v in (self.dbo, self.file_dbo) if v is not None), False))
+
+
+def _split(token: str) -> tuple[str, str | None]:
+    """``--Name_x.a.b=v`` -> (``--name-x.a.b``, ``v``): vLLM's spelling rules
+    (underscores are dashes in the option name, not in the dotted path)."""
+    name, eq, value = token.partition("=")
+    if name.startswith("--"):
+        head, dot, tail = name[2:].partition(".")
+        name = "--" + head.replace("_", "-") + dot + tail
+    return name, (value if eq else None)
+
+
+def _take_value(argv: list[str], i: int, name: str, inline: str | None) -> tuple[str, int]:
+    """The option's value (inline or the next token) and the next index."""
+    if inline is not None:
+        return inline, i + 1
+    if i + 1 >= len(argv):
+        raise ServeArgsError(f"{name} needs a value")
+    return argv[i + 1], i + 2
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE_TEXT:
+        return True
+    if low in {"0", "false", "f", "no", "n", "off"}:
+        return False
+    raise ServeArgsError(f"{name}={text!r}: expected true or false")
+
+
+def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _Scan:
+    table = flags_by_option()
+    scan = _Scan()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":  # argparse: everything after is positional
+            scan.keep += argv[i:]
+            scan.keep_no_configs += argv[i:]
+            break
+        if not token.startswith("-") or token == "-":
+            scan.keep.append(token)
+            scan.keep_no_configs.append(token)
+            i += 1
+            continue
+        name, inline = _split(token)
+        base, _, path = name.partition(".")
+
+        if name in table:
+            flag = table[name]
+            if flag.kind == "bool":
+                value: Any = name == flag.option
+                if inline is not None:
+                    value = _parse_bool(name, inline) == value
+                i += 1
+            else:
+                value, i = _take_value(argv, i, name, inline)
+            scan.echo_flags[flag.key] = (flag, value, name)
+            continue
+        if name.startswith(("--echo-", "--no-echo-")) or base == "--tp-comm":
+            raise ServeArgsError(f"unknown Echo option {name}; known: {' '.join(sorted(table))}")
+
+        start = i
+        if base in _CONFIG_ALIASES:
+            option = _CONFIG_ALIASES[base]
+            raw, i = _take_value(argv, i, name, inline)
+            if path:
+                keys = path.split(".")
+                append = keys[-1].endswith("+")
+                if append:
+                    keys[-1] = keys[-1][:-1]
+                    value = list(raw.split(","))
+                else:
+                    value = parse_dotted_value(raw)
+                scan.configs[option].append((keys, value, append))
+            else:
+                scan.configs[option].append(([], _json_object(option, raw), False))
+            scan.keep += argv[start:i]
+            continue
+        if name in _TP_OPTIONS:
+            raw, i = _take_value(argv, i, name, inline)
+            scan.tp = _int(name, raw)
+        elif name in _DBO_OPTIONS:
+            scan.dbo = _DBO_OPTIONS[name]
+            i += 1
+        elif name == "--config":
+            raw, i = _take_value(argv, i, name, inline)
+            _scan_config_file(scan, raw, read_config)
+        else:
+            i += 1  # an option we do not inspect; its value (if any) follows as is
+        scan.keep += argv[start:i]
+        scan.keep_no_configs += argv[start:i]
+    return scan
+
+
+def _json_object(option: str, raw: Any) -> dict:
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, TypeError):
+        raise ServeArgsError(f"{option} {raw!r} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ServeArgsError(f"{option} must be a JSON object, got {raw!r}")
+    return value
+
+
+def _int(name: str, raw: Any) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ServeArgsError(f"{name} {raw!r} is not an integer") from None
+
+
+def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
+    """Settings in a vLLM ``--config`` YAML file count as given before the
+    command-line flags (vLLM's precedence: command line > config file)."""
+    try:
+        raw = read_config(path)
+    except OSError as e:
+        raise ServeArgsError(f"--config {path}: {e}") from None
+    if not isinstance(raw, Mapping):
+        raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
+    table = flags_by_option()
+    for key, value in raw.items():
+        name = "--" + str(key).replace("_", "-")
+        if name in table or name.startswith("--echo-"):
+            raise ServeArgsError(
+                f"--config {path}: put Echo's {name} on the command line (vLLM would reject it)")
+        if name in _CONFIG_ALIASES:
+            option = _CONFIG_ALIASES[name]
+            # before every command-line entry, wherever --config stood
+            scan.configs[option].insert(0, ([], _json_object(option, value), False))
+        elif name == "--tensor-parallel-size":
+            scan.file_tp = _int(name, value)
+        elif name == "--enable-dbo":
+            scan.file_dbo = bool(value)
+
+
+def _merge(occurrences: list[tuple[list[str], Any, bool]]) -> dict:
+    """Deep-merge JSON objects and dotted assignments in order; ``key+``
+    (vLLM's list append) extends a list, everything else replaces."""
+    merged: dict = {}
+    for keys, value, append in occurrences:
+        if not keys:
+            _deep_update(merged, value)
+            continue
+        node = merged
+        for key in keys[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        last = keys[-1]
+        if append and isinstance(node.get(last), list):
+            node[last] = node[last] + value
+        else:
+            node[last] = value
+    return merged
+
+
+def _deep_update(into: dict, update: Mapping) -> None:
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value
+
+
+def _read_yaml(path: str) -> Mapping[str, Any]:
+    import yaml  # vLLM depends on PyYAML; only needed with --config
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+# -- decisions -----------------------------------------------------------------
+
+
+def _coerce_field(key: str, value: Any, source: str) -> Any:
+    """Echo option ``echo_<field>`` in EchoConfig's type (``256k`` -> 262144);
+    unknown fields and bad values are errors naming ``source``."""
+    try:
+        config = EchoConfig.from_mapping({key: value}, prefix=ECHO_KEY_PREFIX)
+    except EchoConfigError as e:
+        raise ServeArgsError(f"{source}: {e}") from None
+    return getattr(config, key[len(ECHO_KEY_PREFIX):])
+
+
+def _resolve_tp_comm(scan: _Scan, additional: dict) -> str:
+    flagged = scan.echo_flags.get(TP_COMM_KEY)
+    in_config = additional.get(TP_COMM_KEY)
+    if in_config is not None and in_config not in TP_COMM_CHOICES:
+        raise ServeArgsError(
+            f"--additional-config {TP_COMM_KEY}={in_config!r}: choose one of {TP_COMM_CHOICES}")
+    if flagged is None:
+        return in_config or "nccl"
+    value = flagged[1]
+    if value not in TP_COMM_CHOICES:
+        raise ServeArgsError(f"--tp-comm {value!r}: choose one of {', '.join(TP_COMM_CHOICES)}")
+    if in_config is not None and in_config != value:
+        raise ServeArgsError(
+            f"--tp-comm {value} contradicts --additional-config {TP_COMM_KEY}={in_config!r}")
+    return value
+
+
+def _echo_values(scan: _Scan, additional: dict) -> dict[str, Any]:
+    """Echo's additional_config entries (flags merged with the user's keys)."""
+    values: dict[str, Any] = {}
+    for key in additional:
+        if key.startswith(ECHO_KEY_PREFIX):
+            values[key] = _coerce_field(key, additional[key], f"--additional-config {key}")
+    for key, (flag, raw, spelled) in scan.echo_flags.items():
+        if flag.field is None:
+            continue
+        value = _coerce_field(key, raw, spelled)
+        if key in values and values[key] != value:
+            raise ServeArgsError(
+                f"{spelled} {raw} contradicts --additional-config {key}={additional[key]!r}")
+        values[key] = value
+    return values
+
+
+def _emulate_tp(scan: _Scan, additional: dict) -> int:
+    flagged = scan.echo_flags.get(EMULATE_KEY)
+    in_config = additional.get(EMULATE_KEY)
+    value = _int("--echo-emulate-tp", flagged[1]) if flagged else None
+    if in_config is not None:
+        in_config = _int(f"--additional-config {EMULATE_KEY}", in_config)
+        if value is not None and value != in_config:
+            raise ServeArgsError(
+                f"--echo-emulate-tp {value} contradicts --additional-config {EMULATE_KEY}={in_config}")
+    value = in_config if value is None else value
+    if value is not None and (value < 0 or value == 1):
+        raise ServeArgsError(f"--echo-emulate-tp {value}: emulate TP=P with P >= 2 (0 = off)")
+    return value or 0
+
+
+def _echo_compilation_config(scan: _Scan, passes: tuple[str, ...]) -> dict:
+    """The user's compilation config with the bypassing passes off; an
+    explicit request for one of them is a contradiction."""
+    compilation = _merge(scan.configs[COMPILATION_CONFIG])
+    pass_config = compilation.setdefault("pass_config", {})
+    if not isinstance(pass_config, dict):
+        raise ServeArgsError(f"--compilation-config pass_config must be an object, got {pass_config!r}")
+    for key in passes:
+        if key in pass_config and _truthy(pass_config[key]):
+            raise ServeArgsError(
+                f"--tp-comm echo cannot run with -cc.pass_config.{key}={json.dumps(pass_config[key])}: "
+                f"it {_REASONS[key]}, bypassing Echo; drop it or use --tp-comm nccl")
+        pass_config[key] = False
+    return compilation
+
+
+def rewrite_args(
+    argv: list[str],
+    *,
+    bypass_passes: tuple[str, ...] | None = None,
+    read_config: Callable[[str], Mapping[str, Any]] = _read_yaml,
+) -> tuple[list[str], ServeSettings]:
+    """``echo-vllm serve`` arguments -> (``vllm serve`` arguments, settings).
+
+    ``bypass_passes`` defaults to the installed vLLM's spelling of the passes
+    that bypass the all-reduce (see :func:`bypass_passes_for`).
+    """
+    argv = list(argv)
+    scan = _scan(argv, read_config)
+    additional = _merge(scan.configs[ADDITIONAL_CONFIG])
+    tp_comm = _resolve_tp_comm(scan, additional)
+    tp = scan.tensor_parallel_size
+
+    if tp_comm == "nccl":
+        echo_only = [s for k, (_, _, s) in scan.echo_flags.items() if k != TP_COMM_KEY]
+        if echo_only:
+            raise ServeArgsError(f"{' '.join(sorted(echo_only))} needs --tp-comm echo (nccl is stock vLLM)")
+        return scan.keep, ServeSettings("nccl", tp, additional_config=additional)
+
+    emulate = _emulate_tp(scan, additional)
+    echo_values = _echo_values(scan, additional)
+    if scan.enable_dbo:
+        raise ServeArgsError(
+            "--tp-comm echo cannot run with --enable-dbo: dual-batch overlap interleaves two "
+            "micro-batches' all-reduces and would mix their error-feedback chains")
+    if tp < 1:
+        raise ServeArgsError(f"--tensor-parallel-size {tp}: must be >= 1")
+    if emulate and tp != 1:
+        raise ServeArgsError(
+            f"--echo-emulate-tp {emulate} emulates TP={emulate} on one GPU and needs "
+            f"--tensor-parallel-size 1 (got {tp})")
+    if not emulate and tp == 1:
+        raise ServeArgsError(
+            "--tp-comm echo needs --tensor-parallel-size > 1 (or --echo-emulate-tp P "
+            "to emulate TP=P on one GPU): with TP=1 there is no all-reduce")
+
+    passes = bypass_passes_for(installed_vllm_version()) if bypass_passes is None else bypass_passes
+    compilation = _echo_compilation_config(scan, passes)
+    additional.update({TP_COMM_KEY: "echo", **echo_values})
+    if emulate:
+        additional[EMULATE_KEY] = emulate
+    echo = EchoConfig.from_mapping(echo_values, prefix=ECHO_KEY_PREFIX)
+
+    vllm_argv = scan.keep_no_configs + [
+        ADDITIONAL_CONFIG, json.dumps(additional),
+        COMPILATION_CONFIG, json.dumps(compilation),
+    ]
+    settings = ServeSettings("echo", tp, emulate, echo, additional, compilation, tuple(passes))
+    return vllm_argv, settings
+
+
+def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:
+    """Differences between what vLLM parsed and what the rewrite decided.
+
+    Catches what an argv scan cannot see: abbreviated options (argparse
+    accepts ``--enable-db``), values from sources we did not read. Empty
+    list = consistent. ``args`` is vLLM's parsed namespace.
+    """
+    if not settings.echo_on:
+        return []
+    problems = []
+    parsed_tp = getattr(args, "tensor_parallel_size", None)
+    if parsed_tp != settings.tensor_parallel_size:
+        problems.append(f"tensor_parallel_size={parsed_tp}, expected {settings.tensor_parallel_size}")
+    if getattr(args, "enable_dbo", False):
+        problems.append("enable_dbo is on")
+    additional = getattr(args, "additional_config", None) or {}
+    for key in (TP_COMM_KEY, EMULATE_KEY):
+        if additional.get(key) != settings.additional_config.get(key):
+            problems.append(f"additional_config {key}={additional.get(key)!r}, "
+                            f"expected {settings.additional_config.get(key)!r}")
+    pass_config = getattr(getattr(args, "compilation_config", None), "pass_config", None)
+    for key in settings.bypass_passes:
+        value = getattr(pass_config, key, None)
+        if value is not False:
+            problems.append(f"compilation_config.pass_config.{key}={value!r}, expected False")
+    return problems

@@ -1,0 +1,96 @@
+"""Thin glue: run vLLM's own ``vllm serve`` in this process.
+
+The same steps as ``vllm.entrypoints.cli.main.main`` for the ``serve``
+subcommand (environment setup, vLLM's parser, ``validate``, dispatch), with
+one step added between parsing and dispatch: :func:`verify_parsed` checks
+that vLLM read the settings the rewrite decided. Checked against vLLM 0.26.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from typing import Any
+
+from .rewrite import ServeArgsError, ServeSettings, verify_parsed
+
+#: vLLM versions this glue was written against: [min, max) as (major, minor).
+SUPPORTED_VLLM = ((0, 26), (0, 34))
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The installed vLLM version; a clear error outside the supported range."""
+    try:
+        version = version or metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise ServeArgsError("vLLM is not installed: pip install 'echo-vllm[vllm]'") from None
+    nums = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    low, high = SUPPORTED_VLLM
+    if not (low <= nums < high):
+        raise ServeArgsError(
+            f"vLLM {version} is not supported (need >={low[0]}.{low[1]},<{high[0]}.{high[1]})")
+    return version
+
+
+def ensure_platform_for_parsing() -> None:
+    """vLLM's argument defaults need a device type; on a machine without an
+    accelerator (``--help`` on a laptop, CI) use the CPU platform, as
+    ``vllm bench`` does. Serving is unaffected on a GPU host."""
+    from vllm import platforms
+
+    if platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms.current_platform = CpuPlatform()
+
+
+def build_parser() -> Any:
+    """vLLM's top-level parser with only the ``serve`` subcommand."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vLLM CLI (via echo-vllm)",
+                                    epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="serve"))
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    command = ServeSubcommand()
+    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd,
+                                                    _echo_validate=command.validate)
+    return parser
+
+
+def parse(vllm_argv: list[str]) -> Any:
+    """vLLM's namespace for ``vllm serve <vllm_argv>`` (vLLM prints and exits on errors)."""
+    return build_parser().parse_args(["serve", *vllm_argv])
+
+
+def print_help(extra: list[str]) -> int:
+    """vLLM's own ``vllm serve --help`` (``--help=Group`` forms included)."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    ensure_platform_for_parsing()
+    try:
+        parse(extra)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) -> int:
+    """Parse with vLLM's parser, check, then hand over to ``vllm serve``."""
+    check_vllm_version()
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    args = parse(vllm_argv)
+    args._echo_validate(args)
+    problems = verify_parsed(args, settings)
+    if problems:
+        raise ServeArgsError(
+            "vLLM parsed settings the rewrite did not see (abbreviated option or --config file?): "
+            + "; ".join(problems))
+    if on_parsed is not None:
+        on_parsed(args)
+    args.dispatch_function(args)
+    return 0

@@ -1,0 +1,189 @@
+"""Echo's Prometheus metrics: valid exposition text, exact counter values,
+idempotent publishing, and the multi-process path through vLLM's own /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from echo_vllm import metrics
+from echo_vllm.metrics import EchoMetrics, publish_config
+from echo_vllm.server.probe import echo_samples, total
+from echo_vllm.stats import EchoStats
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scrape(registry) -> dict[str, float]:
+    """Exposition text -> samples, through prometheus_client's own parser."""
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # raises on invalid text
+    assert families, text
+    return echo_samples(text)
+
+
+def make_stats(echo_calls: int, exact_calls: int, errors: list[float]) -> EchoStats:
+    stats = EchoStats()
+    for _ in range(echo_calls):
+        stats.count("echo", "echo", wire=1152, equiv=4096)
+    for _ in range(exact_calls):
+        stats.count("exact", "below_min_bytes", nbytes=512)
+    stats.count("exact", "exact_last_call", nbytes=2048)
+    for e in errors:
+        stats.add_error_sample(e)
+    return stats
+
+
+def test_counters_equal_the_snapshot_and_text_is_valid():
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    m.publish(make_stats(3, 2, [0.25, 0.5]).snapshot(), rank=1)
+    s = scrape(registry)
+    assert s['echo:allreduce_calls_total{path="echo",rank="1",reason="echo"}'] == 3
+    assert s['echo:allreduce_calls_total{path="exact",rank="1",reason="below_min_bytes"}'] == 2
+    assert s['echo:allreduce_calls_total{path="exact",rank="1",reason="exact_last_call"}'] == 1
+    assert s['echo:wire_bytes_total{rank="1"}'] == 3 * 1152
+    assert s['echo:equiv_16bit_bytes_total{rank="1"}'] == 3 * 4096
+    assert s['echo:exact_bytes_total{rank="1"}'] == 2 * 512 + 2048
+    assert s['echo:rel_error_samples_total{rank="1"}'] == 2
+    assert s['echo:rel_error_sum_total{rank="1"}'] == 0.75  # exact in binary floating point
+    assert s['echo:rel_error_mean{rank="1"}'] == 0.375
+
+
+def test_publish_is_idempotent_incremental_and_survives_a_restart():
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    stats = make_stats(3, 0, [0.5])
+    m.publish(stats.snapshot(), rank=0)
+    m.publish(stats.snapshot(), rank=0)  # same totals: nothing moves
+    first = scrape(registry)
+    assert total(first, "echo:allreduce_calls_total", path="echo") == 3
+    stats.count("echo", "echo", wire=1152, equiv=4096)
+    stats.add_error_sample(0.25)
+    m.publish(stats.snapshot(), rank=0)
+    second = scrape(registry)
+    assert total(second, "echo:allreduce_calls_total", path="echo") == 4
+    assert second['echo:wire_bytes_total{rank="0"}'] == 4 * 1152
+    assert second['echo:rel_error_samples_total{rank="0"}'] == 2
+    assert second['echo:rel_error_sum_total{rank="0"}'] == 0.75
+    # a new EchoStats (worker restarted its communicator) counts from zero again
+    m.publish(make_stats(1, 0, [0.5]).snapshot(), rank=0)
+    third = scrape(registry)
+    assert total(third, "echo:allreduce_calls_total", path="echo") == 5
+    assert third['echo:rel_error_samples_total{rank="0"}'] == 3
+    assert third['echo:rel_error_sum_total{rank="0"}'] == 1.25
+    assert third['echo:rel_error_mean{rank="0"}'] == 0.5
+    # ranks are separate series
+    m.publish(make_stats(2, 0, []).snapshot(), rank=3)
+    fourth = scrape(registry)
+    assert total(fourth, "echo:allreduce_calls_total", path="echo", rank="3") == 2
+    assert total(fourth, "echo:allreduce_calls_total", path="echo") == 7
+
+
+def test_error_sum_from_mean_when_the_snapshot_has_no_sum():
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    snap = make_stats(1, 0, [0.1, 0.2, 0.3]).snapshot()
+    snap.pop("rel_err_sum", None)
+    m.publish(snap, rank=0)
+    s = scrape(registry)
+    assert s['echo:rel_error_samples_total{rank="0"}'] == 3
+    # mean * n rounds once more than the direct sum: within 2 ulp of 0.6
+    assert s['echo:rel_error_sum_total{rank="0"}'] == pytest.approx(0.6, rel=4.5e-16)
+
+
+def test_config_info():
+    registry = CollectorRegistry()
+    publish_config({"tp_comm": "echo", "group_size": 32, "feedback": "true"}, registry=registry)
+    s = scrape(registry)
+    assert s['echo:config_info{feedback="true",group_size="32",tp_comm="echo"}'] == 1
+
+
+def test_module_publish_never_raises(monkeypatch, caplog):
+    registry = CollectorRegistry()
+    monkeypatch.setattr(metrics, "_default", EchoMetrics(registry))
+    monkeypatch.setattr(metrics, "_warned", set())
+    metrics.publish({"calls": {"echo/echo": "many"}}, rank=0)
+    metrics.publish({"calls": {"echo/echo": "many"}, "x": 1}, rank=0)
+    assert sum("publishing metrics failed (ValueError" in r.getMessage() for r in caplog.records) == 1
+    metrics.publish(make_stats(2, 0, []).snapshot(), rank=0)
+    assert total(scrape(registry), "echo:allreduce_calls_total") == 3
+
+
+# -- several processes, one /metrics: vLLM's route in multiprocess mode ----------
+
+WORKER = textwrap.dedent("""
+    import sys
+    from echo_vllm import metrics
+    from echo_vllm.stats import EchoStats
+    rank, n = int(sys.argv[1]), int(sys.argv[2])
+    stats = EchoStats()
+    for _ in range(n):
+        stats.count("echo", "echo", wire=100, equiv=400)
+    stats.count("exact", "exact_last_call", nbytes=64)
+    stats.add_error_sample(0.5)
+    metrics.publish(stats.snapshot(), rank)
+    stats.count("echo", "echo", wire=100, equiv=400)
+    metrics.publish(stats.snapshot(), rank)
+    metrics.publish(stats.snapshot(), rank)
+""")
+
+API_SERVER = textwrap.dedent("""
+    import json
+    from echo_vllm import metrics
+    metrics.publish_config({"tp_comm": "echo", "emulate_tp": "4"})
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    app = FastAPI()
+    attach_router(app)
+    response = TestClient(app).get("/metrics")
+    print(json.dumps({"status": response.status_code, "text": response.text}))
+""")
+
+
+def _run(code, *args, env):
+    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.vllm
+def test_worker_counters_reach_vllms_metrics_route(tmp_path):
+    pytest.importorskip("vllm")
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), PYTHONPATH=REPO)
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(n)], env=env, cwd=REPO,
+                                stderr=subprocess.PIPE, text=True) for rank, n in ((0, 3), (1, 5))]
+    for w in workers:
+        assert w.wait(timeout=180) == 0, w.stderr.read()[-3000:]
+    result = json.loads(_run(API_SERVER, env=env).strip().splitlines()[-1])
+    assert result["status"] == 200
+    s = echo_samples(result["text"])  # parsed with prometheus_client's parser
+    assert s['echo:allreduce_calls_total{path="echo",rank="0",reason="echo"}'] == 4
+    assert s['echo:allreduce_calls_total{path="echo",rank="1",reason="echo"}'] == 6
+    assert total(s, "echo:allreduce_calls_total", reason="exact_last_call") == 2
+    assert s['echo:wire_bytes_total{rank="1"}'] == 600
+    assert s['echo:equiv_16bit_bytes_total{rank="0"}'] == 1600
+    assert total(s, "echo:rel_error_samples_total") == 2
+    assert s['echo:rel_error_mean{rank="0"}'] == 0.5
+    assert s['echo:config_info{emulate_tp="4",tp_comm="echo"}'] == 1
+
+
+def test_prepare_multiprocess_dir(monkeypatch):
+    monkeypatch.delenv(metrics.MULTIPROC_ENV, raising=False)
+    monkeypatch.setattr(metrics, "_tmpdir", None)
+    from prometheus_client import values
+
+    monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored after the test
+    path = metrics.prepare_multiprocess_dir()
+    assert os.path.isdir(path) and os.environ[metrics.MULTIPROC_ENV] == path
+    assert values.ValueClass is not values.MutexValue  # new metrics write to the shared files
+    assert metrics.prepare_multiprocess_dir() == path  # an existing directory is kept

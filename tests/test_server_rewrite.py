@@ -1,0 +1,303 @@
+"""``echo-vllm serve`` argument rewriting: table-driven, pure, no vLLM import."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from echo_vllm.config import EchoConfig
+from echo_vllm.server.flags import echo_flags, format_help
+from echo_vllm.server.rewrite import (
+    BYPASS_PASSES_0_26,
+    BYPASS_PASSES_0_33,
+    ServeArgsError,
+    bypass_passes_for,
+    parse_dotted_value,
+    rewrite_args,
+    verify_parsed,
+)
+
+OFF = {k: False for k in BYPASS_PASSES_0_26}
+
+
+def rewrite(argv, **kw):
+    kw.setdefault("bypass_passes", BYPASS_PASSES_0_26)
+    return rewrite_args(argv, **kw)
+
+
+def split_tail(vllm_argv):
+    """(tokens before Echo's two appended options, additional, compilation)."""
+    assert vllm_argv[-4] == "--additional-config" and vllm_argv[-2] == "--compilation-config"
+    return vllm_argv[:-4], json.loads(vllm_argv[-3]), json.loads(vllm_argv[-1])
+
+
+# -- stock vLLM (--tp-comm nccl / no flag): argv reaches vLLM untouched ---------
+
+PASSTHROUGH = [
+    (["Qwen/Qwen3-8B"], ["Qwen/Qwen3-8B"]),
+    (["m", "--tp-comm", "nccl", "-tp", "4", "--port=8001", "--max-model-len", "2048"],
+     ["m", "-tp", "4", "--port=8001", "--max-model-len", "2048"]),
+    (["m", "--tp-comm=nccl", "--additional-config", '{"a": 1}', "-cc.mode", "3",
+      "--compilation-config={\"pass_config\": {\"fuse_allreduce_rms\": true}}"],
+     ["m", "--additional-config", '{"a": 1}', "-cc.mode", "3",
+      "--compilation-config={\"pass_config\": {\"fuse_allreduce_rms\": true}}"]),
+    # repeated flags, = forms, underscores, values that look like options
+    (["m", "--lora-modules", "a=/x", "--lora-modules", "b=/y", "--tp_comm", "nccl",
+      "--max_model_len=4k", "--override-generation-config", '{"temperature": 0.5}', "--seed", "-1"],
+     ["m", "--lora-modules", "a=/x", "--lora-modules", "b=/y", "--max_model_len=4k",
+      "--override-generation-config", '{"temperature": 0.5}', "--seed", "-1"]),
+    # --enable-dbo is fine with stock vLLM; tokens after "--" are never inspected
+    (["m", "--enable-dbo", "-tp", "2", "--", "--tp-comm"], ["m", "--enable-dbo", "-tp", "2", "--", "--tp-comm"]),
+]
+
+
+@pytest.mark.parametrize("argv,expected", PASSTHROUGH)
+def test_stock_vllm_passthrough(argv, expected):
+    vllm_argv, settings = rewrite(argv)
+    assert vllm_argv == expected
+    assert settings.tp_comm == "nccl" and settings.echo is None and settings.compilation_config is None
+
+
+# -- every Echo flag ------------------------------------------------------------
+
+#: One non-default value per EchoConfig field: (as typed, as the plugin gets it).
+SAMPLE = {
+    "group_size": ("64", 64),
+    "bits": ("4", 4),
+    "min_bytes": ("1MiB", 1 << 20),
+    "max_bytes": ("64m", 64 << 20),
+    "rounding": ("stochastic", "stochastic"),
+    "seed": ("7", 7),
+    "feedback_dtype": ("bfloat16", "bfloat16"),
+    "first_exact_calls": ("2", 2),
+}
+
+
+def test_every_config_field_has_a_flag_and_a_sample():
+    fields = [f.name for f in dataclasses.fields(EchoConfig)]
+    options = {f.option for f in echo_flags()}
+    assert options == {"--tp-comm", "--echo-emulate-tp"} | {"--echo-" + n.replace("_", "-") for n in fields}
+    bools = [f.field for f in echo_flags() if f.kind == "bool"]
+    assert sorted(bools + list(SAMPLE)) == sorted(fields)
+
+
+def _value_cases():
+    for flag in echo_flags():
+        if flag.field is None or flag.kind == "bool":
+            continue
+        typed, parsed = SAMPLE[flag.field]
+        yield pytest.param([flag.option, typed], flag.key, parsed, id=f"{flag.option}-space")
+        yield pytest.param([f"{flag.option}={typed}"], flag.key, parsed, id=f"{flag.option}-eq")
+        yield pytest.param([flag.option.replace("-", "_").replace("__", "--", 1), typed], flag.key, parsed,
+                           id=f"{flag.option}-underscore")
+
+
+def _bool_cases():
+    for flag in echo_flags():
+        if flag.kind != "bool":
+            continue
+        for tokens, expected in (([flag.option], True), ([flag.negative], False),
+                                 ([f"{flag.option}=false"], False), ([f"{flag.negative}=false"], True)):
+            yield pytest.param(tokens, flag.key, expected, id=tokens[0])
+
+
+@pytest.mark.parametrize("tokens,key,expected", list(_value_cases()) + list(_bool_cases()))
+def test_echo_flag_lands_in_additional_config(tokens, key, expected):
+    argv = ["m", "-tp", "4", "--tp-comm", "echo", *tokens, "--port", "8001"]
+    vllm_argv, settings = rewrite(argv)
+    head, additional, compilation = split_tail(vllm_argv)
+    assert head == ["m", "-tp", "4", "--port", "8001"]
+    assert additional == {"tp_comm": "echo", key: expected}
+    assert compilation == {"pass_config": OFF}
+    assert getattr(settings.echo, key[len("echo_"):]) == expected
+
+
+def test_defaults_when_no_echo_option_given():
+    vllm_argv, settings = rewrite(["m", "--tensor-parallel-size=2", "--tp-comm=echo"])
+    head, additional, compilation = split_tail(vllm_argv)
+    assert head == ["m", "--tensor-parallel-size=2"]
+    assert additional == {"tp_comm": "echo"}
+    assert settings.echo == EchoConfig() and settings.tensor_parallel_size == 2
+    assert compilation == {"pass_config": OFF}
+
+
+def test_emulation_on_one_gpu():
+    vllm_argv, settings = rewrite(["m", "--tp-comm", "echo", "--echo-emulate-tp", "4"])
+    head, additional, _ = split_tail(vllm_argv)
+    assert head == ["m"]
+    assert additional == {"tp_comm": "echo", "tp_comm_emulate": 4}
+    assert settings.emulate_tp == 4 and settings.tensor_parallel_size == 1
+
+
+# -- merging with the user's own vLLM options ------------------------------------
+
+MERGES = [
+    # JSON (space and = forms) + dotted (space and = forms), in order, later keys win
+    (["--additional-config", '{"a": 1, "b": {"c": 1}}', "--additional-config.b.d", "x",
+      "--additional-config.e=2k", "--additional-config={\"a\": 3}"],
+     {"a": 3, "b": {"c": 1, "d": "x"}, "e": 2000, "tp_comm": "echo"}, {"pass_config": OFF}),
+    # -cc alias, JSON + dotted, an explicit false kept false, other pass keys kept
+    (["-cc", '{"mode": 3, "pass_config": {"fuse_norm_quant": true}}', "-cc.cudagraph_mode=PIECEWISE",
+      "--compilation-config.pass_config.enable_sp", "false"],
+     {"tp_comm": "echo"},
+     {"mode": 3, "cudagraph_mode": "PIECEWISE", "pass_config": {"fuse_norm_quant": True, **OFF}}),
+    # vLLM's list append (key+) and binary size suffix
+    (["--additional-config.xs+", "a,b", "--additional-config.xs+=c", "--additional-config.n", "2K"],
+     {"xs": ["a", "b", "c"], "n": 2048, "tp_comm": "echo"}, {"pass_config": OFF}),
+    # the user's own echo_* keys are Echo options too
+    (["--additional-config", '{"echo_group_size": 64}', "--echo-group-size", "64"],
+     {"echo_group_size": 64, "tp_comm": "echo"}, {"pass_config": OFF}),
+]
+
+
+@pytest.mark.parametrize("extra,additional,compilation", MERGES)
+def test_merges_user_configs(extra, additional, compilation):
+    vllm_argv, _ = rewrite(["m", "-tp", "2", "--tp-comm", "echo", *extra, "--port", "9000"])
+    head, got_additional, got_compilation = split_tail(vllm_argv)
+    assert head == ["m", "-tp", "2", "--port", "9000"]
+    assert got_additional == additional
+    assert got_compilation == compilation
+
+
+def test_echo_selected_from_additional_config_alone():
+    vllm_argv, settings = rewrite(["m", "-tp", "2", "--additional-config.tp_comm", "echo"])
+    assert settings.echo_on and split_tail(vllm_argv)[1] == {"tp_comm": "echo"}
+
+
+def test_unrelated_flags_pass_through_in_order_in_echo_mode():
+    others = ["--lora-modules", "a=/x", "--lora-modules", "b=/y", "--max_model_len=4k", "-O3",
+              "--speculative-config", '{"method": "ngram"}', "--api-key", "--secret--", "--seed", "-1"]
+    vllm_argv, _ = rewrite(["m", *others[:4], "--tp-comm", "echo", "-tp=8", *others[4:]])
+    assert split_tail(vllm_argv)[0] == ["m", *others[:4], "-tp=8", *others[4:]]
+
+
+def test_config_file_counts_before_the_command_line():
+    files = {"c.yaml": {"tensor_parallel_size": 2, "compilation-config": {"mode": 3, "pass_config": {"enable_sp": False}},
+                        "additional-config": {"k": "file", "j": 1}, "port": 9000}}
+    vllm_argv, settings = rewrite(["m", "--additional-config.k", "cli", "--config", "c.yaml", "--tp-comm", "echo"],
+                                  read_config=files.__getitem__)
+    head, additional, compilation = split_tail(vllm_argv)
+    assert head == ["m", "--config", "c.yaml"]
+    assert settings.tensor_parallel_size == 2
+    assert additional == {"k": "cli", "j": 1, "tp_comm": "echo"}
+    assert compilation == {"mode": 3, "pass_config": OFF}
+    # the command line beats the file
+    _, settings = rewrite(["m", "-tp", "4", "--config", "c.yaml", "--tp-comm", "echo"], read_config=files.__getitem__)
+    assert settings.tensor_parallel_size == 4
+
+
+def test_dbo_last_flag_wins():
+    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo", "--no-enable-dbo"])
+    assert settings.echo_on
+
+
+# -- rejected combinations: one line each, naming the problem -------------------
+
+REJECTS = [
+    (["m", "--tp-comm", "echo"], "needs --tensor-parallel-size > 1"),
+    (["m", "-tp", "1", "--tp-comm", "echo"], "needs --tensor-parallel-size > 1"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo"], "cannot run with --enable-dbo"),
+    (["m", "-tp", "2", "--enable_dbo", "--tp-comm", "echo"], "cannot run with --enable-dbo"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config.fuse_allreduce_rms", "true"],
+     "cannot run with -cc.pass_config.fuse_allreduce_rms=true"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--compilation-config.pass_config.fuse_allreduce_rms=True"],
+     "fuse_allreduce_rms"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "-cc", '{"pass_config": {"enable_sp": true}}'],
+     "cannot run with -cc.pass_config.enable_sp=true"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--compilation-config={\"pass_config\": {\"fuse_gemm_comms\": 1}}"],
+     "cannot run with -cc.pass_config.fuse_gemm_comms=1"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config", "3"], "pass_config must be an object"),
+    (["m", "-tp", "4", "--tp-comm", "echo", "--echo-emulate-tp", "4"], "needs --tensor-parallel-size 1 (got 4)"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1"], "P >= 2"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "four"], "is not an integer"),
+    (["m", "--echo-group-size", "64"], "--echo-group-size needs --tp-comm echo"),
+    (["m", "--tp-comm", "nccl", "--no-echo-feedback"], "--no-echo-feedback needs --tp-comm echo"),
+    (["m", "--tp-comm", "gloo"], "--tp-comm 'gloo': choose one of nccl, echo"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group", "64"], "unknown Echo option --echo-group;"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group-size", "48"], "--echo-group-size: group_size=48"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-feedback=maybe"], "expected true or false"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-min-bytes", "lots"], "expected an integer"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-rounding", "up"], "rounding='up'"),
+    (["m", "-tp", "2", "--tp-comm"], "--tp-comm needs a value"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config"], "--additional-config needs a value"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config", "{bad"], "is not valid JSON"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config", "[1]"], "must be a JSON object"),
+    (["m", "-tp", "two", "--tp-comm", "echo"], "-tp 'two' is not an integer"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.tp_comm", "nccl"],
+     "--tp-comm echo contradicts --additional-config tp_comm='nccl'"),
+    (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "tp_comm='ring': choose one of"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group-size", "64", "--additional-config.echo_group_size", "32"],
+     "--echo-group-size 64 contradicts --additional-config echo_group_size=32"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--additional-config.tp_comm_emulate", "2"],
+     "--echo-emulate-tp 4 contradicts"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.echo_groupsize", "64"], "unknown option 'echo_groupsize'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", REJECTS)
+def test_rejected(argv, message):
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(argv)
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_rejected_from_config_file():
+    files = {"dbo.yaml": {"enable-dbo": True}, "echo.yaml": {"echo-group-size": 64}, "list.yaml": [1]}
+    for name, message in (("dbo.yaml", "--enable-dbo"), ("echo.yaml", "on the command line"),
+                          ("list.yaml", "expected a mapping")):
+        with pytest.raises(ServeArgsError, match=message):
+            rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--config", name], read_config=files.__getitem__)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version,passes", [("0.26.0", BYPASS_PASSES_0_26), ("0.32.9", BYPASS_PASSES_0_26),
+                                            ("0.33.0", BYPASS_PASSES_0_33), ("0.33.1rc1", BYPASS_PASSES_0_33),
+                                            (None, BYPASS_PASSES_0_26)])
+def test_bypass_passes_by_vllm_version(version, passes):
+    assert bypass_passes_for(version) == passes
+
+
+def test_version_spelling_reaches_the_argv():
+    vllm_argv, settings = rewrite_args(["m", "-tp", "2", "--tp-comm", "echo"], bypass_passes=BYPASS_PASSES_0_33)
+    assert split_tail(vllm_argv)[2] == {"pass_config": {"fuse_allreduce_rms": False}}
+    assert settings.bypass_passes == BYPASS_PASSES_0_33
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("3", 3), ('{"a": 1}', {"a": 1}), ("2k", 2000),
+                                        ("2K", 2048), ("1.5g", 1_500_000_000), ("PIECEWISE", "PIECEWISE"),
+                                        ("1.5K", "1.5K")])
+def test_dotted_values_parse_like_vllm(text, value):
+    assert parse_dotted_value(text) == value
+
+
+def test_verify_parsed_reports_what_vllm_saw_differently():
+    vllm_argv, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo"])
+    good = SimpleNamespace(tensor_parallel_size=2, enable_dbo=False, additional_config={"tp_comm": "echo"},
+                           compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**OFF)))
+    assert verify_parsed(good, settings) == []
+    bad = SimpleNamespace(tensor_parallel_size=4, enable_dbo=True, additional_config={},
+                          compilation_config=SimpleNamespace(pass_config=SimpleNamespace(
+                              fuse_allreduce_rms=None, enable_sp=False, fuse_gemm_comms=True)))
+    problems = verify_parsed(bad, settings)
+    assert problems == ["tensor_parallel_size=4, expected 2", "enable_dbo is on",
+                        "additional_config tp_comm=None, expected 'echo'",
+                        "compilation_config.pass_config.fuse_allreduce_rms=None, expected False",
+                        "compilation_config.pass_config.fuse_gemm_comms=True, expected False"]
+    nccl = rewrite(["m"])[1]
+    assert verify_parsed(bad, nccl) == []
+
+
+def test_help_lists_every_flag_with_its_default():
+    text = format_help()
+    for flag in echo_flags():
+        assert flag.option in text
+        if flag.negative:
+            assert flag.negative in text
+    assert "(default: 32)" in text and "(default: nccl)" in text and f"(default: {256 * 1024})" in text

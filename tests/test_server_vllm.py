@@ -1,0 +1,121 @@
+"""The rewrite against vLLM's real ``vllm serve`` parser, and ``--help``.
+
+One subprocess (vLLM's parser needs a platform; the CPU one is set there, not
+in the test process) parses every row of a table with vLLM's own parser and
+reports back as JSON; ~20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: (echo-vllm serve argv, the same intent for stock vLLM without Echo's flags)
+ROWS = [
+    (["m", "-tp", "4", "--tp-comm", "echo", "--port=8001", "--echo-group-size=64", "--no-echo-feedback"],
+     ["m", "-tp", "4", "--port=8001"]),
+    (["m", "--tp-comm=echo", "--echo-emulate-tp", "4", "--max_model_len=4k", "--gpu-memory-utilization", "0.3",
+      "--additional-config", '{"user": 1}', "--additional-config.nested.k=2k", "-cc.mode", "3",
+      "--compilation-config", '{"cudagraph_mode": "PIECEWISE"}', "-O3"],
+     ["m", "--max_model_len=4k", "--gpu-memory-utilization", "0.3", "-O3"]),
+    (["m", "--tensor_parallel_size=2", "--tp-comm", "echo", "--lora-modules", "a=/x", "--lora-modules", "b=/y",
+      "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo", "--echo-min-bytes", "1MiB"],
+     ["m", "--tensor_parallel_size=2", "--lora-modules", "a=/x", "--lora-modules", "b=/y",
+      "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo"]),
+]
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from echo_vllm.server import cli, vllm_serve
+    from echo_vllm.server.rewrite import rewrite_args, verify_parsed, parse_dotted_value
+
+    rows = json.loads(sys.argv[1])
+    help_out = io.StringIO()
+    with contextlib.redirect_stdout(help_out):
+        help_rc = cli.main(["--help"])
+
+    vllm_serve.ensure_platform_for_parsing()
+    parser = vllm_serve.build_parser()
+    report = {"help_rc": help_rc, "help": help_out.getvalue(), "rows": []}
+    for argv, stock in rows:
+        vllm_argv, settings = rewrite_args(argv)
+        ours = parser.parse_args(["serve", *vllm_argv])
+        plain = parser.parse_args(["serve", *stock])
+        differing = sorted(k for k in vars(plain) if k not in ("additional_config", "compilation_config")
+                           and getattr(plain, k) != getattr(ours, k))
+        report["rows"].append({
+            "problems": verify_parsed(ours, settings),
+            "additional": ours.additional_config,
+            "expected_additional": settings.additional_config,
+            "pass_config": {k: getattr(ours.compilation_config.pass_config, k) for k in settings.bypass_passes},
+            "mode": int(ours.compilation_config.mode) if ours.compilation_config.mode is not None else None,
+            "cudagraph_mode": str(ours.compilation_config.cudagraph_mode),
+            "differing_from_stock": differing,
+        })
+    # argparse accepts abbreviations: the scan misses them, verify_parsed must not
+    vllm_argv, settings = rewrite_args(["m", "-tp", "2", "--tp-comm", "echo"])
+    abbreviated = parser.parse_args(["serve", *vllm_argv, "--enable-db"])
+    report["abbreviated"] = verify_parsed(abbreviated, settings)
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    options = [o for a in serve._actions for o in a.option_strings]
+    report["n_options"] = len(options)
+    report["collisions"] = [o for o in options if o.startswith(("--echo", "--no-echo", "--tp-comm"))]
+    from vllm.utils.argparse_utils import human_readable_int
+    report["human"] = [[t, human_readable_int(t), parse_dotted_value(t)] for t in ("2k", "2K", "25.6k", "3G", "7")]
+    print("REPORT" + json.dumps(report, default=str))
+""")
+
+
+@pytest.fixture(scope="module")
+def report():
+    pytest.importorskip("vllm")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(ROWS)], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("REPORT"))
+    return json.loads(line[len("REPORT"):])
+
+
+@pytest.mark.vllm
+def test_vllm_parses_the_rewrite_as_decided(report):
+    for (argv, _), row in zip(ROWS, report["rows"]):
+        assert row["problems"] == [], argv
+        assert row["additional"] == row["expected_additional"]
+        assert set(row["pass_config"].values()) == {False}
+        # every other setting is exactly what stock vLLM parses from the same flags
+        assert row["differing_from_stock"] == [], argv
+    second = report["rows"][1]
+    assert second["additional"] == {"user": 1, "nested": {"k": 2000}, "tp_comm": "echo", "tp_comm_emulate": 4}
+    assert second["mode"] == 3 and second["cudagraph_mode"].endswith("PIECEWISE")
+
+
+@pytest.mark.vllm
+def test_abbreviations_are_caught_after_parsing(report):
+    assert report["abbreviated"] == ["enable_dbo is on"]
+
+
+@pytest.mark.vllm
+def test_echo_flags_do_not_collide_with_vllms(report):
+    assert report["n_options"] > 100
+    assert report["collisions"] == []
+
+
+@pytest.mark.vllm
+def test_dotted_values_match_vllms_own_parser(report):
+    for text, vllm_value, ours in report["human"]:
+        assert ours == vllm_value, text
+
+
+@pytest.mark.vllm
+def test_help_shows_echo_then_vllm(report):
+    text = report["help"]
+    assert report["help_rc"] == 0
+    assert text.index("--echo-group-size") < text.index("usage: vllm serve")
+    assert "(default: 32)" in text and "Config Groups" in text
