@@ -61,5 +61,6 @@ class EchoStats:
                 "equiv_16bit_bytes": self.equiv_16bit_bytes,
                 "exact_bytes": self.exact_bytes,
                 "rel_err_mean": self.rel_err_sum / self.rel_err_samples if self.rel_err_samples else None,
+                "rel_err_sum": self.rel_err_sum,
                 "rel_err_samples": self.rel_err_samples,
             }
