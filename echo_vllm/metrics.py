@@ -31,6 +31,12 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   sampled relative error |y - exact| / |exact| of Echo outputs (mean over a
   window = rate(sum) / rate(samples))
 - ``echo:rel_error_mean{rank}`` the same mean since start (gauge)
+- from the vLLM glue's StepStats, when present: ``echo:forwards_total{rank,kind}``
+  (observed / replayed from a CUDA graph / mismatched call count),
+  ``echo:calls_per_forward{rank}``, ``echo:residual_rel_error{rank,stat}``
+  (the residual stream's accumulated error, end_mean / max_mean, measured in
+  emulation with ``--echo-emulate-measure``) and
+  ``echo:residual_error_samples_total{rank}``
 - ``echo:config_info{...}`` = 1, labels = Echo's settings (API server)
 
 Without the variable (plain ``vllm serve``), each worker keeps its values in
@@ -109,6 +115,20 @@ class EchoMetrics:
                                        rank, registry=registry)
         self.rel_err_mean = Gauge(PREFIX + "rel_error_mean", "Mean sampled relative error since start.",
                                   rank, registry=registry, multiprocess_mode="mostrecent")
+        # What the vLLM glue adds to the snapshot (StepStats), when present:
+        self.forwards = Counter(PREFIX + "forwards", "Forward passes seen by Echo's glue, by kind "
+                                "(observed: ran Python; replayed: CUDA-graph replay; mismatched: "
+                                "call count differed from the learned one).",
+                                rank + ["kind"], registry=registry)
+        self.calls_per_forward = Gauge(PREFIX + "calls_per_forward", "All-reduces per forward pass.",
+                                       rank, registry=registry, multiprocess_mode="mostrecent")
+        self.residual_samples = Counter(PREFIX + "residual_error_samples",
+                                        "Forward passes whose residual-stream error was measured.",
+                                        rank, registry=registry)
+        self.residual_err = Gauge(PREFIX + "residual_rel_error",
+                                  "Residual stream's accumulated relative communication error, mean over "
+                                  "measured passes (stat: end_mean at the end of the pass, max_mean worst call).",
+                                  rank + ["stat"], registry=registry, multiprocess_mode="mostrecent")
         self._last: dict[tuple, Any] = {}
         self._last_snapshot: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -137,6 +157,7 @@ class EchoMetrics:
                 if delta:
                     counter.labels(r).inc(delta)
             self._publish_error(snapshot, r)
+            self._publish_forwards(snapshot, r)
             self._last_snapshot[r] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in snapshot.items()}
 
     def _publish_error(self, snapshot: Mapping[str, Any], r: str) -> None:
@@ -155,6 +176,28 @@ class EchoMetrics:
             self._last[(r, "rel_err")] = (samples, float(total))
         if mean is not None:
             self.rel_err_mean.labels(r).set(float(mean))
+
+
+    def _publish_forwards(self, snapshot: Mapping[str, Any], r: str) -> None:
+        for key, kind in _FORWARD_KINDS.items():
+            if key in snapshot:
+                delta = self._advance((r, key), int(snapshot[key] or 0))
+                if delta:
+                    self.forwards.labels(r, kind).inc(delta)
+        if snapshot.get("calls_per_forward") is not None:
+            self.calls_per_forward.labels(r).set(float(snapshot["calls_per_forward"]))
+        if "residual_samples" in snapshot:
+            delta = self._advance((r, "residual_samples"), int(snapshot["residual_samples"] or 0))
+            if delta:
+                self.residual_samples.labels(r).inc(delta)
+        for key, stat in _RESIDUAL_STATS.items():
+            if snapshot.get(key) is not None:
+                self.residual_err.labels(r, stat).set(float(snapshot[key]))
+
+
+_FORWARD_KINDS = {"forwards_observed": "observed", "forwards_replayed": "replayed",
+                  "forwards_mismatched": "mismatched"}
+_RESIDUAL_STATS = {"residual_err_end_mean": "end_mean", "residual_err_max_mean": "max_mean"}
 
 
 def publish_config(labels: Mapping[str, Any], registry: Any = None) -> None:

@@ -13,8 +13,9 @@
 # Usage (repository root):  OUT=/some/dir bash scripts/gpu_serve_check.sh
 # Knobs (environment): PORT=8765 EMULATE_TP=4 NUM_PROMPTS=256 CONCURRENCY=64
 #   INPUT_LEN=256 OUTPUT_LEN=64 HEALTH_TIMEOUT=420 PYTHON=python
-#   SERVE_EXTRA="--enforce-eager"   extra `echo-vllm serve` flags (default: none,
-#                                   i.e. vLLM's default torch.compile + CUDA graphs)
+#   SERVE_EXTRA="..."  extra `echo-vllm serve` flags; default none, i.e. vLLM's
+#       default torch.compile + CUDA graphs. "--enforce-eager --echo-emulate-measure"
+#       also fills the error metrics (the emulation measures in eager mode only).
 # Everything it produces lands in $OUT (server.log, probe.json, bench.json,
 # metrics_*.txt, summary.json/.txt). Exit status 0 = every check passed.
 set -uo pipefail

@@ -99,6 +99,26 @@ def test_error_sum_from_mean_when_the_snapshot_has_no_sum():
     assert s['echo:rel_error_sum_total{rank="0"}'] == pytest.approx(0.6, rel=4.5e-16)
 
 
+def test_glue_step_stats_extras():
+    """Keys the vLLM glue adds (StepStats): forwards by kind, calls per
+    forward, residual-stream error. A plain dict stands in for StepStats so
+    this test does not depend on the glue's module."""
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    snap = dict(make_stats(2, 0, []).snapshot(), forwards_observed=3, forwards_replayed=10, forwards_mismatched=0,
+                calls_per_forward=9, residual_err_end_mean=0.125, residual_err_max_mean=0.5, residual_samples=3)
+    m.publish(snap, rank=0)
+    m.publish(dict(snap, forwards_replayed=12, residual_samples=4, residual_err_end_mean=0.25), rank=0)
+    s = scrape(registry)
+    assert s['echo:forwards_total{kind="observed",rank="0"}'] == 3
+    assert s['echo:forwards_total{kind="replayed",rank="0"}'] == 12
+    assert 'echo:forwards_total{kind="mismatched",rank="0"}' not in s  # never incremented
+    assert s['echo:calls_per_forward{rank="0"}'] == 9
+    assert s['echo:residual_error_samples_total{rank="0"}'] == 4
+    assert s['echo:residual_rel_error{rank="0",stat="end_mean"}'] == 0.25
+    assert s['echo:residual_rel_error{rank="0",stat="max_mean"}'] == 0.5
+
+
 def test_config_info():
     registry = CollectorRegistry()
     publish_config({"tp_comm": "echo", "group_size": 32, "feedback": "true"}, registry=registry)

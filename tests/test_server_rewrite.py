@@ -79,8 +79,9 @@ SAMPLE = {
 def test_every_config_field_has_a_flag_and_a_sample():
     fields = [f.name for f in dataclasses.fields(EchoConfig)]
     options = {f.option for f in echo_flags()}
-    assert options == {"--tp-comm", "--echo-emulate-tp"} | {"--echo-" + n.replace("_", "-") for n in fields}
-    bools = [f.field for f in echo_flags() if f.kind == "bool"]
+    assert options == {"--tp-comm", "--echo-emulate-tp", "--echo-emulate-measure"} | {
+        "--echo-" + n.replace("_", "-") for n in fields}
+    bools = [f.field for f in echo_flags() if f.kind == "bool" and f.field is not None]
     assert sorted(bools + list(SAMPLE)) == sorted(fields)
 
 
@@ -97,7 +98,7 @@ def _value_cases():
 
 def _bool_cases():
     for flag in echo_flags():
-        if flag.kind != "bool":
+        if flag.kind != "bool" or flag.field is None:
             continue
         for tokens, expected in (([flag.option], True), ([flag.negative], False),
                                  ([f"{flag.option}=false"], False), ([f"{flag.negative}=false"], True)):
@@ -129,7 +130,23 @@ def test_emulation_on_one_gpu():
     head, additional, _ = split_tail(vllm_argv)
     assert head == ["m"]
     assert additional == {"tp_comm": "echo", "tp_comm_emulate": 4}
-    assert settings.emulate_tp == 4 and settings.tensor_parallel_size == 1
+    assert settings.emulate_tp == 4 and settings.tensor_parallel_size == 1 and settings.glue_active
+    vllm_argv, _ = rewrite(["m", "--tp-comm", "echo", "--echo-emulate-tp=2", "--echo-emulate-measure"])
+    assert split_tail(vllm_argv)[1] == {"tp_comm": "echo", "tp_comm_emulate": 2, "tp_comm_emulate_measure": True}
+
+
+def test_emulated_exact_baseline_with_nccl():
+    """--tp-comm nccl with emulation: the same P partials summed in 16-bit.
+    Only --additional-config is rewritten; the compilation config is the user's."""
+    argv = ["m", "--echo-emulate-tp", "4", "--no-echo-emulate-measure", "-cc.mode", "3",
+            "--additional-config", '{"a": 1}', "--port", "1"]
+    vllm_argv, settings = rewrite(argv)
+    assert vllm_argv == ["m", "-cc.mode", "3", "--port", "1", "--additional-config",
+                         json.dumps({"a": 1, "tp_comm": "nccl", "tp_comm_emulate": 4,
+                                     "tp_comm_emulate_measure": False})]
+    assert settings.tp_comm == "nccl" and settings.emulate_tp == 4 and settings.glue_active
+    assert settings.echo is None and settings.compilation_config is None
+    assert not rewrite(["m", "-tp", "2"])[1].glue_active
 
 
 # -- merging with the user's own vLLM options ------------------------------------
@@ -228,7 +245,14 @@ REJECTS = [
     (["m", "-tp", "two", "--tp-comm", "echo"], "-tp 'two' is not an integer"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.tp_comm", "nccl"],
      "--tp-comm echo contradicts --additional-config tp_comm='nccl'"),
-    (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "tp_comm='ring': choose one of"),
+    (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "--additional-config tp_comm 'ring': choose one of"),
+    (["m", "-tp", "2", "--additional-config.tp_comm_emulat", "2"],
+     "unknown option(s) tp_comm_emulat in --additional-config; known: tp_comm, tp_comm_emulate"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-emulate-measure"], "--echo-emulate-measure needs --echo-emulate-tp"),
+    (["m", "-tp", "2", "--echo-emulate-tp", "2"], "needs --tensor-parallel-size 1 (got 2)"),
+    (["m", "--echo-emulate-tp", "2", "--echo-seed", "3"], "--echo-seed needs --tp-comm echo"),
+    (["m", "--echo-emulate-tp", "2", "--additional-config.tp_comm_emulate_measure", "perhaps"],
+     "--additional-config tp_comm_emulate_measure='perhaps': expected true or false"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group-size", "64", "--additional-config.echo_group_size", "32"],
      "--echo-group-size 64 contradicts --additional-config echo_group_size=32"),
     (["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--additional-config.tp_comm_emulate", "2"],

@@ -3,8 +3,9 @@
 1. :func:`~echo_vllm.server.rewrite.rewrite_args` turns the command line into
    a ``vllm serve`` one (Echo's flags -> ``--additional-config``, bypassing
    compilation passes off, contradictions rejected in one line);
-2. with Echo on, Prometheus multiprocess mode is switched on before vLLM is
-   imported, so the workers' Echo counters reach ``/metrics``
+2. with Echo on (or the emulation's exact baseline), Prometheus
+   multiprocess mode is switched on before vLLM is imported, so the workers'
+   Echo counters reach ``/metrics``
    (:mod:`echo_vllm.metrics`);
 3. vLLM's own ``vllm serve`` runs in this process
    (:mod:`~echo_vllm.server.vllm_serve`).
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
 
     on_parsed = None
-    if settings.echo_on:
+    if settings.glue_active:
         from .. import metrics
 
         path = metrics.prepare_multiprocess_dir()  # before vLLM imports prometheus_client

@@ -2,9 +2,10 @@
 
 Every EchoConfig field becomes one flag (``group_size`` -> ``--echo-group-size``;
 booleans also get ``--no-echo-...``), with the field's default and its
-docstring as help, so the command line can never drift from the config. Two
-flags are not EchoConfig fields: ``--tp-comm`` (which all-reduce vLLM uses)
-and ``--echo-emulate-tp`` (one-GPU emulation of TP=P).
+docstring as help, so the command line can never drift from the config.
+Three flags are not EchoConfig fields: ``--tp-comm`` (which all-reduce vLLM
+uses), ``--echo-emulate-tp`` (one-GPU emulation of TP=P) and
+``--echo-emulate-measure``.
 
 Each flag knows the vLLM ``additional_config`` key the plugin reads it from.
 """
@@ -26,6 +27,11 @@ TP_COMM_KEY = "tp_comm"
 """additional_config key the plugin reads the all-reduce backend from."""
 EMULATE_KEY = "tp_comm_emulate"
 """additional_config key of the one-GPU emulation's virtual TP size."""
+MEASURE_KEY = "tp_comm_emulate_measure"
+"""additional_config key: the emulation also measures the residual stream's
+accumulated communication error (eager mode)."""
+TP_COMM_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY)
+"""Every ``tp_comm*`` key the plugin knows (others are refused)."""
 ECHO_KEY_PREFIX = "echo_"
 """additional_config keys ``echo_<EchoConfig field>`` carry Echo's options."""
 
@@ -58,7 +64,7 @@ class Flag:
 
     @property
     def field(self) -> str | None:
-        """The EchoConfig field, or None for --tp-comm / --echo-emulate-tp."""
+        """The EchoConfig field, or None for the tp_comm* flags."""
         return self.key[len(ECHO_KEY_PREFIX):] if self.key.startswith(ECHO_KEY_PREFIX) else None
 
 
@@ -84,7 +90,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def echo_flags() -> tuple[Flag, ...]:
-    """All Echo flags, ``--tp-comm`` first, then one per EchoConfig field."""
+    """All Echo flags: the three tp_comm* ones, then one per EchoConfig field."""
     docs = _field_docs(EchoConfig)
     flags = [
         Flag("--tp-comm", TP_COMM_KEY, "choice", "nccl",
@@ -92,8 +98,12 @@ def echo_flags() -> tuple[Flag, ...]:
              "(stock vLLM, the default).", TP_COMM_CHOICES),
         Flag("--echo-emulate-tp", EMULATE_KEY, "int", 0,
              "Emulate TP=P on one GPU (needs --tensor-parallel-size 1): every "
-             "row-parallel layer is split into P partial matmuls reduced by Echo. "
-             "0 = off."),
+             "row-parallel layer is split into P partial matmuls, reduced by Echo "
+             "(--tp-comm echo) or summed exactly in 16-bit (--tp-comm nccl, the "
+             "baseline). 0 = off."),
+        Flag("--echo-emulate-measure", MEASURE_KEY, "bool", False,
+             "With --echo-emulate-tp: also measure the residual stream's accumulated "
+             "communication error per forward pass (eager mode; an fp32 sum per call)."),
     ]
     for f in dataclasses.fields(EchoConfig):
         kind = f.type if isinstance(f.type, str) else f.type.__name__

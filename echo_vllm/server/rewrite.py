@@ -27,7 +27,16 @@ from importlib import metadata
 from typing import Any, Callable, Mapping
 
 from ..config import EchoConfig, EchoConfigError
-from .flags import ECHO_KEY_PREFIX, EMULATE_KEY, TP_COMM_CHOICES, TP_COMM_KEY, Flag, flags_by_option
+from .flags import (
+    ECHO_KEY_PREFIX,
+    EMULATE_KEY,
+    MEASURE_KEY,
+    TP_COMM_CHOICES,
+    TP_COMM_KEY,
+    TP_COMM_KEYS,
+    Flag,
+    flags_by_option,
+)
 
 ADDITIONAL_CONFIG = "--additional-config"
 COMPILATION_CONFIG = "--compilation-config"
@@ -78,6 +87,11 @@ class ServeSettings:
     @property
     def echo_on(self) -> bool:
         return self.tp_comm == "echo"
+
+    @property
+    def glue_active(self) -> bool:
+        """Echo's vLLM glue runs (Echo on, or the emulation's exact baseline)."""
+        return self.echo_on or self.emulate_tp > 0
 
 
 def bypass_passes_for(vllm_version: str | None) -> tuple[str, ...]:
@@ -139,10 +153,9 @@ def _truthy(value: Any) -> bool:
 class _Scan:
     """Everything the token walk found, in command-line order."""
 
-    keep: list[str] = field(default_factory=list)
-    """Tokens for vLLM, with Echo's flags removed (nccl mode argv)."""
-    keep_no_configs: list[str] = field(default_factory=list)
-    """Same, also without --additional-config / --compilation-config (echo mode)."""
+    segments: list[tuple[str | None, list[str]]] = field(default_factory=list)
+    """Every token except Echo's flags, in order, tagged with the config
+    option it belongs to (None for all others)."""
     echo_flags: dict[str, tuple[Flag, Any, str]] = field(default_factory=dict)
     """key -> (flag, raw value, spelling as given); last one wins."""
     configs: dict[str, list[tuple[list[str], Any, bool]]] = field(
@@ -199,12 +212,10 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
     while i < len(argv):
         token = argv[i]
         if token == "--":  # argparse: everything after is positional
-            scan.keep += argv[i:]
-            scan.keep_no_configs += argv[i:]
+            scan.segments.append((None, argv[i:]))
             break
         if not token.startswith("-") or token == "-":
-            scan.keep.append(token)
-            scan.keep_no_configs.append(token)
+            scan.segments.append((None, [token]))
             i += 1
             continue
         name, inline = _split(token)
@@ -239,7 +250,7 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
                 scan.configs[option].append((keys, value, append))
             else:
                 scan.configs[option].append(([], _json_object(option, raw), False))
-            scan.keep += argv[start:i]
+            scan.segments.append((option, argv[start:i]))
             continue
         if name in _TP_OPTIONS:
             raw, i = _take_value(argv, i, name, inline)
@@ -252,9 +263,13 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
             _scan_config_file(scan, raw, read_config)
         else:
             i += 1  # an option we do not inspect; its value (if any) follows as is
-        scan.keep += argv[start:i]
-        scan.keep_no_configs += argv[start:i]
+        scan.segments.append((None, argv[start:i]))
     return scan
+
+
+def _argv(scan: _Scan, *, drop: tuple[str, ...] = ()) -> list[str]:
+    """The kept tokens in order, without the segments of the ``drop`` options."""
+    return [token for option, tokens in scan.segments if option not in drop for token in tokens]
 
 
 def _json_object(option: str, raw: Any) -> dict:
@@ -350,20 +365,35 @@ def _coerce_field(key: str, value: Any, source: str) -> Any:
     return getattr(config, key[len(ECHO_KEY_PREFIX):])
 
 
-def _resolve_tp_comm(scan: _Scan, additional: dict) -> str:
-    flagged = scan.echo_flags.get(TP_COMM_KEY)
-    in_config = additional.get(TP_COMM_KEY)
-    if in_config is not None and in_config not in TP_COMM_CHOICES:
-        raise ServeArgsError(
-            f"--additional-config {TP_COMM_KEY}={in_config!r}: choose one of {TP_COMM_CHOICES}")
-    if flagged is None:
-        return in_config or "nccl"
-    value = flagged[1]
-    if value not in TP_COMM_CHOICES:
-        raise ServeArgsError(f"--tp-comm {value!r}: choose one of {', '.join(TP_COMM_CHOICES)}")
-    if in_config is not None and in_config != value:
-        raise ServeArgsError(
-            f"--tp-comm {value} contradicts --additional-config {TP_COMM_KEY}={in_config!r}")
+def _check_tp_comm_keys(additional: dict) -> None:
+    """The plugin refuses unknown ``tp_comm*`` keys; say so before vLLM starts."""
+    unknown = sorted(k for k in additional if k.startswith(TP_COMM_KEY) and k not in TP_COMM_KEYS)
+    if unknown:
+        raise ServeArgsError(f"unknown option(s) {', '.join(unknown)} in --additional-config; "
+                             f"known: {', '.join(TP_COMM_KEYS)}")
+
+
+def _tp_comm_value(name: str, raw: Any) -> str:
+    if raw not in TP_COMM_CHOICES:
+        raise ServeArgsError(f"{name} {raw!r}: choose one of {', '.join(TP_COMM_CHOICES)}")
+    return raw
+
+
+def _bool_value(name: str, raw: Any) -> bool:
+    return raw if isinstance(raw, bool) else _parse_bool(name, str(raw))
+
+
+def _flag_or_key(scan: _Scan, additional: dict, key: str, parse: Callable[[str, Any], Any]) -> Any:
+    """One setting given as a flag, as an additional_config key, or both
+    (then they must agree); None when neither."""
+    flagged = scan.echo_flags.get(key)
+    value = parse(flagged[2], flagged[1]) if flagged else None
+    if key in additional:
+        in_config = parse(f"--additional-config {key}", additional[key])
+        if value is not None and value != in_config:
+            raise ServeArgsError(
+                f"{flagged[2]} {flagged[1]} contradicts --additional-config {key}={additional[key]!r}")
+        value = in_config if value is None else value
     return value
 
 
@@ -385,18 +415,10 @@ def _echo_values(scan: _Scan, additional: dict) -> dict[str, Any]:
 
 
 def _emulate_tp(scan: _Scan, additional: dict) -> int:
-    flagged = scan.echo_flags.get(EMULATE_KEY)
-    in_config = additional.get(EMULATE_KEY)
-    value = _int("--echo-emulate-tp", flagged[1]) if flagged else None
-    if in_config is not None:
-        in_config = _int(f"--additional-config {EMULATE_KEY}", in_config)
-        if value is not None and value != in_config:
-            raise ServeArgsError(
-                f"--echo-emulate-tp {value} contradicts --additional-config {EMULATE_KEY}={in_config}")
-    value = in_config if value is None else value
-    if value is not None and (value < 0 or value == 1):
+    value = _flag_or_key(scan, additional, EMULATE_KEY, _int) or 0
+    if value < 0 or value == 1:
         raise ServeArgsError(f"--echo-emulate-tp {value}: emulate TP=P with P >= 2 (0 = off)")
-    return value or 0
+    return value
 
 
 def _echo_compilation_config(scan: _Scan, passes: tuple[str, ...]) -> dict:
@@ -429,27 +451,37 @@ def rewrite_args(
     argv = list(argv)
     scan = _scan(argv, read_config)
     additional = _merge(scan.configs[ADDITIONAL_CONFIG])
-    tp_comm = _resolve_tp_comm(scan, additional)
+    _check_tp_comm_keys(additional)
+    tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _tp_comm_value) or "nccl"
     tp = scan.tensor_parallel_size
+    if tp < 1:
+        raise ServeArgsError(f"--tensor-parallel-size {tp}: must be >= 1")
+    emulate = _emulate_tp(scan, additional)
+    measure = _flag_or_key(scan, additional, MEASURE_KEY, _bool_value)
+    if measure and not emulate:
+        raise ServeArgsError("--echo-emulate-measure needs --echo-emulate-tp P (it measures the emulation)")
+    if emulate and tp != 1:
+        raise ServeArgsError(
+            f"--echo-emulate-tp {emulate} emulates TP={emulate} on one GPU and needs "
+            f"--tensor-parallel-size 1 (got {tp})")
+    emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
 
     if tp_comm == "nccl":
-        echo_only = [s for k, (_, _, s) in scan.echo_flags.items() if k != TP_COMM_KEY]
+        echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)
         if echo_only:
-            raise ServeArgsError(f"{' '.join(sorted(echo_only))} needs --tp-comm echo (nccl is stock vLLM)")
-        return scan.keep, ServeSettings("nccl", tp, additional_config=additional)
+            raise ServeArgsError(f"{' '.join(echo_only)} needs --tp-comm echo (nccl is vLLM's own all-reduce)")
+        if not emulate:  # stock vLLM: argv untouched
+            return _argv(scan), ServeSettings("nccl", tp, additional_config=additional)
+        # the emulation's exact baseline: the same P partials summed in 16-bit
+        additional.update({TP_COMM_KEY: "nccl", **emulation})
+        vllm_argv = _argv(scan, drop=(ADDITIONAL_CONFIG,)) + [ADDITIONAL_CONFIG, json.dumps(additional)]
+        return vllm_argv, ServeSettings("nccl", tp, emulate, additional_config=additional)
 
-    emulate = _emulate_tp(scan, additional)
     echo_values = _echo_values(scan, additional)
     if scan.enable_dbo:
         raise ServeArgsError(
             "--tp-comm echo cannot run with --enable-dbo: dual-batch overlap interleaves two "
             "micro-batches' all-reduces and would mix their error-feedback chains")
-    if tp < 1:
-        raise ServeArgsError(f"--tensor-parallel-size {tp}: must be >= 1")
-    if emulate and tp != 1:
-        raise ServeArgsError(
-            f"--echo-emulate-tp {emulate} emulates TP={emulate} on one GPU and needs "
-            f"--tensor-parallel-size 1 (got {tp})")
     if not emulate and tp == 1:
         raise ServeArgsError(
             "--tp-comm echo needs --tensor-parallel-size > 1 (or --echo-emulate-tp P "
@@ -457,12 +489,10 @@ def rewrite_args(
 
     passes = bypass_passes_for(installed_vllm_version()) if bypass_passes is None else bypass_passes
     compilation = _echo_compilation_config(scan, passes)
-    additional.update({TP_COMM_KEY: "echo", **echo_values})
-    if emulate:
-        additional[EMULATE_KEY] = emulate
+    additional.update({TP_COMM_KEY: "echo", **echo_values, **emulation})
     echo = EchoConfig.from_mapping(echo_values, prefix=ECHO_KEY_PREFIX)
 
-    vllm_argv = scan.keep_no_configs + [
+    vllm_argv = _argv(scan, drop=(ADDITIONAL_CONFIG, COMPILATION_CONFIG)) + [
         ADDITIONAL_CONFIG, json.dumps(additional),
         COMPILATION_CONFIG, json.dumps(compilation),
     ]
@@ -477,13 +507,13 @@ def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:
     accepts ``--enable-db``), values from sources we did not read. Empty
     list = consistent. ``args`` is vLLM's parsed namespace.
     """
-    if not settings.echo_on:
+    if not settings.glue_active:
         return []
     problems = []
     parsed_tp = getattr(args, "tensor_parallel_size", None)
     if parsed_tp != settings.tensor_parallel_size:
         problems.append(f"tensor_parallel_size={parsed_tp}, expected {settings.tensor_parallel_size}")
-    if getattr(args, "enable_dbo", False):
+    if settings.echo_on and getattr(args, "enable_dbo", False):
         problems.append("enable_dbo is on")
     additional = getattr(args, "additional_config", None) or {}
     for key in (TP_COMM_KEY, EMULATE_KEY):
