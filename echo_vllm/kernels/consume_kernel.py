@@ -1,0 +1,62 @@
+"""Consume: the input of an exact (16-bit) call absorbs the carried error,
+x + rot^-1(e), rounded to x's dtype. Specification: ``quant.consume_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import WireLayout
+from . import launch
+from .tile import as_access, as_groups, from_f32, to_f32, unrotate, value_offsets
+
+
+@triton.jit
+def _consume_kernel(
+    x_ptr, fb_ptr, out_ptr,
+    x_row_stride, fb_row_stride, out_row_stride, numel, n_groups,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
+):
+    r = tl.program_id(1).to(tl.int64)
+    lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    gmask = lg < n_groups
+    idx = value_offsets(0, lg, G)
+    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + idx, mask=gmask[:, None, None], other=0.0), BG, G))
+    if HADAMARD:
+        e = unrotate(e, BG, G)
+    xm = gmask[:, None, None] & (idx < numel)
+    x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + idx, mask=xm, other=0.0), BG, G))
+    tl.store(out_ptr + r * out_row_stride + idx, as_access(from_f32(x + e, x_ptr.dtype.element_ty), BG, G),
+             mask=xm)
+
+
+def consume(
+    x: torch.Tensor,
+    feedback: torch.Tensor,
+    layout: WireLayout,
+    *,
+    hadamard: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel version of ``quant.consume_reference``: ``x [R, numel]`` -> ``[R, numel]``."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    if x.shape[1] != layout.numel:
+        raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
+    launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
+    launch.check_device(x, feedback, out)
+    n_groups = layout.padded_numel // layout.group_size
+    grid = (launch.programs(n_groups), rows)
+    _consume_kernel[grid](
+        x, feedback, out,
+        x.stride(0), feedback.stride(0), out.stride(0), layout.numel, n_groups,
+        G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=bool(hadamard),
+        **launch.LAUNCH_OPTIONS,
+    )
+    return out

@@ -1,0 +1,88 @@
+"""How the Echo kernels are launched: tile sizes, compiler options, checks.
+
+Every kernel processes ``GROUPS_PER_PROGRAM`` quantization groups per program,
+one group per thread (see ``tile``), and is compiled with FMA contraction
+off: the references in ``echo_vllm.quant`` round every product and sum
+separately, and the kernels must produce the same bits.
+
+The wrappers check shapes, dtypes and strides on the host (plain Python on
+tensor metadata: no device synchronisation, nothing allocated when the
+caller supplies the output buffers), so bad input raises a clear error
+instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import WIRE_DTYPE, WireLayout, inv_qmax_f32
+
+#: Threads per program = 32 * NUM_WARPS; each owns one group.
+NUM_WARPS = 4
+GROUPS_PER_PROGRAM = 32 * NUM_WARPS
+
+#: Launch options shared by every kernel. ``enable_fp_fusion=False`` keeps
+#: ``a - b * c`` from becoming one fused multiply-add.
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+
+#: Largest qmax whose codes (q + 8) fit a nibble.
+MAX_QMAX = 7
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FEEDBACK_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def programs(n_groups: int) -> int:
+    """Programs along the group axis for ``n_groups`` groups."""
+    return -(-n_groups // GROUPS_PER_PROGRAM)
+
+
+def qmax_constants(qmax: int) -> dict:
+    """The constexprs of the quantizer: qmax and fp32(1/qmax) (exactly the
+    value the reference multiplies by)."""
+    if not isinstance(qmax, int) or not 1 <= qmax <= MAX_QMAX:
+        raise ValueError(f"qmax={qmax!r}: the 4-bit kernels support 1..{MAX_QMAX}")
+    return {"QMAX": float(qmax), "INV_QMAX": float(inv_qmax_f32(qmax))}
+
+
+def check_rows(name: str, t: torch.Tensor, rows: int, min_cols: int, dtypes) -> None:
+    """``t`` must be ``[rows, >= min_cols]`` of one of ``dtypes`` with unit
+    column stride (rows may be strided)."""
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] < min_cols:
+        raise ValueError(f"{name}: expected shape [{rows}, >= {min_cols}], got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} not in {dtypes}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
+def check_wire(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A wire buffer: contiguous uint8 of exactly ``shape``."""
+    if tuple(t.shape) != shape or t.dtype != WIRE_DTYPE or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous uint8 tensor of shape {shape}, "
+            f"got {t.dtype} {tuple(t.shape)} (contiguous={t.is_contiguous()})"
+        )
+
+
+def check_device(*tensors: torch.Tensor | None) -> None:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
+
+
+def wire_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=WIRE_DTYPE, device=like.device)
+    check_wire("out", out, shape)
+    return out
+
+
+def chunk_args(layout: WireLayout) -> dict:
+    """Runtime sizes every wire kernel needs."""
+    return {
+        "chunk_numel": layout.chunk_numel,
+        "chunk_groups": layout.chunk_groups,
+        "chunk_bytes": layout.chunk_bytes,
+        "payload_bytes": layout.payload_bytes,
+    }

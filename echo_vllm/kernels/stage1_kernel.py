@@ -1,0 +1,79 @@
+"""Stage 1, fused: u = rot(x) + e; quantize u; e <- u - dequant; write the wire.
+
+One pass over memory: reads x (and the carried error when there is one),
+writes the packed chunks laid out for the all-to-all (chunk j contiguous)
+and the new error, in place. Specification: ``quant.stage1_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import WireLayout
+from . import launch
+from .tile import as_access, as_groups, from_f32, fwht, quantize, store_chunk_groups, to_f32, value_offsets
+
+
+@triton.jit
+def _stage1_kernel(
+    x_ptr, fb_ptr, wire_ptr,
+    x_row_stride, fb_row_stride, wire_row_stride, numel,
+    chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
+    G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr,
+):
+    # program (block of groups, destination chunk j, local rank r)
+    j = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(2).to(tl.int64)
+    lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    gmask = lg < chunk_groups
+    m3 = gmask[:, None, None]
+    idx = value_offsets(j * chunk_numel, lg, G)  # value index within the row
+    x = tl.load(x_ptr + r * x_row_stride + idx, mask=m3 & (idx < numel), other=0.0)
+    u = to_f32(as_groups(x, BG, G))
+    if HADAMARD:
+        u = fwht(u, BG, G)
+    fb_row = fb_ptr + r * fb_row_stride
+    if HAS_FB and HAS_INCOMING:
+        u = u + to_f32(as_groups(tl.load(fb_row + idx, mask=m3, other=0.0), BG, G))
+    codes, s_bits, err = quantize(u, INV_QMAX, QMAX)
+    if HAS_FB:
+        tl.store(fb_row + idx, as_access(from_f32(err, fb_ptr.dtype.element_ty), BG, G), mask=m3)
+    store_chunk_groups(wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, lg, gmask,
+                       codes, s_bits, BG, G)
+
+
+def stage1(
+    x: torch.Tensor,
+    feedback: torch.Tensor | None,
+    layout: WireLayout,
+    *,
+    qmax: int,
+    hadamard: bool,
+    has_incoming: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel version of ``quant.stage1_reference``: ``x [R, numel]`` ->
+    wire ``[R, P, chunk_bytes]``; rewrites ``feedback[:, :padded_numel]``."""
+    rows = x.shape[0] if x.dim() == 2 else -1
+    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    if x.shape[1] != layout.numel:
+        raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
+    if feedback is not None:
+        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    launch.check_device(x, feedback, out)
+    p = layout.world_size
+    wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
+    grid = (launch.programs(layout.chunk_groups), p, rows)
+    fb = feedback if feedback is not None else x
+    _stage1_kernel[grid](
+        x, fb, wire,
+        x.stride(0), fb.stride(0), p * layout.chunk_bytes, layout.numel,
+        **launch.chunk_args(layout),
+        G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
+        HADAMARD=bool(hadamard), HAS_FB=feedback is not None, HAS_INCOMING=bool(has_incoming),
+        **launch.LAUNCH_OPTIONS,
+    )
+    return wire

@@ -1,0 +1,95 @@
+"""Stage 2, fused: dequantize the P received chunks, sum them in fp32 in rank
+order, requantize, and add the requantization error into the feedback
+buffer's own chunk -- one pass. Specification: ``quant.stage2_reference``.
+
+The own chunk of local rank r is ``own_base + own_stride * r``: a real rank
+(R = 1) owns chunk ``rank``; virtual ranks (R = P) own chunk r. Passing two
+integers instead of a list keeps the launch free of per-call host data.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import WireLayout
+from . import launch
+from .tile import as_access, as_groups, from_f32, load_chunk_groups, quantize, store_chunk_groups, to_f32, value_offsets
+
+
+@triton.jit
+def _stage2_kernel(
+    recv_ptr, fb_ptr, out_ptr,
+    recv_row_stride, fb_row_stride, out_row_stride, own_base, own_stride,
+    chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr,
+    INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr,
+):
+    r = tl.program_id(1).to(tl.int64)
+    lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    gmask = lg < chunk_groups
+    m3 = gmask[:, None, None]
+    acc = tl.zeros((BG, G), dtype=tl.float32)
+    for i in tl.static_range(P):
+        acc = acc + load_chunk_groups(recv_ptr, r * recv_row_stride + i * chunk_bytes, payload_bytes,
+                                      lg, gmask, BG, G)
+    codes, s_bits, err = quantize(acc, INV_QMAX, QMAX)
+    if HAS_FB:
+        own = own_base + own_stride * r
+        ptrs = fb_ptr + r * fb_row_stride + value_offsets(own * chunk_numel, lg, G)
+        e = to_f32(as_groups(tl.load(ptrs, mask=m3, other=0.0), BG, G))
+        tl.store(ptrs, as_access(from_f32(e + err, fb_ptr.dtype.element_ty), BG, G), mask=m3)
+    store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, gmask, codes, s_bits, BG, G)
+
+
+def own_chunk_progression(own_chunks: list[int], world_size: int) -> tuple[int, int]:
+    """``own_chunks`` as ``(base, stride)``; they must be an arithmetic
+    progression inside ``[0, world_size)`` (one real rank, or all virtual
+    ranks in order)."""
+    if not own_chunks:
+        raise ValueError("own_chunks: empty")
+    base = int(own_chunks[0])
+    stride = int(own_chunks[1]) - base if len(own_chunks) > 1 else 0
+    if any(int(c) != base + stride * k for k, c in enumerate(own_chunks)) or not all(
+        0 <= int(c) < world_size for c in own_chunks
+    ):
+        raise ValueError(
+            f"own_chunks={list(own_chunks)}: the kernel needs chunk indices base + stride * r "
+            f"within [0, {world_size})"
+        )
+    return base, stride
+
+
+def stage2(
+    recv: torch.Tensor,
+    feedback: torch.Tensor | None,
+    own_chunks: list[int],
+    layout: WireLayout,
+    *,
+    qmax: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel version of ``quant.stage2_reference``: ``recv [R, P, chunk_bytes]``
+    -> wire ``[R, chunk_bytes]``; adds the error into ``feedback``'s own chunk."""
+    p = layout.world_size
+    rows = recv.shape[0] if recv.dim() == 3 else -1
+    launch.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
+    if len(own_chunks) != rows:
+        raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
+    base, stride = own_chunk_progression(own_chunks, p)
+    if feedback is not None:
+        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    launch.check_device(recv, feedback, out)
+    wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
+    fb = feedback if feedback is not None else recv
+    grid = (launch.programs(layout.chunk_groups), rows)
+    _stage2_kernel[grid](
+        recv, fb, wire,
+        p * layout.chunk_bytes, fb.stride(0), layout.chunk_bytes, base, stride,
+        **launch.chunk_args(layout),
+        P=p, G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
+        HAS_FB=feedback is not None,
+        **launch.LAUNCH_OPTIONS,
+    )
+    return wire

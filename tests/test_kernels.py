@@ -1,0 +1,419 @@
+"""The Triton kernels against their references in ``echo_vllm.quant``, bit for bit.
+
+Without a GPU the kernels run in Triton's interpreter (numpy, on CPU
+tensors); with one they run compiled, and the same small awkward shapes are
+checked on the device, plus large shapes and a CUDA-graph replay
+(``@pytest.mark.gpu``).
+
+"Bit for bit" means: packed bytes, scales and feedback buffers are equal as
+integers (signed zeros included); outputs are equal as integers except that
+any NaN matches any NaN (the kernels write NaN as 0x7FC0 in bf16, the
+hardware and numpy pick other NaN payloads for fp16, and no consumer can
+tell them apart).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+from echo_vllm import quant
+from echo_vllm.quant import WireLayout
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+QMAX = 7
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def kernels():
+    return importlib.import_module("echo_vllm.kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_pool() -> ProcessPoolExecutor:
+    """One spawned worker with TRITON_INTERPRET=1 in its environment.
+
+    Triton decides between interpreter and compiler when it is imported (its
+    own library functions are ``@triton.jit`` too), and in a pytest process
+    another test may have imported it compiled already; a fresh process is
+    the only reliable way to interpret. This module imports no Triton at top
+    level, so the worker can import it as the worker's first Triton import.
+    """
+    with _env(TRITON_INTERPRET="1"):
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        pool.submit(os.getpid).result()  # start the worker while the variable is set
+    atexit.register(pool.shutdown, cancel_futures=True)
+    return pool
+
+
+def in_kernel_process(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` where the kernels can run: here on a CUDA
+    host, otherwise in the interpreter worker (exceptions come back as is)."""
+    if CUDA:
+        return fn(*args, **kwargs)
+    return _interpreter_pool().submit(_reporting, fn, *args, **kwargs).result(timeout=900)
+
+
+def _reporting(fn, *args, **kwargs):
+    """Worker side: any failure (pytest's own outcome exceptions cannot be
+    pickled) comes back as an AssertionError carrying the traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException:
+        raise AssertionError("in the interpreter worker:\n" + traceback.format_exc()) from None
+
+
+# -- comparison helpers ---------------------------------------------------------
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str, *, nan_any: bool = False):
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
+    g, w = _int_view(got.cpu()), _int_view(want.cpu())
+    differ = g != w
+    if nan_any:
+        differ &= ~(got.cpu().float().isnan() & want.cpu().float().isnan())
+    if differ.any():
+        idx = differ.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(differ.sum())} of {differ.numel()} elements differ; first at {idx}: "
+            f"kernel {got.cpu()[tuple(idx)].item()!r} vs reference {want.cpu()[tuple(idx)].item()!r}"
+        )
+
+
+# -- inputs ---------------------------------------------------------------------
+
+
+def _values(shape, seed: int, *, special: bool = False) -> torch.Tensor:
+    """fp32 values with a wide dynamic range (log-normal magnitudes and some
+    outlier channels); ``special`` adds groups that break naive quantizers."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))
+    flat = x.view(-1)
+    flat[::13] *= 50.0
+    if special:
+        n = flat.numel()
+        plant = {
+            0: float("nan"), 40: float("inf"), 80: float("-inf"),  # non-finite groups
+            120: 3.0e38, 121: -3.0e38,                              # scale near fp32 max
+            200: 65504.0 * 7, 330: 1.0e-40, 331: -2.0e-39,          # fp16 overflow, subnormals
+        }
+        for i, v in plant.items():
+            if i < n:
+                flat[i] = v
+        if n >= 352:
+            flat[256:288] = 0.0                                   # an all-zero group
+            flat[288:320] = -0.0                                  # signed zeros
+            flat[320:352] = 1.0e-3 * torch.rand(32, generator=gen)  # max below 2e-3
+    return x
+
+
+def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extra: int = 48) -> torch.Tensor:
+    """A buffer longer than one message (as FeedbackChain's) with small errors."""
+    gen = torch.Generator().manual_seed(seed)
+    fb = 1e-2 * torch.randn(rows, layout.padded_numel + extra, generator=gen)
+    return fb.to(dtype).to(DEVICE)
+
+
+# -- the pipeline, stage by stage -----------------------------------------------
+
+
+def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False):
+    """One Echo call for ``world`` virtual ranks: every kernel against its
+    reference on identical inputs, each stage fed the reference's output."""
+    lay = WireLayout(numel, world, group)
+    x = _values((world, numel), seed, special=special).to(dtype).to(DEVICE)
+    fb_ref = _feedback(world, lay, fb_dtype, seed + 1) if fb_dtype is not None else None
+    fb_ker = fb_ref.clone() if fb_ref is not None else None
+    tag = f"numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+
+    wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    wire = kernels().stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
+    if fb_ref is not None:
+        assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
+
+    recv = wire_ref.transpose(0, 1).contiguous()
+    own = list(range(world))
+    q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX)
+    q2 = kernels().stage2(recv, fb_ker, own, lay, qmax=QMAX)
+    assert_same_bits(q2, q2_ref, f"stage2 wire [{tag}]")
+    if fb_ref is not None:
+        assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
+
+    y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
+    y = kernels().output(q2_ref, lay, dtype, hadamard=hadamard)
+    assert_same_bits(y, y_ref, f"output [{tag}]", nan_any=True)
+
+    if fb_ref is not None:
+        c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
+        c = kernels().consume(x, fb_ref, lay, hadamard=hadamard)
+        assert_same_bits(c, c_ref, f"consume [{tag}]", nan_any=True)
+
+
+# Group counts per message (1, 31, 33, 1000) x P x g x dtype x rotation x
+# carried error x feedback dtype, chosen so every value of every axis meets
+# every value of the others at least once (pairwise), rather than the full
+# product (the interpreter runs ~0.1 s per launch).
+CASES = [
+    # groups, P, g, dtype, hadamard, incoming, fb dtype, numel offset
+    (1, 2, 32, "bf16", False, False, "fp32", 0),
+    (1, 3, 128, "fp16", True, True, "bf16", -7),
+    (1, 4, 16, "fp32", True, False, None, 0),
+    (31, 2, 16, "fp16", False, True, "fp32", 5),
+    (31, 3, 32, "fp32", True, True, "fp32", 0),
+    (31, 4, 64, "bf16", True, True, "bf16", -1),
+    (33, 2, 128, "bf16", True, True, "fp32", 0),
+    (33, 3, 64, "fp16", False, False, None, 3),
+    (33, 4, 32, "bf16", True, True, "fp32", 1),
+    (1000, 2, 64, "fp32", False, True, "bf16", 0),
+    (1000, 3, 16, "bf16", True, True, "fp32", -3),
+    (1000, 4, 128, "fp16", True, True, "fp32", 0),
+    (1000, 4, 32, "bf16", False, True, "fp32", 17),
+]
+
+
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", CASES)
+def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+    numel = max(1, groups * group + offset)
+    in_kernel_process(
+        run_and_compare,
+        numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
+        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world,
+    )
+
+
+def _special_values_match_reference(dt, hadamard):
+    """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs."""
+    run_and_compare(
+        40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
+        fb_dtype=torch.float32, seed=3, special=True,
+    )
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("dt", ["bf16", "fp32"])
+def test_special_values_match_reference(dt, hadamard):
+    in_kernel_process(_special_values_match_reference, dt, hadamard)
+
+
+def _decode_of_arbitrary_bytes_matches_reference(group):
+    """Stage 2 and the output decode whatever bytes arrive (random scales:
+    subnormal, huge, inf, NaN) exactly as the reference does."""
+    world = 3
+    lay = WireLayout(20 * group, world, group)
+    gen = torch.Generator().manual_seed(group)
+    recv = torch.randint(0, 256, (world, world, lay.chunk_bytes), generator=gen, dtype=torch.uint8).to(DEVICE)
+    fb_ref = _feedback(world, lay, torch.float32, 5)
+    fb_ker = fb_ref.clone()
+    q2_ref = quant.stage2_reference(recv, fb_ref, [0, 1, 2], lay, qmax=QMAX)
+    q2 = kernels().stage2(recv, fb_ker, [0, 1, 2], lay, qmax=QMAX)
+    assert_same_bits(q2, q2_ref, "stage2 wire (random bytes)")
+    assert_same_bits(fb_ker, fb_ref, "stage2 feedback (random bytes)")
+    for dt in (torch.bfloat16, torch.float16):
+        for hadamard in (False, True):
+            y_ref = quant.output_reference(recv[0], lay, dt, hadamard=hadamard)
+            y = kernels().output(recv[0], lay, dt, hadamard=hadamard)
+            assert_same_bits(y, y_ref, f"output of random bytes ({dt}, had={hadamard})", nan_any=True)
+
+
+@pytest.mark.parametrize("group", [16, 128])
+def test_decode_of_arbitrary_bytes_matches_reference(group):
+    in_kernel_process(_decode_of_arbitrary_bytes_matches_reference, group)
+
+
+def _real_rank_stage2_updates_its_own_chunk_only(rank):
+    """R = 1 (one real rank of P): only chunk ``rank`` of the buffer changes."""
+    world, group = 3, 32
+    lay = WireLayout(33 * group, world, group)
+    x = _values((world, lay.numel), 11).to(torch.bfloat16).to(DEVICE)
+    recv_all = quant.stage1_reference(x, None, lay, qmax=QMAX).transpose(0, 1).contiguous()
+    recv = recv_all[rank : rank + 1]
+    fb_ref = _feedback(1, lay, torch.float32, 12)
+    fb_ker, before = fb_ref.clone(), fb_ref.clone()
+    q2_ref = quant.stage2_reference(recv, fb_ref, [rank], lay, qmax=QMAX)
+    q2 = kernels().stage2(recv, fb_ker, [rank], lay, qmax=QMAX)
+    assert_same_bits(q2, q2_ref, "stage2 wire (one rank)")
+    assert_same_bits(fb_ker, fb_ref, "stage2 feedback (one rank)")
+    c = lay.chunk_numel
+    changed = (fb_ker != before).any(dim=0).nonzero().flatten()
+    assert changed.numel() > 0 and changed.min() >= rank * c and changed.max() < (rank + 1) * c
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_real_rank_stage2_updates_its_own_chunk_only(rank):
+    in_kernel_process(_real_rank_stage2_updates_its_own_chunk_only, rank)
+
+
+def _out_buffers_are_filled_in_place():
+    """With caller-supplied buffers nothing is allocated: the returned
+    tensors are the buffers themselves (what CUDA-graph capture needs)."""
+    world, group = 2, 32
+    lay = WireLayout(5 * group, world, group)
+    x = _values((world, lay.numel), 21).to(torch.bfloat16).to(DEVICE)
+    fb = _feedback(world, lay, torch.float32, 22)
+    wire_buf = torch.empty(world, world, lay.chunk_bytes, dtype=torch.uint8, device=DEVICE)
+    wire = kernels().stage1(x, fb, lay, qmax=QMAX, hadamard=True, has_incoming=True, out=wire_buf)
+    assert wire.data_ptr() == wire_buf.data_ptr()
+    q2_buf = torch.empty(world, lay.chunk_bytes, dtype=torch.uint8, device=DEVICE)
+    q2 = kernels().stage2(wire.transpose(0, 1).contiguous(), fb, [0, 1], lay, qmax=QMAX, out=q2_buf)
+    assert q2.data_ptr() == q2_buf.data_ptr()
+    y_buf = torch.empty(lay.numel, dtype=torch.bfloat16, device=DEVICE)
+    y = kernels().output(q2, lay, torch.bfloat16, hadamard=True, out=y_buf)
+    assert y.data_ptr() == y_buf.data_ptr()
+    assert_same_bits(y, quant.output_reference(q2, lay, torch.bfloat16, hadamard=True), "output", nan_any=True)
+
+
+def test_out_buffers_are_filled_in_place():
+    in_kernel_process(_out_buffers_are_filled_in_place)
+
+
+def _bad_arguments_raise_clear_errors():
+    lay = WireLayout(64, 2, 32)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="values per row"):
+        kernels().stage1(torch.zeros(2, 65, dtype=torch.bfloat16, device=DEVICE), None, lay,
+                 qmax=QMAX, hadamard=False, has_incoming=False)
+    with pytest.raises(ValueError, match="feedback"):
+        kernels().stage1(x, torch.zeros(2, 10, device=DEVICE), lay, qmax=QMAX, hadamard=False, has_incoming=True)
+    with pytest.raises(TypeError, match="dtype"):
+        kernels().stage1(x.to(torch.int32), None, lay, qmax=QMAX, hadamard=False, has_incoming=False)
+    with pytest.raises(ValueError, match="qmax"):
+        kernels().stage1(x, None, lay, qmax=8, hadamard=False, has_incoming=False)
+    with pytest.raises(ValueError, match="out"):
+        kernels().stage1(x, None, lay, qmax=QMAX, hadamard=False, has_incoming=False,
+                 out=torch.empty(2, 2, lay.chunk_bytes + 1, dtype=torch.uint8, device=DEVICE))
+    recv = torch.zeros(3, 3, WireLayout(64, 3, 32).chunk_bytes, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="own_chunks"):
+        kernels().stage2(recv, None, [0, 2, 1], WireLayout(64, 3, 32), qmax=QMAX)
+    with pytest.raises(ValueError, match="gathered"):
+        kernels().output(recv[0, :, :-16], lay, torch.bfloat16, hadamard=False)
+    with pytest.raises(ValueError, match="out"):
+        kernels().output(recv[0, :2], lay, torch.bfloat16, hadamard=False,
+                         out=torch.empty(lay.numel, dtype=torch.float16, device=DEVICE))
+
+
+def test_bad_arguments_raise_clear_errors():
+    in_kernel_process(_bad_arguments_raise_clear_errors)
+
+
+def _echo_calls_through_ops_match_the_reference_path():
+    """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
+    carried) gives the same bits with ECHO_KERNELS=triton as with the
+    references: the dispatcher, layouts and buffers agree end to end."""
+    from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+
+    world, shape = 3, (5, 77)
+    cfg = EchoConfig(min_bytes=0, hadamard=True)
+    results = {}
+    for mode in ("reference", "triton"):
+        with _env(ECHO_KERNELS=mode):
+            ar = EchoAllReduce(cfg, VirtualTransport(world))
+            chain = FeedbackChain(world, DEVICE)
+            outs = [
+                ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(DEVICE), chain, t)
+                for t in range(3)
+            ]
+            consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(DEVICE), chain, 3)
+            results[mode] = (outs, consumed)
+    for t, (a, b) in enumerate(zip(results["triton"][0], results["reference"][0])):
+        assert_same_bits(a, b, f"Echo call {t}", nan_any=True)
+    assert_same_bits(results["triton"][1], results["reference"][1], "absorb", nan_any=True)
+
+
+def test_echo_calls_through_ops_match_the_reference_path():
+    in_kernel_process(_echo_calls_through_ops_match_the_reference_path)
+
+
+# -- GPU only ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "numel,world,group,dt,hadamard",
+    [
+        ((1 << 24) + 123, 2, 32, "bf16", True),
+        ((1 << 24) + 123, 8, 32, "bf16", True),
+        (3 * (1 << 22) + 5, 4, 128, "fp16", True),
+        ((1 << 23), 4, 64, "bf16", False),
+        ((1 << 23) - 16, 3, 16, "fp16", True),
+    ],
+)
+@pytest.mark.parametrize("fb", ["fp32", "bf16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
+    run_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=True,
+                    fb_dtype=DTYPES[fb], seed=numel % 1000 + world, special=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_cuda_graph_replay_gives_eager_bits(hadamard):
+    """A whole Echo call (stage 1, all-to-all, stage 2, all-gather, output,
+    feedback update) captured in a CUDA graph and replayed gives the bits of
+    the eager call from the same state."""
+    from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+
+    world, shape = 4, (512, 4096)
+    ar = EchoAllReduce(EchoConfig(min_bytes=0, hadamard=hadamard), VirtualTransport(world))
+    chain = FeedbackChain(world, "cuda", capacity_numel=ar.layout(shape[0] * shape[1]).padded_numel)
+    x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
+    x1 = _values((world, *shape), 8).to(torch.bfloat16).cuda()
+    static_x = x1.clone()
+
+    def fresh_state():
+        chain.reset()
+        ar.all_reduce(x0, chain, 0)  # leaves an error for call 1
+        return chain.buffer(0).clone()
+
+    fb_start = fresh_state()
+    y_eager = ar.all_reduce(x1, chain, 1)
+    fb_eager = chain.buffer(0).clone()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (compiles kernels)
+        fresh_state()
+        ar.all_reduce(static_x, chain, 1)
+    torch.cuda.current_stream().wait_stream(side)
+    fresh_state()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = ar.all_reduce(static_x, chain, 1)
+    chain.buffer(0).copy_(fb_start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(y_static, y_eager, "graph output", nan_any=True)
+    assert_same_bits(chain.buffer(0), fb_eager, "graph feedback")
