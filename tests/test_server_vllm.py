@@ -69,6 +69,23 @@ SCRIPT = textwrap.dedent("""
     report["collisions"] = [o for o in options if o.startswith(("--echo", "--no-echo", "--tp-comm"))]
     from vllm.utils.argparse_utils import human_readable_int
     report["human"] = [[t, human_readable_int(t), parse_dotted_value(t)] for t in ("2k", "2K", "25.6k", "3G", "7")]
+
+    # the whole `echo-vllm serve` flow up to vLLM's dispatch (replaced: no GPU here)
+    import os
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    dispatched = []
+    def fake_cmd(args):
+        from prometheus_client import values
+        dispatched.append({"additional": args.additional_config, "port": args.port,
+                           "multiproc_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+                           "value_class": values.ValueClass.__name__})
+    ServeSubcommand.cmd = staticmethod(fake_cmd)
+    report["main_rc"] = cli.main(["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--port", "8123"])
+    report["dispatched"] = dispatched
+    report["multiproc_files"] = sorted(os.listdir(dispatched[0]["multiproc_dir"])) if dispatched else []
+    report["main_rc_abbreviated"] = cli.main(["m", "-tp", "2", "--tp-comm", "echo", "--enable-db"])
+    report["main_rc_rejected"] = cli.main(["m", "--tp-comm", "echo"])
+    report["n_dispatched"] = len(dispatched)
     print("REPORT" + json.dumps(report, default=str))
 """)
 
@@ -111,6 +128,17 @@ def test_echo_flags_do_not_collide_with_vllms(report):
 def test_dotted_values_match_vllms_own_parser(report):
     for text, vllm_value, ours in report["human"]:
         assert ours == vllm_value, text
+
+
+@pytest.mark.vllm
+def test_main_runs_vllm_serve_with_metrics_set_up(report):
+    assert report["main_rc"] == 0
+    (seen,) = report["dispatched"]
+    assert seen["additional"] == {"tp_comm": "echo", "tp_comm_emulate": 4} and seen["port"] == 8123
+    assert seen["multiproc_dir"] and seen["value_class"] == "MmapedValue"  # workers' values go to shared files
+    assert any(f.startswith("gauge_mostrecent_") for f in report["multiproc_files"])  # echo:config_info
+    assert report["main_rc_abbreviated"] == 2 and report["main_rc_rejected"] == 2
+    assert report["n_dispatched"] == 1  # rejected command lines never reach vLLM
 
 
 @pytest.mark.vllm

@@ -45,7 +45,8 @@ def ensure_platform_for_parsing() -> None:
 
 
 def build_parser() -> Any:
-    """vLLM's top-level parser with only the ``serve`` subcommand."""
+    """vLLM's top-level parser with only the ``serve`` subcommand (whose
+    ``validate`` step is available as ``parser.echo_serve_command``)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -54,14 +55,14 @@ def build_parser() -> Any:
                                     epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="serve"))
     subparsers = parser.add_subparsers(required=False, dest="subparser")
     command = ServeSubcommand()
-    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd,
-                                                    _echo_validate=command.validate)
+    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    parser.echo_serve_command = command
     return parser
 
 
-def parse(vllm_argv: list[str]) -> Any:
+def parse(vllm_argv: list[str], parser: Any = None) -> Any:
     """vLLM's namespace for ``vllm serve <vllm_argv>`` (vLLM prints and exits on errors)."""
-    return build_parser().parse_args(["serve", *vllm_argv])
+    return (parser or build_parser()).parse_args(["serve", *vllm_argv])
 
 
 def print_help(extra: list[str]) -> int:
@@ -83,8 +84,9 @@ def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) 
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
-    args = parse(vllm_argv)
-    args._echo_validate(args)
+    parser = build_parser()
+    args = parse(vllm_argv, parser)
+    parser.echo_serve_command.validate(args)
     problems = verify_parsed(args, settings)
     if problems:
         raise ServeArgsError(
