@@ -1,0 +1,127 @@
+"""Every vLLM symbol the glue touches, looked up in one place.
+
+Supported: vLLM 0.26 to 0.33 (the hooked method and ``additional_kwargs``
+are the same in both; ``enable_sp`` / ``fuse_gemm_comms`` exist only up to
+0.32, and the guards read them with ``getattr``). Older versions are refused;
+newer ones are tried with a warning when the hooked method still exists.
+Nothing here imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import re
+from typing import Any, Callable
+
+#: Oldest vLLM the glue runs on, and the first version not yet read.
+MIN_VERSION = (0, 26)
+UNTESTED_FROM = (0, 34)
+
+
+class VllmCompatError(RuntimeError):
+    """This vLLM lacks something the Echo hook needs."""
+
+
+def vllm_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            import vllm  # a source tree or bundle on PYTHONPATH has no metadata
+
+            return getattr(vllm, "__version__", None)
+        except ImportError:
+            return None
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of '0.26.0', '0.27.1.dev12+gabc', ..."""
+    m = re.match(r"\s*v?(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def check_version(version: str | None) -> str | None:
+    """None if supported; else why not (too old) -- raise-free so the plugin
+    can log it. Newer-than-tested versions pass (with a note from caller)."""
+    if version is None:
+        return "vLLM is not installed"
+    if version_tuple(version) < MIN_VERSION:
+        return f"vLLM {version} is older than {MIN_VERSION[0]}.{MIN_VERSION[1]}"
+    return None
+
+
+def is_untested(version: str) -> bool:
+    return version_tuple(version) >= UNTESTED_FROM
+
+
+def group_coordinator_cls() -> type:
+    from vllm.distributed import parallel_state
+
+    cls = getattr(parallel_state, "GroupCoordinator", None)
+    if cls is None or not callable(getattr(cls, "_all_reduce_out_place", None)):
+        raise VllmCompatError(
+            "vllm.distributed.parallel_state.GroupCoordinator._all_reduce_out_place not found"
+        )
+    return cls
+
+
+def current_vllm_config() -> Any:
+    """The config of the engine being built (set around worker start-up)."""
+    from vllm import config
+
+    getter = getattr(config, "get_current_vllm_config_or_none", None)
+    if getter is not None:
+        return getter()
+    try:
+        return config.get_current_vllm_config()
+    except AssertionError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _forward_context_fns() -> tuple[Callable[[], bool], Callable[[], Any]]:
+    from vllm import forward_context as fc
+
+    return fc.is_forward_context_available, fc.get_forward_context
+
+
+def forward_kwargs() -> dict | None:
+    """``additional_kwargs`` of the current forward context, or None when no
+    forward pass is running (e.g. multimodal encoders, weight sync)."""
+    available, get = _forward_context_fns()
+    if not available():
+        return None
+    kwargs = getattr(get(), "additional_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else None
+
+
+def forward_context_platform() -> Any:
+    """The platform object ``set_forward_context`` calls."""
+    from vllm import forward_context as fc
+
+    return fc.current_platform
+
+
+def hidden_size(vllm_config: Any) -> int | None:
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return None
+    try:
+        return int(model.get_hidden_size())
+    except Exception:
+        return None
+
+
+def max_num_batched_tokens(vllm_config: Any) -> int | None:
+    sched = getattr(vllm_config, "scheduler_config", None)
+    value = getattr(sched, "max_num_batched_tokens", None)
+    return int(value) if value else None
+
+
+def cudagraphs_enabled(vllm_config: Any) -> bool:
+    comp = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(comp, "cudagraph_mode", None)
+    return bool(mode) if mode is not None else False

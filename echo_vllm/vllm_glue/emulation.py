@@ -1,0 +1,357 @@
+"""One-device emulation of tensor parallelism P inside stock vLLM.
+
+With ``--tensor-parallel-size 1 --additional-config '{"tp_comm": "echo",
+"tp_comm_emulate": 4}'`` every ``RowParallelLinear`` (o_proj, down_proj, ...)
+and the ``VocabParallelEmbedding`` compute the P partial outputs real TP=P
+ranks would compute (input features / vocabulary split the same way; see
+:mod:`echo_vllm.emulation`) and reduce them with Echo over in-process
+virtual ranks -- the bits a real P-GPU run produces on those inputs. With
+``"tp_comm": "nccl"`` the same partials are summed exactly (fp32, one
+rounding): the baseline with the same split.
+
+Why custom ops: in vLLM's default mode the model forward is compiled by
+torch.compile and replayed from CUDA graphs. The emulated reduce keeps
+Python state (call index, feedback buffer), so it must be opaque to Dynamo:
+``torch.ops.echo.emulated_row_parallel`` and
+``torch.ops.echo.emulated_vocab_embedding`` are registered custom ops with
+fake (shape-only) implementations. Their Python runs on eager calls and once
+per graph capture, never at replay -- exactly like the real hook below
+vLLM's ``all_reduce`` op. The patched ``forward`` methods branch only on
+static layer attributes.
+
+Layers the emulation cannot split (quantized weights, LoRA-extended
+vocabularies, ``reduce_results=False``, sizes not divisible by P) keep their
+TP=1 math; each is logged once and counted in ``skipped_layers``.
+
+This module deliberately has no ``from __future__ import annotations``:
+``infer_schema`` reads the op functions' annotations.
+"""
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+
+from ..communicator import EchoCommunicator
+from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
+from ..config import EchoConfigError
+from ..policy import ECHO_DTYPES, Reason
+from ..transport import VirtualTransport
+from . import compat
+from .hook import SessionBase
+from .settings import TpCommSettings
+from .tracking import CallSlot, StepStats, capturing
+
+logger = logging.getLogger("echo_vllm")
+
+_SESSION: "Optional[EmulationSession]" = None
+_LIB: Any = None
+_PATCHED = False
+
+#: Skip reason of layers real TP does not reduce either (the LM head gathers).
+NOT_APPLICABLE = "not reduced in real tensor parallelism"
+
+ROW_OP = "emulated_row_parallel"
+VOCAB_OP = "emulated_vocab_embedding"
+
+
+class EmulationSession(SessionBase):
+    """P virtual ranks for every emulated layer of this process's model."""
+
+    def __init__(self, settings: TpCommSettings, vllm_config: Any):
+        super().__init__(settings, vllm_config, rank=0)
+        self.world_size = settings.emulate_world_size
+        self.comm: Optional[EchoCommunicator] = None
+        self.skipped_layers: Counter = Counter()
+        self.captured = False
+        self._reserved = False
+        self._acc: Optional[list] = None  # [err_sum, ref_sum, worst, last]
+
+    # -- the reduce every emulated layer calls ----------------------------------
+
+    def reduce(self, partials: torch.Tensor) -> torch.Tensor:
+        """Sum partials [P, tokens, hidden] as the configured all-reduce would."""
+        per_rank = partials[0]
+        slot = self.tracker.next_call(
+            compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0
+        )
+        if capturing():
+            self.captured = True
+        comm = self._communicator(partials.device)
+        residual = self.is_residual(per_rank)
+        if residual and not self._reserved:
+            self._reserve(comm, per_rank)
+        if self.settings.mode == "echo":
+            y = comm.all_reduce(partials, slot.index, last_call=slot.last_call, residual=residual)
+        else:
+            self.stats.count(
+                "exact", Reason.DISABLED.value, nbytes=per_rank.numel() * per_rank.element_size()
+            )
+            y = comm.exact(partials, slot.index)
+        if self.settings.emulate_measure:
+            self._measure(partials, y, slot, residual)
+        return y
+
+    def _communicator(self, device: torch.device) -> EchoCommunicator:
+        if self.comm is None or self.comm.chain.device != device:
+            self.comm = EchoCommunicator(
+                self.settings.echo, VirtualTransport(self.world_size), device=device, stats=self.stats
+            )
+            self.comm.fixed_capacity = True  # sized once by _reserve, never under capture
+            self._reserved = False
+        return self.comm
+
+    def _reserve(self, comm: EchoCommunicator, per_rank: torch.Tensor) -> None:
+        if per_rank.dtype not in ECHO_DTYPES or capturing():
+            return
+        comm.reserve(self.buffer_numel(per_rank))
+        self._reserved = True
+
+    # -- residual-error measurement (tp_comm_emulate_measure) --------------------
+
+    def _measure(self, partials: torch.Tensor, y: torch.Tensor, slot: CallSlot, residual: bool) -> None:
+        """Accumulate sum_t (y_t - S_t) and sum_t S_t over the pass: in a
+        pre-norm model every all-reduce output is added to the residual
+        stream, so their ratio is the stream's relative communication error
+        after each call (S_t: fp32 sum of this run's partials)."""
+        if slot.index is None or not residual or capturing():
+            return
+        if slot.first_of_forward:
+            self.flush()
+        exact = partials.float().sum(dim=0)
+        if self._acc is None or self._acc[0].shape != exact.shape:
+            self.flush()
+            self._acc = [torch.zeros_like(exact), torch.zeros_like(exact), 0.0, 0.0]
+        acc = self._acc
+        err = y.float() - exact
+        acc[0] += err
+        acc[1] += exact
+        rel = float(acc[0].norm() / acc[1].norm().clamp_min(1e-30))
+        acc[2] = max(acc[2], rel)
+        acc[3] = rel
+        self.stats.add_error_sample(float(err.norm() / exact.norm().clamp_min(1e-30)))
+
+    def flush(self) -> None:
+        """Record the measured pass (end-of-pass and worst residual error)."""
+        if self._acc is not None:
+            self.stats.add_residual_sample(self._acc[3], self._acc[2])
+        self._acc = None
+
+    # -- switching variants in one eager engine -----------------------------------
+
+    def set_variant(self, mode: Optional[str] = None, **echo_changes: Any) -> None:
+        """Change the reduce (``mode`` "echo"/"nccl", EchoConfig fields) between
+        requests. Eager engines only: a captured CUDA graph keeps the
+        decisions it was captured with."""
+        if self.captured:
+            raise RuntimeError(
+                "emulation variants can change only in eager engines (enforce_eager=True): "
+                "CUDA graphs were captured with the current one"
+            )
+        self.flush()
+        self.settings = dataclasses.replace(
+            self.settings,
+            mode=mode or self.settings.mode,
+            echo=self.settings.echo.replace(**echo_changes),
+        )
+        self.comm = None
+
+    def reset_stats(self) -> StepStats:
+        """Start fresh counters (keeping the learned call count); returns the old ones."""
+        self.flush()
+        old = self.stats
+        self.stats = StepStats(calls_per_forward=old.calls_per_forward)
+        self.tracker.stats = self.stats
+        if self.comm is not None:
+            self.comm.stats = self.stats
+        return old
+
+    def note_skipped(self, layer: torch.nn.Module, reason: str) -> None:
+        self.skipped_layers[reason] += 1
+        if self.skipped_layers[reason] == 1:
+            logger.warning(
+                "echo: emulation leaves %s layers with TP=1 math (%s); counted in skipped_layers",
+                type(layer).__name__,
+                reason,
+            )
+
+
+def current_session() -> "Optional[EmulationSession]":
+    return _SESSION
+
+
+def _session() -> EmulationSession:
+    if _SESSION is None:
+        raise RuntimeError("echo emulation op called without an emulation session")
+    return _SESSION
+
+
+# ---------------------------------------------------------------------------
+# Custom ops (opaque to Dynamo; Python runs eagerly and at capture only)
+# ---------------------------------------------------------------------------
+
+
+def _row_parallel_impl(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    s = _session()
+    return s.reduce(row_parallel_partials(x, weight, s.world_size, bias))
+
+
+def _row_parallel_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _vocab_embedding_impl(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    s = _session()
+    return s.reduce(vocab_parallel_partials(ids.long(), weight, s.world_size))
+
+
+def _vocab_embedding_fake(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+def register_ops() -> None:
+    """Define ``torch.ops.echo.emulated_*`` once per process."""
+    global _LIB
+    if _LIB is not None:
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    lib = torch.library.Library("echo", "FRAGMENT")
+    for name, impl, fake in (
+        (ROW_OP, _row_parallel_impl, _row_parallel_fake),
+        (VOCAB_OP, _vocab_embedding_impl, _vocab_embedding_fake),
+    ):
+        direct_register_custom_op(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
+    _LIB = lib
+
+
+# ---------------------------------------------------------------------------
+# Layer patches
+# ---------------------------------------------------------------------------
+
+
+def row_parallel_skip_reason(layer: Any, world_size: int) -> Optional[str]:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    if getattr(layer, "tp_size", 1) != 1:
+        return "layer is already tensor-parallel"
+    if not getattr(layer, "reduce_results", True):
+        return "reduce_results=False (the caller reduces)"
+    if not isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod):
+        return f"quantized weights ({type(getattr(layer, 'quant_method', None)).__name__})"
+    if layer.input_size % world_size:
+        return f"input size {layer.input_size} not divisible by {world_size}"
+    return None
+
+
+def vocab_embedding_skip_reason(layer: Any, world_size: int) -> Optional[str]:
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
+
+    if isinstance(layer, ParallelLMHead):
+        return NOT_APPLICABLE
+    if getattr(layer, "tp_size", 1) != 1:
+        return "layer is already tensor-parallel"
+    if getattr(layer, "num_added_embeddings", 0):
+        return "LoRA-extended vocabulary"
+    if not isinstance(getattr(layer, "quant_method", None), UnquantizedEmbeddingMethod):
+        return f"quantized embedding ({type(getattr(layer, 'quant_method', None)).__name__})"
+    try:
+        vocab_shard_bounds(layer.num_embeddings_padded, world_size)
+    except EchoConfigError as e:
+        return str(e)
+    return None
+
+
+def _mark(layer: Any, reason_fn: Any) -> None:
+    """Decide once, at construction, whether ``layer`` is emulated."""
+    s = _SESSION
+    if s is None:
+        layer._echo_emulated = False
+        return
+    reason = reason_fn(layer, s.world_size)
+    layer._echo_emulated = reason is None
+    if reason is not None and reason is not NOT_APPLICABLE:
+        s.note_skipped(layer, reason)
+
+
+def patch_layers() -> None:
+    """Patch RowParallelLinear / VocabParallelEmbedding (once per process).
+    Layers built while no emulation session exists keep vLLM's forward."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    row_init, row_forward = RowParallelLinear.__init__, RowParallelLinear.forward
+    emb_init, emb_forward = VocabParallelEmbedding.__init__, VocabParallelEmbedding.forward
+    pwal = UnquantizedLinearMethod.process_weights_after_loading
+
+    def row_parallel_init(self, *args, **kwargs):
+        row_init(self, *args, **kwargs)
+        _mark(self, row_parallel_skip_reason)
+
+    def row_parallel_forward(self, input_):
+        if not getattr(self, "_echo_emulated", False):
+            return row_forward(self, input_)
+        bias = None if self.skip_bias_add else self.bias
+        output = torch.ops.echo.emulated_row_parallel(input_, self.weight, bias)
+        if not self.return_bias:
+            return output
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def vocab_embedding_init(self, *args, **kwargs):
+        emb_init(self, *args, **kwargs)
+        _mark(self, vocab_embedding_skip_reason)
+
+    def vocab_embedding_forward(self, input_):
+        if not getattr(self, "_echo_emulated", False):
+            return emb_forward(self, input_)
+        return torch.ops.echo.emulated_vocab_embedding(input_, self.weight)
+
+    def process_weights_after_loading(self, layer):
+        # The CPU platform repacks (and drops) linear weights for its GEMM;
+        # emulated layers read layer.weight directly, so keep it.
+        if getattr(layer, "_echo_emulated", False):
+            return None
+        return pwal(self, layer)
+
+    RowParallelLinear.__init__ = row_parallel_init
+    RowParallelLinear.forward = row_parallel_forward
+    VocabParallelEmbedding.__init__ = vocab_embedding_init
+    VocabParallelEmbedding.forward = vocab_embedding_forward
+    UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+    _PATCHED = True
+
+
+def uninstall() -> None:
+    """Stop emulating for layers built from now on (a new engine without it)."""
+    global _SESSION
+    _SESSION = None
+
+
+def install(settings: TpCommSettings, vllm_config: Any) -> EmulationSession:
+    """Start emulating (called when the TP group of size 1 is created, before
+    the model is built)."""
+    global _SESSION
+    _SESSION = EmulationSession(settings, vllm_config)
+    register_ops()
+    patch_layers()
+    return _SESSION
+
+
+__all__ = [
+    "EmulationSession",
+    "current_session",
+    "install",
+    "uninstall",
+]

@@ -1,0 +1,80 @@
+"""Engine settings Echo cannot run under, refused at start-up by name.
+
+Why each one:
+
+* ``pass_config.fuse_allreduce_rms`` (FlashInfer all-reduce + RMSNorm fusion,
+  on by default on sm90/sm100 with TP > 1) replaces the all-reduce node of
+  the compiled graph with a fused kernel: the hook would never see those
+  calls and Echo would silently not run.
+* ``pass_config.enable_sp`` / ``fuse_gemm_comms`` (vLLM 0.26; gone in 0.33)
+  turn all-reduces into reduce-scatter + all-gather pairs: same problem.
+* dual-batch overlap (``enable_dbo``, ``ubatch_size > 1``) interleaves two
+  micro-batches' all-reduces, which would mix two residual streams in one
+  feedback chain.
+
+The checks read a finalized ``VllmConfig`` (defaults resolved), so they run
+in the worker when the tensor-parallel group is created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import EchoConfigError
+from .settings import TpCommSettings
+
+
+class EchoEngineConfigError(EchoConfigError):
+    """The vLLM engine configuration conflicts with Echo."""
+
+
+#: pass_config fields that remove or split the all-reduce node, and the flag
+#: that turns each off.
+_PASS_FLAGS = {
+    "fuse_allreduce_rms": "-cc.pass_config.fuse_allreduce_rms=false",
+    "enable_sp": "-cc.pass_config.enable_sp=false",
+    "fuse_gemm_comms": "-cc.pass_config.fuse_gemm_comms=false",
+}
+
+
+def conflicts(vllm_config: Any, settings: TpCommSettings) -> list[str]:
+    """Every reason the engine cannot run Echo as configured (empty: fine)."""
+    if not settings.active:
+        return []
+    problems: list[str] = []
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+    if settings.emulated and tp_size != 1:
+        problems.append(
+            f"tp_comm_emulate={settings.emulate_world_size} emulates tensor parallelism on one "
+            f"device and needs --tensor-parallel-size 1 (got {tp_size}); drop tp_comm_emulate "
+            "to run Echo on the real group"
+        )
+
+    if not settings.emulated and tp_size > 1:
+        pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+        for name, flag in _PASS_FLAGS.items():
+            if getattr(pass_config, name, None):
+                problems.append(
+                    f"compilation pass {name} is on; it removes the all-reduce Echo replaces. "
+                    f"Turn it off: vllm serve ... {flag} "
+                    f"(Python: compilation_config={{'pass_config': {{'{name}': False}}}})"
+                )
+
+    if getattr(parallel, "enable_dbo", False) or int(getattr(parallel, "ubatch_size", 0) or 0) > 1:
+        problems.append(
+            "dual-batch overlap interleaves two micro-batches' all-reduces in one feedback chain. "
+            "Turn it off: drop --enable-dbo / --ubatch-size (Python: enable_dbo=False, ubatch_size=0)"
+        )
+    return problems
+
+
+def check_engine_config(vllm_config: Any, settings: TpCommSettings) -> None:
+    """Raise :class:`EchoEngineConfigError` naming every flag to change."""
+    problems = conflicts(vllm_config, settings)
+    if problems:
+        raise EchoEngineConfigError(
+            "echo-vllm cannot run with this vLLM configuration "
+            f"(tp_comm={settings.mode!r}):\n  - " + "\n  - ".join(problems)
+        )

@@ -1,0 +1,255 @@
+"""Call indices per forward pass, and counters that stay right under CUDA graphs.
+
+Call index
+    Echo's feedback chain runs along the all-reduces of one forward pass, so
+    each call needs its position in that pass. vLLM creates a fresh
+    ``ForwardContext.additional_kwargs`` dict for every ``set_forward_context``;
+    a counter stored there restarts with every forward pass and, under CUDA
+    graphs, is read only while a graph is captured -- the index baked into a
+    graph is the one eager execution would use (vLLM's MoE layers use the
+    same pattern).
+
+Calls per forward
+    ``exact_last_call`` needs to know which call is the last one. The first
+    forward pass the hook sees end to end (vLLM's profiling run, a dummy
+    batch) tells: the count is learned when the next forward pass starts.
+    Until then no call is marked last. A later pass with another count (a
+    drafter model, a partial pass) is counted as a mismatch and logged once;
+    the learned value stays.
+
+Counters under CUDA graphs
+    A replayed graph runs no Python, so the hook cannot count its calls.
+    Every forward pass the hook observes leaves a *plan* -- its calls' (path,
+    reason, bytes) -- keyed by its token count. A per-forward host hook
+    (``on_forward_start``, wired to the platform's
+    ``set_additional_forward_context``, which vLLM calls in every
+    ``set_forward_context``) looks back at the previous pass: if it ran in a
+    CUDA-graph mode and the hook saw none of its calls, it was a replay, and
+    the plan captured for its token count is added to the counters. Calls
+    made *while capturing* go into plans only, not into the counters: they
+    executed nothing. The accounting lags by one forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..stats import EchoStats
+
+logger = logging.getLogger("echo_vllm")
+
+#: Keys Echo keeps in ``ForwardContext.additional_kwargs``.
+CALL_INDEX_KEY = "echo_call_index"
+"""Number of this group's all-reduces issued so far in the forward pass."""
+TOKENS_KEY = "echo_num_tokens"
+"""Padded token count vLLM gave ``set_forward_context`` (the graph key)."""
+GRAPH_KEY = "echo_cudagraph"
+"""The pass ran in a CUDA-graph mode (captured or replayed)."""
+
+#: Seconds between two metric exports from the per-forward hook.
+PUBLISH_INTERVAL_S = 1.0
+
+PlanEntry = tuple  # (path, reason, nbytes, wire, equiv)
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class StepStats(EchoStats):
+    """:class:`EchoStats` plus what the vLLM glue knows about forward passes."""
+
+    forwards_observed: int = 0
+    """Forward passes whose all-reduces ran Python (eager, compiled, capture)."""
+    forwards_replayed: int = 0
+    """Forward passes replayed from a CUDA graph, counted from their plan."""
+    forwards_mismatched: int = 0
+    """Observed passes whose call count differed from the learned one."""
+    calls_per_forward: int | None = None
+    """All-reduces per forward pass, learned from the first full pass."""
+    residual_err_end_sum: float = 0.0
+    """Sum over measured passes of |sum_t (y_t - S_t)| / |sum_t S_t| at the
+    end of the pass (emulation's ``tp_comm_emulate_measure``)."""
+    residual_err_max_sum: float = 0.0
+    """Same, taking the largest value over the pass's calls."""
+    residual_samples: int = 0
+    plan_sink: list | None = field(default=None, repr=False)
+    """Where ``count`` also records the current pass's calls (set by the
+    tracker)."""
+
+    def count(self, path: str, reason: str, *, nbytes: int = 0, wire: int = 0, equiv: int = 0) -> None:
+        if self.plan_sink is not None:
+            self.plan_sink.append((path, reason, nbytes, wire, equiv))
+        if not capturing():
+            super().count(path, reason, nbytes=nbytes, wire=wire, equiv=equiv)
+
+    def replay(self, plan: list[PlanEntry]) -> None:
+        """Count one replayed forward pass from its captured plan."""
+        for path, reason, nbytes, wire, equiv in plan:
+            super().count(path, reason, nbytes=nbytes, wire=wire, equiv=equiv)
+        with self._lock:
+            self.forwards_replayed += 1
+
+    def add_residual_sample(self, end: float, worst: float) -> None:
+        with self._lock:
+            self.residual_err_end_sum += end
+            self.residual_err_max_sum += worst
+            self.residual_samples += 1
+
+    def snapshot(self) -> dict:
+        snap = super().snapshot()
+        n = self.residual_samples
+        with self._lock:
+            snap.update(
+                forwards_observed=self.forwards_observed,
+                forwards_replayed=self.forwards_replayed,
+                forwards_mismatched=self.forwards_mismatched,
+                calls_per_forward=self.calls_per_forward,
+                residual_err_end_mean=self.residual_err_end_sum / n if n else None,
+                residual_err_max_mean=self.residual_err_max_sum / n if n else None,
+                residual_samples=n,
+            )
+        return snap
+
+
+@dataclass(frozen=True)
+class CallSlot:
+    """One all-reduce's place in its forward pass."""
+
+    index: int | None
+    """0-based position; None outside any forward pass."""
+    last_call: bool = False
+    """The last call of the pass (known once calls_per_forward is learned)."""
+    first_of_forward: bool = False
+
+
+NO_FORWARD = CallSlot(None)
+
+
+class ForwardTracker:
+    """Numbers the calls of each forward pass and accounts graph replays.
+
+    One per Echo session (process). ``next_call`` is called by the hook for
+    every all-reduce of its group; ``on_forward_start`` by the per-forward
+    host hook.
+    """
+
+    def __init__(self, stats: StepStats, *, rank: int = 0, publish: Callable | None = None):
+        self.stats = stats
+        self.rank = rank
+        self._publish = publish
+        self._last_publish = 0.0
+        self._observing: dict | None = None
+        self._plan: list[PlanEntry] = []
+        self._plan_tokens: int | None = None
+        self._plans: dict[int | None, list[PlanEntry]] = {}
+        self._started: dict | None = None
+
+    @property
+    def calls_per_forward(self) -> int | None:
+        return self.stats.calls_per_forward
+
+    # -- the hook's side --------------------------------------------------------
+
+    def next_call(self, kwargs: dict | None, num_tokens: int) -> CallSlot:
+        """Index of the next all-reduce of the pass whose context holds
+        ``kwargs`` (None: no forward context)."""
+        if kwargs is None:
+            self.stats.plan_sink = None
+            return NO_FORWARD
+        first = kwargs is not self._observing
+        if first:
+            self._finish_observed()
+            self._observing = kwargs
+            self._plan = []
+            self._plan_tokens = kwargs.get(TOKENS_KEY, num_tokens)
+        index = kwargs.get(CALL_INDEX_KEY, 0)
+        kwargs[CALL_INDEX_KEY] = index + 1
+        self.stats.plan_sink = self._plan
+        n = self.calls_per_forward
+        return CallSlot(index, n is not None and index == n - 1, first)
+
+    def _finish_observed(self) -> None:
+        """Close the pass observed so far: learn its call count, keep its plan."""
+        kw = self._observing
+        if kw is None:
+            return
+        self._observing = None
+        calls = kw.get(CALL_INDEX_KEY, 0)
+        self._plans[self._plan_tokens] = self._plan
+        stats = self.stats
+        with stats._lock:
+            stats.forwards_observed += 1
+            if stats.calls_per_forward is None:
+                stats.calls_per_forward = calls
+                learned = True
+            else:
+                learned = False
+                mismatch = calls != stats.calls_per_forward
+                if mismatch:
+                    stats.forwards_mismatched += 1
+        if learned:
+            logger.info("echo: learned %d all-reduces per forward pass", calls)
+        elif mismatch and stats.forwards_mismatched == 1:
+            logger.warning(
+                "echo: a forward pass made %d all-reduces, expected %d (drafter model or "
+                "partial pass?); exact_last_call marks call %d; counted in forwards_mismatched",
+                calls, stats.calls_per_forward, stats.calls_per_forward - 1,
+            )
+
+    # -- the per-forward host hook ---------------------------------------------
+
+    def on_forward_start(self, kwargs: dict, *, num_tokens: int | None, cudagraph: bool) -> None:
+        """Called as every forward context is created, before the model runs.
+        Accounts the previous pass if it was a graph replay, then tags this
+        one; exports metrics at most every PUBLISH_INTERVAL_S."""
+        self._finish_observed()
+        prev = self._started
+        if prev is not None and prev.get(GRAPH_KEY) and CALL_INDEX_KEY not in prev:
+            plan = self._plans.get(prev.get(TOKENS_KEY))
+            if plan:
+                self.stats.replay(plan)
+        kwargs[TOKENS_KEY] = num_tokens
+        kwargs[GRAPH_KEY] = bool(cudagraph)
+        self._started = kwargs
+        self.maybe_publish()
+
+    def maybe_publish(self, now: float | None = None) -> bool:
+        if self._publish is None:
+            return False
+        now = time.monotonic() if now is None else now
+        if now - self._last_publish < PUBLISH_INTERVAL_S:
+            return False
+        self._last_publish = now
+        try:
+            self._publish(self.stats.snapshot(), self.rank)
+        except Exception:  # metrics must never take the engine down
+            logger.exception("echo: metrics export failed; disabling it for this process")
+            self._publish = None
+        return True
+
+
+def metrics_publisher() -> Callable[[dict, int], Any] | None:
+    """``echo_vllm.metrics.publish`` if that module is importable."""
+    try:
+        from .. import metrics  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return getattr(metrics, "publish", None)
+
+
+def tag_forward(call_kwargs: dict) -> tuple[int | None, bool]:
+    """(padded token count, CUDA-graph mode) from the arguments vLLM passes
+    ``set_additional_forward_context`` (all by keyword in 0.26)."""
+    desc = call_kwargs.get("batch_descriptor")
+    tokens = getattr(desc, "num_tokens", None)
+    if tokens is None:
+        tokens = call_kwargs.get("num_tokens")
+    mode = call_kwargs.get("cudagraph_runtime_mode")
+    return tokens, bool(mode) if mode is not None else False

@@ -1,0 +1,210 @@
+"""The vLLM glue's pure parts (no vLLM import): settings parsing, the guard
+rules, call numbering and counters under (simulated) CUDA-graph replay."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from echo_vllm import EchoConfig, EchoConfigError
+from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
+from echo_vllm.vllm_glue import tracking
+from echo_vllm.vllm_glue.compat import check_version, version_tuple
+from echo_vllm.vllm_glue.guards import EchoEngineConfigError
+from echo_vllm.vllm_glue.tracking import (
+    CALL_INDEX_KEY,
+    ForwardTracker,
+    StepStats,
+    tag_forward,
+)
+
+# -- settings ------------------------------------------------------------------
+
+
+def test_settings_default_is_off():
+    for raw in (None, {}, {"unrelated": 1}, SimpleNamespace(tp_comm="echo")):
+        s = TpCommSettings.from_additional_config(raw)
+        assert not s.active and s.mode == "nccl" and not s.emulated
+
+
+def test_settings_parse_echo_options_and_emulation():
+    s = TpCommSettings.from_additional_config(
+        {"tp_comm": "Echo", "tp_comm_emulate": "4", "echo_group_size": "64", "echo_feedback": "off"}
+    )
+    assert s.active and s.mode == "echo" and s.emulate_world_size == 4
+    assert s.echo == EchoConfig(group_size=64, feedback=False)
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"tp_comm": "fp8"}, "tp_comm='fp8'"),
+        ({"tp_comm": "echo", "tp_comm_emulate": 1}, "tp_comm_emulate=1"),
+        ({"tp_comm": "echo", "tp_comm_emualte": 4}, "tp_comm_emualte"),
+        ({"tp_comm": "echo", "echo_gruop_size": 64}, "echo_gruop_size"),
+        ({"tp_comm": "echo", "echo_group_size": 48}, "group_size=48"),
+        ({"tp_comm": "echo", "tp_comm_emulate_measure": True}, "needs tp_comm_emulate"),
+    ],
+)
+def test_settings_reject_typos_and_bad_values(raw, needle):
+    with pytest.raises(EchoConfigError, match=None) as e:
+        TpCommSettings.from_additional_config(raw)
+    assert needle in str(e.value)
+
+
+# -- guard rules (the same function runs on real VllmConfigs in test_vllm_emulation)
+
+
+def _config(tp=2, dbo=False, ubatch=0, **passes):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_dbo=dbo, ubatch_size=ubatch),
+        compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**passes)),
+    )
+
+
+ECHO = TpCommSettings(mode="echo")
+
+
+def test_guards_pass_a_clean_config_and_ignore_echo_off():
+    assert conflicts(_config(fuse_allreduce_rms=False, enable_sp=False), ECHO) == []
+    assert conflicts(_config(fuse_allreduce_rms=True, enable_dbo=True), TpCommSettings()) == []
+
+
+def test_guards_name_every_flag():
+    bad = _config(dbo=True, fuse_allreduce_rms=True, enable_sp=True, fuse_gemm_comms=True)
+    with pytest.raises(EchoEngineConfigError) as e:
+        check_engine_config(bad, ECHO)
+    text = str(e.value)
+    for flag in ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms"):
+        assert f"-cc.pass_config.{flag}=false" in text
+    assert "--enable-dbo" in text
+
+
+def test_guards_without_fields_of_newer_vllm():
+    # vLLM 0.33 has no enable_sp / fuse_gemm_comms: absent fields are fine
+    assert conflicts(_config(fuse_allreduce_rms=False), ECHO) == []
+    assert len(conflicts(_config(ubatch=2), ECHO)) == 1
+
+
+def test_guards_for_emulation():
+    emu = TpCommSettings(mode="echo", emulate_world_size=4)
+    # fusion passes do not matter at TP=1 (no all-reduce node to remove)
+    assert conflicts(_config(tp=1, fuse_allreduce_rms=True), emu) == []
+    (msg,) = conflicts(_config(tp=2), emu)
+    assert "--tensor-parallel-size 1" in msg
+
+
+# -- versions ------------------------------------------------------------------
+
+
+def test_version_checks():
+    assert version_tuple("0.26.0") == (0, 26)
+    assert version_tuple("0.33.1.dev12+gabc") == (0, 33)
+    assert version_tuple("1.0rc1") == (1, 0)
+    assert check_version("0.26.0") is None and check_version("0.33.0") is None
+    assert "older" in check_version("0.25.2")
+    assert check_version(None) == "vLLM is not installed"
+
+
+# -- call numbering and counters ------------------------------------------------
+
+
+def _run_calls(tracker, stats, kwargs, n, tokens=8):
+    slots = []
+    for _ in range(n):
+        slot = tracker.next_call(kwargs, tokens)
+        stats.count("echo", "echo", wire=10, equiv=40)
+        slots.append(slot)
+    return slots
+
+
+def test_indices_restart_per_forward_and_the_count_is_learned():
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    first = _run_calls(tr, stats, {}, 5)
+    assert [s.index for s in first] == [0, 1, 2, 3, 4]
+    assert not any(s.last_call for s in first)  # not known yet
+    assert first[0].first_of_forward and not first[1].first_of_forward
+    second = _run_calls(tr, stats, {}, 5)
+    assert [s.index for s in second] == [0, 1, 2, 3, 4]
+    assert [s.last_call for s in second] == [False] * 4 + [True]
+    assert stats.calls_per_forward == 5
+    assert tr.next_call(None, 8).index is None  # no forward context
+
+
+def test_a_pass_with_another_count_is_counted_not_learned():
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    _run_calls(tr, stats, {}, 5)
+    _run_calls(tr, stats, {}, 3)  # e.g. a drafter model's pass
+    _run_calls(tr, stats, {}, 5)
+    assert stats.calls_per_forward == 5 and stats.forwards_mismatched == 1
+    assert stats.forwards_observed == 2  # the third pass closes with the next one
+
+
+def test_counters_include_graph_replays_and_exclude_capture(monkeypatch):
+    """Eager pass (counted), captured pass (plan only), two replays (no
+    Python ran: counted from the plan when the next pass starts)."""
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    eager = {}
+    tr.on_forward_start(eager, num_tokens=8, cudagraph=False)
+    _run_calls(tr, stats, eager, 3)
+    assert stats.calls[("echo", "echo")] == 3
+
+    monkeypatch.setattr(tracking, "capturing", lambda: True)
+    capture = {}
+    tr.on_forward_start(capture, num_tokens=16, cudagraph=True)
+    _run_calls(tr, stats, capture, 3, tokens=16)
+    monkeypatch.setattr(tracking, "capturing", lambda: False)
+    assert stats.calls[("echo", "echo")] == 3  # capture executes nothing
+
+    for _ in range(2):  # replays of the 16-token graph: the hook never runs
+        tr.on_forward_start({}, num_tokens=16, cudagraph=True)
+    tr.on_forward_start({}, num_tokens=8, cudagraph=False)  # accounts the last replay
+    assert stats.forwards_replayed == 2
+    assert stats.calls[("echo", "echo")] == 3 + 2 * 3
+    assert stats.wire_bytes == 10 * 9 and stats.equiv_16bit_bytes == 40 * 9
+    snap = stats.snapshot()
+    assert snap["forwards_replayed"] == 2 and snap["calls_per_forward"] == 3
+
+
+def test_replay_of_an_unknown_size_counts_nothing():
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    tr.on_forward_start({}, num_tokens=32, cudagraph=True)
+    tr.on_forward_start({}, num_tokens=32, cudagraph=True)
+    assert stats.forwards_replayed == 0 and not stats.calls
+
+
+def test_metrics_publish_at_most_once_a_second():
+    seen = []
+    tr = ForwardTracker(StepStats(), rank=3, publish=lambda snap, rank: seen.append(rank))
+    assert tr.maybe_publish(now=100.0)
+    assert not tr.maybe_publish(now=100.5)
+    assert tr.maybe_publish(now=101.0)
+    assert seen == [3, 3]
+
+
+def test_a_failing_metrics_export_is_disabled_not_raised():
+    def boom(snap, rank):
+        raise RuntimeError("no prometheus")
+
+    tr = ForwardTracker(StepStats(), publish=boom)
+    assert tr.maybe_publish(now=10.0)
+    assert not tr.maybe_publish(now=20.0)
+
+
+def test_tag_forward_reads_vllms_keyword_arguments():
+    desc = SimpleNamespace(num_tokens=16)
+    assert tag_forward({"num_tokens": 13, "batch_descriptor": desc, "cudagraph_runtime_mode": 1}) == (16, True)
+    assert tag_forward({"num_tokens": 13, "batch_descriptor": None, "cudagraph_runtime_mode": 0}) == (13, False)
+    assert tag_forward({}) == (None, False)
+
+
+def test_call_index_lives_in_the_forward_kwargs():
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    kw = {}
+    tr.next_call(kw, 4)
+    tr.next_call(kw, 4)
+    assert kw[CALL_INDEX_KEY] == 2

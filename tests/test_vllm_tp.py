@@ -1,0 +1,321 @@
+"""Echo inside real vLLM 0.26 tensor parallelism: two gloo processes, vLLM's
+own groups and layers (CPU platform), the plugin's hook.
+
+One launch (vLLM's import dominates: ~30-60 s on 2 cores) runs every check;
+each rank returns what it saw and the assertions run here, against the
+in-process Echo reference (VirtualTransport) fed the same partials.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from echo_vllm import EchoConfig, ProcessGroupTransport, EchoAllReduce  # noqa: E402
+from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
+from echo_vllm.launch import run_processes  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LAYERS = 3  # 1 + 2 * LAYERS all-reduces per forward pass
+HIDDEN, VOCAB = 128, 1000
+TOKENS = (5, 3, 8)  # one forward pass each; other sizes reuse the buffer
+ECHO = {"tp_comm": "echo", "echo_min_bytes": 0}
+
+
+def _stack():
+    from echo_vllm.testing.vllm_cpu import ToyStack
+
+    return ToyStack.random(layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tokens=TOKENS, seed=1234)
+
+
+def _norm(h):
+    return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def _mlp_in(h):
+    x = _norm(h)
+    return torch.nn.functional.silu(torch.cat([x, -x], dim=-1))
+
+
+class _GlooAsPynccl:
+    """vLLM's PyNcclCommunicator API (group_start/send/recv/group_end,
+    all_gather, all_reduce) over gloo point-to-point, to run PyncclTransport's
+    all-to-all indexing on CPU."""
+
+    disabled = False
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._ops = None
+
+    def group_start(self):
+        self._ops = []
+
+    def send(self, t, dst):
+        self._ops.append(self.dist.P2POp(self.dist.isend, t, dst, self.group))
+
+    def recv(self, t, src):
+        self._ops.append(self.dist.P2POp(self.dist.irecv, t, src, self.group))
+
+    def group_end(self):
+        for work in self.dist.batch_isend_irecv(self._ops):
+            work.wait()
+        self._ops = None
+
+    def all_gather(self, out, inp):
+        self.dist.all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=self.group)
+
+    def all_reduce(self, t):
+        out = t.clone()
+        self.dist.all_reduce(out, group=self.group)
+        return out
+
+
+def _worker(rank, world):
+    from echo_vllm.testing.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
+
+    use_cpu_platform()
+    from echo_vllm.plugin import register
+
+    register()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.forward_context import set_forward_context
+
+    from echo_vllm.vllm_glue import EchoEngineConfigError, current_stats
+    from echo_vllm.vllm_glue.pynccl_transport import PyncclTransport
+    from echo_vllm.vllm_glue.tracking import CALL_INDEX_KEY
+
+    out = {}
+
+    # 1. guard rails fire where the TP group is created, naming the flag
+    bad = vllm_config(
+        tp=2,
+        additional_config=ECHO,
+        pass_config=dict(fuse_allreduce_rms=True, fi_allreduce_fusion_max_size_mb=64),
+    )
+    with set_current_vllm_config(bad):
+        try:
+            init_model_parallel(bad)
+            out["guard"] = None
+        except EchoEngineConfigError as e:
+            out["guard"] = str(e)
+    ps.destroy_model_parallel()
+
+    # 2. Echo on: real layers, three forward passes, every call recorded
+    cfg = vllm_config(tp=2, additional_config=ECHO)
+    stack = _stack()
+    with set_current_vllm_config(cfg):
+        init_model_parallel(cfg)
+        tp = ps.get_tp_group()
+        out["sessions"] = sorted(
+            name for name, ref in ps._groups.items() if ref() is not None and "_echo_session" in ref().__dict__
+        )
+        out["tp_name"] = tp.unique_name
+        emb, o, down = stack.vllm_layers()
+
+        calls = []  # (forward, index, partial, output)
+        hooked = type(tp)._all_reduce_out_place
+        forward_no = [None]
+
+        def spy(x):
+            partial = x.clone()  # vLLM's CPU all-reduce works in place
+            y = hooked(tp, x)
+            from echo_vllm.vllm_glue import compat
+
+            kw = compat.forward_kwargs()
+            index = kw[CALL_INDEX_KEY] - 1 if kw is not None else None
+            calls.append((forward_no[0], index, partial, y.clone()))
+            return y
+
+        tp._all_reduce_out_place = spy
+        session = tp._echo_session
+        for f, tok in enumerate(stack.ids):
+            forward_no[0] = f
+            with set_forward_context(None, cfg, num_tokens=len(tok)):
+                h = emb(tok)
+                for layer in range(LAYERS):
+                    h = h + o[layer](_norm(h))
+                    h = h + down[layer](_mlp_in(h))
+        out["main_stats"] = current_stats().snapshot()
+        chain = session.comm.chain
+        out["chain"] = dict(
+            carried=chain.stats.carried, dropped=chain.stats.dropped, pending=chain.pending,
+            capacity=chain.capacity_numel,
+        )
+
+        # 3. calls Echo must leave to vLLM: counted with their reason
+        forward_no[0] = "extra"
+        g = torch.Generator().manual_seed(7 + rank)
+        extra_in = {
+            "fp32": torch.randn(4, HIDDEN, generator=g),
+            "3d": torch.randn(2, 4, HIDDEN, generator=g).bfloat16(),
+            "no_context": torch.randn(4, HIDDEN, generator=g).bfloat16(),
+        }
+        extra = {}
+        with set_forward_context(None, cfg, num_tokens=4):
+            for name in ("fp32", "3d"):
+                extra[name] = (extra_in[name].clone(), tp.all_reduce(extra_in[name].clone()))
+        extra["no_context"] = (extra_in["no_context"].clone(), tp.all_reduce(extra_in["no_context"].clone()))
+        out["extra"] = extra
+        out["extra_stats"] = current_stats().snapshot()
+
+        # 4. another group of the same ranks: untouched by the hook
+        other = ps.init_model_parallel_group(
+            [[0, 1]], ps.get_world_group().local_rank, "gloo", group_name="echo_test_other"
+        )
+        x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
+        out["other"] = ("_echo_session" in other.__dict__, other.all_reduce(x))
+        out["other_stats"] = current_stats().snapshot()
+
+        # 5. PyncclTransport (vLLM's pynccl API) == ProcessGroupTransport, bit for bit
+        fake = _GlooAsPynccl(tp.device_group)
+        xs = [torch.randn(6, HIDDEN, generator=g).bfloat16() for _ in range(3)]
+        by = {}
+        for label, transport in (
+            ("pynccl", PyncclTransport(fake, tp.cpu_group)),
+            ("gloo", ProcessGroupTransport(tp.device_group)),
+        ):
+            from echo_vllm import FeedbackChain
+
+            ar, chain2 = EchoAllReduce(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
+            by[label] = [ar.all_reduce(x.clone(), chain2, t) for t, x in enumerate(xs)]
+            by[label].append(transport.all_reduce_exact(xs[0].unsqueeze(0).clone()))
+        out["transports"] = by
+        tp.__dict__.pop("_all_reduce_out_place")
+    ps.destroy_model_parallel()
+
+    # 6. Echo off (no tp_comm): no session, vLLM's sum
+    off = vllm_config(tp=2)
+    with set_current_vllm_config(off):
+        init_model_parallel(off)
+        tp = ps.get_tp_group()
+        x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
+        with set_forward_context(None, off, num_tokens=4):
+            y = tp.all_reduce(x)
+        out["off"] = ("_echo_session" in tp.__dict__, y, current_stats())
+    ps.destroy_model_parallel()
+    out["calls"] = calls
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_processes(_worker, 2)
+
+
+def test_guard_rail_raises_at_tp_group_creation(ranks):
+    for r in ranks:
+        assert r["guard"] is not None
+        assert "fuse_allreduce_rms" in r["guard"]
+        assert "-cc.pass_config.fuse_allreduce_rms=false" in r["guard"]
+
+
+def test_hook_engages_only_for_the_tp_group(ranks):
+    for r in ranks:
+        assert r["sessions"] == [r["tp_name"]] and r["tp_name"].startswith("tp:")
+        has_session, y = r["other"]
+        assert not has_session
+        assert torch.equal(y, torch.full((4, HIDDEN), 3.0, dtype=torch.bfloat16))
+        assert r["other_stats"]["calls"] == r["extra_stats"]["calls"]
+
+
+def test_hook_is_off_without_the_config(ranks):
+    for r in ranks:
+        has_session, y, stats = r["off"]
+        assert not has_session and stats is None
+        assert torch.equal(y, torch.full((4, HIDDEN), 3.0, dtype=torch.bfloat16))
+
+
+def test_call_indices_restart_with_every_forward_pass(ranks):
+    per_call = 1 + 2 * LAYERS
+    for r in ranks:
+        main = [(f, i) for f, i, _, _ in r["calls"] if isinstance(f, int)]
+        assert main == [(f, i) for f in range(len(TOKENS)) for i in range(per_call)]
+        assert r["main_stats"]["calls_per_forward"] == per_call
+
+
+def test_outputs_equal_the_in_process_reference_on_the_same_partials(ranks):
+    """Both ranks return the same bits, and the bits of EmulatedTP fed the two
+    ranks' partials. The first pass has no exact last call (the call count is
+    learned from it), the later ones do -- in both."""
+    r0, r1 = ranks
+    main0 = [c for c in r0["calls"] if isinstance(c[0], int)]
+    main1 = [c for c in r1["calls"] if isinstance(c[0], int)]
+    ref = EmulatedTP(2, EchoConfig.from_mapping(ECHO, prefix="echo_"))
+    forward = None
+    for (f, i, p0, y0), (_, _, p1, y1) in zip(main0, main1):
+        if f != forward:
+            ref.begin_forward()
+            forward = f
+        expect = ref.reduce(torch.stack([p0, p1]))
+        assert torch.equal(y0, y1), (f, i)
+        assert torch.equal(y0, expect), (f, i)
+    ref.end_forward()
+
+
+def test_real_layers_split_like_the_emulation(ranks):
+    """vLLM's VocabParallelEmbedding / RowParallelLinear partials on two ranks
+    are the emulation's partials of the full weights (same shard bounds,
+    rank 0 alone adds the bias)."""
+    stack = _stack()
+    r0, r1 = ranks
+    main0 = [c for c in r0["calls"] if isinstance(c[0], int)]
+    main1 = [c for c in r1["calls"] if isinstance(c[0], int)]
+    per_call = 1 + 2 * LAYERS
+    for f, tok in enumerate(stack.ids):
+        c0, c1 = main0[f * per_call:(f + 1) * per_call], main1[f * per_call:(f + 1) * per_call]
+        got = torch.stack([c0[0][2], c1[0][2]])
+        assert torch.equal(got, vocab_parallel_partials(tok, stack.embed, 2))
+        h = c0[0][3]
+        for layer in range(LAYERS):
+            for k, (w, b, make_in) in enumerate(
+                ((stack.o[layer], stack.o_bias[layer], _norm), (stack.down[layer], None, _mlp_in))
+            ):
+                t = 1 + 2 * layer + k
+                got = torch.stack([c0[t][2], c1[t][2]])
+                want = row_parallel_partials(make_in(h), w, 2, b)
+                assert torch.equal(got, want), (f, t)
+                h = h + c0[t][3]
+
+
+def test_fallback_paths_consume_feedback(ranks):
+    """Each pass: calls 1..2L take the previous call's error -- including the
+    exact last call of passes 2 and 3, which consumes it and leaves none."""
+    per_call = 1 + 2 * LAYERS
+    for r in ranks:
+        s = r["main_stats"]
+        n = len(TOKENS)
+        assert s["calls"] == {"echo/echo": n * per_call - (n - 1), "exact/exact_last_call": n - 1}
+        assert r["chain"]["carried"] == n * (per_call - 1)
+        assert r["chain"]["dropped"] == 0
+        assert not r["chain"]["pending"]
+        # the buffer was sized once, for the largest batch vLLM allows
+        assert r["chain"]["capacity"] >= 2048 * HIDDEN
+
+
+def test_unsupported_calls_take_vllms_path_with_a_counted_reason(ranks):
+    r0, r1 = ranks
+    for name, reason in (
+        ("fp32", "exact/unsupported_dtype"),
+        ("3d", "exact/not_residual_shape"),
+        ("no_context", "exact/no_forward_context"),
+    ):
+        (x0, y0), (x1, y1) = r0["extra"][name], r1["extra"][name]
+        assert torch.equal(y0, y1)
+        assert torch.equal(y0, (x0.float() + x1.float()).to(x0.dtype)), name
+        for r in ranks:
+            assert r["extra_stats"]["calls"][reason] == 1
+
+
+def test_pynccl_transport_matches_process_group_transport(ranks):
+    for r in ranks:
+        a, b = r["transports"]["pynccl"], r["transports"]["gloo"]
+        assert len(a) == len(b) == 4
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert all(torch.equal(x, y) for x, y in zip(ranks[0]["transports"]["pynccl"], ranks[1]["transports"]["pynccl"]))
