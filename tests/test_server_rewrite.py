@@ -278,6 +278,19 @@ def test_rejected_from_config_file():
             rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--config", name], read_config=files.__getitem__)
 
 
+def test_config_file_read_with_yaml(tmp_path):
+    good = tmp_path / "serve.yaml"
+    good.write_text("tensor-parallel-size: 2\ncompilation-config:\n  mode: 3\n")
+    vllm_argv, settings = rewrite(["m", "--config", str(good), "--tp-comm", "echo"])
+    assert settings.tensor_parallel_size == 2 and split_tail(vllm_argv)[2]["mode"] == 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: [8000\n")
+    for path in (bad, tmp_path / "missing.yaml"):
+        with pytest.raises(ServeArgsError, match=f"--config {path}: ") as info:
+            rewrite(["m", "--config", str(path), "--tp-comm", "echo"])
+        assert "\n" not in str(info.value)
+
+
 # -- helpers ---------------------------------------------------------------------
 
 

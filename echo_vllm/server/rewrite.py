@@ -178,7 +178,7 @@ class _Scan:
 
 
 def _split(token: str) -> tuple[str, str | None]:
-    """``--Name_x.a.b=v`` -> (``--name-x.a.b``, ``v``): vLLM's spelling rules
+    """``--max_model_len.a_b=v`` -> (``--max-model-len.a_b``, ``v``): vLLM's spelling rules
     (underscores are dashes in the option name, not in the dotted path)."""
     name, eq, value = token.partition("=")
     if name.startswith("--"):
@@ -239,17 +239,7 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
         if base in _CONFIG_ALIASES:
             option = _CONFIG_ALIASES[base]
             raw, i = _take_value(argv, i, name, inline)
-            if path:
-                keys = path.split(".")
-                append = keys[-1].endswith("+")
-                if append:
-                    keys[-1] = keys[-1][:-1]
-                    value = list(raw.split(","))
-                else:
-                    value = parse_dotted_value(raw)
-                scan.configs[option].append((keys, value, append))
-            else:
-                scan.configs[option].append(([], _json_object(option, raw), False))
+            scan.configs[option].append(_config_entry(option, path, raw))
             scan.segments.append((option, argv[start:i]))
             continue
         if name in _TP_OPTIONS:
@@ -265,6 +255,18 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
             i += 1  # an option we do not inspect; its value (if any) follows as is
         scan.segments.append((None, argv[start:i]))
     return scan
+
+
+def _config_entry(option: str, path: str, raw: str) -> tuple[list[str], Any, bool]:
+    """One ``--additional-config`` / ``-cc`` occurrence: a JSON object, or a
+    dotted ``.a.b value`` assignment (``.a.b+ x,y`` appends to a list)."""
+    if not path:
+        return [], _json_object(option, raw), False
+    keys = path.split(".")
+    if keys[-1].endswith("+"):
+        keys[-1] = keys[-1][:-1]
+        return keys, list(raw.split(",")), True
+    return keys, parse_dotted_value(raw), False
 
 
 def _argv(scan: _Scan, *, drop: tuple[str, ...] = ()) -> list[str]:
@@ -296,8 +298,8 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
     command-line flags (vLLM's precedence: command line > config file)."""
     try:
         raw = read_config(path)
-    except OSError as e:
-        raise ServeArgsError(f"--config {path}: {e}") from None
+    except Exception as e:  # missing file, YAML syntax: the user's input, one line
+        raise ServeArgsError(f"--config {path}: {' '.join(str(e).split())}") from None
     if not isinstance(raw, Mapping):
         raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
     table = flags_by_option()
