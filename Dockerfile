@@ -18,12 +18,14 @@ COPY echo_vllm ./echo_vllm
 # what is installed); only echo-vllm and its small pure-Python dependencies
 # are added. The image ships uv; pip is the fallback.
 RUN set -eux; \
-    python3 -c "import importlib.metadata as m; print('\n'.join(f'{p}=={m.version(p)}' for p in ('torch', 'triton', 'vllm', 'numpy')))" > /tmp/keep.txt; \
     if command -v uv >/dev/null 2>&1; then \
-        uv pip install --system --no-cache --constraint /tmp/keep.txt . ; \
+        PIP="uv pip install --system --no-cache"; FREEZE="uv pip freeze --system"; \
     else \
-        python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt . ; \
+        PIP="python3 -m pip install --no-cache-dir"; FREEZE="python3 -m pip freeze"; \
     fi; \
+    $FREEZE | grep -iE '^(torch|triton|vllm|numpy)==' > /tmp/keep.txt; \
+    grep -q '^vllm==' /tmp/keep.txt; \
+    $PIP --constraint /tmp/keep.txt . ; \
     python3 -c "import importlib.metadata as m; assert any(e.name == 'echo_vllm' for e in m.entry_points(group='vllm.general_plugins')), 'vLLM plugin entry point missing'"; \
     command -v echo-vllm
 
