@@ -12,7 +12,7 @@
 #
 # Usage (repository root):  OUT=/some/dir bash scripts/gpu_serve_check.sh
 # Knobs (environment): PORT=8765 EMULATE_TP=4 NUM_PROMPTS=256 CONCURRENCY=64
-#   INPUT_LEN=256 OUTPUT_LEN=64 HEALTH_TIMEOUT=420 PYTHON=python
+#   INPUT_LEN=256 OUTPUT_LEN=64 HEALTH_TIMEOUT=420 PYTHON=python3
 #   SERVE_EXTRA="..."  extra `echo-vllm serve` flags; default none, i.e. vLLM's
 #       default torch.compile + CUDA graphs. "--enforce-eager --echo-emulate-measure"
 #       also fills the error metrics (the emulation measures in eager mode only).
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-$(mktemp -d /tmp/echo-serve-check.XXXXXX)}
 mkdir -p "$OUT"
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 PORT=${PORT:-8765}
 EMULATE_TP=${EMULATE_TP:-4}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
