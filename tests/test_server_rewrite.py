@@ -207,7 +207,7 @@ def test_config_file_counts_before_the_command_line():
 
 
 def test_dbo_last_flag_wins():
-    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo", "--no-enable-dbo"])
+    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo", "--no-enable-dbo", "--ubatch-size", "1"])
     assert settings.echo_on
 
 
@@ -218,6 +218,8 @@ REJECTS = [
     (["m", "-tp", "1", "--tp-comm", "echo"], "needs --tensor-parallel-size > 1"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo"], "cannot run with --enable-dbo"),
     (["m", "-tp", "2", "--enable_dbo", "--tp-comm", "echo"], "cannot run with --enable-dbo"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--ubatch-size=2"], "--tp-comm echo cannot run with --ubatch-size 2"),
+    (["m", "--echo-emulate-tp", "2", "--enable-dbo"], "--echo-emulate-tp cannot run with --enable-dbo"),
     (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config.fuse_allreduce_rms", "true"],
      "cannot run with -cc.pass_config.fuse_allreduce_rms=true"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--compilation-config.pass_config.fuse_allreduce_rms=True"],
@@ -271,8 +273,10 @@ def test_rejected(argv, message):
 
 
 def test_rejected_from_config_file():
-    files = {"dbo.yaml": {"enable-dbo": True}, "echo.yaml": {"echo-group-size": 64}, "list.yaml": [1]}
+    files = {"dbo.yaml": {"enable-dbo": True}, "echo.yaml": {"echo-group-size": 64}, "list.yaml": [1],
+             "ubatch.yaml": {"ubatch_size": 4}}
     for name, message in (("dbo.yaml", "--enable-dbo"), ("echo.yaml", "on the command line"),
+                          ("ubatch.yaml", "--ubatch-size 4"),
                           ("list.yaml", "expected a mapping")):
         with pytest.raises(ServeArgsError, match=message):
             rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--config", name], read_config=files.__getitem__)
@@ -319,11 +323,11 @@ def test_verify_parsed_reports_what_vllm_saw_differently():
     good = SimpleNamespace(tensor_parallel_size=2, enable_dbo=False, additional_config={"tp_comm": "echo"},
                            compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**OFF)))
     assert verify_parsed(good, settings) == []
-    bad = SimpleNamespace(tensor_parallel_size=4, enable_dbo=True, additional_config={},
+    bad = SimpleNamespace(tensor_parallel_size=4, enable_dbo=True, ubatch_size=2, additional_config={},
                           compilation_config=SimpleNamespace(pass_config=SimpleNamespace(
                               fuse_allreduce_rms=None, enable_sp=False, fuse_gemm_comms=True)))
     problems = verify_parsed(bad, settings)
-    assert problems == ["tensor_parallel_size=4, expected 2", "enable_dbo is on",
+    assert problems == ["tensor_parallel_size=4, expected 2", "enable_dbo is on", "ubatch_size=2, expected <= 1",
                         "additional_config tp_comm=None, expected 'echo'",
                         "compilation_config.pass_config.fuse_allreduce_rms=None, expected False",
                         "compilation_config.pass_config.fuse_gemm_comms=True, expected False"]

@@ -44,6 +44,7 @@ _CONFIG_ALIASES = {ADDITIONAL_CONFIG: ADDITIONAL_CONFIG, COMPILATION_CONFIG: COM
                    "-cc": COMPILATION_CONFIG}
 _TP_OPTIONS = ("-tp", "--tensor-parallel-size")
 _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
+_UBATCH_OPTION = "--ubatch-size"
 
 #: Compilation passes that remove or replace the all-reduce Echo hooks:
 #: FlashInfer's fused all-reduce + RMSNorm, sequence parallelism
@@ -167,6 +168,8 @@ class _Scan:
     file_tp: int | None = None
     """From a --config file: used only when the command line does not say."""
     file_dbo: bool | None = None
+    ubatch: int | None = None
+    file_ubatch: int | None = None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -175,6 +178,10 @@ class _Scan:
     @property
     def enable_dbo(self) -> bool:
         return bool(next((v for v in (self.dbo, self.file_dbo) if v is not None), False))
+
+    @property
+    def ubatch_size(self) -> int:
+        return next((v for v in (self.ubatch, self.file_ubatch) if v is not None), 0)
 
 
 def _split(token: str) -> tuple[str, str | None]:
@@ -248,6 +255,9 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
         elif name in _DBO_OPTIONS:
             scan.dbo = _DBO_OPTIONS[name]
             i += 1
+        elif name == _UBATCH_OPTION:
+            raw, i = _take_value(argv, i, name, inline)
+            scan.ubatch = _int(name, raw)
         elif name == "--config":
             raw, i = _take_value(argv, i, name, inline)
             _scan_config_file(scan, raw, read_config)
@@ -316,6 +326,8 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
             scan.file_tp = _int(name, value)
         elif name == "--enable-dbo":
             scan.file_dbo = bool(value)
+        elif name == _UBATCH_OPTION:
+            scan.file_ubatch = _int(name, value)
 
 
 def _merge(occurrences: list[tuple[list[str], Any, bool]]) -> dict:
@@ -466,6 +478,12 @@ def rewrite_args(
         raise ServeArgsError(
             f"--echo-emulate-tp {emulate} emulates TP={emulate} on one GPU and needs "
             f"--tensor-parallel-size 1 (got {tp})")
+    if (tp_comm == "echo" or emulate) and (scan.enable_dbo or scan.ubatch_size > 1):
+        mode = "--tp-comm echo" if tp_comm == "echo" else "--echo-emulate-tp"
+        given = "--enable-dbo" if scan.enable_dbo else f"--ubatch-size {scan.ubatch_size}"
+        raise ServeArgsError(
+            f"{mode} cannot run with {given}: dual-batch overlap interleaves two micro-batches' "
+            "all-reduces and would mix their error-feedback chains")
     emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
 
     if tp_comm == "nccl":
@@ -480,10 +498,6 @@ def rewrite_args(
         return vllm_argv, ServeSettings("nccl", tp, emulate, additional_config=additional)
 
     echo_values = _echo_values(scan, additional)
-    if scan.enable_dbo:
-        raise ServeArgsError(
-            "--tp-comm echo cannot run with --enable-dbo: dual-batch overlap interleaves two "
-            "micro-batches' all-reduces and would mix their error-feedback chains")
     if not emulate and tp == 1:
         raise ServeArgsError(
             "--tp-comm echo needs --tensor-parallel-size > 1 (or --echo-emulate-tp P "
@@ -515,8 +529,10 @@ def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:
     parsed_tp = getattr(args, "tensor_parallel_size", None)
     if parsed_tp != settings.tensor_parallel_size:
         problems.append(f"tensor_parallel_size={parsed_tp}, expected {settings.tensor_parallel_size}")
-    if settings.echo_on and getattr(args, "enable_dbo", False):
+    if getattr(args, "enable_dbo", False):
         problems.append("enable_dbo is on")
+    if (getattr(args, "ubatch_size", 0) or 0) > 1:
+        problems.append(f"ubatch_size={args.ubatch_size}, expected <= 1")
     additional = getattr(args, "additional_config", None) or {}
     for key in (TP_COMM_KEY, EMULATE_KEY):
         if additional.get(key) != settings.additional_config.get(key):
