@@ -220,15 +220,26 @@ def register_ops() -> None:
     global _LIB
     if _LIB is not None:
         return
-    from vllm.utils.torch_utils import direct_register_custom_op
-
     lib = torch.library.Library("echo", "FRAGMENT")
     for name, impl, fake in (
         (ROW_OP, _row_parallel_impl, _row_parallel_fake),
         (VOCAB_OP, _vocab_embedding_impl, _vocab_embedding_fake),
     ):
-        direct_register_custom_op(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
+        _register_op(lib, name, impl, fake)
     _LIB = lib
+
+
+def _register_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
+    """vLLM's helper (dispatch key of the current platform); plain
+    torch.library where a vLLM version lacks it."""
+    try:
+        from vllm.utils.torch_utils import direct_register_custom_op
+    except ImportError:
+        lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+        return
+    direct_register_custom_op(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
 
 
 # ---------------------------------------------------------------------------
