@@ -89,18 +89,25 @@ def prompts(n: int, vocab_limit: int) -> list[list[int]]:
 
 
 def logits_of(prompt_logprobs, vocab: int):
-    """[positions, vocab] raw logits from vLLM's prompt_logprobs (first is None)."""
+    """[positions, vocab] raw logits from vLLM's prompt_logprobs (the first
+    position has none). Reads FlatLogprobs' lists directly when it gets one."""
     import torch
 
-    rows = []
-    for pos in prompt_logprobs:
-        if pos is None:
-            continue
-        row = torch.full((vocab,), float("nan"))
-        ids = torch.tensor(list(pos.keys()), dtype=torch.long)
-        row[ids] = torch.tensor([lp.logprob for lp in pos.values()], dtype=torch.float32)
-        rows.append(row)
-    return torch.stack(rows)
+    if hasattr(prompt_logprobs, "start_indices"):
+        ids = torch.tensor(prompt_logprobs.token_ids, dtype=torch.long)
+        vals = torch.tensor(prompt_logprobs.logprobs, dtype=torch.float32)
+        spans = zip(prompt_logprobs.start_indices, prompt_logprobs.end_indices)
+        positions = [(ids[a:b], vals[a:b]) for a, b in spans if b > a]
+    else:
+        positions = [
+            (torch.tensor(list(p.keys()), dtype=torch.long),
+             torch.tensor([lp.logprob for lp in p.values()], dtype=torch.float32))
+            for p in prompt_logprobs if p
+        ]
+    out = torch.full((len(positions), vocab), float("nan"))
+    for row, (i, v) in zip(out, positions):
+        row[i] = v
+    return out
 
 
 def run_phase(args) -> None:
@@ -153,7 +160,9 @@ def run_phase(args) -> None:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     ps = [{"prompt_token_ids": p} for p in prompts(args.prompts, args.vocab_limit)]
     gen = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-    lgt = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1, detokenize=False)
+    lgt = SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=-1, detokenize=False, flat_logprobs=True
+    )
 
     def measure(name):
         t = time.time()

@@ -153,12 +153,13 @@ def _worker(rank, world):
         g = torch.Generator().manual_seed(7 + rank)
         extra_in = {
             "fp32": torch.randn(4, HIDDEN, generator=g),
+            "int32": torch.randint(-100, 100, (4, HIDDEN), generator=g, dtype=torch.int32),
             "3d": torch.randn(2, 4, HIDDEN, generator=g).bfloat16(),
             "no_context": torch.randn(4, HIDDEN, generator=g).bfloat16(),
         }
         extra = {}
         with set_forward_context(None, cfg, num_tokens=4):
-            for name in ("fp32", "3d"):
+            for name in ("fp32", "int32", "3d"):
                 extra[name] = (extra_in[name].clone(), tp.all_reduce(extra_in[name].clone()))
         extra["no_context"] = (extra_in["no_context"].clone(), tp.all_reduce(extra_in["no_context"].clone()))
         out["extra"] = extra
@@ -300,16 +301,15 @@ def test_fallback_paths_consume_feedback(ranks):
 
 def test_unsupported_calls_take_vllms_path_with_a_counted_reason(ranks):
     r0, r1 = ranks
-    for name, reason in (
-        ("fp32", "exact/unsupported_dtype"),
-        ("3d", "exact/not_residual_shape"),
-        ("no_context", "exact/no_forward_context"),
-    ):
+    for name in ("fp32", "int32", "3d", "no_context"):
         (x0, y0), (x1, y1) = r0["extra"][name], r1["extra"][name]
         assert torch.equal(y0, y1)
-        assert torch.equal(y0, (x0.float() + x1.float()).to(x0.dtype)), name
-        for r in ranks:
-            assert r["extra_stats"]["calls"][reason] == 1
+        assert torch.equal(y0, x0 + x1 if name == "int32" else (x0.float() + x1.float()).to(x0.dtype)), name
+    for r in ranks:
+        calls = r["extra_stats"]["calls"]
+        assert calls["exact/unsupported_dtype"] == 2  # fp32 and int32
+        assert calls["exact/not_residual_shape"] == 1
+        assert calls["exact/no_forward_context"] == 1
 
 
 def test_pynccl_transport_matches_process_group_transport(ranks):

@@ -37,7 +37,7 @@ import torch
 from ..communicator import EchoCommunicator
 from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..config import EchoConfigError
-from ..policy import ECHO_DTYPES, Reason
+from ..policy import Reason
 from ..transport import VirtualTransport
 from . import compat
 from .hook import SessionBase
@@ -66,7 +66,6 @@ class EmulationSession(SessionBase):
         self.comm: Optional[EchoCommunicator] = None
         self.skipped_layers: Counter = Counter()
         self.captured = False
-        self._reserved = False
         self._acc: Optional[list] = None  # [err_sum, ref_sum, worst, last]
 
     # -- the reduce every emulated layer calls ----------------------------------
@@ -81,8 +80,8 @@ class EmulationSession(SessionBase):
             self.captured = True
         comm = self._communicator(partials.device)
         residual = self.is_residual(per_rank)
-        if residual and not self._reserved:
-            self._reserve(comm, per_rank)
+        if residual:
+            self.reserve_once(comm, per_rank)
         if self.settings.mode == "echo":
             y = comm.all_reduce(partials, slot.index, last_call=slot.last_call, residual=residual)
         else:
@@ -99,15 +98,9 @@ class EmulationSession(SessionBase):
             self.comm = EchoCommunicator(
                 self.settings.echo, VirtualTransport(self.world_size), device=device, stats=self.stats
             )
-            self.comm.fixed_capacity = True  # sized once by _reserve, never under capture
+            self.comm.fixed_capacity = True  # sized once by reserve_once, never under capture
             self._reserved = False
         return self.comm
-
-    def _reserve(self, comm: EchoCommunicator, per_rank: torch.Tensor) -> None:
-        if per_rank.dtype not in ECHO_DTYPES or capturing():
-            return
-        comm.reserve(self.buffer_numel(per_rank))
-        self._reserved = True
 
     # -- residual-error measurement (tp_comm_emulate_measure) --------------------
 

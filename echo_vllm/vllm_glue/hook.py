@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..communicator import EchoCommunicator
-from ..policy import ECHO_DTYPES
+from ..policy import ECHO_DTYPES, Reason
 from ..transport import ProcessGroupTransport, Transport
 from . import compat
 from .guards import check_engine_config
@@ -59,17 +59,24 @@ class SessionBase:
         """Model hidden size: residual-stream messages are [tokens, hidden]."""
         self.max_num_tokens = compat.max_num_batched_tokens(vllm_config)
         """Largest batch a forward pass carries: sizes the feedback buffer."""
+        self._reserved = False
 
     def is_residual(self, per_rank: torch.Tensor) -> bool:
         return per_rank.dim() == 2 and (
             self.hidden_size is None or per_rank.shape[-1] == self.hidden_size
         )
 
-    def buffer_numel(self, per_rank: torch.Tensor) -> int:
-        """Values per rank the feedback buffer must hold: the largest batch
-        times the hidden size."""
+    def reserve_once(self, comm: EchoCommunicator, per_rank: torch.Tensor) -> None:
+        """Allocate the feedback buffer at its largest size -- the largest
+        batch times the hidden size -- on the first residual call outside
+        graph capture (vLLM's profiling run, so its memory profiler sees the
+        buffer). Until then Echo falls back (counted): the communicator never
+        grows the buffer on demand."""
+        if self._reserved or per_rank.dtype not in ECHO_DTYPES or capturing():
+            return
         tokens = max(self.max_num_tokens or 0, per_rank.shape[0])
-        return tokens * per_rank.shape[-1]
+        comm.reserve(tokens * per_rank.shape[-1])
+        self._reserved = True
 
 
 class TpEchoSession(SessionBase):
@@ -82,18 +89,18 @@ class TpEchoSession(SessionBase):
         self.comm = EchoCommunicator(
             settings.echo, self.transport, device=coordinator.device, stats=self.stats
         )
-        # Never grow the feedback buffer on demand: it is sized once, outside
-        # graph capture (see _reserve); until then Echo falls back, counted.
-        self.comm.fixed_capacity = True
-        self._reserved = False
+        self.comm.fixed_capacity = True  # sized once by reserve_once
 
     def all_reduce(
         self, coordinator: Any, x: torch.Tensor, original: Callable[[Any, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         slot = self.tracker.next_call(compat.forward_kwargs(), x.shape[0] if x.dim() else 0)
+        if not x.is_floating_point():  # Echo's exact path adds float errors: not for ints
+            self.stats.count("exact", Reason.DTYPE.value, nbytes=x.numel() * x.element_size())
+            return original(coordinator, x)
         residual = self.is_residual(x)
-        if residual and not self._reserved:
-            self._reserve(x)
+        if residual:
+            self.reserve_once(self.comm, x)
         return self.comm.all_reduce(
             x,
             slot.index,
@@ -101,15 +108,6 @@ class TpEchoSession(SessionBase):
             residual=residual,
             exact_fn=functools.partial(original, coordinator),
         )
-
-    def _reserve(self, x: torch.Tensor) -> None:
-        """Allocate the feedback buffer at its largest size on the first
-        residual call outside graph capture (vLLM's profiling run, so its
-        memory profiler sees the buffer)."""
-        if x.dtype not in ECHO_DTYPES or capturing():
-            return
-        self.comm.reserve(self.buffer_numel(x))
-        self._reserved = True
 
 
 def make_transport(coordinator: Any) -> Transport:
