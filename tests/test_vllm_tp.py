@@ -88,7 +88,7 @@ def _worker(rank, world):
 
     from echo_vllm.vllm_glue import EchoEngineConfigError, current_stats
     from echo_vllm.vllm_glue.pynccl_transport import PyncclTransport
-    from echo_vllm.vllm_glue.tracking import CALL_INDEX_KEY
+    from echo_vllm.vllm_glue.tracking import CALL_INDEX_KEY, TOKENS_KEY
 
     out = {}
 
@@ -119,6 +119,7 @@ def _worker(rank, world):
         emb, o, down = stack.vllm_layers()
 
         calls = []  # (forward, index, partial, output)
+        tagged = []  # token count the per-forward host hook stored
         hooked = type(tp)._all_reduce_out_place
         forward_no = [None]
 
@@ -129,6 +130,7 @@ def _worker(rank, world):
 
             kw = compat.forward_kwargs()
             index = kw[CALL_INDEX_KEY] - 1 if kw is not None else None
+            tagged.append(kw.get(TOKENS_KEY) if kw is not None else None)
             calls.append((forward_no[0], index, partial, y.clone()))
             return y
 
@@ -201,6 +203,7 @@ def _worker(rank, world):
         out["off"] = ("_echo_session" in tp.__dict__, y, current_stats())
     ps.destroy_model_parallel()
     out["calls"] = calls
+    out["tagged"] = tagged
     return out
 
 
@@ -238,6 +241,8 @@ def test_call_indices_restart_with_every_forward_pass(ranks):
         main = [(f, i) for f, i, _, _ in r["calls"] if isinstance(f, int)]
         assert main == [(f, i) for f in range(len(TOKENS)) for i in range(per_call)]
         assert r["main_stats"]["calls_per_forward"] == per_call
+        # the per-forward host hook (wrapped set_additional_forward_context) ran
+        assert r["tagged"][: len(main)] == [t for t in TOKENS for _ in range(per_call)]
 
 
 def test_outputs_equal_the_in_process_reference_on_the_same_partials(ranks):
