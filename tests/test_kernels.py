@@ -50,8 +50,23 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def kernels():
+def kernels(impl: str = "triton"):
+    """The implementation under test: the Triton kernels, or the numba CPU
+    loops (``impl="cpu"``), which share their signatures."""
+    if impl == "cpu":
+        return importlib.import_module("echo_vllm.kernels.cpu_loops")
     return importlib.import_module("echo_vllm.kernels")
+
+
+def _numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+needs_numba = pytest.mark.skipif(not _numba_available(), reason="numba is not installed")
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,6 +92,20 @@ def in_kernel_process(fn, *args, **kwargs):
     if CUDA:
         return fn(*args, **kwargs)
     return _interpreter_pool().submit(_reporting, fn, *args, **kwargs).result(timeout=900)
+
+
+def _device(impl: str) -> str:
+    return "cpu" if impl == "cpu" else DEVICE
+
+
+def run_impl(impl: str, fn, *args):
+    """``fn(*args)`` for the Triton kernels (see :func:`in_kernel_process`) or,
+    in this process, for the numba CPU loops."""
+    if impl != "cpu":
+        return in_kernel_process(fn, *args)
+    if not _numba_available():
+        pytest.skip("numba is not installed")
+    return fn(*args)
 
 
 def _reporting(fn, *args, **kwargs):
@@ -139,27 +168,30 @@ def _values(shape, seed: int, *, special: bool = False) -> torch.Tensor:
     return x
 
 
-def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extra: int = 48) -> torch.Tensor:
+def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extra: int = 48,
+              device: str = DEVICE) -> torch.Tensor:
     """A buffer longer than one message (as FeedbackChain's) with small errors."""
     gen = torch.Generator().manual_seed(seed)
     fb = 1e-2 * torch.randn(rows, layout.padded_numel + extra, generator=gen)
-    return fb.to(dtype).to(DEVICE)
+    return fb.to(dtype).to(device)
 
 
 # -- the pipeline, stage by stage -----------------------------------------------
 
 
-def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False):
+def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton"):
     """One Echo call for ``world`` virtual ranks: every kernel against its
     reference on identical inputs, each stage fed the reference's output."""
+    device = "cpu" if impl == "cpu" else DEVICE
+    K = kernels(impl)
     lay = WireLayout(numel, world, group)
-    x = _values((world, numel), seed, special=special).to(dtype).to(DEVICE)
-    fb_ref = _feedback(world, lay, fb_dtype, seed + 1) if fb_dtype is not None else None
+    x = _values((world, numel), seed, special=special).to(dtype).to(device)
+    fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
-    tag = f"numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+    tag = f"{impl} numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
 
     wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
-    wire = kernels().stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
@@ -167,18 +199,18 @@ def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype,
     recv = wire_ref.transpose(0, 1).contiguous()
     own = list(range(world))
     q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX)
-    q2 = kernels().stage2(recv, fb_ker, own, lay, qmax=QMAX)
+    q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX)
     assert_same_bits(q2, q2_ref, f"stage2 wire [{tag}]")
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
 
     y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
-    y = kernels().output(q2_ref, lay, dtype, hadamard=hadamard)
+    y = K.output(q2_ref, lay, dtype, hadamard=hadamard)
     assert_same_bits(y, y_ref, f"output [{tag}]", nan_any=True)
 
     if fb_ref is not None:
         c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
-        c = kernels().consume(x, fb_ref, lay, hadamard=hadamard)
+        c = K.consume(x, fb_ref, lay, hadamard=hadamard)
         assert_same_bits(c, c_ref, f"consume [{tag}]", nan_any=True)
 
 
@@ -228,42 +260,63 @@ def test_special_values_match_reference(dt, hadamard):
     in_kernel_process(_special_values_match_reference, dt, hadamard)
 
 
-def _decode_of_arbitrary_bytes_matches_reference(group):
+def _decode_of_arbitrary_bytes_matches_reference(group, impl):
     """Stage 2 and the output decode whatever bytes arrive (random scales:
     subnormal, huge, inf, NaN) exactly as the reference does."""
-    world = 3
+    world, device, K = 3, _device(impl), kernels(impl)
     lay = WireLayout(20 * group, world, group)
     gen = torch.Generator().manual_seed(group)
-    recv = torch.randint(0, 256, (world, world, lay.chunk_bytes), generator=gen, dtype=torch.uint8).to(DEVICE)
-    fb_ref = _feedback(world, lay, torch.float32, 5)
+    recv = torch.randint(0, 256, (world, world, lay.chunk_bytes), generator=gen, dtype=torch.uint8).to(device)
+    fb_ref = _feedback(world, lay, torch.float32, 5, device=device)
     fb_ker = fb_ref.clone()
     q2_ref = quant.stage2_reference(recv, fb_ref, [0, 1, 2], lay, qmax=QMAX)
-    q2 = kernels().stage2(recv, fb_ker, [0, 1, 2], lay, qmax=QMAX)
+    q2 = K.stage2(recv, fb_ker, [0, 1, 2], lay, qmax=QMAX)
     assert_same_bits(q2, q2_ref, "stage2 wire (random bytes)")
     assert_same_bits(fb_ker, fb_ref, "stage2 feedback (random bytes)")
     for dt in (torch.bfloat16, torch.float16):
         for hadamard in (False, True):
             y_ref = quant.output_reference(recv[0], lay, dt, hadamard=hadamard)
-            y = kernels().output(recv[0], lay, dt, hadamard=hadamard)
+            y = K.output(recv[0], lay, dt, hadamard=hadamard)
             assert_same_bits(y, y_ref, f"output of random bytes ({dt}, had={hadamard})", nan_any=True)
 
 
+@needs_numba
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", CASES)
+def test_cpu_loops_match_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+    """The numba CPU loops (``ECHO_KERNELS=cpu``) give the references' bits too."""
+    run_and_compare(
+        max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
+        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, impl="cpu",
+    )
+
+
+@needs_numba
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+def test_cpu_loops_special_values_match_reference(dt, hadamard):
+    run_and_compare(
+        40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
+        fb_dtype=torch.float32, seed=3, special=True, impl="cpu",
+    )
+
+
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
 @pytest.mark.parametrize("group", [16, 128])
-def test_decode_of_arbitrary_bytes_matches_reference(group):
-    in_kernel_process(_decode_of_arbitrary_bytes_matches_reference, group)
+def test_decode_of_arbitrary_bytes_matches_reference(group, impl):
+    run_impl(impl, _decode_of_arbitrary_bytes_matches_reference, group, impl)
 
 
-def _real_rank_stage2_updates_its_own_chunk_only(rank):
+def _real_rank_stage2_updates_its_own_chunk_only(rank, impl):
     """R = 1 (one real rank of P): only chunk ``rank`` of the buffer changes."""
-    world, group = 3, 32
+    world, group, device, K = 3, 32, _device(impl), kernels(impl)
     lay = WireLayout(33 * group, world, group)
-    x = _values((world, lay.numel), 11).to(torch.bfloat16).to(DEVICE)
+    x = _values((world, lay.numel), 11).to(torch.bfloat16).to(device)
     recv_all = quant.stage1_reference(x, None, lay, qmax=QMAX).transpose(0, 1).contiguous()
     recv = recv_all[rank : rank + 1]
-    fb_ref = _feedback(1, lay, torch.float32, 12)
+    fb_ref = _feedback(1, lay, torch.float32, 12, device=device)
     fb_ker, before = fb_ref.clone(), fb_ref.clone()
     q2_ref = quant.stage2_reference(recv, fb_ref, [rank], lay, qmax=QMAX)
-    q2 = kernels().stage2(recv, fb_ker, [rank], lay, qmax=QMAX)
+    q2 = K.stage2(recv, fb_ker, [rank], lay, qmax=QMAX)
     assert_same_bits(q2, q2_ref, "stage2 wire (one rank)")
     assert_same_bits(fb_ker, fb_ref, "stage2 feedback (one rank)")
     c = lay.chunk_numel
@@ -271,9 +324,10 @@ def _real_rank_stage2_updates_its_own_chunk_only(rank):
     assert changed.numel() > 0 and changed.min() >= rank * c and changed.max() < (rank + 1) * c
 
 
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
 @pytest.mark.parametrize("rank", [0, 2])
-def test_real_rank_stage2_updates_its_own_chunk_only(rank):
-    in_kernel_process(_real_rank_stage2_updates_its_own_chunk_only, rank)
+def test_real_rank_stage2_updates_its_own_chunk_only(rank, impl):
+    run_impl(impl, _real_rank_stage2_updates_its_own_chunk_only, rank, impl)
 
 
 def _out_buffers_are_filled_in_place():
@@ -328,32 +382,33 @@ def test_bad_arguments_raise_clear_errors():
     in_kernel_process(_bad_arguments_raise_clear_errors)
 
 
-def _echo_calls_through_ops_match_the_reference_path():
+def _echo_calls_through_ops_match_the_reference_path(mode):
     """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
-    carried) gives the same bits with ECHO_KERNELS=triton as with the
+    carried) gives the same bits with ECHO_KERNELS=triton (or cpu) as with the
     references: the dispatcher, layouts and buffers agree end to end."""
     from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
 
-    world, shape = 3, (5, 77)
+    world, shape, device = 3, (5, 77), _device(mode)
     cfg = EchoConfig(min_bytes=0, hadamard=True)
     results = {}
-    for mode in ("reference", "triton"):
-        with _env(ECHO_KERNELS=mode):
+    for m in ("reference", mode):
+        with _env(ECHO_KERNELS=m):
             ar = EchoAllReduce(cfg, VirtualTransport(world))
-            chain = FeedbackChain(world, DEVICE)
+            chain = FeedbackChain(world, device)
             outs = [
-                ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(DEVICE), chain, t)
+                ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
                 for t in range(3)
             ]
-            consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(DEVICE), chain, 3)
-            results[mode] = (outs, consumed)
-    for t, (a, b) in enumerate(zip(results["triton"][0], results["reference"][0])):
+            consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(device), chain, 3)
+            results[m] = (outs, consumed)
+    for t, (a, b) in enumerate(zip(results[mode][0], results["reference"][0])):
         assert_same_bits(a, b, f"Echo call {t}", nan_any=True)
-    assert_same_bits(results["triton"][1], results["reference"][1], "absorb", nan_any=True)
+    assert_same_bits(results[mode][1], results["reference"][1], "absorb", nan_any=True)
 
 
-def test_echo_calls_through_ops_match_the_reference_path():
-    in_kernel_process(_echo_calls_through_ops_match_the_reference_path)
+@pytest.mark.parametrize("mode", ["triton", "cpu"])
+def test_echo_calls_through_ops_match_the_reference_path(mode):
+    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode)
 
 
 # -- GPU only ---------------------------------------------------------------------

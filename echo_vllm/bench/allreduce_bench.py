@@ -1,0 +1,257 @@
+"""``echo-vllm bench allreduce``: 16-bit all-reduce vs naive 4-bit vs Echo.
+
+Three ways to run, picked by ``--backend``:
+
+* ``nccl`` under ``torchrun --nproc-per-node N`` (N >= 2 GPUs): the real
+  measurement. NCCL bf16 ``all_reduce`` against :class:`EchoAllReduce`
+  (naive 4-bit, and Echo with a carried error) over the same process group;
+  CUDA events, warm-up, median of ``--iters``, inputs rotating through
+  several buffers, CUDA-graph replay below 1 MiB.
+* ``gloo`` (CPU): ``--world-size`` spawned processes on one machine, a real
+  bandwidth-bound transport; host clock between barriers. Echo runs the
+  CPU loops (``ECHO_KERNELS=cpu``) unless ``--cpu-kernels reference``.
+* one GPU and no torchrun: there is no link to measure; this prints the
+  per-kernel table and the projection (``bench kernels``).
+
+Every rank runs every call (an all-reduce is done when the slowest rank is);
+rank 0 prints an nccl-tests-style table and writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..collective import EchoAllReduce
+from ..config import EchoConfig
+from ..feedback import FeedbackChain
+from ..quant import WireLayout
+from ..transport import ProcessGroupTransport
+from . import report, timing
+
+ALGOS = ("16-bit", "naive4", "echo")
+
+
+class Contenders:
+    """The three all-reduces of one message size on one rank, each a
+    ``run(i)`` that reduces input buffer ``i mod k``."""
+
+    def __init__(self, cfg: EchoConfig, inputs: list[torch.Tensor], capacity_numel: int):
+        transport = ProcessGroupTransport()
+        self.inputs = inputs
+        # the 16-bit all-reduce works in place: its own copies, so Echo never
+        # sees the growing (eventually non-finite) sums
+        self.inputs16 = [t.clone() for t in inputs]
+        self.echo = EchoAllReduce(cfg, transport)
+        self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size), transport)
+        self.chain = FeedbackChain(1, inputs[0].device, cfg.feedback_dtype, capacity_numel)
+        self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
+
+    def x(self, i: int) -> torch.Tensor:
+        return self.inputs[i % len(self.inputs)]
+
+    def sixteen_bit(self, i: int) -> None:
+        dist.all_reduce(self.inputs16[i % len(self.inputs16)])
+
+    def naive4(self, i: int) -> torch.Tensor:
+        return self.naive.all_reduce(self.x(i))
+
+    def echo_call(self, i: int) -> torch.Tensor:
+        # the steady state of a forward pass: call 1 absorbs call 0's error
+        self.chain.record(0, self.key, left_error=True)
+        return self.echo.all_reduce(self.x(i), self.chain, 1)
+
+    def runs(self):
+        return {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call}
+
+
+def _inputs(size_bytes: int, device, seed: int, max_buffers: int) -> list[torch.Tensor]:
+    k = timing.rotation(size_bytes, max_buffers=max_buffers)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(size_bytes // 2, generator=gen, device=device).to(torch.bfloat16) for _ in range(k)]
+
+
+def measure(cfg: EchoConfig, sizes: list[int], iters: int, warmup: int, device, algos=ALGOS,
+            max_buffers: int = 16) -> list[dict]:
+    """Per size and algorithm, this rank's median seconds per call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for size in sizes:
+        inputs = _inputs(size, device, 1000 * rank + size % 997, max_buffers)
+        c = Contenders(cfg, inputs, WireLayout(size // 2, world, cfg.group_size).padded_numel)
+        for algo in algos:
+            run = c.runs()[algo]
+            if device.type != "cuda":
+                t = timing.host_time(run, iters=iters, warmup=warmup, barrier=dist.barrier)
+            elif size < timing.GRAPH_BELOW_BYTES:
+                t = timing.cuda_graph_time(run, iters=iters, warmup=warmup)
+            else:
+                t = timing.cuda_time(run, iters=iters, warmup=warmup)
+            rows.append({"size_bytes": size, "algo": algo, "world_size": world, **t.to_dict()})
+            if rank == 0:
+                print(f"  {report.human_bytes(size):>9} {algo:>7}: {t.median_s * 1e3:9.3f} ms", flush=True)
+        del c, inputs
+    return rows
+
+
+def _gloo_worker(rank, world, cfg_dict, sizes, iters, warmup, threads):
+    torch.set_num_threads(threads)
+    return measure(EchoConfig(**cfg_dict), sizes, iters, warmup, torch.device("cpu"), max_buffers=2)
+
+
+def _slowest_rank(per_rank: list[list[dict]]) -> list[report.Row]:
+    """Merge every rank's medians: an all-reduce takes as long as its
+    slowest rank."""
+    merged: dict[tuple, dict] = {}
+    for rank_rows in per_rank:
+        for r in rank_rows:
+            k = (r["size_bytes"], r["algo"])
+            if k not in merged or r["median_s"] > merged[k]["median_s"]:
+                merged[k] = r
+    return [report.Row(r["size_bytes"], r["algo"], r["world_size"], r["median_s"]) for r in merged.values()]
+
+
+def _finish(args, rows: list[report.Row], meta: dict) -> None:
+    title = f"{meta['transport']} P={meta['world_size']}"
+    print()
+    print(f"all-reduce of bf16 messages, {title}; times are medians per call; "
+          "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs 16-bit")
+    print(report.format_table(rows, "16-bit", ALGOS))
+    if args.out:
+        path = report.write_json(args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.json",
+                                 {**meta, "rows": [r.to_dict() for r in rows]})
+        report.plot_lines(
+            args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.png",
+            {a: [(r.size_bytes, r.busbw_gbps) for r in rows if r.algo == a] for a in ALGOS},
+            title=f"all-reduce busbw (of the 16-bit message), {title}", ylabel="busbw (GB/s)",
+        )
+        print(f"\nwrote {path}")
+
+
+def _meta(args, transport: str, world: int) -> dict:
+    return {
+        "transport": transport,
+        "world_size": world,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "config": _config(args).to_dict(),
+        "iters": args.iters,
+        "command": " ".join(sys.argv),
+    }
+
+
+def _config(args) -> EchoConfig:
+    return EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard,
+                      feedback_dtype=args.feedback_dtype, min_bytes=0)
+
+
+def _sizes(args, default_lo: str, default_hi: str) -> list[int]:
+    if args.sizes:
+        return [report.parse_size(s) for s in args.sizes.split(",") if s]
+    lo = report.parse_size(args.min_size or default_lo)
+    hi = report.parse_size(args.max_size or default_hi)
+    return report.size_range(lo, hi, args.factor)
+
+
+def run_gloo(args) -> int:
+    world = args.world_size
+    sizes = _sizes(args, "1M", "256M")
+    threads = max(1, (os.cpu_count() or 1) // world)
+    env = {} if args.cpu_kernels == "reference" else {"ECHO_KERNELS": "cpu"}
+    if args.cpu_kernels != "reference":
+        from ..kernels import cpu_loops
+
+        if not cpu_loops.AVAILABLE:
+            if args.cpu_kernels == "numba":
+                print("bench allreduce: numba is not installed", file=sys.stderr)
+                return 2
+            env = {}
+    mode = env.get("ECHO_KERNELS", "reference")
+    print(f"gloo: {world} processes, {threads} thread(s) each, Echo stages: {mode}")
+    results = _launch(_gloo_worker, world, _config(args).to_dict(), sizes, args.iters, args.warmup, threads, env=env)
+    meta = _meta(args, "gloo", world)
+    meta["echo_stages"] = mode
+    meta["threads_per_process"] = threads
+    _finish(args, _slowest_rank(results), meta)
+    return 0
+
+
+def _launch(fn, world, *fn_args, env):
+    from ..launch import run_processes
+
+    return run_processes(fn, world, *fn_args, backend="gloo", env=env, timeout_s=3600)
+
+
+def run_nccl(args) -> int:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    try:
+        world = dist.get_world_size()
+        sizes = _sizes(args, "8K", "1G")
+        device = torch.device("cuda", local_rank)
+        raw = measure(_config(args), sizes, args.iters, args.warmup, device)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, raw)
+        if dist.get_rank() == 0:
+            meta = _meta(args, "nccl", world)
+            meta["device"] = torch.cuda.get_device_name(device)
+            _finish(args, _slowest_rank(gathered), meta)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                    help="auto: nccl under torchrun with CUDA, the kernel table on one GPU, gloo otherwise")
+    ap.add_argument("--world-size", type=int, default=4, help="gloo processes")
+    ap.add_argument("--min-size", default="", help="smallest message (default 8K on GPUs, 1M on gloo)")
+    ap.add_argument("--max-size", default="", help="largest message (default 1G on GPUs, 256M on gloo)")
+    ap.add_argument("--factor", type=int, default=2, help="size step factor")
+    ap.add_argument("--sizes", default="", help="explicit comma list of sizes (overrides min/max)")
+    ap.add_argument("--iters", type=int, default=0, help="timed calls per point (default 20 GPU, 5 gloo)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
+    ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
+    ap.add_argument("--no-hadamard", action="store_true")
+    ap.add_argument("--feedback-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "reference"),
+                    help="gloo: Echo stages as numba loops (auto: if numba imports) or torch references")
+    ap.add_argument("--out", default="", help="directory for JSON and PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = args.backend
+    under_torchrun = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if backend == "auto":
+        backend = "nccl" if (under_torchrun and torch.cuda.is_available()) else (
+            "one-gpu" if torch.cuda.is_available() else "gloo")
+    gpu = backend in ("nccl", "one-gpu")
+    args.iters = args.iters or (20 if gpu else 5)
+    args.warmup = args.warmup or (5 if gpu else 1)
+    if backend == "gloo":
+        return run_gloo(args)
+    if backend == "nccl":
+        if not under_torchrun:
+            print("bench allreduce --backend nccl: run it under torchrun --nproc-per-node N (N >= 2)",
+                  file=sys.stderr)
+            return 2
+        return run_nccl(args)
+    print("one GPU and no torchrun: no link to measure; the per-kernel table and the projection follow "
+          "(echo-vllm bench kernels)")
+    from . import kernels_bench
+
+    kargs = argparse.Namespace(
+        world_sizes="4,8", min_size=args.min_size or "8K", max_size=args.max_size or "1G", sizes=args.sizes,
+        iters=args.iters, group_size=args.group_size, no_hadamard=args.no_hadamard,
+        feedback_dtype=args.feedback_dtype, device="cuda", skip_verify=False, out=args.out,
+    )
+    return kernels_bench.run(kargs)

@@ -1,0 +1,33 @@
+"""``echo-vllm bench <kernels|allreduce> [options]``.
+
+* ``kernels``: one GPU; every stage kernel for P virtual ranks at sizes up
+  to 1 GiB, achieved bytes/s against a measured copy, and a labelled
+  projection of the all-reduce speedup on stated links.
+* ``allreduce``: 16-bit vs naive 4-bit vs Echo; NCCL under torchrun on N
+  GPUs, gloo processes on CPU (``--backend gloo --world-size 4``); on one
+  GPU without torchrun it prints the kernel table.
+
+Both print a table last and, with ``--out DIR``, write JSON and PNG files.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import allreduce_bench, kernels_bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="echo-vllm bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    kernels_bench.add_arguments(sub.add_parser("kernels", help="per-kernel times on one GPU + projection"))
+    allreduce_bench.add_arguments(sub.add_parser("allreduce", help="all-reduce: NCCL (torchrun) or gloo (CPU)"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.what == "kernels":
+        return kernels_bench.run(args)
+    return allreduce_bench.run(args)

@@ -1,0 +1,317 @@
+"""``echo-vllm bench kernels``: every stage kernel of one Echo call, on one GPU.
+
+For each world size P and message size it times the work ONE rank of P does
+in one call (stage 1 on its whole message, stage 2 on the P chunks it
+receives, the output decode of the P gathered chunks; and ``consume``, the
+exact path's absorb), reports bytes/s against a measured device copy
+(counting only the bytes a kernel must read and write), and projects the
+all-reduce time on stated links (``projection``: labelled as such).
+
+Before timing anything it checks the kernels against the references bit for
+bit on a mid-sized message: a fast wrong kernel is not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import quant
+from ..config import EchoConfig
+from ..quant import WireLayout
+from . import projection, report, timing
+
+FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class KernelResult:
+    name: str
+    time_s: float
+    bytes_moved: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.time_s / 1e9
+
+
+@dataclass
+class SizeResult:
+    world_size: int
+    size_bytes: int
+    wire_bytes_per_rank: int
+    kernels: dict[str, KernelResult] = field(default_factory=dict)
+
+    def total_s(self, names) -> float:
+        return sum(self.kernels[n].time_s for n in names)
+
+
+ECHO_KERNELS = ("stage1", "stage2", "output")
+NAIVE_KERNELS = ("naive_stage1", "naive_stage2", "naive_output")
+
+
+# -- the operations under test ------------------------------------------------
+
+
+def _backend(device: torch.device):
+    """The Triton kernels on CUDA; on CPU (smoke runs) the ops dispatcher."""
+    if device.type == "cuda":
+        from .. import kernels
+
+        if not kernels.AVAILABLE:
+            raise SystemExit("bench kernels: Triton is not importable")
+        return kernels
+    from .. import ops
+
+    return ops
+
+
+class Slot:
+    """One set of input buffers (calls rotate through several)."""
+
+    def __init__(self, backend, lay: WireLayout, fb_dtype: torch.dtype, device: torch.device, seed: int):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.x = torch.randn(1, lay.numel, generator=gen, device=device).to(torch.bfloat16)
+        self.fb = (1e-2 * torch.randn(1, lay.padded_numel, generator=gen, device=device)).to(fb_dtype)
+        # valid wire bytes: this rank's own stage-1 output stands in for what
+        # it would receive (same sizes, same value statistics)
+        wire = backend.stage1(self.x, None, lay, qmax=7, hadamard=False, has_incoming=False)
+        self.recv = wire.contiguous()
+        self.gathered = wire[0].contiguous()
+
+
+def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, hadamard: bool):
+    """name -> (run(i), bytes it must move)."""
+    p, cb, c, n, npad = lay.world_size, lay.chunk_bytes, lay.chunk_numel, lay.numel, lay.padded_numel
+    fbe = slots[0].fb.element_size()
+    k = len(slots)
+
+    def s(i):
+        return slots[i % k]
+
+    def consume(i):
+        if backend.__name__.endswith("ops"):
+            return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard)
+        return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard, out=outs["x"])
+
+    return {
+        "stage1": (lambda i: backend.stage1(s(i).x, s(i).fb, lay, qmax=qmax, hadamard=hadamard,
+                                            has_incoming=True, out=outs["wire"]),
+                   2 * n + 2 * npad * fbe + p * cb),
+        "stage2": (lambda i: backend.stage2(s(i).recv, s(i).fb, [0], lay, qmax=qmax, out=outs["q2"]),
+                   p * cb + 2 * c * fbe + cb),
+        "output": (lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=hadamard,
+                                            out=outs["y"]),
+                   p * cb + 2 * n),
+        "consume": (consume, 2 * n + npad * fbe + 2 * n),
+        "naive_stage1": (lambda i: backend.stage1(s(i).x, None, lay, qmax=qmax, hadamard=False,
+                                                  has_incoming=False, out=outs["wire"]),
+                         2 * n + p * cb),
+        "naive_stage2": (lambda i: backend.stage2(s(i).recv, None, [0], lay, qmax=qmax, out=outs["q2"]),
+                         p * cb + cb),
+        "naive_output": (lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=False,
+                                                  out=outs["y"]),
+                         p * cb + 2 * n),
+    }
+
+
+# -- verification -------------------------------------------------------------
+
+
+def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int = 3 * (1 << 20) + 77) -> list[str]:
+    """Kernel vs reference (run on the same device), bit for bit, for one
+    Echo call and one naive call. Returns what differs (empty: all equal)."""
+    fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
+    lay = WireLayout(numel, world_size, cfg.group_size)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(world_size, numel, generator=gen, device=device)
+    x = (x * torch.exp(torch.randn(world_size, numel, generator=gen, device=device))).to(torch.bfloat16)
+    fb0 = (1e-2 * torch.randn(world_size, lay.padded_numel, generator=gen, device=device)).to(fb_dtype)
+    own = list(range(world_size))
+    bad = []
+    for name, fb, had in (("echo", fb0, cfg.hadamard), ("naive", None, False)):
+        fb_ref = None if fb is None else fb.clone()
+        fb_ker = None if fb is None else fb.clone()
+        inc = fb is not None
+        w_ref = quant.stage1_reference(x, fb_ref, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc)
+        w = backend.stage1(x, fb_ker, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc)
+        recv = w_ref.transpose(0, 1).contiguous()
+        q_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=cfg.qmax)
+        q = backend.stage2(recv, fb_ker, own, lay, qmax=cfg.qmax)
+        y_ref = quant.output_reference(q_ref, lay, torch.bfloat16, hadamard=had)
+        y = backend.output(q_ref, lay, torch.bfloat16, hadamard=had)
+        checks = {"stage1": (w, w_ref), "stage2": (q, q_ref)}
+        checks["output"] = (y.view(torch.int16), y_ref.view(torch.int16))
+        if fb is not None:
+            checks["feedback"] = (fb_ker, fb_ref)
+        bad += [f"{name}.{what}" for what, (got, want) in checks.items() if not torch.equal(got, want)]
+    return bad
+
+
+# -- measurement --------------------------------------------------------------
+
+
+def measure_copy_gbps(device: torch.device, nbytes: int, iters: int) -> float:
+    """Device-to-device copy: bytes read + written per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        t = timing.cuda_time(lambda i: dst.copy_(src), iters=iters)
+    else:
+        t = timing.host_time(lambda i: dst.copy_(src), iters=iters)
+    return 2 * nbytes / t.median_s / 1e9
+
+
+def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int) -> SizeResult:
+    lay = WireLayout(size_bytes // 2, world_size, cfg.group_size)
+    fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
+    n_slots = timing.rotation(size_bytes * (1 + 2 * torch.finfo(fb_dtype).bits // 16))
+    slots = [Slot(backend, lay, fb_dtype, device, seed) for seed in range(n_slots)]
+    outs = {
+        "wire": torch.empty(1, world_size, lay.chunk_bytes, dtype=torch.uint8, device=device),
+        "q2": torch.empty(1, lay.chunk_bytes, dtype=torch.uint8, device=device),
+        "y": torch.empty(lay.numel, dtype=torch.bfloat16, device=device),
+        "x": torch.empty(1, lay.numel, dtype=torch.bfloat16, device=device),
+    }
+    result = SizeResult(world_size, size_bytes, lay.wire_bytes_per_rank)
+    for name, (run, nbytes) in _ops(backend, lay, slots, outs, cfg.qmax, cfg.hadamard).items():
+        if device.type != "cuda":
+            t = timing.host_time(run, iters=iters)
+        elif size_bytes < timing.GRAPH_BELOW_BYTES:
+            t = timing.cuda_graph_time(run, iters=iters)
+        else:
+            t = timing.cuda_time(run, iters=iters)
+        result.kernels[name] = KernelResult(name, t.median_s, nbytes)
+    del slots
+    return result
+
+
+# -- output -------------------------------------------------------------------
+
+
+def kernel_table(results: list[SizeResult], copy_gbps: float) -> str:
+    names = ECHO_KERNELS + ("consume",) + NAIVE_KERNELS
+    head = f"{'P':>2} {'size':>9} |" + "".join(f" {n:>12} {'GB/s':>6} {'%copy':>5} |" for n in names)
+    head += f" {'echo us':>9} {'naive us':>9}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        line = f"{r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |"
+        for n in names:
+            k = r.kernels[n]
+            line += f" {k.time_s * 1e6:10.1f}us {k.gbps:6.0f} {100 * k.gbps / copy_gbps:5.1f} |"
+        line += f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f} {r.total_s(NAIVE_KERNELS) * 1e6:9.1f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def projections(results: list[SizeResult], copy_gbps: float) -> list[projection.Projection]:
+    out = []
+    by = {(r.world_size, r.size_bytes): r for r in results}
+    for link in projection.default_links(copy_gbps):
+        for (p, size), r in sorted(by.items()):
+            if p != link.world_size:
+                continue
+            out.append(projection.project(link, size, r.wire_bytes_per_rank,
+                                          r.total_s(ECHO_KERNELS), r.total_s(NAIVE_KERNELS)))
+    return out
+
+
+def projection_table(projs: list[projection.Projection], min_bytes: int = 1 << 20) -> str:
+    lines = ["PROJECTION (not a measurement): NCCL 16-bit vs Echo from measured kernel times + wire bytes",
+             f"{'link':<58} {'size':>9} {'nccl us':>9} {'echo us':>9} {'speedup':>7} {'overlap':>7} {'naive':>7}"]
+    for pr in projs:
+        if pr.size_bytes < min_bytes:
+            continue
+        lines.append(
+            f"{pr.link:<58} {report.human_bytes(pr.size_bytes):>9} {pr.nccl_s * 1e6:9.1f} "
+            f"{pr.echo_s * 1e6:9.1f} {pr.speedup:6.2f}x {pr.speedup_overlapped:6.2f}x {pr.speedup_naive:6.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--world-sizes", default="4,8", help="virtual world sizes P (comma list)")
+    ap.add_argument("--min-size", default="8K", help="smallest message (bytes of bf16 input)")
+    ap.add_argument("--max-size", default="1G", help="largest message")
+    ap.add_argument("--sizes", default="", help="explicit comma list of sizes (overrides min/max)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per point (median reported)")
+    ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
+    ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
+    ap.add_argument("--feedback-dtype", default="float32", choices=tuple(FEEDBACK_DTYPES))
+    ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
+    ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
+    ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench kernels: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard, feedback_dtype=args.feedback_dtype)
+    backend = _backend(device)
+    worlds = [int(w) for w in args.world_sizes.split(",") if w]
+    if args.sizes:
+        sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
+    else:
+        sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
+    if not args.skip_verify:
+        bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+        if bad:
+            print("bench kernels: kernels differ from the references, refusing to time them: " + ", ".join(bad),
+                  file=sys.stderr)
+            return 1
+        print(f"verified: kernels match the references bit for bit (P={worlds})")
+    copy_gbps = measure_copy_gbps(device, min(max(sizes), 1 << 30), args.iters)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; copy bandwidth (read+write): {copy_gbps:.0f} GB/s")
+    results = []
+    for p in worlds:
+        for size in sizes:
+            results.append(measure_size(backend, device, cfg, p, size, args.iters))
+            r = results[-1]
+            print(f"  P={p} {report.human_bytes(size):>9}: echo {r.total_s(ECHO_KERNELS) * 1e6:9.1f} us, "
+                  f"naive {r.total_s(NAIVE_KERNELS) * 1e6:9.1f} us", flush=True)
+    print()
+    print(f"Per-rank kernel times, config {cfg.group_size=} hadamard={cfg.hadamard} "
+          f"feedback={cfg.feedback_dtype}; %copy = bytes read+written / time vs copy bandwidth")
+    print(kernel_table(results, copy_gbps))
+    projs = projections(results, copy_gbps)
+    print()
+    print(projection_table(projs))
+    if args.out:
+        payload = {
+            "device": name,
+            "copy_gbps": copy_gbps,
+            "config": cfg.to_dict(),
+            "results": [
+                {"world_size": r.world_size, "size_bytes": r.size_bytes,
+                 "wire_bytes_per_rank": r.wire_bytes_per_rank,
+                 "kernels": {k: {"time_s": v.time_s, "bytes": v.bytes_moved, "gbps": v.gbps,
+                                 "fraction_of_copy": v.gbps / copy_gbps} for k, v in r.kernels.items()}}
+                for r in results
+            ],
+            "projection_model": projection.__doc__,
+            "projections": [pr.to_dict() for pr in projs],
+        }
+        path = report.write_json(args.out, "kernels.json", payload)
+        p0 = max(worlds)
+        report.plot_lines(
+            args.out, "kernels_bandwidth.png",
+            {n: [(r.size_bytes, r.kernels[n].gbps / copy_gbps) for r in results if r.world_size == p0]
+             for n in ECHO_KERNELS + ("consume",)},
+            title=f"{name}: kernel bytes/s as a fraction of copy bandwidth (P={p0})",
+            ylabel="fraction of copy bandwidth", hline=0.85,
+        )
+        report.plot_lines(
+            args.out, "projected_speedup.png",
+            {pr_link: [(pr.size_bytes, pr.speedup) for pr in projs if pr.link == pr_link]
+             for pr_link in dict.fromkeys(pr.link for pr in projs)},
+            title="PROJECTED Echo speedup over NCCL 16-bit (measured kernels + link model)",
+            ylabel="speedup (x)", hline=1.0,
+        )
+        print(f"\nwrote {path}")
+    return 0

@@ -1,0 +1,139 @@
+"""nccl-tests-style tables, JSON and PNG output for the benchmarks.
+
+``algbw`` is message bytes / time; ``busbw`` is ``algbw * 2 (P-1) / P``, the
+per-GPU link throughput a bandwidth-optimal all-reduce of that message
+needs (nccl-tests' definition), so 16-bit and 4-bit rows compare on the
+message the user asked to reduce, not on the bytes Echo happens to send.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass
+class Row:
+    """One measured (or projected) all-reduce."""
+
+    size_bytes: int
+    """Message size in bytes of the 16-bit input."""
+    algo: str
+    world_size: int
+    time_s: float
+    kind: str = "measured"
+    """"measured" or "projected"."""
+
+    @property
+    def algbw_gbps(self) -> float:
+        return self.size_bytes / self.time_s / 1e9
+
+    @property
+    def busbw_gbps(self) -> float:
+        p = self.world_size
+        return self.algbw_gbps * 2 * (p - 1) / p
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(algbw_gbps=self.algbw_gbps, busbw_gbps=self.busbw_gbps)
+        return d
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """``8K``, ``64MiB``, ``1G``, ``1000000`` -> bytes (binary suffixes)."""
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in "kmg" else t
+    return int(float(number) * scale)
+
+
+def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def format_table(rows: Sequence[Row], baseline: str, algos: Sequence[str]) -> str:
+    """One line per size: time / algbw / busbw of each algo and its speedup
+    over ``baseline`` (> 1 means faster than the baseline)."""
+    by = {(r.size_bytes, r.algo): r for r in rows}
+    sizes = sorted({r.size_bytes for r in rows})
+    head = f"{'size':>10} |"
+    for a in algos:
+        head += f" {a + ' us':>12} {'algbw':>7} {'busbw':>7}" + ("" if a == baseline else f" {'speedup':>7}") + " |"
+    lines = [head, "-" * len(head)]
+    for s in sizes:
+        line = f"{human_bytes(s):>10} |"
+        base = by.get((s, baseline))
+        for a in algos:
+            r = by.get((s, a))
+            if r is None:
+                line += f" {'-':>12} {'-':>7} {'-':>7}" + ("" if a == baseline else f" {'-':>7}") + " |"
+                continue
+            line += f" {r.time_s * 1e6:12.1f} {r.algbw_gbps:7.2f} {r.busbw_gbps:7.2f}"
+            if a != baseline:
+                line += f" {base.time_s / r.time_s if base else float('nan'):6.2f}x"
+            line += " |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_json(out_dir: str, name: str, payload: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    return path
+
+
+def plot_lines(
+    out_dir: str,
+    name: str,
+    series: dict[str, Iterable[tuple[float, float]]],
+    *,
+    title: str,
+    ylabel: str,
+    xlabel: str = "message size (bytes)",
+    hline: float | None = None,
+) -> str | None:
+    """Log-x line plot of ``{label: [(x, y), ...]}``; None if matplotlib is
+    missing (the JSON still holds every number)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, pts in series.items():
+        pts = sorted(pts)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+    if hline is not None:
+        ax.axhline(hline, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

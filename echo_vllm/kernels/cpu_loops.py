@@ -1,0 +1,360 @@
+"""Fused CPU loops of Echo's stages (numba), the CPU twin of the Triton kernels.
+
+The torch references in ``echo_vllm.quant`` make some thirty passes over
+memory per stage, each allocating a full-size temporary: readable, and slow
+(~10 s per stage for 32 M values on one core). These loops make one pass,
+one group at a time in a small scratch array, with the same fp32 operations
+in the same order -- so they return the references' bits (tested in
+``tests/test_kernels.py``). LLVM gets no fast-math flags from numba, so it
+neither contracts ``a - b * c`` into an FMA nor simplifies the magic-number
+rounding away.
+
+Used when ``ECHO_KERNELS=cpu`` (``echo_vllm.ops``): the gloo benchmark and
+CPU deployments opt in; the default CPU path stays the references.
+Signatures match ``echo_vllm.kernels`` (``AVAILABLE`` says whether numba
+imports). bf16 travels as its uint16 bits; fp16 inputs are widened to fp32
+(exact) by torch before the loops and fp16 outputs narrowed by torch after
+them (round to nearest even, as the reference does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..quant import WireLayout
+from . import launch
+
+try:
+    import numba
+except Exception:  # pragma: no cover - depends on the installation
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+_F = np.float32
+MAGIC = _F(12582912.0)
+FLT_MIN = _F(2.0**-126)
+CODE_BIAS = _F(8.0)
+
+
+def _njit(fn):
+    return numba.njit(nogil=True, cache=True, boundscheck=False)(fn) if AVAILABLE else fn
+
+
+# -- per-group helpers (inlined by LLVM) ---------------------------------------
+
+
+@_njit
+def _bf16_round(bits):
+    """fp32 bits (uint32) -> bf16 bits, round to nearest even, NaN -> 0x7FC0."""
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@_njit
+def _fwht(u, g):
+    """In-place butterflies in the order of ``rotation.fwht``."""
+    h = 1
+    while h < g:
+        for start in range(0, g, 2 * h):
+            for k in range(start, start + h):
+                a = u[k]
+                b = u[k + h]
+                u[k] = a + b
+                u[k + h] = a - b
+        h *= 2
+
+
+@_njit
+def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
+    """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
+    ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group).
+    ``one``/``one_bits`` are a 1-element fp32 array and its uint32 view."""
+    amax_bits = np.uint32(0)
+    bad = False
+    for k in range(g):
+        a = ub[k] & np.uint32(0x7FFFFFFF)
+        if a >= np.uint32(0x7F800000):
+            bad = True
+        elif a > amax_bits:
+            amax_bits = a
+    if bad:
+        for k in range(g):
+            codes[k] = 8
+            err[k] = _F(0.0)
+        return np.uint16(0x7FC0)
+    one_bits[0] = amax_bits
+    s32 = one[0] * inv_qmax
+    if s32 < FLT_MIN:
+        s32 = FLT_MIN
+    one[0] = s32
+    s_bits = _bf16_round(one_bits[0])
+    one_bits[0] = np.uint32(s_bits) << np.uint32(16)
+    s = one[0]
+    inv = _F(1.0) / s
+    for k in range(g):
+        y = u[k] * inv
+        y = min(max(y, -qmax), qmax)
+        r = (y + MAGIC) - MAGIC
+        codes[k] = np.int32(r) + 8
+        err[k] = u[k] - r * s
+    return s_bits
+
+
+@_njit
+def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
+    """Dequantize group ``lg`` of the chunk at byte ``chunk_first`` into
+    ``dst`` (``dst += value`` if ``accumulate``)."""
+    so = chunk_first + pb + 2 * lg
+    one_bits[0] = (np.uint32(wire[so]) | (np.uint32(wire[so + 1]) << np.uint32(8))) << np.uint32(16)
+    s = one[0]
+    po = chunk_first + lg * (g // 2)
+    for k in range(g // 2):
+        byte = wire[po + k]
+        v0 = (_F(byte & 0x0F) - CODE_BIAS) * s
+        v1 = (_F(byte >> 4) - CODE_BIAS) * s
+        if accumulate:
+            dst[2 * k] = dst[2 * k] + v0
+            dst[2 * k + 1] = dst[2 * k + 1] + v1
+        else:
+            dst[2 * k] = v0
+            dst[2 * k + 1] = v1
+
+
+@_njit
+def _write_group(wire, chunk_first, pb, lg, g, codes, s_bits):
+    po = chunk_first + lg * (g // 2)
+    for k in range(g // 2):
+        wire[po + k] = np.uint8(codes[2 * k] | (codes[2 * k + 1] << 4))
+    so = chunk_first + pb + 2 * lg
+    wire[so] = np.uint8(s_bits & 0xFF)
+    wire[so + 1] = np.uint8(s_bits >> 8)
+
+
+@_njit
+def _load(src, is_bf16, i, one, one_bits):
+    if is_bf16:
+        one_bits[0] = np.uint32(src[i]) << np.uint32(16)
+        return one[0]
+    return _F(src[i])
+
+
+@_njit
+def _store(dst, is_bf16, i, v, one, one_bits):
+    if is_bf16:
+        one[0] = v
+        dst[i] = _bf16_round(one_bits[0])
+    else:
+        dst[i] = v
+
+
+# -- the stages, one row (local rank) at a time ---------------------------------
+
+
+@_njit
+def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+    u = np.empty(g, np.float32)
+    ub = u.view(np.uint32)
+    err = np.empty(g, np.float32)
+    codes = np.empty(g, np.int32)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    groups_per_chunk = c // g
+    n_groups = (wire.shape[0] // cb) * groups_per_chunk
+    for gi in range(n_groups):
+        base = gi * g
+        for k in range(g):
+            i = base + k
+            u[k] = _load(x, x_bf16, i, one, one_bits) if i < numel else _F(0.0)
+        if hadamard:
+            _fwht(u, g)
+        if has_fb and incoming:
+            for k in range(g):
+                u[k] = u[k] + _load(fb, fb_bf16, base + k, one, one_bits)
+        s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits)
+        if has_fb:
+            for k in range(g):
+                _store(fb, fb_bf16, base + k, err[k], one, one_bits)
+        j = gi // groups_per_chunk
+        _write_group(wire, j * cb, pb, gi - j * groups_per_chunk, g, codes, s_bits)
+
+
+@_njit
+def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
+    acc = np.empty(g, np.float32)
+    ab = acc.view(np.uint32)
+    err = np.empty(g, np.float32)
+    codes = np.empty(g, np.int32)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    for lg in range(c // g):
+        for k in range(g):
+            acc[k] = _F(0.0)
+        for i in range(p):
+            _decode_group(recv, i * cb, pb, lg, g, acc, one, one_bits, True)
+        s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits)
+        if has_fb:
+            base = own * c + lg * g
+            for k in range(g):
+                e = _load(fb, fb_bf16, base + k, one, one_bits)
+                _store(fb, fb_bf16, base + k, e + err[k], one, one_bits)
+        _write_group(out, 0, pb, lg, g, codes, s_bits)
+
+
+@_njit
+def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
+    v = np.empty(g, np.float32)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    inv_g = _F(1.0) / _F(g)
+    for j in range(p):
+        for lg in range(c // g):
+            _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False)
+            if hadamard:
+                _fwht(v, g)
+                for k in range(g):
+                    v[k] = v[k] * inv_g
+            base = j * c + lg * g
+            for k in range(g):
+                if base + k < numel:
+                    _store(out, out_bf16, base + k, v[k], one, one_bits)
+
+
+@_njit
+def _consume_row(x, x_bf16, numel, fb, fb_bf16, out, padded, g, hadamard):
+    e = np.empty(g, np.float32)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    inv_g = _F(1.0) / _F(g)
+    for base in range(0, padded, g):
+        for k in range(g):
+            e[k] = _load(fb, fb_bf16, base + k, one, one_bits)
+        if hadamard:
+            _fwht(e, g)
+            for k in range(g):
+                e[k] = e[k] * inv_g
+        for k in range(g):
+            i = base + k
+            if i < numel:
+                _store(out, x_bf16, i, _load(x, x_bf16, i, one, one_bits) + e[k], one, one_bits)
+
+
+# -- torch-facing wrappers -------------------------------------------------------
+
+
+def _as_loop_input(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A 1-D row as numpy: bf16 as uint16 bits, everything else as fp32."""
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16), True
+    return t.contiguous().float().numpy(), False
+
+
+def _require(*tensors: torch.Tensor | None) -> None:
+    if not AVAILABLE:
+        raise RuntimeError("the CPU loops need numba (pip install numba)")
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"CPU loops got a tensor on {t.device}")
+
+
+def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
+    c = launch.qmax_constants(qmax)
+    return _F(c["QMAX"]), _F(c["INV_QMAX"])
+
+
+def _feedback_rows(feedback: torch.Tensor | None):
+    """Per-row numpy views of the feedback buffer that write through."""
+    if feedback is None:
+        return None, False
+    if not feedback.is_contiguous():
+        raise ValueError("feedback: the CPU loops need a contiguous buffer")
+    if feedback.dtype == torch.bfloat16:
+        return feedback.view(torch.int16).numpy().view(np.uint16), True
+    return feedback.numpy(), False
+
+
+def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out=None):
+    """CPU loop version of ``quant.stage1_reference`` (see ``kernels.stage1``)."""
+    _require(x, feedback, out)
+    rows = x.shape[0] if x.dim() == 2 else -1
+    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    if feedback is not None:
+        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    p = layout.world_size
+    wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
+    fb, fb_bf16 = _feedback_rows(feedback)
+    q, inv_q = _qmax(qmax)
+    wire_np = wire.numpy()
+    dummy = np.empty(1, np.float32)
+    for r in range(rows):
+        xr, x_bf16 = _as_loop_input(x[r])
+        _stage1_row(xr, x_bf16, layout.numel, fb[r] if fb is not None else dummy, fb_bf16,
+                    fb is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
+                    layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard))
+    return wire
+
+
+def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
+    """CPU loop version of ``quant.stage2_reference`` (see ``kernels.stage2``)."""
+    from .stage2_kernel import own_chunk_progression
+
+    _require(recv, feedback, out)
+    p = layout.world_size
+    rows = recv.shape[0] if recv.dim() == 3 else -1
+    launch.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
+    if len(own_chunks) != rows:
+        raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
+    own_chunk_progression(own_chunks, p)
+    if feedback is not None:
+        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
+    fb, fb_bf16 = _feedback_rows(feedback)
+    q, inv_q = _qmax(qmax)
+    recv_np, out_np = recv.numpy(), wire.numpy()
+    dummy = np.empty(1, np.float32)
+    for r in range(rows):
+        _stage2_row(recv_np[r].reshape(-1), p, fb[r] if fb is not None else dummy, fb_bf16, fb is not None,
+                    int(own_chunks[r]), out_np[r], layout.chunk_numel, layout.chunk_bytes,
+                    layout.payload_bytes, layout.group_size, q, inv_q)
+    return wire
+
+
+def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
+    """CPU loop version of ``quant.output_reference`` (see ``kernels.output``)."""
+    _require(gathered, out)
+    launch.check_wire("gathered", gathered, (layout.world_size, layout.chunk_bytes))
+    if out_dtype not in launch.INPUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
+    bf16 = out_dtype == torch.bfloat16
+    buf = torch.empty(layout.numel, dtype=torch.int16 if bf16 else torch.float32)
+    dst = buf.numpy().view(np.uint16) if bf16 else buf.numpy()
+    _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, layout.numel,
+                layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard))
+    y = buf.view(torch.bfloat16) if bf16 else buf.to(out_dtype)
+    if out is None:
+        return y
+    out.copy_(y.view(out.shape))
+    return out
+
+
+def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
+    """CPU loop version of ``quant.consume_reference`` (see ``kernels.consume``)."""
+    _require(x, feedback, out)
+    rows = x.shape[0] if x.dim() == 2 else -1
+    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    fb, fb_bf16 = _feedback_rows(feedback)
+    bf16 = x.dtype == torch.bfloat16
+    res = torch.empty(rows, layout.numel, dtype=torch.int16 if bf16 else torch.float32)
+    res_np = res.numpy().view(np.uint16) if bf16 else res.numpy()
+    for r in range(rows):
+        xr, _ = _as_loop_input(x[r])
+        _consume_row(xr, bf16, layout.numel, fb[r], fb_bf16, res_np[r], layout.padded_numel,
+                     layout.group_size, bool(hadamard))
+    y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
