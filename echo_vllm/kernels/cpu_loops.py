@@ -42,6 +42,11 @@ def _njit(fn):
     return numba.njit(nogil=True, cache=True, boundscheck=False)(fn) if AVAILABLE else fn
 
 
+#: Compile each loop for the group size as a constant (``numba.literally``):
+#: the per-group loops then unroll and vectorize (about 3x on the rotation).
+_literal = numba.literally if AVAILABLE else (lambda v: v)
+
+
 # -- per-group helpers (inlined by LLVM) ---------------------------------------
 
 
@@ -56,6 +61,7 @@ def _bf16_round(bits):
 @_njit
 def _fwht(u, g):
     """In-place butterflies in the order of ``rotation.fwht``."""
+    _literal(g)
     h = 1
     while h < g:
         for start in range(0, g, 2 * h):
@@ -72,6 +78,7 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
     """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
     ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group).
     ``one``/``one_bits`` are a 1-element fp32 array and its uint32 view."""
+    _literal(g)
     amax_bits = np.uint32(0)
     bad = False
     for k in range(g):
@@ -107,6 +114,7 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
 def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
     """Dequantize group ``lg`` of the chunk at byte ``chunk_first`` into
     ``dst`` (``dst += value`` if ``accumulate``)."""
+    _literal(g)
     so = chunk_first + pb + 2 * lg
     one_bits[0] = (np.uint32(wire[so]) | (np.uint32(wire[so + 1]) << np.uint32(8))) << np.uint32(16)
     s = one[0]
@@ -125,6 +133,7 @@ def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
 
 @_njit
 def _write_group(wire, chunk_first, pb, lg, g, codes, s_bits):
+    _literal(g)
     po = chunk_first + lg * (g // 2)
     for k in range(g // 2):
         wire[po + k] = np.uint8(codes[2 * k] | (codes[2 * k + 1] << 4))
@@ -134,61 +143,87 @@ def _write_group(wire, chunk_first, pb, lg, g, codes, s_bits):
 
 
 @_njit
-def _load(src, is_bf16, i, one, one_bits):
-    if is_bf16:
-        one_bits[0] = np.uint32(src[i]) << np.uint32(16)
-        return one[0]
-    return _F(src[i])
+def _load_group(src, is_bf16, base, valid, u, ub, g):
+    """``u[:valid] = src[base:base+valid]`` as fp32 (bf16 from its bits),
+    zeros after ``valid`` (the padding)."""
+    _literal(g)
+    if valid == g:  # every group but the last: a loop of constant length
+        if is_bf16:
+            for k in range(g):
+                ub[k] = np.uint32(src[base + k]) << np.uint32(16)
+        else:
+            for k in range(g):
+                u[k] = _F(src[base + k])
+        return
+    for k in range(g):
+        u[k] = _F(0.0)
+    for k in range(valid):
+        if is_bf16:
+            ub[k] = np.uint32(src[base + k]) << np.uint32(16)
+        else:
+            u[k] = _F(src[base + k])
 
 
 @_njit
-def _store(dst, is_bf16, i, v, one, one_bits):
-    if is_bf16:
-        one[0] = v
-        dst[i] = _bf16_round(one_bits[0])
-    else:
-        dst[i] = v
+def _store_group(dst, is_bf16, base, valid, v, vb, g):
+    """``dst[base:base+valid] = v[:valid]`` (bf16 rounded to nearest even)."""
+    _literal(g)
+    if valid == g:
+        if is_bf16:
+            for k in range(g):
+                dst[base + k] = _bf16_round(vb[k])
+        else:
+            for k in range(g):
+                dst[base + k] = v[k]
+        return
+    for k in range(valid):
+        if is_bf16:
+            dst[base + k] = _bf16_round(vb[k])
+        else:
+            dst[base + k] = v[k]
 
 
 # -- the stages, one row (local rank) at a time ---------------------------------
 
 
 @_njit
-def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+def _scratch(g):
+    """Per-call scratch: two fp32 groups (+ uint32 views), codes, and a
+    one-element fp32/uint32 pair for scalar bit casts."""
     u = np.empty(g, np.float32)
-    ub = u.view(np.uint32)
-    err = np.empty(g, np.float32)
+    e = np.empty(g, np.float32)
     codes = np.empty(g, np.int32)
     one = np.empty(1, np.float32)
-    one_bits = one.view(np.uint32)
+    return u, u.view(np.uint32), e, e.view(np.uint32), codes, one, one.view(np.uint32)
+
+
+@_njit
+def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+    _literal(g)
+    u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
     for gi in range(n_groups):
         base = gi * g
-        for k in range(g):
-            i = base + k
-            u[k] = _load(x, x_bf16, i, one, one_bits) if i < numel else _F(0.0)
+        _load_group(x, x_bf16, base, min(g, max(0, numel - base)), u, ub, g)
         if hadamard:
             _fwht(u, g)
         if has_fb and incoming:
+            _load_group(fb, fb_bf16, base, g, e, eb, g)
             for k in range(g):
-                u[k] = u[k] + _load(fb, fb_bf16, base + k, one, one_bits)
-        s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits)
+                u[k] = u[k] + e[k]
+        s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, e, one, one_bits)
         if has_fb:
-            for k in range(g):
-                _store(fb, fb_bf16, base + k, err[k], one, one_bits)
+            _store_group(fb, fb_bf16, base, g, e, eb, g)
         j = gi // groups_per_chunk
         _write_group(wire, j * cb, pb, gi - j * groups_per_chunk, g, codes, s_bits)
 
 
 @_njit
 def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
-    acc = np.empty(g, np.float32)
-    ab = acc.view(np.uint32)
+    _literal(g)
+    acc, ab, e, eb, codes, one, one_bits = _scratch(g)
     err = np.empty(g, np.float32)
-    codes = np.empty(g, np.int32)
-    one = np.empty(1, np.float32)
-    one_bits = one.view(np.uint32)
     for lg in range(c // g):
         for k in range(g):
             acc[k] = _F(0.0)
@@ -197,17 +232,17 @@ def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_
         s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits)
         if has_fb:
             base = own * c + lg * g
+            _load_group(fb, fb_bf16, base, g, e, eb, g)
             for k in range(g):
-                e = _load(fb, fb_bf16, base + k, one, one_bits)
-                _store(fb, fb_bf16, base + k, e + err[k], one, one_bits)
+                e[k] = e[k] + err[k]
+            _store_group(fb, fb_bf16, base, g, e, eb, g)
         _write_group(out, 0, pb, lg, g, codes, s_bits)
 
 
 @_njit
 def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
-    v = np.empty(g, np.float32)
-    one = np.empty(1, np.float32)
-    one_bits = one.view(np.uint32)
+    _literal(g)
+    v, vb, _, _, _, one, one_bits = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     for j in range(p):
         for lg in range(c // g):
@@ -217,28 +252,27 @@ def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
                 for k in range(g):
                     v[k] = v[k] * inv_g
             base = j * c + lg * g
-            for k in range(g):
-                if base + k < numel:
-                    _store(out, out_bf16, base + k, v[k], one, one_bits)
+            _store_group(out, out_bf16, base, min(g, max(0, numel - base)), v, vb, g)
 
 
 @_njit
 def _consume_row(x, x_bf16, numel, fb, fb_bf16, out, padded, g, hadamard):
-    e = np.empty(g, np.float32)
-    one = np.empty(1, np.float32)
-    one_bits = one.view(np.uint32)
+    _literal(g)
+    u, ub, e, eb, _, _, _ = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     for base in range(0, padded, g):
-        for k in range(g):
-            e[k] = _load(fb, fb_bf16, base + k, one, one_bits)
+        valid = min(g, max(0, numel - base))
+        if valid == 0:
+            break
+        _load_group(fb, fb_bf16, base, g, e, eb, g)
         if hadamard:
             _fwht(e, g)
             for k in range(g):
                 e[k] = e[k] * inv_g
-        for k in range(g):
-            i = base + k
-            if i < numel:
-                _store(out, x_bf16, i, _load(x, x_bf16, i, one, one_bits) + e[k], one, one_bits)
+        _load_group(x, x_bf16, base, valid, u, ub, g)
+        for k in range(valid):
+            u[k] = u[k] + e[k]
+        _store_group(out, x_bf16, base, valid, u, ub, g)
 
 
 # -- torch-facing wrappers -------------------------------------------------------
