@@ -193,18 +193,42 @@ def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: 
 
 
 def kernel_table(results: list[SizeResult], copy_gbps: float) -> str:
+    """Per size: each kernel's time and its bytes/s as % of the copy."""
     names = ECHO_KERNELS + ("consume",) + NAIVE_KERNELS
-    head = f"{'P':>2} {'size':>9} |" + "".join(f" {n:>12} {'GB/s':>6} {'%copy':>5} |" for n in names)
+    short = {"naive_stage1": "n.stage1", "naive_stage2": "n.stage2", "naive_output": "n.output"}
+    head = f"{'P':>2} {'size':>9} |" + "".join(f" {short.get(n, n) + ' us':>11} {'%cp':>4} |" for n in names)
     head += f" {'echo us':>9} {'naive us':>9}"
     lines = [head, "-" * len(head)]
     for r in results:
         line = f"{r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |"
         for n in names:
             k = r.kernels[n]
-            line += f" {k.time_s * 1e6:10.1f}us {k.gbps:6.0f} {100 * k.gbps / copy_gbps:5.1f} |"
+            line += f" {k.time_s * 1e6:11.1f} {100 * k.gbps / copy_gbps:4.0f} |"
         line += f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f} {r.total_s(NAIVE_KERNELS) * 1e6:9.1f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def compile_report() -> list[dict]:
+    """Registers / spills / shared memory of every compiled kernel variant
+    (Triton's cache after the run); empty if this Triton exposes no cache."""
+    from ..kernels import consume_kernel, output_kernel, stage1_kernel, stage2_kernel
+
+    rows = []
+    for fn in (stage1_kernel._stage1_kernel, stage2_kernel._stage2_kernel,
+               output_kernel._output_kernel, consume_kernel._consume_kernel):
+        caches = getattr(fn, "device_caches", None) or {}
+        for dev_cache in caches.values():
+            kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            for key, k in getattr(kernels, "items", lambda: [])():
+                rows.append({
+                    "kernel": fn.__name__ if hasattr(fn, "__name__") else str(fn),
+                    "constants": str(getattr(getattr(k, "src", None), "constants", ""))[:160],
+                    "n_regs": getattr(k, "n_regs", None),
+                    "n_spills": getattr(k, "n_spills", None),
+                    "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None),
+                })
+    return rows
 
 
 def projections(results: list[SizeResult], copy_gbps: float) -> list[projection.Projection]:
@@ -282,6 +306,12 @@ def run(args: argparse.Namespace) -> int:
     projs = projections(results, copy_gbps)
     print()
     print(projection_table(projs))
+    compiled = compile_report() if device.type == "cuda" else []
+    if compiled:
+        print("\ncompiled variants (registers per thread, spilled bytes, shared memory):")
+        for c in compiled:
+            print(f"  {c['kernel']:<16} regs={c['n_regs']} spills={c['n_spills']} shared={c['shared_bytes']} "
+                  f"{c['constants']}")
     if args.out:
         payload = {
             "device": name,
@@ -295,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
                 for r in results
             ],
             "projection_model": projection.__doc__,
+            "compiled": compiled,
             "projections": [pr.to_dict() for pr in projs],
         }
         path = report.write_json(args.out, "kernels.json", payload)

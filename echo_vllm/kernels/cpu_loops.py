@@ -42,10 +42,6 @@ def _njit(fn):
     return numba.njit(nogil=True, cache=True, boundscheck=False)(fn) if AVAILABLE else fn
 
 
-#: Compile each loop for the group size as a constant (``numba.literally``):
-#: the per-group loops then unroll and vectorize (about 3x on the rotation).
-_literal = numba.literally if AVAILABLE else (lambda v: v)
-
 
 # -- per-group helpers (inlined by LLVM) ---------------------------------------
 
@@ -59,17 +55,37 @@ def _bf16_round(bits):
 
 
 @_njit
+def _butterfly(u, k, h):
+    a = u[k]
+    b = u[k + h]
+    u[k] = a + b
+    u[k + h] = a - b
+
+
+@_njit
 def _fwht(u, g):
-    """In-place butterflies in the order of ``rotation.fwht``."""
-    _literal(g)
-    h = 1
+    """In-place butterflies of ``rotation.fwht``. Stages never mix values of
+    different 2h-blocks, so the four strides below 16 run block by block of
+    16 (loops of constant length, which LLVM unrolls); the wider strides
+    then run in 16-wide sweeps. Every value sees the same adds as in the
+    reference."""
+    for b in range(0, g, 16):
+        for k in range(b, b + 16, 2):
+            _butterfly(u, k, 1)
+        for s in range(b, b + 16, 4):
+            for k in range(s, s + 2):
+                _butterfly(u, k, 2)
+        for s in range(b, b + 16, 8):
+            for k in range(s, s + 4):
+                _butterfly(u, k, 4)
+        for k in range(b, b + 8):
+            _butterfly(u, k, 8)
+    h = 16
     while h < g:
-        for start in range(0, g, 2 * h):
-            for k in range(start, start + h):
-                a = u[k]
-                b = u[k + h]
-                u[k] = a + b
-                u[k + h] = a - b
+        for s in range(0, g, 2 * h):
+            for k0 in range(s, s + h, 16):
+                for k in range(k0, k0 + 16):
+                    _butterfly(u, k, h)
         h *= 2
 
 
@@ -78,7 +94,6 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
     """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
     ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group).
     ``one``/``one_bits`` are a 1-element fp32 array and its uint32 view."""
-    _literal(g)
     amax_bits = np.uint32(0)
     bad = False
     for k in range(g):
@@ -114,7 +129,6 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
 def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
     """Dequantize group ``lg`` of the chunk at byte ``chunk_first`` into
     ``dst`` (``dst += value`` if ``accumulate``)."""
-    _literal(g)
     so = chunk_first + pb + 2 * lg
     one_bits[0] = (np.uint32(wire[so]) | (np.uint32(wire[so + 1]) << np.uint32(8))) << np.uint32(16)
     s = one[0]
@@ -133,7 +147,6 @@ def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
 
 @_njit
 def _write_group(wire, chunk_first, pb, lg, g, codes, s_bits):
-    _literal(g)
     po = chunk_first + lg * (g // 2)
     for k in range(g // 2):
         wire[po + k] = np.uint8(codes[2 * k] | (codes[2 * k + 1] << 4))
@@ -146,8 +159,7 @@ def _write_group(wire, chunk_first, pb, lg, g, codes, s_bits):
 def _load_group(src, is_bf16, base, valid, u, ub, g):
     """``u[:valid] = src[base:base+valid]`` as fp32 (bf16 from its bits),
     zeros after ``valid`` (the padding)."""
-    _literal(g)
-    if valid == g:  # every group but the last: a loop of constant length
+    if valid == g:  # every group but the last
         if is_bf16:
             for k in range(g):
                 ub[k] = np.uint32(src[base + k]) << np.uint32(16)
@@ -167,7 +179,6 @@ def _load_group(src, is_bf16, base, valid, u, ub, g):
 @_njit
 def _store_group(dst, is_bf16, base, valid, v, vb, g):
     """``dst[base:base+valid] = v[:valid]`` (bf16 rounded to nearest even)."""
-    _literal(g)
     if valid == g:
         if is_bf16:
             for k in range(g):
@@ -199,7 +210,6 @@ def _scratch(g):
 
 @_njit
 def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
-    _literal(g)
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
@@ -221,7 +231,6 @@ def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb
 
 @_njit
 def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
-    _literal(g)
     acc, ab, e, eb, codes, one, one_bits = _scratch(g)
     err = np.empty(g, np.float32)
     for lg in range(c // g):
@@ -241,7 +250,6 @@ def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_
 
 @_njit
 def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
-    _literal(g)
     v, vb, _, _, _, one, one_bits = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     for j in range(p):
@@ -257,7 +265,6 @@ def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
 
 @_njit
 def _consume_row(x, x_bf16, numel, fb, fb_bf16, out, padded, g, hadamard):
-    _literal(g)
     u, ub, e, eb, _, _, _ = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     for base in range(0, padded, g):

@@ -1,0 +1,67 @@
+"""The benchmark plumbing on CPU: the projection model, the table, and a
+smoke run of both CLI commands (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from echo_vllm.bench import cli, projection, report
+from echo_vllm.quant import WireLayout
+
+
+def test_nccl_time_inverts_busbw():
+    # nccl-tests: busbw = (S / t) * 2 (P-1) / P
+    for p in (2, 4, 8):
+        t = projection.nccl_time_s(1 << 30, p, 200.0)
+        assert math.isclose((1 << 30) / t * 2 * (p - 1) / p, 200e9, rel_tol=1e-12)
+
+
+def test_echo_projection_adds_kernels_and_wire_time():
+    lay = WireLayout((1 << 30) // 2, 8, 32)
+    link = projection.Link("test", 100.0, 8, mem_scale=2.0)
+    pr = projection.project(link, 1 << 30, lay.wire_bytes_per_rank, echo_kernels_s=1e-3, naive_kernels_s=5e-4)
+    comm = lay.wire_bytes_per_rank / 100e9
+    assert math.isclose(pr.echo_s, 2e-3 + comm)
+    assert math.isclose(pr.echo_overlapped_s, max(2e-3, comm))
+    assert math.isclose(pr.naive_s, 1e-3 + comm)
+    assert pr.speedup_overlapped >= pr.speedup
+    # 4.5 bits per value on the wire (g=32): the link-only bound is 16/4.5
+    assert pr.nccl_s / comm == pytest.approx(16 / 4.5, rel=1e-3)
+
+
+def test_table_reports_speedup_over_baseline():
+    rows = [report.Row(1 << 20, "16-bit", 4, 2e-3), report.Row(1 << 20, "echo", 4, 1e-3)]
+    table = report.format_table(rows, "16-bit", ("16-bit", "echo"))
+    assert "1 MiB" in table and "2.00x" in table
+    assert rows[1].busbw_gbps == pytest.approx((1 << 20) / 1e-3 / 1e9 * 1.5)
+
+
+def test_sizes_parse_and_range():
+    assert report.parse_size("8K") == 8192 and report.parse_size("64MiB") == 64 << 20
+    assert report.parse_size("1G") == 1 << 30 and report.parse_size("1000") == 1000
+    assert report.size_range(8192, 65536) == [8192, 16384, 32768, 65536]
+
+
+def test_gloo_allreduce_cli_smoke(tmp_path, capsys):
+    rc = cli.main(["allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "64K",
+                   "--iters", "2", "--cpu-kernels", "reference", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "allreduce_gloo_p2.json").read_text())
+    algos = {r["algo"] for r in data["rows"]}
+    assert algos == {"16-bit", "naive4", "echo"}
+    assert all(r["time_s"] > 0 and r["size_bytes"] == 65536 for r in data["rows"])
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_kernels_cli_smoke_on_cpu(tmp_path, capsys):
+    rc = cli.main(["kernels", "--device", "cpu", "--world-sizes", "2", "--sizes", "64K",
+                   "--iters", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    (res,) = data["results"]
+    assert set(res["kernels"]) >= {"stage1", "stage2", "output", "consume", "naive_stage1"}
+    out = capsys.readouterr().out
+    assert "verified" in out and "PROJECTION (not a measurement)" in out
