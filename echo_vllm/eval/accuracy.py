@@ -1,0 +1,374 @@
+"""``echo-vllm eval accuracy``: lm-eval on the seven benchmarks, per variant.
+
+Runs ``lm_eval.simple_evaluate`` once per communication variant on the local
+task configs (``echo_vllm.eval.tasks``: lm-eval's own prompts and metrics)
+through one of two backends:
+
+* ``--backend vllm`` (GPU): lm-eval's vLLM backend; the variant reaches the
+  echo-vllm plugin as ``additional_config`` (``tp_comm: echo``,
+  ``tp_comm_emulate: P`` on one GPU, ``echo_<field>`` options). Each variant
+  runs in its own subprocess so GPU memory and compile caches start clean.
+* ``--backend hf`` (CPU or GPU): lm-eval's HF backend on a transformers
+  model patched by :class:`~echo_vllm.eval.hf_emulation.HFEmulation`.
+
+Writes per task acc / acc_norm with stderr, the average, the delta to exact,
+and a paired comparison on the same documents (delta with its paired stderr
+and the share of documents whose answer changed) -- the honest error bar for
+"within x points of exact", much tighter than the unpaired stderrs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .hf_emulation import POSTNORM_POLICIES
+from .models import default_emulate_tp, resolve_model
+from .report import markdown_table, pyplot, save_figure, write_outputs
+from .tasks import SEVEN, local_name, task_manager
+from .variants import Variant, parse_variants
+
+METRICS = ("acc", "acc_norm")
+
+
+def primary_metric(task_result: dict) -> str:
+    """acc_norm where the task defines it (length-normalised choice scores:
+    ARC, HellaSwag, PIQA, OpenBookQA), acc otherwise (WinoGrande, BoolQ)."""
+    return "acc_norm" if "acc_norm,none" in task_result else "acc"
+
+
+def _evaluate(lm, tasks: list[str], limit, batch_size, bootstrap_iters: int) -> dict:
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[local_name(t) for t in tasks],
+        task_manager=task_manager(tasks),
+        num_fewshot=0,
+        limit=limit,
+        batch_size=batch_size,
+        log_samples=True,
+        bootstrap_iters=bootstrap_iters,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+
+
+def summarize(raw: dict, tasks: list[str]) -> dict:
+    """Per task: metrics with stderr and per-document scores (for pairing)."""
+    out = {}
+    for t in tasks:
+        res = raw["results"][local_name(t)]
+        entry = {"primary": primary_metric(res)}
+        for m in METRICS:
+            if f"{m},none" in res:
+                entry[m] = res[f"{m},none"]
+                se = res.get(f"{m}_stderr,none")
+                entry[f"{m}_stderr"] = se if isinstance(se, (int, float)) else None
+        samples = sorted(raw.get("samples", {}).get(local_name(t), []), key=lambda s: s["doc_id"])
+        entry["docs"] = {m: [float(s[m]) for s in samples if m in s] for m in METRICS}
+        entry["n"] = len(samples)
+        out[t] = entry
+    return out
+
+
+def variant_file(args, name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "+-=_." else "_" for c in name)
+    return Path(args.out) / f"{args.stem}.variant.{safe}.json"
+
+
+def save_variant(args, name: str, result: dict) -> None:
+    path = variant_file(args, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"variant": name, "tasks_run": list(args.tasks), "limit": args.limit, "model": args.model,
+            "backend": args.backend, "world_size": args.world, "real_tp": args.real_tp}
+    path.write_text(json.dumps({**meta, **result}))
+
+
+def load_variants(args, names: list[str] | None) -> dict:
+    """Per-variant results saved in --out (all of them when ``names`` is None)."""
+    out = {}
+    for path in sorted(Path(args.out).glob(f"{args.stem}.variant.*.json")):
+        r = json.loads(path.read_text())
+        if names is None or r["variant"] in names:
+            out[r["variant"]] = r
+    if names is not None:
+        out = {n: out[n] for n in names if n in out}
+    return out
+
+
+def run_hf(args, variants: list[Variant], tasks: list[str]) -> dict:
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from .hf_emulation import HFEmulation
+    from .perplexity import comm_dtype_for, load_hf_model
+
+    path = resolve_model(args.model)
+    model, tok = load_hf_model(path, args.dtype, args.device)
+    torch.manual_seed(0)
+    results = {}
+    for k, v in enumerate(variants):
+        print(f"[accuracy] ({k + 1}/{len(variants)}) {v.name}: hf backend, emulated TP={args.world}",
+              file=sys.stderr)
+        t0 = time.time()
+        if v.mode == "unsplit":
+            emu = None
+        else:
+            emu = HFEmulation(model, args.world, v.mode, v.config, comm_dtype=comm_dtype_for(model),
+                              postnorm_policy=args.postnorm).install()
+        try:
+            lm = HFLM(pretrained=model, tokenizer=tok, batch_size=args.batch_size, max_length=args.max_length)
+            raw = _evaluate(lm, tasks, args.limit, args.batch_size, args.bootstrap_iters)
+        finally:
+            if emu is not None:
+                emu.remove()
+        results[v.name] = {
+            "tasks": summarize(raw, tasks),
+            "seconds": time.time() - t0,
+            "calls": emu.tp.comm.stats.snapshot()["calls"] if emu else {},
+        }
+        save_variant(args, v.name, results[v.name])
+    return results
+
+
+def vllm_model_args(args, v: Variant, path: Path) -> dict:
+    """lm-eval's vLLM ``model_args``: the plugin reads the variant from
+    ``additional_config``; real TP>1 also needs the all-reduce+RMSNorm
+    fusion off (it would bypass the hook)."""
+    emulate = args.world if args.real_tp <= 1 else 0
+    margs = {
+        "pretrained": str(path),
+        "dtype": "bfloat16",
+        "tensor_parallel_size": max(args.real_tp, 1),
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.max_length,
+        "seed": 0,
+        "enforce_eager": args.enforce_eager,
+    }
+    extra = v.vllm_additional_config(emulate=emulate)
+    if extra:
+        margs["additional_config"] = extra
+    if args.real_tp > 1:
+        margs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    return margs
+
+
+def run_vllm_one(args, v: Variant, tasks: list[str]) -> dict:
+    """One variant in this process (the subprocess side of run_vllm)."""
+    from lm_eval.models.vllm_causallms import VLLM
+
+    path = resolve_model(args.model)
+    margs = vllm_model_args(args, v, path)
+    print(f"[accuracy] {v.name}: vLLM model_args {json.dumps(margs)}", file=sys.stderr)
+    t0 = time.time()
+    lm = VLLM(**margs, batch_size=args.batch_size)
+    raw = _evaluate(lm, tasks, args.limit, args.batch_size, args.bootstrap_iters)
+    return {"tasks": summarize(raw, tasks), "seconds": time.time() - t0, "model_args": margs}
+
+
+def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
+    """Each variant in its own subprocess (a fresh engine per comm config);
+    with ``--parallel`` all at once on the same GPU, each with an equal share
+    of ``--gpu-memory-utilization`` (start-up, ~1.5 min per engine, overlaps)."""
+    n = len(variants)
+    share = args.gpu_memory_utilization / n if args.parallel else args.gpu_memory_utilization
+    results, procs = {}, []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, v in enumerate(variants):
+            out = Path(tmp) / f"{k}.json"
+            cmd = [sys.executable, "-m", "echo_vllm.eval.accuracy", *args._argv, "--_one", v.name,
+                   "--_out", str(out), "--gpu-memory-utilization", str(share)]
+            print(f"[accuracy] ({k + 1}/{n}) {v.name}: vLLM backend in a subprocess", file=sys.stderr)
+            log = open(Path(args.out) / f"{args.stem}.log.{k}.txt", "w") if args.parallel else None
+            proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT if log else None)
+            procs.append((v, proc, out, log))
+            if not args.parallel:
+                proc.wait()
+        failed = []
+        for v, proc, out, log in procs:
+            proc.wait()
+            if log:
+                log.close()
+            if proc.returncode != 0 or not out.is_file():
+                failed.append(f"{v.name} (exit {proc.returncode})")
+                continue
+            results[v.name] = json.loads(out.read_text())
+            save_variant(args, v.name, results[v.name])
+    if failed:
+        raise RuntimeError("vLLM run(s) failed: " + ", ".join(failed) +
+                           (f"; logs in {args.out}/{args.stem}.log.*.txt" if args.parallel else ""))
+    return results
+
+
+def paired(exact_docs: list[float], docs: list[float]) -> dict | None:
+    """Mean paired difference (points) with its stderr, and the share of
+    documents whose score changed."""
+    n = min(len(exact_docs), len(docs))
+    if n < 2:
+        return None
+    d = [docs[i] - exact_docs[i] for i in range(n)]
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1)
+    return {"delta": 100 * mean, "stderr": 100 * math.sqrt(var / n),
+            "changed": sum(1 for x in d if x != 0) / n, "n": n}
+
+
+def build_table(results: dict, tasks: list[str]) -> tuple[list[dict], dict]:
+    names = list(results)
+    base = next((n for n in names if n == "exact" or n.startswith("exact:")), names[0])
+    rows, averages = [], {}
+    for n in names:
+        prim = []
+        for t in tasks:
+            e = results[n]["tasks"][t]
+            b = results[base]["tasks"][t]
+            m = e["primary"]
+            pr = paired(b["docs"].get(m, []), e["docs"].get(m, []))
+            rows.append({
+                "task": t, "variant": n, "n": e["n"],
+                "acc": _p(e.get("acc")), "acc_stderr": _p(e.get("acc_stderr")),
+                "acc_norm": _p(e.get("acc_norm")), "acc_norm_stderr": _p(e.get("acc_norm_stderr")),
+                "primary": m, "score": _p(e.get(m)),
+                "delta": None if n == base else _p(e.get(m)) - _p(b.get(m)),
+                "paired_stderr": None if (n == base or pr is None) else pr["stderr"],
+                "changed": None if (n == base or pr is None) else pr["changed"],
+            })
+            prim.append(_p(e.get(m)))
+        averages[n] = sum(prim) / len(prim)
+    for n in names:
+        # paired stderr of the average over tasks: per-task paired variances
+        # combine as independent (different documents).
+        ses = [r["paired_stderr"] for r in rows if r["variant"] == n and r["paired_stderr"] is not None]
+        rows.append({"task": "AVERAGE", "variant": n, "score": averages[n],
+                     "delta": None if n == base else averages[n] - averages[base],
+                     "paired_stderr": math.sqrt(sum(s * s for s in ses)) / len(tasks) if ses else None})
+    return rows, {"baseline": base, "averages": averages}
+
+
+def _p(x):
+    return None if x is None else 100.0 * x
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
+    lines = [f"### Accuracy: {result['model']}, backend {result['backend']}, "
+             f"{'real' if result['real_tp'] > 1 else 'emulated'} TP={result['world_size']}, "
+             f"limit={result['limit']}", "",
+             "Scores in points (%). `score` is acc_norm where the task defines it, else acc. "
+             "`delta` is vs exact; `paired se` is the stderr of that delta over the same documents; "
+             "`changed` is the share of documents whose score flipped.", ""]
+    cols = [("task", "task"), ("variant", "variant"), ("n", "docs"), ("acc", "acc"), ("acc_stderr", "± se"),
+            ("acc_norm", "acc_norm"), ("acc_norm_stderr", "± se"), ("score", "score"), ("delta", "delta"),
+            ("paired_stderr", "paired se"), ("changed", "changed")]
+    lines.append(markdown_table(rows, cols))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    tasks = result["tasks"] + ["AVERAGE"]
+    names = list(result["variants"])
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(tasks)), 4.5))
+    w = 0.8 / len(names)
+    for k, n in enumerate(names):
+        vals = [next(r["score"] for r in result["rows"] if r["task"] == t and r["variant"] == n) for t in tasks]
+        errs = [next((r.get("acc_norm_stderr") if r.get("primary") == "acc_norm" else r.get("acc_stderr"))
+                     for r in result["rows"] if r["task"] == t and r["variant"] == n) or 0 for t in tasks]
+        ax.bar([i + k * w for i in range(len(tasks))], vals, w, yerr=errs, capsize=2, label=n)
+    ax.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(tasks))])
+    ax.set_xticklabels(tasks, rotation=20, ha="right")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{result['model']}: {result['backend']} backend, TP={result['world_size']}, limit={result['limit']}")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="echo-vllm eval accuracy", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--tp", type=int, default=0, help="TP size to emulate (default: per model)")
+    p.add_argument("--real-tp", type=int, default=1,
+                   help="vLLM only: real tensor_parallel_size (>1 disables emulation; --tp ignored)")
+    p.add_argument("--variants", nargs="+", default=["exact", "naive", "echo+hadamard+last"])
+    p.add_argument("--tasks", nargs="+", default=SEVEN, choices=SEVEN)
+    p.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval --limit)")
+    p.add_argument("--batch-size", default="16", help="lm-eval batch size (int or 'auto')")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--bootstrap-iters", type=int, default=1000,
+                   help="lm-eval bootstrap draws for non-mean metrics; acc/acc_norm stderr is analytic "
+                        "(0 turns every stderr off)")
+    p.add_argument("--dtype", default="bfloat16", help="hf backend: model dtype")
+    p.add_argument("--device", default="cpu", help="hf backend: torch device")
+    p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                   help="vLLM: fraction of GPU memory (split between variants with --parallel)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs / torch.compile")
+    p.add_argument("--parallel", action="store_true",
+                   help="vLLM: run all variants at once on the GPU (memory split between them)")
+    p.add_argument("--merge", action="store_true",
+                   help="only build the table from every variant saved in --out under --stem "
+                        "(runs split over several commands)")
+    p.add_argument("--out", default="eval_results")
+    p.add_argument("--stem", default="accuracy")
+    p.add_argument("--_one", help=argparse.SUPPRESS)
+    p.add_argument("--_out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    args._argv = list(argv)
+    args.world = args.real_tp if args.real_tp > 1 else (args.tp or default_emulate_tp(args.model))
+    if args.batch_size != "auto":
+        args.batch_size = int(args.batch_size)
+    if args.limit is not None and args.limit >= 1:
+        args.limit = int(args.limit)
+    variants = parse_variants(args.variants)
+    if args._one:
+        v = next(v for v in variants if v.name == args._one)
+        Path(args._out).write_text(json.dumps(run_vllm_one(args, v, args.tasks)))
+        return 0
+    if args.merge:
+        results = load_variants(args, None)
+        if not results:
+            raise SystemExit(f"no {args.stem}.variant.*.json in {args.out}")
+        first = next(iter(results.values()))
+        args.tasks, args.limit = first["tasks_run"], first["limit"]
+        args.model, args.backend, args.world, args.real_tp = (
+            first["model"], first["backend"], first["world_size"], first["real_tp"])
+        variants = parse_variants(list(results))
+    else:
+        (run_vllm if args.backend == "vllm" else run_hf)(args, variants, args.tasks)
+        results = load_variants(args, [v.name for v in variants])
+    rows, summary = build_table(results, args.tasks)
+    result = {
+        "model": args.model, "backend": args.backend, "world_size": args.world, "real_tp": args.real_tp,
+        "limit": args.limit, "tasks": list(args.tasks), "variants": {v.name: v.to_dict() for v in variants},
+        "rows": rows, **summary,
+        "runs": {n: {k: v for k, v in r.items() if k != "tasks"} for n, r in results.items()},
+        "per_task": {n: {t: {k: v for k, v in e.items() if k != "docs"} for t, e in r["tasks"].items()}
+                     for n, r in results.items()},
+        "docs": {n: {t: e["docs"] for t, e in r["tasks"].items()} for n, r in results.items()},
+    }
+    md = render(result)
+    paths = write_outputs(args.out, args.stem, result, md)
+    plot(result, paths["json"].with_suffix(".png"))
+    print(md)
+    print(f"\nwrote {paths['md']}, {paths['json']}, {paths['json'].with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

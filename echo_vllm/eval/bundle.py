@@ -1,0 +1,129 @@
+"""``echo-vllm eval bundle``: carry prepared models and data to an offline host.
+
+The GPU host reaches no registry and takes files in transfers of limited
+size. This packs cache entries (``models/<name>``, ``data/...``) into one
+xz-compressed tar split into ``bundle.part.NN`` pieces of at most
+``--part-mib`` MiB plus ``SHA256SUMS`` -- the same layout as the vLLM
+wheelhouse, so the wheelhouse's ``install.py TARGET PARTS_DIR`` unpacks it
+(``--unpack`` here does the same). Unpack into a folder and point
+``ECHO_VLLM_CACHE`` at it: ``prepare-model`` then finds the converted model
+(checksummed by its manifest) and never downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import lzma
+import sys
+import tarfile
+from pathlib import Path
+
+from .assets import cache_dir, verify_manifest
+from .data import prepare_benchmarks, prepare_texts
+from .models import MODELS, prepare_model
+
+
+class _SplitWriter(io.RawIOBase):
+    """A write-only file that spills into numbered parts of ``part_bytes``."""
+
+    def __init__(self, out: Path, part_bytes: int):
+        self.out, self.part_bytes = out, part_bytes
+        self.index, self.size, self.f = -1, 0, None
+        self.paths: list[Path] = []
+
+    def _next(self) -> None:
+        if self.f:
+            self.f.close()
+        self.index += 1
+        path = self.out / f"bundle.part.{self.index:02d}"
+        self.paths.append(path)
+        self.f, self.size = open(path, "wb"), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        b = memoryview(b)
+        done = 0
+        while done < len(b):
+            if self.f is None or self.size >= self.part_bytes:
+                self._next()
+            n = min(len(b) - done, self.part_bytes - self.size)
+            self.f.write(b[done : done + n])
+            self.size += n
+            done += n
+        return done
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+            self.f = None
+        super().close()
+
+
+def make_bundle(entries: list[Path], out: Path, part_mib: int = 56, preset: int = 6) -> list[Path]:
+    """Pack ``entries`` (paths under the cache) into ``out``; returns the parts."""
+    root = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("bundle.part.*"):
+        old.unlink()
+    writer = _SplitWriter(out, part_mib * (1 << 20))
+    with lzma.open(writer, "wb", preset=preset) as xz, tarfile.open(fileobj=xz, mode="w|") as tar:
+        for entry in entries:
+            tar.add(entry, arcname=entry.relative_to(root).as_posix())
+    writer.close()
+    sums = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in writer.paths]
+    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    return writer.paths
+
+
+def unpack(target: Path, parts_dirs: list[Path]) -> None:
+    """Verify and unpack parts (possibly spread over several folders)."""
+    parts = {p.name: p for d in parts_dirs for p in d.glob("bundle.part.*")}
+    sums_file = next((d / "SHA256SUMS" for d in parts_dirs if (d / "SHA256SUMS").is_file()), None)
+    if sums_file is None:
+        raise FileNotFoundError("no SHA256SUMS in " + ", ".join(map(str, parts_dirs)))
+    want = dict(reversed(line.split()) for line in sums_file.read_text().splitlines() if line.strip())
+    missing = sorted(set(want) - set(parts))
+    if missing:
+        raise FileNotFoundError(f"missing parts: {missing}")
+    for name, digest in want.items():
+        if hashlib.sha256(parts[name].read_bytes()).hexdigest() != digest:
+            raise ValueError(f"checksum mismatch: {name}")
+    stream = io.BytesIO()
+    for name in sorted(want):
+        stream.write(parts[name].read_bytes())
+    stream.seek(0)
+    target.mkdir(parents=True, exist_ok=True)
+    with lzma.open(stream) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
+        tar.extractall(target, filter="data")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="echo-vllm eval bundle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="*", default=["smollm2-135m"], choices=list(MODELS))
+    p.add_argument("--no-data", action="store_true", help="leave out the benchmark data and texts")
+    p.add_argument("--part-mib", type=int, default=56)
+    p.add_argument("--out", default="gpu_bundle")
+    p.add_argument("--unpack", nargs="+", metavar=("TARGET", "PARTS_DIR"),
+                   help="instead: unpack parts from PARTS_DIR(s) into TARGET")
+    a = p.parse_args(argv)
+    if a.unpack:
+        if len(a.unpack) < 2:
+            p.error("--unpack TARGET PARTS_DIR [PARTS_DIR ...]")
+        unpack(Path(a.unpack[0]), [Path(d) for d in a.unpack[1:]])
+        print(f"unpacked into {a.unpack[0]}; export ECHO_VLLM_CACHE={a.unpack[0]}")
+        return 0
+    entries = [prepare_model(m) for m in a.models]
+    if not a.no_data:
+        entries += [prepare_benchmarks(), prepare_texts()]
+    for e in entries:
+        if verify_manifest(e, full=True) is None:
+            raise RuntimeError(f"{e}: incomplete (no manifest)")
+    parts = make_bundle(entries, Path(a.out), a.part_mib)
+    for part in parts:
+        print(f"{part}  {part.stat().st_size / (1 << 20):.1f} MiB")
+    print(f"{len(parts)} part(s) + SHA256SUMS in {a.out}", file=sys.stderr)
+    return 0

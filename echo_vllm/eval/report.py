@@ -1,0 +1,84 @@
+"""Writing results: one JSON, one Markdown table, one PNG per run.
+
+Every evaluation command ends here so that its outputs look alike:
+``<out>/<stem>.json`` (everything, machine-readable), ``<stem>.md`` (the
+table a human reads, with the command line that made it) and ``<stem>.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+
+def environment() -> dict[str, Any]:
+    """What produced the numbers."""
+    info = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "command": "echo-vllm eval " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]),
+    }
+    for mod in ("transformers", "vllm", "lm_eval"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return info
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """Numbers with ``digits`` significant digits; None as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """``columns``: (key, header) pairs; values formatted with :func:`fmt`
+    unless already strings."""
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = [
+        "| " + " | ".join(r.get(k) if isinstance(r.get(k), str) else fmt(r.get(k)) for k, _ in columns) + " |"
+        for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def write_outputs(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {**payload, "environment": environment()}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    cmd = payload["environment"]["command"]
+    paths["md"].write_text(markdown.rstrip() + f"\n\nCommand: `{cmd}`\n")
+    return paths
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)

@@ -1,0 +1,214 @@
+"""``echo-vllm eval ttft``: time to first token and inter-token latency.
+
+Measures a running OpenAI-compatible server (``echo-vllm serve``) with vLLM's
+own serving benchmark (``vllm bench serve``, random prompts of a set length,
+``--max-concurrency`` clients) over a grid of prompt lengths x concurrency,
+and records TTFT / ITL / TPOT percentiles per cell under a label (the
+server's comm mode). Two ways to compare exact and Echo:
+
+* run the command once per server with ``--label exact`` / ``--label echo``
+  into the same ``--out``, then ``--report`` merges every label there;
+* or give ``--launch 'echo-vllm serve MODEL --tp-comm {mode} ...'`` and
+  ``--labels exact echo``: the harness starts the server per label
+  (``{mode}`` replaced), waits for ``/health``, measures, and stops it.
+
+``--background-traffic DUTY`` keeps the same GPUs' interconnect busy with
+NCCL all-reduces at that duty cycle while measuring (``echo_vllm.eval.background``).
+
+On one GPU the server can only *emulate* TP: every all-reduce is an
+in-process sum plus Echo's extra kernels, with no link to save time on. The
+harness still runs there (it tests the pipeline and shows the emulation's
+overhead) and says that its times show no communication savings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .background import BackgroundTraffic, TrafficSpec
+from .report import markdown_table, pyplot, save_figure, write_outputs
+
+ONE_GPU_NOTE = (
+    "ONE GPU: tensor parallelism is emulated in-process; these times include the emulation's "
+    "extra work and show NO communication savings. Echo's TTFT gain needs >= 2 GPUs and real links."
+)
+
+METRICS = ["mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p50_itl_ms", "p99_itl_ms",
+           "mean_tpot_ms", "request_throughput", "output_throughput", "completed"]
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def served_model(base_url: str) -> str:
+    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
+
+
+def bench_cell(args, model: str, tokenizer: str, input_len: int, concurrency: int, out_dir: Path) -> dict:
+    """One ``vllm bench serve`` run; returns its metrics."""
+    fname = f"raw_{args.label}_in{input_len}_c{concurrency}.json"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm", "--base-url", args.base_url, "--model", model, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+        "--num-prompts", str(max(args.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
+        "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--num-warmups", str(args.warmups),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out_dir), "--result-filename", fname, "--disable-tqdm",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    raw = json.loads((out_dir / fname).read_text())
+    return {k: raw.get(k) for k in METRICS}
+
+
+def measure(args, label: str) -> dict:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model or served_model(args.base_url)
+    tokenizer = args.tokenizer or model
+    cells = []
+    from tqdm import tqdm
+
+    grid = [(L, c) for L in args.input_lens for c in args.concurrency]
+    for L, c in tqdm(grid, desc=f"ttft[{label}]", unit="cell", file=sys.stderr):
+        cells.append({"label": label, "input_len": L, "concurrency": c,
+                      **bench_cell(args, model, tokenizer, L, c, out_dir)})
+    return {"label": label, "model": model, "cells": cells}
+
+
+def run_label(args, label: str) -> dict:
+    args.label = label
+    server = None
+    if args.launch:
+        cmd = args.launch.replace("{mode}", label)
+        print(f"[ttft] starting: {cmd}", file=sys.stderr)
+        server = subprocess.Popen(shlex.split(cmd))
+    try:
+        wait_healthy(args.base_url, args.server_timeout, server)
+        if args.background_traffic:
+            gpus = tuple(int(g) for g in args.bg_gpus.split(",")) if args.bg_gpus else tuple(range(max(gpu_count(), 1)))
+            spec = TrafficSpec(args.background_traffic, args.bg_period_ms, args.bg_mib, gpus)
+            with BackgroundTraffic(spec):
+                res = measure(args, label)
+            res["background"] = spec.__dict__
+        else:
+            res = measure(args, label)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    res["gpus"] = gpu_count()
+    Path(args.out, f"ttft_{label}.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
+def report(out: str, baseline: str = "exact") -> dict:
+    runs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("ttft_*.json"))]
+    if not runs:
+        raise FileNotFoundError(f"no ttft_*.json in {out}")
+    base = {(c["input_len"], c["concurrency"]): c for r in runs if r["label"] == baseline for c in r["cells"]}
+    rows = []
+    for r in runs:
+        for c in r["cells"]:
+            b = base.get((c["input_len"], c["concurrency"]))
+            speed = (b["mean_ttft_ms"] / c["mean_ttft_ms"]) if b and c["label"] != baseline and c["mean_ttft_ms"] else None
+            rows.append({**c, "ttft_speedup": speed})
+    rows.sort(key=lambda x: (x["input_len"], x["concurrency"], x["label"]))
+    gpus = max(r.get("gpus", 0) for r in runs)
+    note = ONE_GPU_NOTE if gpus <= 1 else f"{gpus} GPUs."
+    bg = next((r.get("background") for r in runs if r.get("background")), None)
+    cols = [("input_len", "prompt tokens"), ("concurrency", "clients"), ("label", "mode"),
+            ("mean_ttft_ms", "TTFT mean ms"), ("p50_ttft_ms", "p50"), ("p99_ttft_ms", "p99"),
+            ("mean_itl_ms", "ITL mean ms"), ("p99_itl_ms", "ITL p99"), ("ttft_speedup", f"TTFT x vs {baseline}")]
+    md = "\n".join([f"### TTFT / ITL: {runs[0]['model']}", "", f"**{note}**", "",
+                    f"Background traffic: {bg}" if bg else "Background traffic: none", "",
+                    markdown_table(rows, cols)])
+    result = {"runs": runs, "rows": rows, "note": note}
+    paths = write_outputs(out, "ttft", result, md)
+    _plot(rows, paths["json"].with_suffix(".png"), note)
+    print(md)
+    return result
+
+
+def _plot(rows, path, note) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for (label, conc) in sorted({(r["label"], r["concurrency"]) for r in rows}):
+        pts = sorted((r["input_len"], r["mean_ttft_ms"]) for r in rows if r["label"] == label and r["concurrency"] == conc)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{label}, {conc} clients")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_title(note if len(note) < 60 else "one GPU: emulation overhead, not a speed-up", fontsize=9)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="echo-vllm eval ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--label", default=None, help="comm mode of the running server (exact, echo, ...)")
+    p.add_argument("--labels", nargs="+", default=None, help="with --launch: one server per label")
+    p.add_argument("--launch", default=None, help="server command with {mode}; started per label")
+    p.add_argument("--server-timeout", type=float, default=900)
+    p.add_argument("--model", default=None, help="served model name (default: asked from /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the served name)")
+    p.add_argument("--input-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--background-traffic", type=float, default=0.0, metavar="DUTY",
+                   help="NCCL all-reduce traffic on the same GPUs at this duty cycle (0-1)")
+    p.add_argument("--bg-gpus", default="", help="comma-separated GPU ids for the traffic (default: all)")
+    p.add_argument("--bg-period-ms", type=float, default=100.0)
+    p.add_argument("--bg-mib", type=int, default=256)
+    p.add_argument("--report", action="store_true", help="only merge ttft_*.json in --out into a table")
+    p.add_argument("--baseline", default="exact")
+    p.add_argument("--out", default="eval_results/ttft")
+    args = p.parse_args(argv)
+    if gpu_count() <= 1:
+        print(f"[echo-vllm] {ONE_GPU_NOTE}", file=sys.stderr)
+    if not args.report:
+        labels = args.labels or [args.label or "server"]
+        if len(labels) > 1 and not args.launch:
+            p.error("several --labels need --launch (one server per label)")
+        for label in labels:
+            run_label(args, label)
+    report(args.out, args.baseline)
+    return 0

@@ -1,0 +1,115 @@
+"""The communication variants every evaluation compares, by name.
+
+A variant is a mode ("exact": 16-bit sum of the same P partials; "echo": the
+Echo all-reduce under an :class:`EchoConfig`; "unsplit": the model as loaded,
+no emulation) plus the config. Specs on the
+command line are ``NAME`` or ``NAME:field=value,...`` (``default:group_size=16``,
+``echo+hadamard+last:first_exact_calls=2``), fields as in EchoConfig.
+
+Every preset sets ``min_bytes=0``: evaluation measures the quality of the
+quantized path on every call, whatever the message size. (With the serving
+default of 256 KiB, short lm-eval requests would take the exact path and
+flatter Echo.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..config import EchoConfig, EchoConfigError
+
+#: min_bytes that sends every call to the exact path: how the vLLM backend's
+#: emulation is asked for an exact sum of the same P partials using only
+#: documented ``echo_*`` options.
+ALWAYS_EXACT_MIN_BYTES = 1 << 60
+
+_ECHO_ONLY = dict(feedback=True, hadamard=False, exact_last_call=False)
+
+#: name -> (mode, EchoConfig kwargs, description)
+PRESETS: dict[str, tuple[str, dict, str]] = {
+    "unsplit": ("unsplit", {}, "the model as loaded: no TP emulation, no all-reduce"),
+    "exact": ("exact", {}, "16-bit sum of the P partials (baseline)"),
+    "naive": ("echo", dict(feedback=False, hadamard=False, exact_last_call=False),
+              "plain 4-bit two-shot, no feedback"),
+    "naive+hadamard": ("echo", dict(feedback=False, hadamard=True, exact_last_call=False),
+                       "4-bit with Hadamard rotation, no feedback"),
+    "echo": ("echo", dict(_ECHO_ONLY), "error feedback only"),
+    "echo+last": ("echo", dict(_ECHO_ONLY, exact_last_call=True),
+                  "feedback + 16-bit last call"),
+    "echo+hadamard": ("echo", dict(_ECHO_ONLY, hadamard=True),
+                      "feedback + Hadamard"),
+    "echo+hadamard+last": ("echo", dict(feedback=True, hadamard=True, exact_last_call=True),
+                           "feedback + Hadamard + 16-bit last call (EchoConfig default)"),
+}
+PRESETS["default"] = PRESETS["echo+hadamard+last"]
+
+#: The table of the issue, in order.
+STANDARD = ["exact", "naive", "echo", "echo+last", "echo+hadamard", "echo+hadamard+last"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: str
+    config: EchoConfig
+    description: str = ""
+
+    @property
+    def bits_per_value(self) -> float:
+        """Wire bits per value: 16 for exact, 4 + 16/g for Echo."""
+        return self.config.wire_bits_per_value if self.mode == "echo" else 16.0
+
+    def vllm_additional_config(self, emulate: int = 0) -> dict:
+        """``--additional-config`` for the echo-vllm plugin. ``emulate`` > 1
+        asks for one-GPU emulation of TP=emulate (tensor_parallel_size 1);
+        0 means real TP. The exact variant keeps the emulation (same partials,
+        same rounding) and routes every call to the 16-bit path."""
+        if self.mode == "unsplit":
+            return {}
+        cfg = {f"echo_{k}": v for k, v in self.config.to_dict().items()}
+        if self.mode == "exact":
+            if emulate <= 1:
+                return {}
+            cfg["echo_min_bytes"] = ALWAYS_EXACT_MIN_BYTES
+            cfg["echo_feedback"] = False
+        out = {"tp_comm": "echo", **cfg}
+        if emulate > 1:
+            out["tp_comm_emulate"] = emulate
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "description": self.description,
+            "bits_per_value": self.bits_per_value,
+            "config": self.config.to_dict(),
+        }
+
+
+def parse_variant(spec: str) -> Variant:
+    """``NAME`` or ``NAME:field=value,...`` -> :class:`Variant`."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if name not in PRESETS:
+        raise EchoConfigError(f"unknown variant {name!r}; known: {', '.join(PRESETS)}")
+    mode, kwargs, text = PRESETS[name]
+    raw: dict = {"min_bytes": 0, **kwargs}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise EchoConfigError(f"variant {spec!r}: expected field=value, got {item!r}")
+        raw[key.strip()] = value.strip()
+    unknown = set(raw) - {f.name for f in fields(EchoConfig)}
+    if unknown:
+        raise EchoConfigError(f"variant {spec!r}: unknown EchoConfig field(s) {sorted(unknown)}")
+    config = EchoConfig.from_mapping(raw)
+    return Variant(spec.strip(), mode, config, text + (f" ({rest})" if rest else ""))
+
+
+def parse_variants(specs: list[str]) -> list[Variant]:
+    variants = [parse_variant(s) for s in specs]
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise EchoConfigError(f"duplicate variants in {names}")
+    return variants

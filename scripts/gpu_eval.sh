@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# GPU-host evaluation: lm-eval's vLLM backend on SmolLM2-135M, emulated TP=3 on
+# one GPU, exact vs naive 4-bit vs Echo, the seven benchmarks from local data.
+# The host has no internet: everything arrives as bundle parts (<= 56 MiB each).
+#
+# Prepared on a machine with registry access (repo root):
+#   bash ../shared/gpu-wheelhouse/build.sh .gpu-bundle 56 scripts/gpu_eval_pins.txt   # vLLM + lm-eval
+#   .venv/bin/echo-vllm eval bundle --models smollm2-135m --out .gpu-echo             # model + data
+#
+# On the GPU host, from the repo root (state lives in $ECHO_GPU_STATE, default
+# /tmp/echo-gpu, outside the transferred tree; it survives while the machine is warm):
+#   scripts/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm|echo
+#   scripts/gpu_eval.sh setup                 # unpack both bundles, register the plugin entry point
+#   scripts/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
+#   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
+# Results (Markdown, JSON, PNG) are copied to $OUT when it is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STATE="${ECHO_GPU_STATE:-/tmp/echo-gpu}"
+PY="${PYTHON:-python3}"
+mkdir -p "$STATE"
+
+env_setup() {
+  export PYTHONPATH="$STATE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export ECHO_VLLM_CACHE="$STATE/cache"
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export HF_DATASETS_CACHE="$STATE/hf_datasets" TOKENIZERS_PARALLELISM=false
+}
+
+copy_out() {
+  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && cp -r "$@" "$OUT"/; fi
+}
+
+cmd="${1:-}"; shift || true
+case "$cmd" in
+  stash)
+    src="${1:?stash DIR KIND}"; kind="${2:?stash DIR KIND (vllm|echo)}"
+    mkdir -p "$STATE/parts-$kind"
+    cp -v "$src"/bundle.part.* "$STATE/parts-$kind"/ 2>/dev/null || true
+    [ -f "$src/SHA256SUMS" ] && cp -v "$src/SHA256SUMS" "$STATE/parts-$kind"/
+    ls -la "$STATE/parts-$kind"
+    ;;
+  setup)
+    if [ ! -f "$STATE/site/.unpacked" ]; then
+      "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
+unpack(Path('$STATE/site'), [Path('$STATE/parts-vllm')])"
+      touch "$STATE/site/.unpacked"
+    fi
+    if [ ! -f "$STATE/cache/.unpacked" ]; then
+      "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
+unpack(Path('$STATE/cache'), [Path('$STATE/parts-echo')])"
+      touch "$STATE/cache/.unpacked"
+    fi
+    # vLLM finds plugins through entry points: a dist-info on PYTHONPATH
+    # registers echo_vllm.plugin:register without installing the package.
+    di="$STATE/site/echo_vllm-0.1.0.dist-info"
+    mkdir -p "$di"
+    printf 'Metadata-Version: 2.1\nName: echo-vllm\nVersion: 0.1.0\n' > "$di/METADATA"
+    printf '[vllm.general_plugins]\necho_vllm = echo_vllm.plugin:register\n' > "$di/entry_points.txt"
+    env_setup
+    "$PY" - <<'EOF'
+import importlib.metadata as md, vllm, lm_eval, torch
+from echo_vllm.eval.models import prepare_model, verify_model
+eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+print("vllm", vllm.__version__, "lm_eval", lm_eval.__version__, "torch", torch.__version__,
+      "gpu", torch.cuda.get_device_name(0), "plugins", eps)
+print("model", prepare_model("smollm2-135m"), verify_model("smollm2-135m")["gguf_sha256"][:16])
+EOF
+    ;;
+  run)
+    env_setup
+    limit="${1:-none}"; shift || true
+    variants=("$@"); [ ${#variants[@]} -eq 0 ] && variants=(exact naive echo+hadamard+last)
+    lim=(); [ "$limit" != "none" ] && lim=(--limit "$limit")
+    "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model smollm2-135m --tp 3 \
+      --variants "${variants[@]}" "${lim[@]}" --parallel --enforce-eager --batch-size auto \
+      --out "$STATE/results" --stem gpu_accuracy
+    copy_out "$STATE/results"
+    ;;
+  perplexity)
+    env_setup
+    "$PY" -m echo_vllm.eval.cli perplexity --model smollm2-135m --tp 3 --device cuda \
+      --variants exact naive echo echo+last echo+hadamard echo+hadamard+last \
+      --group-sizes 16 32 64 128 --lambada 500 --out "$STATE/results" --stem gpu_perplexity
+    copy_out "$STATE/results"
+    ;;
+  *)
+    sed -n '2,20p' "$0"; exit 2
+    ;;
+esac

