@@ -51,7 +51,7 @@ def test_gloo_allreduce_cli_smoke(tmp_path, capsys):
     assert rc == 0
     data = json.loads((tmp_path / "allreduce_gloo_p2.json").read_text())
     algos = {r["algo"] for r in data["rows"]}
-    assert algos == {"16-bit", "naive4", "echo"}
+    assert algos == {"16-bit", "naive4", "echo", "wire-only"}
     assert all(r["time_s"] > 0 and r["size_bytes"] == 65536 for r in data["rows"])
     assert "speedup" in capsys.readouterr().out
 
@@ -65,3 +65,10 @@ def test_kernels_cli_smoke_on_cpu(tmp_path, capsys):
     assert set(res["kernels"]) >= {"stage1", "stage2", "output", "consume", "naive_stage1"}
     out = capsys.readouterr().out
     assert "verified" in out and "PROJECTION (not a measurement)" in out
+
+
+def test_kernels_model_only_needs_no_device(capsys):
+    rc = cli.main(["kernels", "--model-only", "--sizes", "64M,1G", "--world-sizes", "8"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "MODEL ONLY" in out and "PROJECTION (not a measurement)" in out and "1 GiB" in out

@@ -35,7 +35,10 @@ from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
 from . import report, timing
 
-ALGOS = ("16-bit", "naive4", "echo")
+ALGOS = ("16-bit", "naive4", "echo", "wire-only")
+"""``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
+4-bit chunks) without quantizing anything: the time Echo would take if its
+stages were free, i.e. what the link alone allows."""
 
 
 class Contenders:
@@ -52,6 +55,9 @@ class Contenders:
         self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size), transport)
         self.chain = FeedbackChain(1, inputs[0].device, cfg.feedback_dtype, capacity_numel)
         self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
+        lay = self.echo.layout(inputs[0].numel())
+        self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
+        self.transport = transport
 
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
@@ -67,8 +73,13 @@ class Contenders:
         self.chain.record(0, self.key, left_error=True)
         return self.echo.all_reduce(self.x(i), self.chain, 1)
 
+    def wire_only(self, i: int) -> torch.Tensor:
+        recv = self.transport.all_to_all(self.wire)
+        return self.transport.all_gather(recv[:, 0])
+
     def runs(self):
-        return {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call}
+        return {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call,
+                "wire-only": self.wire_only}
 
 
 def _inputs(size_bytes: int, device, seed: int, max_buffers: int) -> list[torch.Tensor]:

@@ -83,10 +83,25 @@ class Slot:
         self.gathered = wire[0].contiguous()
 
 
+def kernel_bytes(lay: WireLayout, fb_elem_bytes: int, in_elem_bytes: int = 2) -> dict[str, int]:
+    """Bytes each kernel must read + write for one rank's share of one call
+    (the numbers bytes/s are computed from)."""
+    p, cb, c, n, npad = lay.world_size, lay.chunk_bytes, lay.chunk_numel, lay.numel, lay.padded_numel
+    x, fb = in_elem_bytes, fb_elem_bytes
+    return {
+        "stage1": x * n + 2 * fb * npad + p * cb,     # x, feedback in + out, wire
+        "stage2": p * cb + 2 * fb * c + cb,           # P chunks, own feedback chunk in + out, 1 chunk
+        "output": p * cb + x * n,                     # P chunks, result
+        "consume": x * n + fb * npad + x * n,         # x, feedback, result
+        "naive_stage1": x * n + p * cb,
+        "naive_stage2": p * cb + cb,
+        "naive_output": p * cb + x * n,
+    }
+
+
 def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, hadamard: bool):
     """name -> (run(i), bytes it must move)."""
-    p, cb, c, n, npad = lay.world_size, lay.chunk_bytes, lay.chunk_numel, lay.numel, lay.padded_numel
-    fbe = slots[0].fb.element_size()
+    nbytes = kernel_bytes(lay, slots[0].fb.element_size())
     k = len(slots)
 
     def s(i):
@@ -97,25 +112,20 @@ def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, had
             return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard)
         return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard, out=outs["x"])
 
-    return {
-        "stage1": (lambda i: backend.stage1(s(i).x, s(i).fb, lay, qmax=qmax, hadamard=hadamard,
-                                            has_incoming=True, out=outs["wire"]),
-                   2 * n + 2 * npad * fbe + p * cb),
-        "stage2": (lambda i: backend.stage2(s(i).recv, s(i).fb, [0], lay, qmax=qmax, out=outs["q2"]),
-                   p * cb + 2 * c * fbe + cb),
-        "output": (lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=hadamard,
-                                            out=outs["y"]),
-                   p * cb + 2 * n),
-        "consume": (consume, 2 * n + npad * fbe + 2 * n),
-        "naive_stage1": (lambda i: backend.stage1(s(i).x, None, lay, qmax=qmax, hadamard=False,
-                                                  has_incoming=False, out=outs["wire"]),
-                         2 * n + p * cb),
-        "naive_stage2": (lambda i: backend.stage2(s(i).recv, None, [0], lay, qmax=qmax, out=outs["q2"]),
-                         p * cb + cb),
-        "naive_output": (lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=False,
-                                                  out=outs["y"]),
-                         p * cb + 2 * n),
+    runs = {
+        "stage1": lambda i: backend.stage1(s(i).x, s(i).fb, lay, qmax=qmax, hadamard=hadamard,
+                                           has_incoming=True, out=outs["wire"]),
+        "stage2": lambda i: backend.stage2(s(i).recv, s(i).fb, [0], lay, qmax=qmax, out=outs["q2"]),
+        "output": lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=hadamard,
+                                           out=outs["y"]),
+        "consume": consume,
+        "naive_stage1": lambda i: backend.stage1(s(i).x, None, lay, qmax=qmax, hadamard=False,
+                                                 has_incoming=False, out=outs["wire"]),
+        "naive_stage2": lambda i: backend.stage2(s(i).recv, None, [0], lay, qmax=qmax, out=outs["q2"]),
+        "naive_output": lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=False,
+                                                 out=outs["y"]),
     }
+    return {name: (run, nbytes[name]) for name, run in runs.items()}
 
 
 # -- verification -------------------------------------------------------------
@@ -243,8 +253,9 @@ def projections(results: list[SizeResult], copy_gbps: float) -> list[projection.
     return out
 
 
-def projection_table(projs: list[projection.Projection], min_bytes: int = 1 << 20) -> str:
-    lines = ["PROJECTION (not a measurement): NCCL 16-bit vs Echo from measured kernel times + wire bytes",
+def projection_table(projs: list[projection.Projection], min_bytes: int = 1 << 20, source: str = "measured") -> str:
+    lines = [f"PROJECTION (not a measurement): NCCL 16-bit vs Echo from {source} kernel times + wire bytes; "
+             "'overlap' = if kernels hid under the transfers (not implemented)",
              f"{'link':<58} {'size':>9} {'nccl us':>9} {'echo us':>9} {'speedup':>7} {'overlap':>7} {'naive':>7}"]
     for pr in projs:
         if pr.size_bytes < min_bytes:
@@ -254,6 +265,21 @@ def projection_table(projs: list[projection.Projection], min_bytes: int = 1 << 2
             f"{pr.echo_s * 1e6:9.1f} {pr.speedup:6.2f}x {pr.speedup_overlapped:6.2f}x {pr.speedup_naive:6.2f}x"
         )
     return "\n".join(lines)
+
+
+def model_results(worlds, sizes, cfg: EchoConfig, copy_gbps: float, efficiency: float) -> list[SizeResult]:
+    """Kernel times predicted from bytes moved, for ``--model-only``: every
+    kernel at ``efficiency`` x the copy bandwidth."""
+    fbe = torch.finfo(FEEDBACK_DTYPES[cfg.feedback_dtype]).bits // 8
+    out = []
+    for p in worlds:
+        for size in sizes:
+            lay = WireLayout(size // 2, p, cfg.group_size)
+            r = SizeResult(p, size, lay.wire_bytes_per_rank)
+            for name, nb in kernel_bytes(lay, fbe).items():
+                r.kernels[name] = KernelResult(name, nb / (efficiency * copy_gbps * 1e9), nb)
+            out.append(r)
+    return out
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -268,10 +294,33 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
     ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")
+    ap.add_argument("--model-only", action="store_true",
+                    help="measure nothing: predict kernel times from bytes moved (no GPU needed)")
+    ap.add_argument("--copy-gbps", type=float, default=4180.0,
+                    help="--model-only: copy bandwidth to assume (default: H200, 4.18 TB/s measured)")
+    ap.add_argument("--efficiency", type=float, default=0.85,
+                    help="--model-only: fraction of the copy bandwidth the kernels reach")
+
+
+def run_model(args, cfg: EchoConfig, worlds, sizes) -> int:
+    results = model_results(worlds, sizes, cfg, args.copy_gbps, args.efficiency)
+    print(f"MODEL ONLY (nothing measured): kernels at {args.efficiency:.0%} of a {args.copy_gbps:.0f} GB/s copy; "
+          f"{cfg.group_size=} feedback={cfg.feedback_dtype}")
+    print(kernel_table(results, args.copy_gbps))
+    print()
+    print(projection_table(projections(results, args.copy_gbps), source="MODELLED"))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
+    if getattr(args, "model_only", False):
+        cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard,
+                         feedback_dtype=args.feedback_dtype)
+        worlds = [int(w) for w in args.world_sizes.split(",") if w]
+        sizes = ([report.parse_size(s) for s in args.sizes.split(",") if s] if args.sizes else
+                 report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size)))
+        return run_model(args, cfg, worlds, sizes)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench kernels: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2

@@ -120,10 +120,12 @@ def plot_lines(
         return None
     os.makedirs(out_dir, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    plotted = 0
     for label, pts in series.items():
         pts = sorted(pts)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+            plotted += 1
     if hline is not None:
         ax.axhline(hline, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
@@ -131,7 +133,8 @@ def plot_lines(
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if plotted:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=120)
