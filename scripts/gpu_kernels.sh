@@ -32,11 +32,11 @@ step() {  # step NAME SECONDS CMD...
 cat "$OUT/env.txt"
 
 # 1. bit-exact kernel tests: small awkward shapes, large shapes, CUDA-graph replay
-step tests 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs \
+step tests 270 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs \
   --junitxml="$OUT/tests.xml"
 
 # 2. every kernel, P = 4 and 8, 8 KiB .. 1 GiB, and the projection
-step bench_kernels 180 "$PY" -m echo_vllm.cli bench kernels --world-sizes 4,8 \
+step bench_kernels 150 "$PY" -m echo_vllm.cli bench kernels --world-sizes 4,8 \
   --min-size 8K --max-size 1G --iters 20 --out "$OUT/kernels"
 
 # 3. the all-reduce benchmark: NCCL under torchrun when several GPUs are
@@ -46,7 +46,7 @@ if [ "${NGPU:-0}" -ge 2 ]; then
   step bench_allreduce 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
     -m echo_vllm.cli bench allreduce --backend nccl --min-size 8K --max-size 1G --out "$OUT/allreduce"
 else
-  step bench_allreduce 80 "$PY" -m echo_vllm.cli bench allreduce --sizes 1M,64M,1G --out "$OUT/allreduce"
+  step bench_allreduce 50 "$PY" -m echo_vllm.cli bench allreduce --sizes 1M,64M,1G --out "$OUT/allreduce"
 fi
 
 echo

@@ -231,9 +231,13 @@ def compile_report() -> list[dict]:
         for dev_cache in caches.values():
             kernels = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
             for key, k in getattr(kernels, "items", lambda: [])():
+                consts = getattr(getattr(k, "src", None), "constants", {}) or {}
+                names = getattr(fn, "arg_names", [])
+                named = {names[i[0]] if isinstance(i, tuple) and i[0] < len(names) else str(i): v
+                         for i, v in consts.items()}
                 rows.append({
-                    "kernel": fn.__name__ if hasattr(fn, "__name__") else str(fn),
-                    "constants": str(getattr(getattr(k, "src", None), "constants", ""))[:160],
+                    "kernel": getattr(fn, "__name__", str(fn)),
+                    "constants": " ".join(f"{n}={v}" for n, v in named.items() if n.isupper()),
                     "n_regs": getattr(k, "n_regs", None),
                     "n_spills": getattr(k, "n_spills", None),
                     "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None),
