@@ -32,11 +32,11 @@ step() {  # step NAME SECONDS CMD...
 cat "$OUT/env.txt"
 
 # 1. bit-exact kernel tests: small awkward shapes, large shapes, CUDA-graph replay
-step tests 270 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs \
+step tests 250 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs \
   --junitxml="$OUT/tests.xml"
 
 # 2. every kernel, P = 4 and 8, 8 KiB .. 1 GiB, and the projection
-step bench_kernels 150 "$PY" -m echo_vllm.cli bench kernels --world-sizes 4,8 \
+step bench_kernels 170 "$PY" -m echo_vllm.cli bench kernels --world-sizes 4,8 \
   --min-size 8K --max-size 1G --iters 20 --out "$OUT/kernels"
 
 # 3. the all-reduce benchmark: NCCL under torchrun when several GPUs are
@@ -58,3 +58,5 @@ grep -E "^ 8 +(64 MiB|256 MiB|1 GiB)" "$OUT/bench_kernels.log" || true
 grep -E "copy bandwidth" "$OUT/bench_kernels.log" || true
 echo "--- projection at 1 GiB:"
 grep -E "1 GiB" "$OUT/bench_kernels.log" | grep -E "busbw" || true
+echo "--- thread layouts (% of copy):"
+grep -A6 "^thread layouts" "$OUT/bench_kernels.log" | tail -n +2 || true

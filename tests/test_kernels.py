@@ -179,16 +179,24 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 # -- the pipeline, stage by stage -----------------------------------------------
 
 
-def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton"):
+def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
+                    layout="thread"):
     """One Echo call for ``world`` virtual ranks: every kernel against its
-    reference on identical inputs, each stage fed the reference's output."""
+    reference on identical inputs, each stage fed the reference's output.
+    ``layout``: the kernels' thread layout (``ECHO_KERNEL_LAYOUT``)."""
+    with _env(ECHO_KERNEL_LAYOUT=layout):
+        _run_and_compare(numel, world, group, dtype, hadamard=hadamard, incoming=incoming, fb_dtype=fb_dtype,
+                         seed=seed, special=special, impl=impl)
+
+
+def _run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special, impl):
     device = "cpu" if impl == "cpu" else DEVICE
     K = kernels(impl)
     lay = WireLayout(numel, world, group)
     x = _values((world, numel), seed, special=special).to(dtype).to(device)
     fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
-    tag = f"{impl} numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+    tag = f"{impl}/{os.environ.get('ECHO_KERNEL_LAYOUT')} numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
 
     wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
@@ -251,6 +259,17 @@ def _special_values_match_reference(dt, hadamard):
     run_and_compare(
         40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
         fb_dtype=torch.float32, seed=3, special=True,
+    )
+
+
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset",
+                         [CASES[2], CASES[5], CASES[8], CASES[11]])
+def test_spread_layout_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+    """The other thread layout (a group across lanes) gives the same bits."""
+    in_kernel_process(
+        run_and_compare,
+        max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
+        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, layout="spread",
     )
 
 
@@ -430,6 +449,14 @@ def test_echo_calls_through_ops_match_the_reference_path(mode):
 def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
     run_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=True,
                     fb_dtype=DTYPES[fb], seed=numel % 1000 + world, special=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fb", ["fp32", "bf16"])
+def test_large_shapes_on_gpu_spread_layout(fb):
+    run_and_compare((1 << 24) + 123, 4, 32, torch.bfloat16, hadamard=True, incoming=True,
+                    fb_dtype=DTYPES[fb], seed=5, special=True, layout="spread")
 
 
 @pytest.mark.gpu

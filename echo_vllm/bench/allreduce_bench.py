@@ -264,5 +264,6 @@ def run(args: argparse.Namespace) -> int:
         world_sizes="4,8", min_size=args.min_size or "8K", max_size=args.max_size or "1G", sizes=args.sizes,
         iters=args.iters, group_size=args.group_size, no_hadamard=args.no_hadamard,
         feedback_dtype=args.feedback_dtype, device="cuda", skip_verify=False, out=args.out,
+        no_layout_compare=True, model_only=False,
     )
     return kernels_bench.run(kargs)

@@ -14,6 +14,8 @@ bit on a mid-sized message: a fast wrong kernel is not a result.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -219,6 +221,45 @@ def kernel_table(results: list[SizeResult], copy_gbps: float) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def kernel_layout(layout: str):
+    """Run the kernels in ``layout`` (``ECHO_KERNEL_LAYOUT``) inside the block."""
+    from ..kernels.launch import LAYOUT_ENV
+
+    old = os.environ.get(LAYOUT_ENV)
+    os.environ[LAYOUT_ENV] = layout
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(LAYOUT_ENV, None)
+        else:
+            os.environ[LAYOUT_ENV] = old
+
+
+def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: list[int], iters: int):
+    """Time every kernel under each thread layout (same bits, different
+    memory/shuffle trade-off). Returns [(layout, SizeResult)]."""
+    from ..kernels.launch import LAYOUTS
+
+    out = []
+    for layout in LAYOUTS:
+        with kernel_layout(layout):
+            out += [(layout, measure_size(backend, device, cfg, world_size, z, iters)) for z in sizes]
+    return out
+
+
+def layout_table(rows, copy_gbps: float) -> str:
+    names = ECHO_KERNELS + ("consume",)
+    head = f"{'layout':>7} {'P':>2} {'size':>9} |" + "".join(f" {n + ' %cp':>12} |" for n in names) + f" {'echo us':>9}"
+    lines = [head, "-" * len(head)]
+    for layout, r in rows:
+        line = f"{layout:>7} {r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |"
+        line += "".join(f" {100 * r.kernels[n].gbps / copy_gbps:12.1f} |" for n in names)
+        lines.append(line + f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f}")
+    return "\n".join(lines)
+
+
 def compile_report() -> list[dict]:
     """Registers / spills / shared memory of every compiled kernel variant
     (Triton's cache after the run); empty if this Triton exposes no cache."""
@@ -297,6 +338,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--feedback-dtype", default="float32", choices=tuple(FEEDBACK_DTYPES))
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
+    ap.add_argument("--no-layout-compare", action="store_true",
+                    help="skip timing both thread layouts at 64 MiB / 1 GiB")
     ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")
     ap.add_argument("--model-only", action="store_true",
                     help="measure nothing: predict kernel times from bytes moved (no GPU needed)")
@@ -336,7 +379,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
     if not args.skip_verify:
-        bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+        bad = []
+        for layout in ("thread", "spread") if device.type == "cuda" else ("thread",):
+            with kernel_layout(layout):
+                bad += [f"{layout} P={p}: {b}" for p in worlds
+                        for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
         if bad:
             print("bench kernels: kernels differ from the references, refusing to time them: " + ", ".join(bad),
                   file=sys.stderr)
@@ -359,6 +406,12 @@ def run(args: argparse.Namespace) -> int:
     projs = projections(results, copy_gbps)
     print()
     print(projection_table(projs))
+    layouts = []
+    if device.type == "cuda" and not args.no_layout_compare:
+        cmp_sizes = [z for z in sizes if z in (64 << 20, 1 << 30)] or [max(sizes)]
+        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters)
+        print("\nthread layouts (ECHO_KERNEL_LAYOUT; same bits): % of copy bandwidth per kernel")
+        print(layout_table(layouts, copy_gbps))
     compiled = compile_report() if device.type == "cuda" else []
     if compiled:
         print("\ncompiled variants (registers per thread, spilled bytes, shared memory):")
@@ -379,6 +432,9 @@ def run(args: argparse.Namespace) -> int:
             ],
             "projection_model": projection.__doc__,
             "compiled": compiled,
+            "layouts": [{"layout": lay, "world_size": r.world_size, "size_bytes": r.size_bytes,
+                         "kernels": {k: {"time_s": v.time_s, "fraction_of_copy": v.gbps / copy_gbps}
+                                     for k, v in r.kernels.items()}} for lay, r in layouts],
             "projections": [pr.to_dict() for pr in projs],
         }
         path = report.write_json(args.out, "kernels.json", payload)

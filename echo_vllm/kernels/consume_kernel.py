@@ -10,25 +10,26 @@ import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
-from .tile import as_access, as_groups, from_f32, to_f32, unrotate, value_offsets
+from .tile import as_access, as_groups, from_f32, group_mask, to_f32, unrotate, value_offsets
 
 
 @triton.jit
 def _consume_kernel(
     x_ptr, fb_ptr, out_ptr,
     x_row_stride, fb_row_stride, out_row_stride, numel, n_groups,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
 ):
     r = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < n_groups
-    idx = value_offsets(0, lg, G)
-    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + idx, mask=gmask[:, None, None], other=0.0), BG, G))
+    idx = value_offsets(0, lg, G, SPREAD)
+    m = group_mask(gmask, SPREAD)
+    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + idx, mask=m, other=0.0), BG, G))
     if HADAMARD:
-        e = unrotate(e, BG, G)
-    xm = gmask[:, None, None] & (idx < numel)
+        e = unrotate(e, BG, G, SPREAD)
+    xm = m & (idx < numel)
     x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + idx, mask=xm, other=0.0), BG, G))
-    tl.store(out_ptr + r * out_row_stride + idx, as_access(from_f32(x + e, x_ptr.dtype.element_ty), BG, G),
+    tl.store(out_ptr + r * out_row_stride + idx, as_access(from_f32(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
              mask=xm)
 
 
@@ -57,6 +58,7 @@ def consume(
         x, feedback, out,
         x.stride(0), feedback.stride(0), out.stride(0), layout.numel, n_groups,
         G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=bool(hadamard),
+        SPREAD=launch.spread_groups(),
         **launch.LAUNCH_OPTIONS,
     )
     return out

@@ -13,6 +13,8 @@ instead of reading out of bounds.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..quant import WIRE_DTYPE, WireLayout, inv_qmax_f32
@@ -24,6 +26,28 @@ GROUPS_PER_PROGRAM = 32 * NUM_WARPS
 #: Launch options shared by every kernel. ``enable_fp_fusion=False`` keeps
 #: ``a - b * c`` from becoming one fused multiply-add.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+
+#: Environment variable choosing the thread layout of a group (see
+#: :func:`spread_groups`).
+LAYOUT_ENV = "ECHO_KERNEL_LAYOUT"
+LAYOUTS = ("thread", "spread")
+
+
+def spread_groups() -> bool:
+    """Which of two layouts the kernels compile to (the same bits either way).
+
+    ``thread`` (default): one thread owns a whole group; amax and every
+    butterfly stay in registers, and each lane reads 8-16 contiguous bytes
+    of its own group (lanes a group apart). ``spread``: a group spans
+    VEC-wide slices of several lanes, so a warp reads contiguous memory, at
+    the price of shuffles for the amax and the butterflies. Which is faster
+    is a question for the hardware: ``echo-vllm bench kernels`` times both.
+    """
+    layout = os.environ.get(LAYOUT_ENV, "thread").lower()
+    if layout not in LAYOUTS:
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: choose one of {LAYOUTS}")
+    return layout == "spread"
+
 
 #: Largest qmax whose codes (q + 8) fit a nibble.
 MAX_QMAX = 7

@@ -12,24 +12,24 @@ import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
-from .tile import as_access, from_f32, load_chunk_groups, unrotate, value_offsets
+from .tile import as_access, from_f32, group_mask, load_chunk_groups, unrotate, value_offsets
 
 
 @triton.jit
 def _output_kernel(
     gathered_ptr, out_ptr, numel,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
 ):
     j = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < chunk_groups
-    v = load_chunk_groups(gathered_ptr, j * chunk_bytes, payload_bytes, lg, gmask, BG, G)
+    v = load_chunk_groups(gathered_ptr, j * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
     if HADAMARD:
-        v = unrotate(v, BG, G)
-    idx = value_offsets(j * chunk_numel, lg, G)
-    tl.store(out_ptr + idx, as_access(from_f32(v, out_ptr.dtype.element_ty), BG, G),
-             mask=gmask[:, None, None] & (idx < numel))
+        v = unrotate(v, BG, G, SPREAD)
+    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)
+    tl.store(out_ptr + idx, as_access(from_f32(v, out_ptr.dtype.element_ty), BG, G, SPREAD),
+             mask=group_mask(gmask, SPREAD) & (idx < numel))
 
 
 def output(
@@ -59,6 +59,7 @@ def output(
         gathered, out, layout.numel,
         **launch.chunk_args(layout),
         G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=bool(hadamard),
+        SPREAD=launch.spread_groups(),
         **launch.LAUNCH_OPTIONS,
     )
     return out.view(layout.numel)

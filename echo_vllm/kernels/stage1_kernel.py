@@ -13,7 +13,9 @@ import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
-from .tile import as_access, as_groups, from_f32, fwht, quantize, store_chunk_groups, to_f32, value_offsets
+from .tile import (
+    as_access, as_groups, from_f32, fwht, group_mask, quantize, store_chunk_groups, to_f32, value_offsets,
+)
 
 
 @triton.jit
@@ -22,27 +24,27 @@ def _stage1_kernel(
     x_row_stride, fb_row_stride, wire_row_stride, numel,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, SPREAD: tl.constexpr,
 ):
     # program (block of groups, destination chunk j, local rank r)
     j = tl.program_id(1).to(tl.int64)
     r = tl.program_id(2).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < chunk_groups
-    m3 = gmask[:, None, None]
-    idx = value_offsets(j * chunk_numel, lg, G)  # value index within the row
+    m3 = group_mask(gmask, SPREAD)
+    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)  # value index within the row
     x = tl.load(x_ptr + r * x_row_stride + idx, mask=m3 & (idx < numel), other=0.0)
     u = to_f32(as_groups(x, BG, G))
     if HADAMARD:
-        u = fwht(u, BG, G)
+        u = fwht(u, BG, G, SPREAD)
     fb_row = fb_ptr + r * fb_row_stride
     if HAS_FB and HAS_INCOMING:
         u = u + to_f32(as_groups(tl.load(fb_row + idx, mask=m3, other=0.0), BG, G))
     codes, s_bits, err = quantize(u, INV_QMAX, QMAX)
     if HAS_FB:
-        tl.store(fb_row + idx, as_access(from_f32(err, fb_ptr.dtype.element_ty), BG, G), mask=m3)
+        tl.store(fb_row + idx, as_access(from_f32(err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
     store_chunk_groups(wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, lg, gmask,
-                       codes, s_bits, BG, G)
+                       codes, s_bits, BG, G, SPREAD)
 
 
 def stage1(
@@ -74,6 +76,7 @@ def stage1(
         **launch.chunk_args(layout),
         G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
         HADAMARD=bool(hadamard), HAS_FB=feedback is not None, HAS_INCOMING=bool(has_incoming),
+        SPREAD=launch.spread_groups(),
         **launch.LAUNCH_OPTIONS,
     )
     return wire

@@ -15,7 +15,10 @@ import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
-from .tile import as_access, as_groups, from_f32, load_chunk_groups, quantize, store_chunk_groups, to_f32, value_offsets
+from .tile import (
+    as_access, as_groups, from_f32, group_mask, load_chunk_groups, quantize, store_chunk_groups, to_f32,
+    value_offsets,
+)
 
 
 @triton.jit
@@ -24,23 +27,23 @@ def _stage2_kernel(
     recv_row_stride, fb_row_stride, out_row_stride, own_base, own_stride,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr,
-    INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr,
+    INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr, SPREAD: tl.constexpr,
 ):
     r = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < chunk_groups
-    m3 = gmask[:, None, None]
+    m3 = group_mask(gmask, SPREAD)
     acc = tl.zeros((BG, G), dtype=tl.float32)
     for i in tl.static_range(P):
         acc = acc + load_chunk_groups(recv_ptr, r * recv_row_stride + i * chunk_bytes, payload_bytes,
-                                      lg, gmask, BG, G)
+                                      lg, gmask, BG, G, SPREAD)
     codes, s_bits, err = quantize(acc, INV_QMAX, QMAX)
     if HAS_FB:
         own = own_base + own_stride * r
-        ptrs = fb_ptr + r * fb_row_stride + value_offsets(own * chunk_numel, lg, G)
+        ptrs = fb_ptr + r * fb_row_stride + value_offsets(own * chunk_numel, lg, G, SPREAD)
         e = to_f32(as_groups(tl.load(ptrs, mask=m3, other=0.0), BG, G))
-        tl.store(ptrs, as_access(from_f32(e + err, fb_ptr.dtype.element_ty), BG, G), mask=m3)
-    store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, gmask, codes, s_bits, BG, G)
+        tl.store(ptrs, as_access(from_f32(e + err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
+    store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, gmask, codes, s_bits, BG, G, SPREAD)
 
 
 def own_chunk_progression(own_chunks: list[int], world_size: int) -> tuple[int, int]:
@@ -89,7 +92,7 @@ def stage2(
         p * layout.chunk_bytes, fb.stride(0), layout.chunk_bytes, base, stride,
         **launch.chunk_args(layout),
         P=p, G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
-        HAS_FB=feedback is not None,
+        HAS_FB=feedback is not None, SPREAD=launch.spread_groups(),
         **launch.LAUNCH_OPTIONS,
     )
     return wire

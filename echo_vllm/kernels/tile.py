@@ -82,62 +82,98 @@ def from_f32(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def value_offsets(first, lg, G: tl.constexpr):
-    """int64 offsets ``[BG, G // VEC, VEC]`` of the values of groups ``lg``
-    (group indices relative to ``first``, the offset of group 0)."""
-    k = tl.arange(0, G // VEC)[None, :, None]
-    v = tl.arange(0, VEC)[None, None, :]
-    return first + lg.to(tl.int64)[:, None, None] * G + (k * VEC + v)
+def value_offsets(first, lg, G: tl.constexpr, SPREAD: tl.constexpr):
+    """int64 offsets of the values of groups ``lg`` (group indices relative
+    to ``first``, the offset of group 0): ``[BG, G // VEC, VEC]`` (one group
+    per thread) or, if ``SPREAD``, ``[BG, G]`` with lanes along the group
+    (coalesced; VEC-wide vectors so every dtype gets the same layout)."""
+    if SPREAD:
+        e = tl.max_contiguous(tl.arange(0, G), VEC)
+        return first + lg.to(tl.int64)[:, None] * G + e[None, :]
+    else:
+        k = tl.arange(0, G // VEC)[None, :, None]
+        v = tl.arange(0, VEC)[None, None, :]
+        return first + lg.to(tl.int64)[:, None, None] * G + (k * VEC + v)
 
 
 @triton.jit
-def byte_offsets(first, lg, NB: tl.constexpr):
-    """int64 offsets ``[BG, NB // W, W]`` of ``NB`` bytes per group (W <= 16)."""
-    W: tl.constexpr = NB if NB < 16 else 16
-    k = tl.arange(0, NB // W)[None, :, None]
-    v = tl.arange(0, W)[None, None, :]
-    return first + lg.to(tl.int64)[:, None, None] * NB + (k * W + v)
+def byte_offsets(first, lg, NB: tl.constexpr, SPREAD: tl.constexpr):
+    """int64 offsets of ``NB`` bytes per group: ``[BG, NB // W, W]`` (W <= 16)
+    or, if ``SPREAD``, ``[BG, NB]``."""
+    if SPREAD:
+        return first + lg.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :]
+    else:
+        W: tl.constexpr = NB if NB < 16 else 16
+        k = tl.arange(0, NB // W)[None, :, None]
+        v = tl.arange(0, W)[None, None, :]
+        return first + lg.to(tl.int64)[:, None, None] * NB + (k * W + v)
+
+
+@triton.jit
+def group_mask(gmask, SPREAD: tl.constexpr):
+    """The per-group mask ``[BG]`` broadcastable to the access shape."""
+    if SPREAD:
+        return gmask[:, None]
+    else:
+        return gmask[:, None, None]
 
 
 @triton.jit
 def as_groups(t, BG: tl.constexpr, G: tl.constexpr):
-    """3-D access tile -> ``[BG, G]``."""
+    """Access tile -> ``[BG, G]``."""
     return tl.reshape(t, (BG, G))
 
 
 @triton.jit
-def as_access(t, BG: tl.constexpr, G: tl.constexpr):
-    """``[BG, G]`` -> the 3-D shape of :func:`value_offsets`."""
-    return tl.reshape(t, (BG, G // VEC, VEC))
+def as_access(t, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
+    """``[BG, G]`` -> the shape of :func:`value_offsets`."""
+    if SPREAD:
+        return t
+    else:
+        return tl.reshape(t, (BG, G // VEC, VEC))
 
 
 @triton.jit
-def as_bytes_access(t, BG: tl.constexpr, NB: tl.constexpr):
-    """``[BG, NB]`` bytes -> the 3-D shape of :func:`byte_offsets`."""
-    W: tl.constexpr = NB if NB < 16 else 16
-    return tl.reshape(t, (BG, NB // W, W))
+def as_bytes_access(t, BG: tl.constexpr, NB: tl.constexpr, SPREAD: tl.constexpr):
+    """``[BG, NB]`` bytes -> the shape of :func:`byte_offsets`."""
+    if SPREAD:
+        return t
+    else:
+        W: tl.constexpr = NB if NB < 16 else 16
+        return tl.reshape(t, (BG, NB // W, W))
 
 
 # -- rotation ----------------------------------------------------------------
 
 
 @triton.jit
-def fwht(v, BG: tl.constexpr, G: tl.constexpr):
+def fwht(v, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
     """Unnormalized Walsh-Hadamard transform of each row of ``v [BG, G]``,
-    butterfly for butterfly as ``echo_vllm.rotation.fwht``."""
+    butterfly for butterfly as ``echo_vllm.rotation.fwht``.
+
+    One group per thread: split/join in registers. ``SPREAD`` (a group
+    across lanes): each stage as two 2-element reductions, ``a + b`` and
+    ``a + (-b)`` (= ``a - b`` exactly), which Triton lowers to shuffles
+    instead of round trips through shared memory."""
     for i in tl.static_range(8):
         if (2 << i) <= G:
             w = tl.reshape(v, (BG, G >> (i + 1), 2, 1 << i))
-            a, b = tl.split(tl.permute(w, (0, 1, 3, 2)))
-            w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+            if SPREAD:
+                first = (tl.arange(0, 2) == 0)[None, None, :, None]
+                s = tl.sum(w, axis=2)
+                d = tl.sum(w * tl.where(first, 1.0, -1.0), axis=2)
+                w = tl.where(first, s[:, :, None, :], d[:, :, None, :])
+            else:
+                a, b = tl.split(tl.permute(w, (0, 1, 3, 2)))
+                w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
             v = tl.reshape(w, (BG, G))
     return v
 
 
 @triton.jit
-def unrotate(v, BG: tl.constexpr, G: tl.constexpr):
+def unrotate(v, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
     """Inverse rotation: ``fwht(v) * (1/G)`` (1/G is a power of two)."""
-    return fwht(v, BG, G) * (1.0 / G)
+    return fwht(v, BG, G, SPREAD) * (1.0 / G)
 
 
 # -- quantization ------------------------------------------------------------
@@ -199,23 +235,24 @@ def unpack(packed, BG: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def store_chunk_groups(wire_ptr, chunk_first, PB, lg, gmask, codes, s_bits,
-                       BG: tl.constexpr, G: tl.constexpr):
+                       BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
     """Write groups ``lg`` of the chunk starting at byte ``chunk_first``:
     packed codes at ``lg * G/2``, scales at ``PB + 2 * lg``."""
     NB: tl.constexpr = G // 2
-    offs = byte_offsets(chunk_first, lg, NB)
-    tl.store(wire_ptr + offs, as_bytes_access(pack(codes, BG, G), BG, NB),
-             mask=gmask[:, None, None])
+    offs = byte_offsets(chunk_first, lg, NB, SPREAD)
+    tl.store(wire_ptr + offs, as_bytes_access(pack(codes, BG, G), BG, NB, SPREAD),
+             mask=group_mask(gmask, SPREAD))
     scale_ptr = (wire_ptr + chunk_first + PB).to(tl.pointer_type(tl.uint16))
     tl.store(scale_ptr + lg, s_bits, mask=gmask)
 
 
 @triton.jit
-def load_chunk_groups(wire_ptr, chunk_first, PB, lg, gmask, BG: tl.constexpr, G: tl.constexpr):
+def load_chunk_groups(wire_ptr, chunk_first, PB, lg, gmask, BG: tl.constexpr, G: tl.constexpr,
+                      SPREAD: tl.constexpr):
     """Read and dequantize groups ``lg`` of the chunk at byte ``chunk_first``."""
     NB: tl.constexpr = G // 2
-    offs = byte_offsets(chunk_first, lg, NB)
-    packed = tl.reshape(tl.load(wire_ptr + offs, mask=gmask[:, None, None], other=0), (BG, NB))
+    offs = byte_offsets(chunk_first, lg, NB, SPREAD)
+    packed = tl.reshape(tl.load(wire_ptr + offs, mask=group_mask(gmask, SPREAD), other=0), (BG, NB))
     scale_ptr = (wire_ptr + chunk_first + PB).to(tl.pointer_type(tl.uint16))
     s_bits = tl.load(scale_ptr + lg, mask=gmask, other=0)
     return dequantize(unpack(packed, BG, G), s_bits)
