@@ -15,13 +15,19 @@ for bit:
 * the Walsh-Hadamard butterflies run in the order of
   ``echo_vllm.rotation.fwht`` (stride 1, 2, 4, ...; outputs ``(a+b, a-b)``).
 
-Memory layout: tiles are loaded through 3-D offsets ``[BG, G // V, V]``
-(``V`` values = 16 bytes of fp32 per vector access). With that shape Triton
-gives each thread whole groups, so the group reductions (amax) and every
-butterfly stage stay in registers: no shared memory, no shuffles. Accesses
-are strided across lanes (one group per lane) but every sector fetched is
-used, and the L1 tag stage resolves 4 lines per cycle, far above a thread
-block's share of HBM bandwidth.
+Thread layouts (``SPREAD``, chosen by ``launch.spread_groups``; the bits
+are the same either way):
+
+* one group per thread (default): tiles are loaded through 3-D offsets
+  ``[BG, G // VEC, VEC]`` (``VEC`` values = 16 bytes of fp32 per vector
+  access), with which Triton gives each thread whole groups, so the amax
+  and every butterfly stay in registers: no shared memory, no shuffles.
+  Lanes read 8-16 contiguous bytes each, a group apart; every sector
+  fetched is used, and the L1 tag stage resolves 4 lines per cycle, above a
+  block's share of HBM bandwidth.
+* ``SPREAD``: 2-D offsets ``[BG, G]``, a group across lanes, so a warp
+  reads contiguous memory; the amax and the cross-lane butterfly stages
+  become shuffles.
 """
 
 from __future__ import annotations
