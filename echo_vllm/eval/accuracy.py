@@ -76,6 +76,9 @@ def summarize(raw: dict, tasks: list[str]) -> dict:
                 entry[f"{m}_stderr"] = se if isinstance(se, (int, float)) else None
         samples = sorted(raw.get("samples", {}).get(local_name(t), []), key=lambda s: s["doc_id"])
         entry["docs"] = {m: [float(s[m]) for s in samples if m in s] for m in METRICS}
+        # log-likelihood of every answer choice (nats), for a paired
+        # sensitivity measure that does not wait for an answer to flip
+        entry["docs"]["loglik"] = [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
         entry["n"] = len(samples)
         out[t] = entry
     return out
@@ -224,6 +227,12 @@ def paired(exact_docs: list[float], docs: list[float]) -> dict | None:
             "changed": sum(1 for x in d if x != 0) / n, "n": n}
 
 
+def mean_abs_dll(exact: list[list[float]], other: list[list[float]]) -> float | None:
+    """Mean |loglik difference| over every (document, choice) pair."""
+    diffs = [abs(a - b) for ea, eb in zip(exact, other) for a, b in zip(ea, eb)]
+    return sum(diffs) / len(diffs) if diffs else None
+
+
 def build_table(results: dict, tasks: list[str]) -> tuple[list[dict], dict]:
     names = list(results)
     base = next((n for n in names if n == "exact" or n.startswith("exact:")), names[0])
@@ -243,6 +252,7 @@ def build_table(results: dict, tasks: list[str]) -> tuple[list[dict], dict]:
                 "delta": None if n == base else _p(e.get(m)) - _p(b.get(m)),
                 "paired_stderr": None if (n == base or pr is None) else pr["stderr"],
                 "changed": None if (n == base or pr is None) else pr["changed"],
+                "dll": None if n == base else mean_abs_dll(b["docs"].get("loglik", []), e["docs"].get("loglik", [])),
             })
             prim.append(_p(e.get(m)))
         averages[n] = sum(prim) / len(prim)
@@ -267,10 +277,11 @@ def render(result: dict) -> str:
              f"limit={result['limit']}", "",
              "Scores in points (%). `score` is acc_norm where the task defines it, else acc. "
              "`delta` is vs exact; `paired se` is the stderr of that delta over the same documents; "
-             "`changed` is the share of documents whose score flipped.", ""]
+             "`changed` is the share of documents whose score flipped; `|dLL|` the mean absolute change "
+             "of a choice's log-likelihood (nats).", ""]
     cols = [("task", "task"), ("variant", "variant"), ("n", "docs"), ("acc", "acc"), ("acc_stderr", "± se"),
             ("acc_norm", "acc_norm"), ("acc_norm_stderr", "± se"), ("score", "score"), ("delta", "delta"),
-            ("paired_stderr", "paired se"), ("changed", "changed")]
+            ("paired_stderr", "paired se"), ("changed", "changed"), ("dll", "|dLL|")]
     lines.append(markdown_table(rows, cols))
     return "\n".join(lines)
 

@@ -174,6 +174,9 @@ class Row:
     target_ppl: float | None = None
     target_acc: float | None = None
     bits_per_value: float = 16.0
+    eff_bits: float = 16.0
+    """Wire bits per value averaged over all calls (16-bit ones included):
+    every all-reduce of these models has the same size."""
     kl: float | None = None
     agreement: float | None = None
     seconds: float = 0.0
@@ -205,6 +208,16 @@ def run_variant(model, variant: Variant, world_size: int, textset: TextSet, *,
     info = emu.describe()
     return score, {"seconds": time.time() - t0, "calls": info["stats"]["calls"],
                    "effective": {"mode": info["mode"], "feedback": info["config"]["feedback"]}}
+
+
+def effective_bits(variant: Variant, calls: dict) -> float:
+    """Average wire bits per value over the calls that ran (Echo calls at
+    4 + 16/g, exact-path calls at 16)."""
+    echo = sum(n for k, n in calls.items() if k.startswith("echo/"))
+    total = sum(calls.values())
+    if variant.mode != "echo" or not total:
+        return 16.0
+    return (echo * variant.bits_per_value + (total - echo) * 16.0) / total
 
 
 def with_group_sweep(variants: list[Variant], group_sizes: list[int], bases: list[str]) -> list[Variant]:
@@ -253,8 +266,8 @@ def run(args) -> dict:
             rows.append(Row(
                 ts.name, v.name, score.ppl, None, score.target_ppl,
                 score.target_hits / score.target_total if score.target_total else None,
-                v.bits_per_value, score.mean_kl, score.agreement, info["seconds"], score.count,
-                info["calls"], v.config.to_dict(),
+                v.bits_per_value, effective_bits(v, info["calls"]), score.mean_kl, score.agreement,
+                info["seconds"], score.count, info["calls"], v.config.to_dict(),
             ))
             bar.update()
         ref = None
@@ -281,7 +294,7 @@ def render_markdown(result: dict) -> str:
     for t in result["texts"]:
         rows = [dict(r, delta=_pct(r["delta_pct"])) for r in result["rows"] if r["text"] == t["name"]]
         has_target = any(r["target_ppl"] is not None for r in rows)
-        cols = [("variant", "variant"), ("bits_per_value", "bits/value"), ("ppl", "perplexity"),
+        cols = [("variant", "variant"), ("eff_bits", "bits/value"), ("ppl", "perplexity"),
                 ("delta", "vs exact"), ("kl", "KL to exact (nats/token)"), ("agreement", "top-1 agree")]
         if has_target:
             cols += [("target_ppl", "target-word ppl"), ("target_acc", "target-word acc")]
@@ -303,7 +316,7 @@ def group_curves(result: dict, text: str) -> dict[str, list[tuple[float, float]]
         if r["text"] != text or r["bits_per_value"] >= 16 or (rest and not rest.startswith("group_size=")) \
                 or "," in rest:
             continue
-        curves.setdefault(name, []).append((r["bits_per_value"], r["delta_pct"]))
+        curves.setdefault(name, []).append((r.get("eff_bits", r["bits_per_value"]), r["delta_pct"]))
     return {k: sorted(v) for k, v in curves.items() if len(v) > 1}
 
 
@@ -311,6 +324,8 @@ def plot(result: dict, path) -> None:
     plt = pyplot()
     texts = [t["name"] for t in result["texts"]]
     curves = group_curves(result, texts[0])
+    others = [r for r in result["rows"] if r["text"] == texts[0] and r["bits_per_value"] < 16
+              and ":" in r["variant"] and not r["variant"].partition(":")[2].startswith("group_size=")]
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(13 if curves else 7, 4.8), squeeze=False)
     ax = axes[0][0]
     names = [v["name"] for v in result["variants"] if v["mode"] == "echo" and ":" not in v["name"]]
@@ -330,7 +345,12 @@ def plot(result: dict, path) -> None:
         ax = axes[0][1]
         for base, pts in curves.items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=base)
-        ax.set_xlabel("wire bits per value (4 + 16/group)")
+        for r in others:
+            x = r.get("eff_bits", r["bits_per_value"])
+            ax.plot([x], [r["delta_pct"]], "k^", ms=5)
+            ax.annotate(r["variant"].partition(":")[2], (x, r["delta_pct"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("wire bits per value (4 + 16/group, averaged over calls)")
         ax.set_ylabel("perplexity vs exact (%)")
         ax.set_yscale("symlog", linthresh=1)
         ax.axhline(1.0, color="gray", ls=":", lw=1)

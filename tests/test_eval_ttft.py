@@ -1,0 +1,55 @@
+"""TTFT harness pieces that run without a server or a GPU: the report that
+merges per-mode runs, the one-GPU caveat, the background-traffic spec, the
+GPU script's syntax and the accuracy table arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from echo_vllm.eval import accuracy, ttft
+from echo_vllm.eval.background import TrafficSpec
+
+
+def _run(label, ttfts, gpus):
+    return {"label": label, "model": "m", "gpus": gpus, "cells": [
+        {"label": label, "input_len": L, "concurrency": 1, "mean_ttft_ms": t, "p50_ttft_ms": t,
+         "p99_ttft_ms": t, "mean_itl_ms": 1.0, "p99_itl_ms": 2.0}
+        for L, t in ttfts.items()]}
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_report_merges_labels_and_states_the_one_gpu_caveat(tmp_path, gpus):
+    (tmp_path / "ttft_exact.json").write_text(json.dumps(_run("exact", {512: 10.0, 4096: 80.0}, gpus)))
+    (tmp_path / "ttft_echo.json").write_text(json.dumps(_run("echo", {512: 10.0, 4096: 64.0}, gpus)))
+    res = ttft.report(str(tmp_path))
+    speed = {(r["label"], r["input_len"]): r["ttft_speedup"] for r in res["rows"]}
+    assert speed[("echo", 4096)] == pytest.approx(1.25) and speed[("exact", 4096)] is None
+    md = (tmp_path / "ttft.md").read_text()
+    assert ("NO communication savings" in md) == (gpus == 1)
+    assert (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_traffic_spec_validates():
+    TrafficSpec(0.5, 100, 64, (0, 1))
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="duty"):
+            TrafficSpec(bad)
+
+
+def test_paired_delta_and_average():
+    exact = [1, 0, 1, 1, 0, 0, 1, 0]
+    echo = [1, 0, 0, 1, 0, 1, 1, 0]
+    pr = accuracy.paired(exact, echo)
+    assert pr["delta"] == 0.0 and pr["changed"] == 0.25 and pr["n"] == 8
+    # stderr of the mean paired difference: d = (0,0,-1,0,0,1,0,0), var = 2/7
+    assert pr["stderr"] == pytest.approx(100 * (2 / 7 / 8) ** 0.5)
+    assert accuracy.mean_abs_dll([[-1.0, -2.0]], [[-1.5, -2.0]]) == pytest.approx(0.25)
+
+
+def test_gpu_script_parses():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_eval.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
