@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
-PHASE_CAP_S = {"eager": 260, "graphs": 400}
+PHASE_CAP_S = {"eager": 260, "graphs": 400, "graphs_exact": 200}
 
 #: name -> (tp_comm mode, EchoConfig changes from Echo's defaults)
 VARIANTS = {
@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget-s", type=float, default=470, help="wall-clock budget of both engines")
-    p.add_argument("--phases", default="eager,graphs")
+    p.add_argument("--phases", default="eager,graphs,graphs_exact")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -133,7 +133,10 @@ def run_phase(args) -> None:
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    graphs = args.phase == "graphs"
+    graphs = args.phase in ("graphs", "graphs_exact")
+    # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
+    # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
+    tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
     extra = {"tp_comm_emulate_measure": True} if not graphs else {}
     kwargs = dict(
         model=args.model,
@@ -145,7 +148,8 @@ def run_phase(args) -> None:
         max_logprobs=-1,
         logprobs_mode="raw_logits",
         seed=0,
-        additional_config={"tp_comm": "echo", "tp_comm_emulate": args.tp, "echo_min_bytes": 0, **extra},
+        additional_config={"tp_comm": tp_comm, "tp_comm_emulate": args.tp, **extra,
+                           **({"echo_min_bytes": 0} if tp_comm == "echo" else {})},
     )
     if graphs:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8], "custom_ops": ["all"]}
@@ -183,7 +187,7 @@ def run_phase(args) -> None:
         save()
 
     if graphs:
-        measure("echo")
+        measure("exact" if args.phase == "graphs_exact" else "echo")
     else:
         for name, (mode, changes) in VARIANTS.items():
             session.set_variant(mode=mode, **{**ECHO_DEFAULTS, **changes})
@@ -256,6 +260,11 @@ def compare(out: pathlib.Path, res: dict) -> dict:
             calls=s.get("calls"),
         )
         table["graphs/echo vs eager/echo"] = row
+    ge = res.get("graphs_exact", {}).get("variants", {}).get("exact")
+    if ge is not None and "exact" in eager:
+        row = diff(eager["exact"]["tokens"], ge["tokens"], load("eager", "exact"), load("graphs_exact", "exact"))
+        row.update(tokens_identical_to_eager=ge["tokens"] == eager["exact"]["tokens"])
+        table["graphs/exact vs eager/exact"] = row
     return table
 
 
