@@ -5,7 +5,7 @@
 #
 # Prepared on a machine with registry access (repo root):
 #   bash ../shared/gpu-wheelhouse/build.sh .gpu-bundle 56 scripts/gpu_eval_pins.txt   # vLLM + lm-eval
-#   .venv/bin/echo-vllm eval bundle --models smollm2-135m --out .gpu-echo             # model + data
+#   .venv/bin/echo-vllm eval bundle --models smollm2-135m --out .gpu-bundle/echo      # model + data
 #
 # On the GPU host, from the repo root (state lives in $ECHO_GPU_STATE, default
 # /tmp/echo-gpu, outside the transferred tree; it survives while the machine is warm):

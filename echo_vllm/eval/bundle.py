@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--models", nargs="*", default=["smollm2-135m"], choices=list(MODELS))
     p.add_argument("--no-data", action="store_true", help="leave out the benchmark data and texts")
     p.add_argument("--part-mib", type=int, default=56)
-    p.add_argument("--out", default="gpu_bundle")
+    p.add_argument("--out", default=".gpu-bundle/echo", help="output folder (git-ignored by default)")
     p.add_argument("--unpack", nargs="+", metavar=("TARGET", "PARTS_DIR"),
                    help="instead: unpack parts from PARTS_DIR(s) into TARGET")
     a = p.parse_args(argv)

@@ -260,7 +260,8 @@ def run(args) -> dict:
             first = base is None
             score, info = run_variant(model, v, world, ts, batch_size=args.batch_size, pad_id=pad_id,
                                       postnorm_policy=args.postnorm, reference=ref,
-                                      keep=first and not args.no_kl)
+                                      keep=first and not args.no_kl,
+                                      exact_calls=() if first else args.exact_calls)
             if first:
                 base, ref = score.ppl, (score if not args.no_kl else None)
             rows.append(Row(
@@ -277,6 +278,7 @@ def run(args) -> dict:
     bar.close()
     result = {
         "model": str(args.model), "model_path": str(path), "dtype": args.dtype, "world_size": world,
+        "exact_calls": sorted(args.exact_calls),
         "texts": [{"name": t.name, "tokens": t.tokens, "sequences": len(t.sequences)} for t in textsets],
         "variants": [v.to_dict() for v in variants],
         "rows": [r.__dict__ for r in rows],
@@ -291,6 +293,8 @@ def run(args) -> dict:
 
 def render_markdown(result: dict) -> str:
     lines = [f"### Perplexity: {result['model']} ({result['dtype']}), emulated TP={result['world_size']}", ""]
+    if result.get("exact_calls"):
+        lines += [f"Calls forced to 16-bit in every Echo variant: {result['exact_calls']}", ""]
     for t in result["texts"]:
         rows = [dict(r, delta=_pct(r["delta_pct"])) for r in result["rows"] if r["text"] == t["name"]]
         has_target = any(r["target_ppl"] is not None for r in rows)
@@ -359,6 +363,15 @@ def plot(result: dict, path) -> None:
     save_figure(fig, path)
 
 
+def parse_calls(text: str) -> frozenset[int]:
+    """``"1-4,9"`` -> {1, 2, 3, 4, 9}."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(out)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--tp", type=int, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
@@ -378,6 +391,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cuda on a GPU host)")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES,
                    help="what Echo does on post-norm models (Gemma-3)")
+    p.add_argument("--exact-calls", type=parse_calls, default=frozenset(), metavar="I,J-K",
+                   help="ablation: force these call indices (0 = embedding, 2l+1 / 2l+2 = layer l's "
+                        "o_proj / down_proj) onto the 16-bit path in every Echo variant")
     p.add_argument("--no-kl", action="store_true",
                    help="skip KL / agreement (saves keeping the exact run's log-probs in memory)")
     p.add_argument("--out", default="eval_results")
