@@ -180,10 +180,11 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 
 
 def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
-                    layout="thread"):
+                    layout="spread"):
     """One Echo call for ``world`` virtual ranks: every kernel against its
     reference on identical inputs, each stage fed the reference's output.
-    ``layout``: the kernels' thread layout (``ECHO_KERNEL_LAYOUT``)."""
+    ``layout``: the kernels' thread layout (``ECHO_KERNEL_LAYOUT``; the
+    default is ``spread``)."""
     with _env(ECHO_KERNEL_LAYOUT=layout):
         _run_and_compare(numel, world, group, dtype, hadamard=hadamard, incoming=incoming, fb_dtype=fb_dtype,
                          seed=seed, special=special, impl=impl)
@@ -264,13 +265,28 @@ def _special_values_match_reference(dt, hadamard):
 
 @pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset",
                          [CASES[2], CASES[5], CASES[8], CASES[11]])
-def test_spread_layout_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
-    """The other thread layout (a group across lanes) gives the same bits."""
+def test_thread_layout_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+    """The other thread layout (one group per thread) gives the same bits."""
     in_kernel_process(
         run_and_compare,
         max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, layout="spread",
+        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, layout="thread",
     )
+
+
+def test_layout_default_is_spread_and_thread_selectable():
+    from echo_vllm.kernels import launch
+
+    with _env(ECHO_KERNEL_LAYOUT="thread"):
+        assert launch.spread_groups() is False
+    with _env(ECHO_KERNEL_LAYOUT="warp"), pytest.raises(ValueError, match="ECHO_KERNEL_LAYOUT"):
+        launch.spread_groups()
+    old = os.environ.pop("ECHO_KERNEL_LAYOUT", None)
+    try:
+        assert launch.DEFAULT_LAYOUT == "spread" and launch.spread_groups() is True
+    finally:
+        if old is not None:
+            os.environ["ECHO_KERNEL_LAYOUT"] = old
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
@@ -454,9 +470,9 @@ def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fb", ["fp32", "bf16"])
-def test_large_shapes_on_gpu_spread_layout(fb):
+def test_large_shapes_on_gpu_thread_layout(fb):
     run_and_compare((1 << 24) + 123, 4, 32, torch.bfloat16, hadamard=True, incoming=True,
-                    fb_dtype=DTYPES[fb], seed=5, special=True, layout="spread")
+                    fb_dtype=DTYPES[fb], seed=5, special=True, layout="thread")
 
 
 @pytest.mark.gpu

@@ -380,7 +380,9 @@ def run(args: argparse.Namespace) -> int:
         sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
     if not args.skip_verify:
         bad = []
-        for layout in ("thread", "spread") if device.type == "cuda" else ("thread",):
+        from ..kernels.launch import DEFAULT_LAYOUT, LAYOUTS
+
+        for layout in LAYOUTS if device.type == "cuda" else (DEFAULT_LAYOUT,):
             with kernel_layout(layout):
                 bad += [f"{layout} P={p}: {b}" for p in worlds
                         for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]

@@ -1,8 +1,8 @@
 """How the Echo kernels are launched: tile sizes, compiler options, checks.
 
-Every kernel processes ``GROUPS_PER_PROGRAM`` quantization groups per program,
-one group per thread (see ``tile``), and is compiled with FMA contraction
-off: the references in ``echo_vllm.quant`` round every product and sum
+Every kernel processes ``GROUPS_PER_PROGRAM`` quantization groups per program
+(in one of two thread layouts, see :func:`spread_groups` and ``tile``), and
+is compiled with FMA contraction off: the references in ``echo_vllm.quant`` round every product and sum
 separately, and the kernels must produce the same bits.
 
 The wrappers check shapes, dtypes and strides on the host (plain Python on
@@ -19,7 +19,8 @@ import torch
 
 from ..quant import WIRE_DTYPE, WireLayout, inv_qmax_f32
 
-#: Threads per program = 32 * NUM_WARPS; each owns one group.
+#: 32 * NUM_WARPS threads per program and as many groups (``thread`` layout:
+#: one group each; ``spread``: each group across several lanes).
 NUM_WARPS = 4
 GROUPS_PER_PROGRAM = 32 * NUM_WARPS
 
@@ -31,19 +32,23 @@ LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 #: :func:`spread_groups`).
 LAYOUT_ENV = "ECHO_KERNEL_LAYOUT"
 LAYOUTS = ("thread", "spread")
+#: The layout used when ``ECHO_KERNEL_LAYOUT`` is unset (measured faster on the H200).
+DEFAULT_LAYOUT = "spread"
 
 
 def spread_groups() -> bool:
     """Which of two layouts the kernels compile to (the same bits either way).
 
-    ``thread`` (default): one thread owns a whole group; amax and every
-    butterfly stay in registers, and each lane reads 8-16 contiguous bytes
-    of its own group (lanes a group apart). ``spread``: a group spans
-    VEC-wide slices of several lanes, so a warp reads contiguous memory, at
-    the price of shuffles for the amax and the butterflies. Which is faster
-    is a question for the hardware: ``echo-vllm bench kernels`` times both.
+    ``spread`` (default): a group spans VEC-wide slices of several lanes,
+    so a warp reads contiguous memory, at the price of shuffles for the amax
+    and the butterflies. ``thread``: one thread owns a whole group; amax and
+    every butterfly stay in registers, and each lane reads 8-16 contiguous
+    bytes of its own group (lanes a group apart). On one H200 (BENCHMARKS.md,
+    section 2) ``spread`` moved 1.05-2.4x the bytes/s of ``thread`` at 1 GiB
+    (stage 1 72% vs 59% of a copy, output 54% vs 23%), hence the default;
+    ``echo-vllm bench kernels`` times both.
     """
-    layout = os.environ.get(LAYOUT_ENV, "thread").lower()
+    layout = os.environ.get(LAYOUT_ENV, DEFAULT_LAYOUT).lower()
     if layout not in LAYOUTS:
         raise ValueError(f"{LAYOUT_ENV}={layout!r}: choose one of {LAYOUTS}")
     return layout == "spread"

@@ -18,16 +18,15 @@ for bit:
 Thread layouts (``SPREAD``, chosen by ``launch.spread_groups``; the bits
 are the same either way):
 
-* one group per thread (default): tiles are loaded through 3-D offsets
-  ``[BG, G // VEC, VEC]`` (``VEC`` values = 16 bytes of fp32 per vector
-  access), with which Triton gives each thread whole groups, so the amax
-  and every butterfly stay in registers: no shared memory, no shuffles.
-  Lanes read 8-16 contiguous bytes each, a group apart; every sector
-  fetched is used, and the L1 tag stage resolves 4 lines per cycle, above a
-  block's share of HBM bandwidth.
-* ``SPREAD``: 2-D offsets ``[BG, G]``, a group across lanes, so a warp
-  reads contiguous memory; the amax and the cross-lane butterfly stages
-  become shuffles.
+* ``SPREAD`` (default): 2-D offsets ``[BG, G]``, a group across lanes, so a
+  warp reads contiguous memory; the amax and the cross-lane butterfly
+  stages become shuffles. Faster on the H200 (BENCHMARKS.md, section 2).
+* one group per thread (``ECHO_KERNEL_LAYOUT=thread``): tiles are loaded
+  through 3-D offsets ``[BG, G // VEC, VEC]`` (``VEC`` values = 16 bytes of
+  fp32 per vector access), with which Triton gives each thread whole
+  groups, so the amax and every butterfly stay in registers: no shared
+  memory, no shuffles. Lanes read 8-16 contiguous bytes each, a group
+  apart; on the H200 that reached only 23-63% of a copy's bytes/s.
 """
 
 from __future__ import annotations
