@@ -72,3 +72,25 @@ def test_kernels_model_only_needs_no_device(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "MODEL ONLY" in out and "PROJECTION (not a measurement)" in out and "1 GiB" in out
+
+
+def test_eager_table_puts_call_time_beside_device_time():
+    from echo_vllm.bench import kernels_bench as kb
+
+    r = kb.SizeResult(8, 1 << 20, 0)
+    for i, name in enumerate(kb.ECHO_KERNELS + ("consume",) + kb.NAIVE_KERNELS):
+        r.kernels[name] = kb.KernelResult(name, time_s=(i + 1) * 1e-6, bytes_moved=1, eager_s=(i + 41) * 1e-6)
+    table = kb.eager_table([r])
+    assert "41.0 /      1.0" in table and "44.0 /      4.0" in table  # stage1, consume
+    assert table.splitlines()[-1].endswith(f"{41 + 42 + 43:9.1f} /    6.0")  # the call: sums of both
+    r.kernels["stage2"].eager_s = None
+    assert kb.eager_table([r]) == ""  # nothing to show unless every kernel has both
+
+
+def test_reference_bandwidths_have_their_read_write_mixes():
+    import torch
+
+    from echo_vllm.bench import kernels_bench as kb
+
+    refs = kb.measure_reference_gbps(torch.device("cpu"), 1 << 16, iters=2)
+    assert set(refs) == {"write", "add"} and all(v > 0 for v in refs.values())

@@ -114,7 +114,7 @@ def _reporting(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except BaseException:
-        raise AssertionError("in the interpreter worker:\n" + traceback.format_exc()) from None
+        raise AssertionError("in the worker process:\n" + traceback.format_exc()) from None
 
 
 # -- comparison helpers ---------------------------------------------------------
@@ -446,6 +446,109 @@ def test_echo_calls_through_ops_match_the_reference_path(mode):
     run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode)
 
 
+# -- launching without Triton's per-call dispatch -----------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _compiler_pool() -> ProcessPoolExecutor:
+    """One spawned worker that compiles for real (no interpreter) under a
+    driver whose launches are recorded, not run (``bench.host_overhead``)."""
+    with _env(TRITON_INTERPRET="0"):
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        pool.submit(os.getpid).result()
+    atexit.register(pool.shutdown, cancel_futures=True)
+    return pool
+
+
+def _direct_launch_hands_the_launcher_what_triton_does():
+    from triton import knobs
+
+    from echo_vllm import kernels
+    from echo_vllm.bench.host_overhead import compile_only
+    from echo_vllm.kernels import stage1_kernel
+
+    launcher = stage1_kernel._LAUNCH
+    if not launcher.direct:
+        return "direct launches are off for this Triton version"
+    world, group = 3, 32
+    lay = WireLayout(33 * group + 5, world, group)
+    x = _values((world, lay.numel), 31).to(torch.bfloat16)
+    fb = _feedback(world, lay, torch.float32, 32, device="cpu")
+    wire = torch.empty(world, world, lay.chunk_bytes, dtype=torch.uint8)
+
+    def call(feedback=fb, out=wire):
+        kernels.stage1(x, feedback, lay, qmax=QMAX, hadamard=True, has_incoming=True, out=out)
+        return launcher._compiled
+
+    def last(entries, k=-1):
+        return list(entries.values())[k][0].calls[-1]
+
+    with compile_only():
+        entries = call()  # Triton's path: compiles, launches, hands back the kernel
+        assert len(entries) == 1
+        via_triton = last(entries)
+        assert via_triton[7] is knobs.runtime.launch_enter_hook  # Triton's path passes its hook chains
+        first_run = list(entries.values())[0][0]
+        call()  # same key: the direct path
+        direct = last(entries)
+        assert len(entries) == 1 and len(first_run.calls) == 2
+        # grid, stream, function handle, packed metadata: identical
+        assert direct[:6] == via_triton[:6]
+        assert direct[6:9] == (None, None, None)  # no launch metadata, no (empty) hook chains
+        assert list(direct[9:]) == [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in via_triton[9:]]
+
+        # another row stride with the same specialization (divisible by 16):
+        # a new key, and Triton hands back the kernel it already had
+        call(feedback=_feedback(world, lay, torch.float32, 33, extra=64, device="cpu"))
+        assert len(entries) == 2 and list(entries.values())[1][0] is first_run
+        # a stride not divisible by 16, an output not 16-byte aligned: other kernels
+        call(feedback=_feedback(world, lay, torch.float32, 33, extra=49, device="cpu"))
+        unaligned = torch.empty(wire.numel() + 1, dtype=torch.uint8)[1:].view(wire.shape)
+        call(out=unaligned)
+        runs = [e[0] for e in entries.values()]
+        assert len(entries) == 4 and len({id(r) for r in runs}) == 3
+        assert runs[3].calls[-1][11] is unaligned  # through Triton's path, as a tensor
+
+        # with a launch hook installed (a profiler) every call takes Triton's path
+        def hook(metadata):
+            pass
+
+        before = len(first_run.calls)
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            call()
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert len(first_run.calls) == before + 1 and first_run.calls[-1][7] is knobs.runtime.launch_enter_hook
+
+
+def test_direct_launch_hands_the_launcher_what_triton_does():
+    """After the first call of a specialization, a launch skips Triton's
+    dispatch and gives the compiled kernel's launcher the same grid, stream,
+    function, metadata and arguments (compiled for sm_90 on the CPU, with a
+    recording launcher); a new specialization goes back through Triton."""
+    skipped = _compiler_pool().submit(_reporting, _direct_launch_hands_the_launcher_what_triton_does).result(timeout=600)
+    if skipped:
+        pytest.skip(skipped)
+
+
+def _launchers_direct():
+    from echo_vllm.kernels import consume_kernel, output_kernel, stage1_kernel, stage2_kernel
+
+    return [m._LAUNCH.direct for m in (stage1_kernel, stage2_kernel, output_kernel, consume_kernel)]
+
+
+def test_interpreter_and_switch_use_tritons_path():
+    """Under the interpreter, and with ECHO_KERNEL_DIRECT_LAUNCH=0, every
+    launch goes through ``kernel[grid](...)``."""
+    if not CUDA:
+        assert in_kernel_process(_launchers_direct) == [False] * 4
+    from echo_vllm.kernels import direct_launch, stage1_kernel
+
+    with _env(ECHO_KERNEL_DIRECT_LAUNCH="0"):
+        assert not direct_launch.Launcher(stage1_kernel._stage1_kernel, {}).direct
+
+
 # -- GPU only ---------------------------------------------------------------------
 
 
@@ -515,3 +618,33 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard):
     torch.cuda.synchronize()
     assert_same_bits(y_static, y_eager, "graph output", nan_any=True)
     assert_same_bits(chain.buffer(0), fb_eager, "graph feedback")
+
+
+class _NoTritonDispatch:
+    """Stands in for a kernel's JIT function: indexing it means a launch did
+    not take the direct path."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("launched through Triton's kernel[grid](...)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_direct_launches_give_the_reference_bits_on_gpu():
+    """The second call of a shape launches every kernel directly (Triton's
+    dispatch replaced by a trap) and still matches the references."""
+    from echo_vllm.kernels import consume_kernel, output_kernel, stage1_kernel, stage2_kernel
+
+    args = ((1 << 20) + 123, 4, 32, torch.bfloat16)
+    kw = dict(hadamard=True, incoming=True, fb_dtype=torch.float32, seed=9, special=True)
+    run_and_compare(*args, **kw)
+    launchers = [m._LAUNCH for m in (stage1_kernel, stage2_kernel, output_kernel, consume_kernel)]
+    assert all(la.direct and la.compiled_variants > 0 for la in launchers)
+    saved = [la.fn for la in launchers]
+    for la in launchers:
+        la.fn = _NoTritonDispatch()
+    try:
+        run_and_compare(*args, **kw)
+    finally:
+        for la, fn in zip(launchers, saved):
+            la.fn = fn

@@ -7,6 +7,13 @@ exact path's absorb), reports bytes/s against a measured device copy
 (counting only the bytes a kernel must read and write), and projects the
 all-reduce time on stated links (``projection``: labelled as such).
 
+Two times exist for a kernel call: its device time (CUDA-graph replay: no
+host in it) and its eager time (CUDA events around one Python call on an
+idle stream: host launch work + device time, what an eager caller such as
+vLLM's prefill waits). ``--timing auto`` takes the first below 1 MiB and the
+second above; ``graph`` the first everywhere; ``both`` reports both, the
+device time for bytes/s.
+
 Before timing anything it checks the kernels against the references bit for
 bit on a mid-sized message: a fast wrong kernel is not a result.
 """
@@ -33,7 +40,10 @@ FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class KernelResult:
     name: str
     time_s: float
+    """Seconds per call: device time when graph-timed, else eager time."""
     bytes_moved: int
+    eager_s: float | None = None
+    """Eager call time (host launch + device), with ``--timing both``."""
 
     @property
     def gbps(self) -> float:
@@ -133,9 +143,20 @@ def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, had
 # -- verification -------------------------------------------------------------
 
 
-def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int = 3 * (1 << 20) + 77) -> list[str]:
+def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int = 3 * (1 << 20) + 77,
+           passes: int = 2) -> list[str]:
     """Kernel vs reference (run on the same device), bit for bit, for one
-    Echo call and one naive call. Returns what differs (empty: all equal)."""
+    Echo call and one naive call, ``passes`` times: the first launch of a
+    shape goes through Triton's dispatch, the later ones launch the compiled
+    kernel directly (``kernels.direct_launch``), and both must be right.
+    Returns what differs (empty: all equal)."""
+    bad: list[str] = []
+    for i in range(passes):
+        bad += [f"{b} (pass {i + 1})" for b in _verify_once(backend, device, cfg, world_size, numel)]
+    return bad
+
+
+def _verify_once(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int) -> list[str]:
     fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
     lay = WireLayout(numel, world_size, cfg.group_size)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -166,18 +187,47 @@ def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, nume
 # -- measurement --------------------------------------------------------------
 
 
+def _median_s(device: torch.device, run, iters: int) -> float:
+    timer = timing.cuda_time if device.type == "cuda" else timing.host_time
+    return timer(run, iters=iters).median_s
+
+
 def measure_copy_gbps(device: torch.device, nbytes: int, iters: int) -> float:
     """Device-to-device copy: bytes read + written per second."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    if device.type == "cuda":
-        t = timing.cuda_time(lambda i: dst.copy_(src), iters=iters)
-    else:
-        t = timing.host_time(lambda i: dst.copy_(src), iters=iters)
-    return 2 * nbytes / t.median_s / 1e9
+    return 2 * nbytes / _median_s(device, lambda i: dst.copy_(src), iters) / 1e9
 
 
-def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int) -> SizeResult:
+def measure_reference_gbps(device: torch.device, nbytes: int, iters: int) -> dict[str, float]:
+    """Bytes/s of plain torch kernels with other read:write mixes than a
+    copy's 1:1, for context: ``write`` (fill, 0:1) and ``add`` (bf16
+    ``a + b``, 2:1). The kernels' mixes range from 3:1 (consume) to 1:4
+    (output), and HBM need not move every mix at the copy's rate."""
+    n = nbytes // 2
+    dst = torch.empty(n, dtype=torch.bfloat16, device=device)
+    a, b = torch.ones_like(dst), torch.ones_like(dst)
+    out = {"write": n * 2 / _median_s(device, lambda i: dst.fill_(1.0), iters) / 1e9}
+    out["add"] = n * 6 / _median_s(device, lambda i: torch.add(a, b, out=dst), iters) / 1e9
+    return out
+
+
+TIMINGS = ("auto", "graph", "both")
+
+
+def time_call(run, device: torch.device, size_bytes: int, iters: int, mode: str = "auto"):
+    """``(seconds per call, eager seconds or None)`` under timing ``mode``."""
+    if device.type != "cuda":
+        return timing.host_time(run, iters=iters).median_s, None
+    if mode == "auto":
+        timer = timing.cuda_graph_time if size_bytes < timing.GRAPH_BELOW_BYTES else timing.cuda_time
+        return timer(run, iters=iters).median_s, None
+    device_s = timing.cuda_graph_time(run, iters=iters).median_s
+    return device_s, (timing.cuda_time(run, iters=iters).median_s if mode == "both" else None)
+
+
+def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int,
+                 mode: str = "auto") -> SizeResult:
     lay = WireLayout(size_bytes // 2, world_size, cfg.group_size)
     fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
     n_slots = timing.rotation(size_bytes * (1 + 2 * torch.finfo(fb_dtype).bits // 16))
@@ -190,13 +240,8 @@ def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: 
     }
     result = SizeResult(world_size, size_bytes, lay.wire_bytes_per_rank)
     for name, (run, nbytes) in _ops(backend, lay, slots, outs, cfg.qmax, cfg.hadamard).items():
-        if device.type != "cuda":
-            t = timing.host_time(run, iters=iters)
-        elif size_bytes < timing.GRAPH_BELOW_BYTES:
-            t = timing.cuda_graph_time(run, iters=iters)
-        else:
-            t = timing.cuda_time(run, iters=iters)
-        result.kernels[name] = KernelResult(name, t.median_s, nbytes)
+        t, eager = time_call(run, device, size_bytes, iters, mode)
+        result.kernels[name] = KernelResult(name, t, nbytes, eager)
     del slots
     return result
 
@@ -204,21 +249,43 @@ def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: 
 # -- output -------------------------------------------------------------------
 
 
-def kernel_table(results: list[SizeResult], copy_gbps: float) -> str:
-    """Per size: each kernel's time and its bytes/s as % of the copy."""
-    names = ECHO_KERNELS + ("consume",) + NAIVE_KERNELS
-    short = {"naive_stage1": "n.stage1", "naive_stage2": "n.stage2", "naive_output": "n.output"}
-    head = f"{'P':>2} {'size':>9} |" + "".join(f" {short.get(n, n) + ' us':>11} {'%cp':>4} |" for n in names)
-    head += f" {'echo us':>9} {'naive us':>9}"
+def _size_table(results: list[SizeResult], names, cell_head, cell, tail_head: str, tail) -> str:
+    """One row per (P, size): ``cell(kernel)`` for each of ``names``, then ``tail(row)``."""
+    head = f"{'P':>2} {'size':>9} |" + "".join(cell_head(n) for n in names) + tail_head
     lines = [head, "-" * len(head)]
     for r in results:
-        line = f"{r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |"
-        for n in names:
-            k = r.kernels[n]
-            line += f" {k.time_s * 1e6:11.1f} {100 * k.gbps / copy_gbps:4.0f} |"
-        line += f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f} {r.total_s(NAIVE_KERNELS) * 1e6:9.1f}"
-        lines.append(line)
+        cells = "".join(cell(r.kernels[n]) for n in names)
+        lines.append(f"{r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |{cells}{tail(r)}")
     return "\n".join(lines)
+
+
+def kernel_table(results: list[SizeResult], copy_gbps: float) -> str:
+    """Per size: each kernel's time and its bytes/s as % of the copy."""
+    short = {"naive_stage1": "n.stage1", "naive_stage2": "n.stage2", "naive_output": "n.output"}
+    return _size_table(
+        results, ECHO_KERNELS + ("consume",) + NAIVE_KERNELS,
+        lambda n: f" {short.get(n, n) + ' us':>11} {'%cp':>4} |",
+        lambda k: f" {k.time_s * 1e6:11.1f} {100 * k.gbps / copy_gbps:4.0f} |",
+        f" {'echo us':>9} {'naive us':>9}",
+        lambda r: f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f} {r.total_s(NAIVE_KERNELS) * 1e6:9.1f}",
+    )
+
+
+def eager_table(results: list[SizeResult]) -> str:
+    """Per size: each kernel's eager call time (host + device) beside its
+    device time, and the Echo call's sum of both ("" if not measured)."""
+    names = ECHO_KERNELS + ("consume",)
+    rows = [r for r in results if all(r.kernels[n].eager_s is not None for n in names)]
+    if not rows:
+        return ""
+    return _size_table(
+        rows, names,
+        lambda n: f" {n + ' eager/dev us':>22} |",
+        lambda k: f" {k.eager_s * 1e6:10.1f} /{k.time_s * 1e6:9.1f} |",
+        f" {'echo eager/dev us':>19}",
+        lambda r: f" {sum(r.kernels[n].eager_s for n in ECHO_KERNELS) * 1e6:9.1f} /"
+                  f"{r.total_s(ECHO_KERNELS) * 1e6:7.1f}",
+    )
 
 
 @contextlib.contextmanager
@@ -237,7 +304,8 @@ def kernel_layout(layout: str):
             os.environ[LAYOUT_ENV] = old
 
 
-def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: list[int], iters: int):
+def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: list[int], iters: int,
+                    mode: str = "auto"):
     """Time every kernel under each thread layout (same bits, different
     memory/shuffle trade-off). Returns [(layout, SizeResult)]."""
     from ..kernels.launch import LAYOUTS
@@ -245,7 +313,7 @@ def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: li
     out = []
     for layout in LAYOUTS:
         with kernel_layout(layout):
-            out += [(layout, measure_size(backend, device, cfg, world_size, z, iters)) for z in sizes]
+            out += [(layout, measure_size(backend, device, cfg, world_size, z, iters, mode)) for z in sizes]
     return out
 
 
@@ -333,6 +401,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-size", default="1G", help="largest message")
     ap.add_argument("--sizes", default="", help="explicit comma list of sizes (overrides min/max)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per point (median reported)")
+    ap.add_argument("--timing", default="auto", choices=TIMINGS,
+                    help="auto: CUDA-graph replay below 1 MiB, eager above; graph: device time everywhere; "
+                         "both: device time for bytes/s plus each call's eager time (host launch included)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
     ap.add_argument("--feedback-dtype", default="float32", choices=tuple(FEEDBACK_DTYPES))
@@ -378,11 +449,12 @@ def run(args: argparse.Namespace) -> int:
         sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
     else:
         sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
+    compare = device.type == "cuda" and not args.no_layout_compare
     if not args.skip_verify:
         bad = []
-        from ..kernels.launch import DEFAULT_LAYOUT, LAYOUTS
+        from ..kernels.launch import LAYOUTS, current_layout
 
-        for layout in LAYOUTS if device.type == "cuda" else (DEFAULT_LAYOUT,):
+        for layout in LAYOUTS if compare else (current_layout(),):
             with kernel_layout(layout):
                 bad += [f"{layout} P={p}: {b}" for p in worlds
                         for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
@@ -392,12 +464,15 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"verified: kernels match the references bit for bit (P={worlds})")
     copy_gbps = measure_copy_gbps(device, min(max(sizes), 1 << 30), args.iters)
+    refs = measure_reference_gbps(device, min(max(sizes), 1 << 30), args.iters)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; copy bandwidth (read+write): {copy_gbps:.0f} GB/s")
+    print(f"device: {name}; copy bandwidth (read+write): {copy_gbps:.0f} GB/s "
+          f"(for context, not the yardstick: fill {refs['write']:.0f} GB/s write-only, "
+          f"bf16 add {refs['add']:.0f} GB/s 2:1 read:write)")
     results = []
     for p in worlds:
         for size in sizes:
-            results.append(measure_size(backend, device, cfg, p, size, args.iters))
+            results.append(measure_size(backend, device, cfg, p, size, args.iters, args.timing))
             r = results[-1]
             print(f"  P={p} {report.human_bytes(size):>9}: echo {r.total_s(ECHO_KERNELS) * 1e6:9.1f} us, "
                   f"naive {r.total_s(NAIVE_KERNELS) * 1e6:9.1f} us", flush=True)
@@ -405,13 +480,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"Per-rank kernel times, config {cfg.group_size=} hadamard={cfg.hadamard} "
           f"feedback={cfg.feedback_dtype}; %copy = bytes read+written / time vs copy bandwidth")
     print(kernel_table(results, copy_gbps))
+    eager = eager_table(results)
+    if eager:
+        print("\nEager call time (CUDA events around one Python call: host launch + device) / device time "
+              "(CUDA-graph replay), us")
+        print(eager)
     projs = projections(results, copy_gbps)
     print()
     print(projection_table(projs))
     layouts = []
-    if device.type == "cuda" and not args.no_layout_compare:
+    if compare:
         cmp_sizes = [z for z in sizes if z in (64 << 20, 1 << 30)] or [max(sizes)]
-        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters)
+        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters, args.timing)
         print("\nthread layouts (ECHO_KERNEL_LAYOUT; same bits): % of copy bandwidth per kernel")
         print(layout_table(layouts, copy_gbps))
     compiled = compile_report() if device.type == "cuda" else []
@@ -424,18 +504,21 @@ def run(args: argparse.Namespace) -> int:
         payload = {
             "device": name,
             "copy_gbps": copy_gbps,
+            "reference_gbps": refs,
+            "timing": args.timing,
             "config": cfg.to_dict(),
             "results": [
                 {"world_size": r.world_size, "size_bytes": r.size_bytes,
                  "wire_bytes_per_rank": r.wire_bytes_per_rank,
-                 "kernels": {k: {"time_s": v.time_s, "bytes": v.bytes_moved, "gbps": v.gbps,
+                 "kernels": {k: {"time_s": v.time_s, "eager_s": v.eager_s, "bytes": v.bytes_moved, "gbps": v.gbps,
                                  "fraction_of_copy": v.gbps / copy_gbps} for k, v in r.kernels.items()}}
                 for r in results
             ],
             "projection_model": projection.__doc__,
             "compiled": compiled,
             "layouts": [{"layout": lay, "world_size": r.world_size, "size_bytes": r.size_bytes,
-                         "kernels": {k: {"time_s": v.time_s, "fraction_of_copy": v.gbps / copy_gbps}
+                         "kernels": {k: {"time_s": v.time_s, "eager_s": v.eager_s,
+                                         "fraction_of_copy": v.gbps / copy_gbps}
                                      for k, v in r.kernels.items()}} for lay, r in layouts],
             "projections": [pr.to_dict() for pr in projs],
         }

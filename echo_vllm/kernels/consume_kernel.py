@@ -4,12 +4,15 @@ x + rot^-1(e), rounded to x's dtype. Specification: ``quant.consume_reference``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
+from .direct_launch import Launcher
 from .tile import as_access, as_groups, from_f32, group_mask, to_f32, unrotate, value_offsets
 
 
@@ -33,6 +36,22 @@ def _consume_kernel(
              mask=xm)
 
 
+_LAUNCH = Launcher(_consume_kernel, launch.LAUNCH_OPTIONS)
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, rows: int, hadamard: bool, spread: bool) -> launch.Plan:
+    """``ints``: numel, n_groups (the rows' strides are per call)."""
+    n_groups = layout.padded_numel // layout.group_size
+    return launch.Plan(
+        grid=(launch.programs(n_groups), rows, 1),
+        ints=(layout.numel, n_groups),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
+                                      SPREAD=spread),
+        wire_shape=(),
+    )
+
+
 def consume(
     x: torch.Tensor,
     feedback: torch.Tensor,
@@ -52,13 +71,7 @@ def consume(
     else:
         launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
     launch.check_device(x, feedback, out)
-    n_groups = layout.padded_numel // layout.group_size
-    grid = (launch.programs(n_groups), rows)
-    _consume_kernel[grid](
-        x, feedback, out,
-        x.stride(0), feedback.stride(0), out.stride(0), layout.numel, n_groups,
-        G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=bool(hadamard),
-        SPREAD=launch.spread_groups(),
-        **launch.LAUNCH_OPTIONS,
-    )
+    plan = _plan(layout, rows, bool(hadamard), launch.spread_groups())
+    _LAUNCH(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
+            plan.constexprs)
     return out

@@ -8,12 +8,20 @@ separately, and the kernels must produce the same bits.
 The wrappers check shapes, dtypes and strides on the host (plain Python on
 tensor metadata: no device synchronisation, nothing allocated when the
 caller supplies the output buffers), so bad input raises a clear error
-instead of reading out of bounds.
+instead of reading out of bounds. Everything else a launch needs that
+depends only on the shapes and options (grid, layout-derived integers,
+constexprs) is a :class:`Plan`, cached per wrapper, and the launch itself
+goes through ``direct_launch.Launcher``, which skips Triton's per-call
+dispatch once a specialization is compiled: an eager call costs a few µs of
+host time instead of tens (BENCHMARKS.md, 2.7).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import types
+from typing import NamedTuple
 
 import torch
 
@@ -48,10 +56,24 @@ def spread_groups() -> bool:
     (stage 1 72% vs 59% of a copy, output 54% vs 23%), hence the default;
     ``echo-vllm bench kernels`` times both.
     """
-    layout = os.environ.get(LAYOUT_ENV, DEFAULT_LAYOUT).lower()
-    if layout not in LAYOUTS:
-        raise ValueError(f"{LAYOUT_ENV}={layout!r}: choose one of {LAYOUTS}")
-    return layout == "spread"
+    raw = os.environ.get(LAYOUT_ENV)
+    spread = _SPREAD_BY_ENV.get(raw)
+    if spread is None:
+        layout = raw.lower()
+        if layout not in LAYOUTS:
+            raise ValueError(f"{LAYOUT_ENV}={raw!r}: choose one of {LAYOUTS}")
+        spread = layout == "spread"
+    return spread
+
+
+def current_layout() -> str:
+    """The name of the layout :func:`spread_groups` selects now."""
+    return "spread" if spread_groups() else "thread"
+
+
+#: ``ECHO_KERNEL_LAYOUT`` values already understood (read on every call:
+#: the benchmark switches layouts at run time).
+_SPREAD_BY_ENV = {None: DEFAULT_LAYOUT == "spread", "thread": False, "spread": True}
 
 
 #: Largest qmax whose codes (q + 8) fit a nibble.
@@ -66,12 +88,34 @@ def programs(n_groups: int) -> int:
     return -(-n_groups // GROUPS_PER_PROGRAM)
 
 
-def qmax_constants(qmax: int) -> dict:
+@functools.lru_cache(maxsize=None, typed=True)
+def qmax_constants(qmax: int) -> types.MappingProxyType:
     """The constexprs of the quantizer: qmax and fp32(1/qmax) (exactly the
-    value the reference multiplies by)."""
-    if not isinstance(qmax, int) or not 1 <= qmax <= MAX_QMAX:
+    value the reference multiplies by). Cached: building the fp32 value
+    costs a tensor, which is not something to do per call."""
+    if not isinstance(qmax, int) or isinstance(qmax, bool) or not 1 <= qmax <= MAX_QMAX:
         raise ValueError(f"qmax={qmax!r}: the 4-bit kernels support 1..{MAX_QMAX}")
-    return {"QMAX": float(qmax), "INV_QMAX": float(inv_qmax_f32(qmax))}
+    return types.MappingProxyType({"QMAX": float(qmax), "INV_QMAX": float(inv_qmax_f32(qmax))})
+
+
+class Plan(NamedTuple):
+    """What one launch needs that depends only on the shapes and the static
+    options, computed once per distinct call (each wrapper caches its plans
+    with ``functools.lru_cache``) so that an eager call does no arithmetic
+    on the layout and builds no dicts."""
+
+    grid: tuple[int, int, int]
+    ints: tuple[int, ...]
+    """Layout-derived integer arguments (which ones: see each wrapper)."""
+    constexprs: tuple
+    """The kernel's constexpr values, in parameter order."""
+    wire_shape: tuple[int, ...]
+    """Shape of the wire buffer the kernel writes (stages 1, 2) or reads
+    (output); ``()`` for consume."""
+
+
+#: Plans cached per wrapper: distinct (layout, rows, options) seen at once.
+PLAN_CACHE_SIZE = 1024
 
 
 def check_rows(name: str, t: torch.Tensor, rows: int, min_cols: int, dtypes) -> None:
@@ -94,10 +138,12 @@ def check_wire(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         )
 
 
-def check_device(*tensors: torch.Tensor | None) -> None:
-    devices = {t.device for t in tensors if t is not None}
-    if len(devices) > 1:
-        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
+def check_device(first: torch.Tensor, *others: torch.Tensor | None) -> None:
+    device = first.device
+    for t in others:
+        if t is not None and t.device != device:
+            devices = {str(u.device) for u in (first, *others) if u is not None}
+            raise ValueError(f"tensors on different devices: {sorted(devices)}")
 
 
 def wire_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -107,11 +153,7 @@ def wire_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Te
     return out
 
 
-def chunk_args(layout: WireLayout) -> dict:
-    """Runtime sizes every wire kernel needs."""
-    return {
-        "chunk_numel": layout.chunk_numel,
-        "chunk_groups": layout.chunk_groups,
-        "chunk_bytes": layout.chunk_bytes,
-        "payload_bytes": layout.payload_bytes,
-    }
+def chunk_ints(layout: WireLayout) -> tuple[int, int, int, int]:
+    """Runtime sizes every wire kernel takes, in its parameter order:
+    ``chunk_numel, chunk_groups, chunk_bytes, payload_bytes``."""
+    return (layout.chunk_numel, layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes)

@@ -6,12 +6,15 @@ same bits. Specification: ``quant.output_reference``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
+from .direct_launch import Launcher
 from .tile import as_access, from_f32, group_mask, load_chunk_groups, unrotate, value_offsets
 
 
@@ -32,6 +35,21 @@ def _output_kernel(
              mask=group_mask(gmask, SPREAD) & (idx < numel))
 
 
+_LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, hadamard: bool, spread: bool) -> launch.Plan:
+    """``ints``: numel, then :func:`launch.chunk_ints`."""
+    return launch.Plan(
+        grid=(launch.programs(layout.chunk_groups), layout.world_size, 1),
+        ints=(layout.numel, *launch.chunk_ints(layout)),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
+                                      SPREAD=spread),
+        wire_shape=(layout.world_size, layout.chunk_bytes),
+    )
+
+
 def output(
     gathered: torch.Tensor,
     layout: WireLayout,
@@ -42,8 +60,8 @@ def output(
 ) -> torch.Tensor:
     """Kernel version of ``quant.output_reference``: ``gathered [P, chunk_bytes]``
     -> ``[numel]`` of ``out_dtype``."""
-    p = layout.world_size
-    launch.check_wire("gathered", gathered, (p, layout.chunk_bytes))
+    plan = _plan(layout, bool(hadamard), launch.spread_groups())
+    launch.check_wire("gathered", gathered, plan.wire_shape)
     if out_dtype not in launch.INPUT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
     if out is None:
@@ -54,12 +72,5 @@ def output(
             f"got {out.dtype} {tuple(out.shape)}"
         )
     launch.check_device(gathered, out)
-    grid = (launch.programs(layout.chunk_groups), p)
-    _output_kernel[grid](
-        gathered, out, layout.numel,
-        **launch.chunk_args(layout),
-        G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=bool(hadamard),
-        SPREAD=launch.spread_groups(),
-        **launch.LAUNCH_OPTIONS,
-    )
-    return out.view(layout.numel)
+    _LAUNCH(plan.grid, (gathered, out), plan.ints, plan.constexprs)
+    return out if out.dim() == 1 else out.view(layout.numel)

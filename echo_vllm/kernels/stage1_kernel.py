@@ -7,12 +7,15 @@ and the new error, in place. Specification: ``quant.stage1_reference``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
+from .direct_launch import Launcher
 from .tile import (
     as_access, as_groups, from_f32, fwht, group_mask, quantize, store_chunk_groups, to_f32, value_offsets,
 )
@@ -47,6 +50,25 @@ def _stage1_kernel(
                        codes, s_bits, BG, G, SPREAD)
 
 
+_LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
+          spread: bool) -> launch.Plan:
+    """``ints``: wire_row_stride, numel, then :func:`launch.chunk_ints`."""
+    p = layout.world_size
+    return launch.Plan(
+        grid=(launch.programs(layout.chunk_groups), p, rows),
+        ints=(p * layout.chunk_bytes, layout.numel, *launch.chunk_ints(layout)),
+        constexprs=_LAUNCH.constexprs(
+            G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, SPREAD=spread,
+        ),
+        wire_shape=(rows, p, layout.chunk_bytes),
+    )
+
+
 def stage1(
     x: torch.Tensor,
     feedback: torch.Tensor | None,
@@ -66,17 +88,9 @@ def stage1(
     if feedback is not None:
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(x, feedback, out)
-    p = layout.world_size
-    wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
-    grid = (launch.programs(layout.chunk_groups), p, rows)
+    plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
+                 launch.spread_groups())
+    wire = launch.wire_or_new(out, plan.wire_shape, x)
     fb = feedback if feedback is not None else x
-    _stage1_kernel[grid](
-        x, fb, wire,
-        x.stride(0), fb.stride(0), p * layout.chunk_bytes, layout.numel,
-        **launch.chunk_args(layout),
-        G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
-        HADAMARD=bool(hadamard), HAS_FB=feedback is not None, HAS_INCOMING=bool(has_incoming),
-        SPREAD=launch.spread_groups(),
-        **launch.LAUNCH_OPTIONS,
-    )
+    _LAUNCH(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)
     return wire

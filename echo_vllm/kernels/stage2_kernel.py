@@ -9,12 +9,15 @@ integers instead of a list keeps the launch free of per-call host data.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import WireLayout
 from . import launch
+from .direct_launch import Launcher
 from .tile import (
     as_access, as_groups, from_f32, group_mask, load_chunk_groups, quantize, store_chunk_groups, to_f32,
     value_offsets,
@@ -64,6 +67,27 @@ def own_chunk_progression(own_chunks: list[int], world_size: int) -> tuple[int, 
     return base, stride
 
 
+#: :func:`own_chunk_progression`, cached: a call passes the same few lists.
+_progression = functools.lru_cache(maxsize=256)(own_chunk_progression)
+
+_LAUNCH = Launcher(_stage2_kernel, launch.LAUNCH_OPTIONS)
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool, spread: bool) -> launch.Plan:
+    """``ints``: recv_row_stride, out_row_stride, then :func:`launch.chunk_ints`."""
+    p = layout.world_size
+    return launch.Plan(
+        grid=(launch.programs(layout.chunk_groups), rows, 1),
+        ints=(p * layout.chunk_bytes, layout.chunk_bytes, *launch.chunk_ints(layout)),
+        constexprs=_LAUNCH.constexprs(
+            P=p, G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
+            HAS_FB=has_fb, SPREAD=spread,
+        ),
+        wire_shape=(rows, layout.chunk_bytes),
+    )
+
+
 def stage2(
     recv: torch.Tensor,
     feedback: torch.Tensor | None,
@@ -80,19 +104,14 @@ def stage2(
     launch.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
     if len(own_chunks) != rows:
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
-    base, stride = own_chunk_progression(own_chunks, p)
+    base, stride = _progression(tuple(own_chunks), p)
     if feedback is not None:
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(recv, feedback, out)
-    wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
+    plan = _plan(layout, rows, qmax, feedback is not None, launch.spread_groups())
+    wire = launch.wire_or_new(out, plan.wire_shape, recv)
     fb = feedback if feedback is not None else recv
-    grid = (launch.programs(layout.chunk_groups), rows)
-    _stage2_kernel[grid](
-        recv, fb, wire,
-        p * layout.chunk_bytes, fb.stride(0), layout.chunk_bytes, base, stride,
-        **launch.chunk_args(layout),
-        P=p, G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
-        HAS_FB=feedback is not None, SPREAD=launch.spread_groups(),
-        **launch.LAUNCH_OPTIONS,
-    )
+    recv_stride, out_stride, *chunk = plan.ints
+    _LAUNCH(plan.grid, (recv, fb, wire), (recv_stride, fb.stride(0), out_stride, base, stride, *chunk),
+            plan.constexprs)
     return wire

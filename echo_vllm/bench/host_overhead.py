@@ -1,0 +1,170 @@
+"""Host-side cost of one eager kernel call, measurable without a GPU.
+
+``python -m echo_vllm.bench.host_overhead [--calls N]`` compiles the Echo
+kernels for sm_90 on the CPU (Triton's real compiler, ptxas included) under
+:class:`CompileOnlyDriver`, a Triton driver whose launcher does nothing,
+and times each wrapper per call, with the kernels launched directly
+(``direct_launch.Launcher``) and through Triton's ``kernel[grid](...)``.
+What it measures is exactly the Python the host runs before the driver's
+``cuLaunchKernelEx``: argument checks, plans, Triton's dispatch; not the
+C launcher nor the driver call (a few µs on the GPU host), and not the
+device. The numbers are the CPU's, not the GPU host's.
+
+The same driver lets the CPU tests check that a direct launch hands the
+launcher what Triton's path hands it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+#: What the fake device reports (an H100/H200-class sm_90 part).
+FAKE_SM = 90
+FAKE_MAX_SHARED = 232448
+
+
+class RecordingLauncher:
+    """Stands in for Triton's compiled launcher: records each call's arguments
+    (the last ``keep`` of them) and launches nothing."""
+
+    def __init__(self, src, metadata, keep: int = 8):
+        self.calls: list[tuple] = []
+        self.keep = keep
+
+    def __call__(self, *args):
+        if len(self.calls) >= self.keep:
+            self.calls.pop(0)
+        self.calls.append(args)
+
+
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": FAKE_MAX_SHARED}
+
+    def load_binary(self, name, kernel, shared, device):
+        # module, function handle, registers, spills, max threads per block
+        return object(), 0x1234, 0, 0, 1024
+
+
+class CompileOnlyDriver:
+    """A Triton driver for a GPU that is not there: kernels compile for
+    sm_90 and their launches are recorded, not run. Device -1 is the CPU
+    (``tensor.get_device()`` of a CPU tensor), stream 0."""
+
+    launcher_cls = RecordingLauncher
+
+    def __init__(self):
+        self.utils = _Utils()
+
+    def get_current_device(self):
+        return -1
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", FAKE_SM, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Install :class:`CompileOnlyDriver` for Triton and for ``direct_launch``."""
+    from triton.runtime.driver import driver as config
+
+    from ..kernels import direct_launch
+
+    fake = CompileOnlyDriver()
+    old_active = config._active
+    old_dev, old_stream = direct_launch.current_device, direct_launch.current_stream
+    config.set_active(fake)
+    direct_launch.current_device, direct_launch.current_stream = fake.get_current_device, fake.get_current_stream
+    try:
+        yield fake
+    finally:
+        config._active = old_active
+        direct_launch.current_device, direct_launch.current_stream = old_dev, old_stream
+
+
+def _calls(numel: int, world_size: int):
+    """One rank's four wrapper calls with caller-supplied buffers (as the
+    benchmark and a CUDA-graph caller make them)."""
+    from .. import kernels
+    from ..quant import WireLayout
+
+    lay = WireLayout(numel, world_size, 32)
+    x = torch.zeros(1, lay.numel, dtype=torch.bfloat16)
+    fb = torch.zeros(1, lay.padded_numel)
+    wire = torch.empty(1, world_size, lay.chunk_bytes, dtype=torch.uint8)
+    q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8)
+    y = torch.empty(lay.numel, dtype=torch.bfloat16)
+    xo = torch.empty_like(x)
+    return {
+        "stage1": lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=True, out=wire),
+        "stage2": lambda: kernels.stage2(wire, fb, [0], lay, qmax=7, out=q2),
+        "output": lambda: kernels.output(wire[0], lay, torch.bfloat16, hadamard=True, out=y),
+        "consume": lambda: kernels.consume(x, fb, lay, hadamard=True, out=xo),
+    }
+
+
+def _per_call_s(fn, calls: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` means over ``calls`` calls (the machine's noise
+    only ever adds time)."""
+    for _ in range(min(calls, 100)):
+        fn()
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - t0) / calls)
+    return min(means)
+
+
+def measure(calls: int = 2000, numel: int = 1 << 19, world_size: int = 8) -> dict[str, dict[str, float]]:
+    """Seconds of host time per call, ``{kernel: {"direct": s, "triton": s}}``."""
+    from ..kernels import consume_kernel, output_kernel, stage1_kernel, stage2_kernel
+
+    launchers = [m._LAUNCH for m in (stage1_kernel, stage2_kernel, output_kernel, consume_kernel)]
+    out: dict[str, dict[str, float]] = {}
+    with compile_only():
+        runs = _calls(numel, world_size)
+        for name, fn in runs.items():
+            fn()  # compile (first call: Triton's path)
+            out[name] = {}
+            for mode in ("direct", "triton"):
+                saved = [la.direct for la in launchers]
+                for la in launchers:
+                    la.direct = la.direct and mode == "direct"
+                try:
+                    out[name][mode] = _per_call_s(fn, calls)
+                finally:
+                    for la, d in zip(launchers, saved):
+                        la.direct = d
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.host_overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000, help="calls per timing (best of 5 means)")
+    args = ap.parse_args(argv)
+    res = measure(args.calls)
+    print("host time per eager call on this CPU, launcher stubbed (µs): direct launch vs Triton's kernel[grid]")
+    for name, r in res.items():
+        print(f"  {name:<8} direct {r['direct'] * 1e6:6.1f}   triton {r['triton'] * 1e6:6.1f}")
+    print(f"  sum      direct {sum(r['direct'] for r in res.values()) * 1e6:6.1f}   "
+          f"triton {sum(r['triton'] for r in res.values()) * 1e6:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
