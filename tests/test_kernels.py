@@ -7,9 +7,9 @@ checked on the device, plus large shapes and a CUDA-graph replay
 
 "Bit for bit" means: packed bytes, scales and feedback buffers are equal as
 integers (signed zeros included); outputs are equal as integers except that
-any NaN matches any NaN (the kernels write NaN as 0x7FC0 in bf16, the
-hardware and numpy pick other NaN payloads for fp16, and no consumer can
-tell them apart).
+any NaN matches any NaN (compiled kernels round outputs to bf16 and fp16 in
+hardware, whose NaN payloads differ from torch's 0x7FC0; the interpreter
+and numpy pick others again; no consumer can tell them apart).
 """
 
 from __future__ import annotations

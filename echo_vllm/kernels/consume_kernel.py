@@ -13,7 +13,7 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import as_access, as_groups, from_f32, group_mask, to_f32, unrotate, value_offsets
+from .tile import WIDE_VEC, as_access, as_groups, group_mask, to_f32, to_output, unrotate, value_offsets
 
 
 @triton.jit
@@ -25,14 +25,14 @@ def _consume_kernel(
     r = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < n_groups
-    idx = value_offsets(0, lg, G, SPREAD)
+    idx = value_offsets(0, lg, G, SPREAD, WIDE_VEC)
     m = group_mask(gmask, SPREAD)
     e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + idx, mask=m, other=0.0), BG, G))
     if HADAMARD:
         e = unrotate(e, BG, G, SPREAD)
     xm = m & (idx < numel)
     x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + idx, mask=xm, other=0.0), BG, G))
-    tl.store(out_ptr + r * out_row_stride + idx, as_access(from_f32(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
+    tl.store(out_ptr + r * out_row_stride + idx, as_access(to_output(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
              mask=xm)
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import as_access, from_f32, group_mask, load_chunk_groups, unrotate, value_offsets
+from .tile import WIDE_VEC, as_access, group_mask, load_chunk_groups, to_output, unrotate, value_offsets
 
 
 @triton.jit
@@ -30,8 +30,8 @@ def _output_kernel(
     v = load_chunk_groups(gathered_ptr, j * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
     if HADAMARD:
         v = unrotate(v, BG, G, SPREAD)
-    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)
-    tl.store(out_ptr + idx, as_access(from_f32(v, out_ptr.dtype.element_ty), BG, G, SPREAD),
+    idx = value_offsets(j * chunk_numel, lg, G, SPREAD, WIDE_VEC)
+    tl.store(out_ptr + idx, as_access(to_output(v, out_ptr.dtype.element_ty), BG, G, SPREAD),
              mask=group_mask(gmask, SPREAD) & (idx < numel))
 
 

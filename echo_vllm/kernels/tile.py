@@ -7,9 +7,11 @@ for bit:
 
 * fp32 <-> bf16 conversions are done on the bit patterns (round to nearest
   even, NaN -> 0x7FC0, as ``c10::BFloat16`` does). Hardware conversions
-  would give the same numbers on the GPU, but Triton's interpreter truncates
-  and rounds ties away from zero, and CI checks the kernels in the
-  interpreter; the bit version is exact in both and costs a few integer ops.
+  give the same numbers on the GPU, but Triton's interpreter truncates and
+  rounds ties away from zero, and CI checks the kernels in the interpreter;
+  the bit version is exact in both and costs ~6 integer ops per value.
+  Outputs (not feedback buffers) use the hardware when compiled
+  (:func:`to_output`): same values, a hardware NaN payload.
 * the only division is one correctly rounded ``1 / scale`` per group
   (``div_rn``); rounding to integers uses the magic-number add/sub.
 * the Walsh-Hadamard butterflies run in the order of
@@ -33,9 +35,21 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
+
+#: Compiled kernels (not Triton's interpreter) round fp32 results to bf16 in
+#: hardware (``cvt.rn.bf16x2.f32``: round to nearest even, one instruction
+#: per two values) where only the values matter; see :func:`to_output`.
+HW_BF16_OUTPUT: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
 #: Values per vector access: 16 bytes of fp32.
 VEC: tl.constexpr = tl.constexpr(4)
+#: Contiguous values per lane in the ``SPREAD`` layout of kernels whose
+#: per-value traffic is bf16/fp16 (output, consume): 16-byte accesses of
+#: 16-bit values, four lanes per group of 32. (Stage 1 keeps ``VEC``: with 8
+#: its fp32 feedback store, capped at 16 bytes per lane by Triton, goes
+#: through a shared-memory conversion; see BENCHMARKS.md, 2.8.)
+WIDE_VEC: tl.constexpr = tl.constexpr(8)
 #: (y + RNE_MAGIC) - RNE_MAGIC rounds y to an integer, ties to even (|y| <= 2**22).
 RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 #: Smallest normal fp32: scales are clamped to it so 1/scale stays finite.
@@ -83,17 +97,34 @@ def from_f32(v, dtype: tl.constexpr):
         return v
 
 
+@triton.jit
+def to_output(v, dtype: tl.constexpr):
+    """fp32 -> ``dtype`` for a value the caller receives (the all-reduce
+    result, consume's input): round to nearest even, as :func:`from_f32`,
+    but in hardware when compiled. The two agree bit for bit on every
+    finite and infinite value; a NaN stays a NaN with the hardware's payload
+    (0x7FFF) instead of torch's (0x7FC0), which no consumer can tell apart
+    (the tests compare outputs with any NaN equal to any NaN). Feedback
+    buffers, compared exactly, keep :func:`from_f32`. Saves ~6 integer
+    instructions per value of the output kernel's ~25."""
+    if dtype == tl.bfloat16 and HW_BF16_OUTPUT:
+        return v.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        return from_f32(v, dtype)
+
+
 # -- addressing --------------------------------------------------------------
 
 
 @triton.jit
-def value_offsets(first, lg, G: tl.constexpr, SPREAD: tl.constexpr):
+def value_offsets(first, lg, G: tl.constexpr, SPREAD: tl.constexpr, SPREAD_VEC: tl.constexpr = VEC):
     """int64 offsets of the values of groups ``lg`` (group indices relative
     to ``first``, the offset of group 0): ``[BG, G // VEC, VEC]`` (one group
     per thread) or, if ``SPREAD``, ``[BG, G]`` with lanes along the group
-    (coalesced; VEC-wide vectors so every dtype gets the same layout)."""
+    (coalesced; ``SPREAD_VEC`` contiguous values per lane: ``VEC`` gives
+    every dtype the same layout, :data:`WIDE_VEC` 16-byte 16-bit accesses)."""
     if SPREAD:
-        e = tl.max_contiguous(tl.arange(0, G), VEC)
+        e = tl.max_contiguous(tl.arange(0, G), SPREAD_VEC)
         return first + lg.to(tl.int64)[:, None] * G + e[None, :]
     else:
         k = tl.arange(0, G // VEC)[None, :, None]
