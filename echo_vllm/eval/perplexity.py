@@ -312,15 +312,25 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2f}%"
 
 
+#: Names that denote the same preset (the sweep dedups by config, so a
+#: point may carry either name).
+ALIASES = {"default": "echo+hadamard+last"}
+
+
+def _metric(r: dict) -> float | None:
+    """KL to exact when measured (second order, low noise), else ppl delta."""
+    return r["kl"] if r.get("kl") is not None else r["delta_pct"]
+
+
 def group_curves(result: dict, text: str) -> dict[str, list[tuple[float, float]]]:
-    """(bits/value, delta %) per base variant over its group-size runs."""
+    """(bits/value, metric) per base variant over its group-size runs."""
     curves: dict[str, list] = {}
     for r in result["rows"]:
         name, _, rest = r["variant"].partition(":")
         if r["text"] != text or r["bits_per_value"] >= 16 or (rest and not rest.startswith("group_size=")) \
                 or "," in rest:
             continue
-        curves.setdefault(name, []).append((r.get("eff_bits", r["bits_per_value"]), r["delta_pct"]))
+        curves.setdefault(ALIASES.get(name, name), []).append((r.get("eff_bits", r["bits_per_value"]), _metric(r)))
     return {k: sorted(v) for k, v in curves.items() if len(v) > 1}
 
 
@@ -330,6 +340,7 @@ def plot(result: dict, path) -> None:
     curves = group_curves(result, texts[0])
     others = [r for r in result["rows"] if r["text"] == texts[0] and r["bits_per_value"] < 16
               and ":" in r["variant"] and not r["variant"].partition(":")[2].startswith("group_size=")]
+    use_kl = any(r.get("kl") is not None for r in result["rows"])
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(13 if curves else 7, 4.8), squeeze=False)
     ax = axes[0][0]
     names = [v["name"] for v in result["variants"] if v["mode"] == "echo" and ":" not in v["name"]]
@@ -348,16 +359,16 @@ def plot(result: dict, path) -> None:
     if curves:
         ax = axes[0][1]
         for base, pts in curves.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=base)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{base} (g=128..16)")
         for r in others:
             x = r.get("eff_bits", r["bits_per_value"])
-            ax.plot([x], [r["delta_pct"]], "k^", ms=5)
-            ax.annotate(r["variant"].partition(":")[2], (x, r["delta_pct"]), fontsize=6,
+            ax.plot([x], [_metric(r)], "k^", ms=5)
+            ax.annotate(r["variant"].partition(":")[2], (x, _metric(r)), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("wire bits per value (4 + 16/group, averaged over calls)")
-        ax.set_ylabel("perplexity vs exact (%)")
-        ax.set_yscale("symlog", linthresh=1)
-        ax.axhline(1.0, color="gray", ls=":", lw=1)
+        ax.set_xlabel("wire bits per value (4 + 16/group, 16-bit calls included)")
+        ax.set_ylabel("KL to exact (nats/token)" if use_kl else "perplexity vs exact (%)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
         ax.set_title(f"bits/value vs quality ({texts[0]})")
         ax.legend(fontsize=8)
     save_figure(fig, path)
