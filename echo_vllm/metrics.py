@@ -32,7 +32,8 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   window = rate(sum) / rate(samples))
 - ``echo:rel_error_mean{rank}`` the same mean since start (gauge)
 - from the vLLM glue's StepStats, when present: ``echo:forwards_total{rank,kind}``
-  (observed / replayed from a CUDA graph / mismatched call count),
+  (observed / replayed from a CUDA graph / mismatched call count / replayed
+  with no captured plan, so missing from the call counters),
   ``echo:calls_per_forward{rank}``, ``echo:residual_rel_error{rank,stat}``
   (the residual stream's accumulated error, end_mean / max_mean, measured in
   emulation with ``--echo-emulate-measure``) and
@@ -196,7 +197,7 @@ class EchoMetrics:
 
 
 _FORWARD_KINDS = {"forwards_observed": "observed", "forwards_replayed": "replayed",
-                  "forwards_mismatched": "mismatched"}
+                  "forwards_mismatched": "mismatched", "forwards_unplanned": "unplanned"}
 _RESIDUAL_STATS = {"residual_err_end_mean": "end_mean", "residual_err_max_mean": "max_mean"}
 
 

@@ -130,6 +130,21 @@ def _worker(rank, world):
         session.set_variant(mode="echo", feedback=False, exact_last_call=False, hadamard=False)
         out["naive"] = forward(_model, ids[1])
     out["ops"] = [hasattr(torch.ops.echo, n) for n in ("emulated_row_parallel", "emulated_vocab_embedding")]
+
+    # 4. a CUDA-graph engine (capture and replays simulated on CPU, through
+    # the calls vLLM makes): replays are counted like the passes they stand for
+    from vllm.distributed import parallel_state as ps
+
+    from echo_vllm.testing.vllm_graphs import replay_accounting
+
+    ps.destroy_model_parallel()
+    cfg = vllm_config(tp=1, additional_config=SETTINGS)
+    with set_current_vllm_config(cfg):
+        init_model_parallel(cfg)
+        embed, o, down = stack.vllm_layers()
+        out["graphs"] = replay_accounting(
+            current_session(), cfg, lambda n: _model(embed, o, down, ids[2][:n])
+        )
     return out
 
 
@@ -254,3 +269,14 @@ def test_residual_measurement_matches_its_definition(proc):
     assert s["residual_err_end_mean"] == end  # same fp32 ops in the same order
     assert s["residual_err_max_mean"] >= s["residual_err_end_mean"]
     assert s["rel_err_samples"] == 1 + 2 * LAYERS
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_graph_replays_are_counted_like_the_passes_they_replay(proc):
+    """Model Runner V2's FULL replays (no forward context), PIECEWISE and V1
+    FULL replays (a context, no calls), and the last pass of the window
+    (settled by flush): the counters equal those of executing every pass."""
+    from echo_vllm.testing.vllm_graphs import accounting_problems
+
+    assert accounting_problems(proc["graphs"], calls_per_forward=1 + 2 * LAYERS) == []

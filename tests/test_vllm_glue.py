@@ -168,12 +168,77 @@ def test_counters_include_graph_replays_and_exclude_capture(monkeypatch):
     assert snap["forwards_replayed"] == 2 and snap["calls_per_forward"] == 3
 
 
-def test_replay_of_an_unknown_size_counts_nothing():
+def test_replay_of_an_unknown_size_is_counted_as_unplanned():
     stats = StepStats()
     tr = ForwardTracker(stats)
     tr.on_forward_start({}, num_tokens=32, cudagraph=True)
     tr.on_forward_start({}, num_tokens=32, cudagraph=True)
+    tr.on_graph_replay(16)  # settles the second pass first
     assert stats.forwards_replayed == 0 and not stats.calls
+    assert stats.forwards_unplanned == 3 and stats.snapshot()["forwards_unplanned"] == 3
+
+
+def _capture(tr, stats, monkeypatch, tokens, n=3, path=("echo", "echo")):
+    """A pass captured into a graph of ``tokens`` (inside a NONE-mode
+    context, as Model Runner V2 captures FULL graphs)."""
+    monkeypatch.setattr(tracking, "capturing", lambda: True)
+    kw = {}
+    tr.on_forward_start(kw, num_tokens=tokens, cudagraph=False)
+    for _ in range(n):
+        tr.next_call(kw, tokens)
+        stats.count(*path, nbytes=tokens, wire=10, equiv=40)
+    monkeypatch.setattr(tracking, "capturing", lambda: False)
+
+
+def test_full_graph_replays_without_a_context_count_at_once(monkeypatch):
+    """Model Runner V2 replays FULL graphs with no forward context: the hook
+    around run_fullgraph counts each, and first settles the pass before."""
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    _capture(tr, stats, monkeypatch, tokens=4)
+    eager = {}
+    tr.on_forward_start(eager, num_tokens=8, cudagraph=False)  # prefill, observed
+    _run_calls(tr, stats, eager, 3)
+    for _ in range(5):
+        tr.on_graph_replay(4)
+    assert stats.forwards_replayed == 5 and stats.forwards_observed == 2  # capture + prefill
+    assert stats.calls[("echo", "echo")] == 3 + 5 * 3
+
+
+def test_settle_closes_the_last_pass_but_not_a_running_one(monkeypatch):
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    _capture(tr, stats, monkeypatch, tokens=4)
+    replay = {}
+    tr.on_forward_start(replay, num_tokens=4, cudagraph=True)  # a PIECEWISE replay
+    tr.settle(running=replay)  # still running: left open
+    assert stats.forwards_replayed == 0
+    tr.settle()
+    assert stats.forwards_replayed == 1 and stats.calls[("echo", "echo")] == 3
+    tr.settle()  # idempotent
+    assert stats.forwards_replayed == 1
+    eager = {}
+    tr.on_forward_start(eager, num_tokens=8, cudagraph=False)
+    _run_calls(tr, stats, eager, 2)
+    tr.settle(running=eager)
+    assert stats.forwards_observed == 1  # the capture; the eager pass is still open
+    tr.settle()
+    assert stats.forwards_observed == 2 and stats.forwards_mismatched == 1
+
+
+def test_the_captured_plan_is_what_replays_count(monkeypatch):
+    """An eager pass of a captured size (a fallback batch) must not replace
+    the plan the graph was captured with: the graph replays the capture's
+    decisions (here gloo cannot be captured: exact)."""
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    _capture(tr, stats, monkeypatch, tokens=4, path=("exact", "capture_unsupported"))
+    eager = {}
+    tr.on_forward_start(eager, num_tokens=4, cudagraph=False)
+    _run_calls(tr, stats, eager, 3, tokens=4)
+    tr.on_graph_replay(4)
+    assert stats.calls == {("echo", "echo"): 3, ("exact", "capture_unsupported"): 3}
+    assert stats.exact_bytes == 3 * 4
 
 
 def test_metrics_publish_at_most_once_a_second():

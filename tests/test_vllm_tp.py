@@ -192,7 +192,29 @@ def _worker(rank, world):
         tp.__dict__.pop("_all_reduce_out_place")
     ps.destroy_model_parallel()
 
-    # 6. Echo off (no tp_comm): no session, vLLM's sum
+    # 6. a CUDA-graph engine (capture and replays simulated on CPU, through the
+    # calls vLLM makes): replays are counted like the passes they stand for.
+    # gloo cannot be captured; pretend it can (as pynccl), so that capture
+    # takes the eager decisions.
+    from echo_vllm.testing.vllm_graphs import replay_accounting
+
+    cfg = vllm_config(tp=2, additional_config=ECHO)
+    with set_current_vllm_config(cfg):
+        init_model_parallel(cfg)
+        emb, o, down = stack.vllm_layers()
+        session = ps.get_tp_group()._echo_session
+        session.transport.capturable = True
+
+        def run(n):
+            h = emb(stack.ids[2][:n])
+            for layer in range(LAYERS):
+                h = h + o[layer](_norm(h))
+                h = h + down[layer](_mlp_in(h))
+
+        out["graphs"] = replay_accounting(session, cfg, run)
+    ps.destroy_model_parallel()
+
+    # 7. Echo off (no tp_comm): no session, vLLM's sum
     off = vllm_config(tp=2)
     with set_current_vllm_config(off):
         init_model_parallel(off)
@@ -324,3 +346,13 @@ def test_pynccl_transport_matches_process_group_transport(ranks):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     assert all(torch.equal(x, y) for x, y in zip(ranks[0]["transports"]["pynccl"], ranks[1]["transports"]["pynccl"]))
+
+
+def test_graph_replays_are_counted_like_the_passes_they_replay(ranks):
+    """Model Runner V2's FULL replays (no forward context), PIECEWISE and V1
+    FULL replays (a context, no calls), and the last pass of the window
+    (settled by flush): the counters equal those of executing every pass."""
+    from echo_vllm.testing.vllm_graphs import accounting_problems
+
+    for r in ranks:
+        assert accounting_problems(r["graphs"], calls_per_forward=1 + 2 * LAYERS) == []

@@ -105,6 +105,31 @@ def forward_context_platform() -> Any:
     return fc.current_platform
 
 
+def fullgraph_replay_cls() -> type | None:
+    """The class whose ``run_fullgraph`` replays the model's FULL CUDA graphs
+    outside any forward context: Model Runner V2's ``ModelCudaGraphManager``
+    (0.26; its base ``CudaGraphManager`` also serves drafters), or, where a
+    vLLM has only the base class, that one. None without Model Runner V2."""
+    try:
+        from vllm.v1.worker.gpu import cudagraph_utils
+    except ImportError:
+        return None
+    for name in ("ModelCudaGraphManager", "CudaGraphManager"):
+        cls = getattr(cudagraph_utils, name, None)
+        if cls is not None and callable(getattr(cls, "run_fullgraph", None)):
+            return cls
+    return None
+
+
+def graph_num_tokens(desc: Any) -> int | None:
+    """Padded token count of the graph ``run_fullgraph`` replays: a
+    ``BatchExecutionDescriptor`` (0.26) or the count itself (older V2)."""
+    if isinstance(desc, int):
+        return desc
+    tokens = getattr(desc, "num_tokens", None)
+    return int(tokens) if tokens is not None else None
+
+
 def hidden_size(vllm_config: Any) -> int | None:
     model = getattr(vllm_config, "model_config", None)
     if model is None:

@@ -42,7 +42,7 @@ from ..transport import VirtualTransport
 from . import compat
 from .hook import SessionBase
 from .settings import TpCommSettings
-from .tracking import CallSlot, StepStats, capturing
+from .tracking import CallSlot, capturing
 
 logger = logging.getLogger("echo_vllm")
 
@@ -112,10 +112,10 @@ class EmulationSession(SessionBase):
         if slot.index is None or not residual or capturing():
             return
         if slot.first_of_forward:
-            self.flush()
+            self._close_measurement()
         exact = partials.float().sum(dim=0)
         if self._acc is None or self._acc[0].shape != exact.shape:
-            self.flush()
+            self._close_measurement()
             self._acc = [torch.zeros_like(exact), torch.zeros_like(exact), 0.0, 0.0]
         acc = self._acc
         err = y.float() - exact
@@ -126,11 +126,17 @@ class EmulationSession(SessionBase):
         acc[3] = rel
         self.stats.add_error_sample(float(err.norm() / exact.norm().clamp_min(1e-30)))
 
-    def flush(self) -> None:
+    def _close_measurement(self) -> None:
         """Record the measured pass (end-of-pass and worst residual error)."""
         if self._acc is not None:
             self.stats.add_residual_sample(self._acc[3], self._acc[2])
         self._acc = None
+
+    def flush(self) -> None:
+        """Account the passes that have ended, the measured one included:
+        call before reading the counters."""
+        super().flush()
+        self._close_measurement()
 
     # -- switching variants in one eager engine -----------------------------------
 
@@ -150,16 +156,6 @@ class EmulationSession(SessionBase):
             echo=self.settings.echo.replace(**echo_changes),
         )
         self.comm = None
-
-    def reset_stats(self) -> StepStats:
-        """Start fresh counters (keeping the learned call count); returns the old ones."""
-        self.flush()
-        old = self.stats
-        self.stats = StepStats(calls_per_forward=old.calls_per_forward)
-        self.tracker.stats = self.stats
-        if self.comm is not None:
-            self.comm.stats = self.stats
-        return old
 
     def note_skipped(self, layer: torch.nn.Module, reason: str) -> None:
         self.skipped_layers[reason] += 1

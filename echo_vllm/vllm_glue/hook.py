@@ -18,8 +18,11 @@ Two class-level patches, installed once per process by the plugin:
   (every other group, and every group when Echo is off) go straight to
   vLLM's method; the TP group's calls go through the session.
 
-A per-forward host hook wraps the platform's ``set_additional_forward_context``
-(:mod:`.tracking` explains why).
+Once Echo is active in a process, two more wrappers keep its counters right
+under CUDA graphs (:mod:`.tracking` explains why): a per-forward host hook
+around the platform's ``set_additional_forward_context``, and one around
+Model Runner V2's ``run_fullgraph``, which replays FULL graphs outside any
+forward context.
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ class SessionBase:
         self.max_num_tokens = compat.max_num_batched_tokens(vllm_config)
         """Largest batch a forward pass carries: sizes the feedback buffer."""
         self._reserved = False
+
+    comm: EchoCommunicator | None = None
+
+    def flush(self) -> None:
+        """Account the passes that have ended (the one-pass lag of replay
+        counting): call before reading the counters."""
+        self.tracker.settle(running=compat.forward_kwargs())
+
+    def reset_stats(self) -> StepStats:
+        """Start fresh counters (keeping the learned call count and the
+        captured plans); returns the old ones, settled."""
+        self.flush()
+        old = self.stats
+        self.stats = StepStats(calls_per_forward=old.calls_per_forward)
+        self.tracker.stats = self.stats
+        if self.comm is not None:
+            self.comm.stats = self.stats
+        return old
 
     def is_residual(self, per_rank: torch.Tensor) -> bool:
         return per_rank.dim() == 2 and (
@@ -214,8 +235,10 @@ def current_stats() -> StepStats | None:
 
 def install_forward_hook() -> bool:
     """Wrap ``set_additional_forward_context`` of the platform object
-    ``vllm.forward_context`` uses (idempotent). False where vLLM lacks it:
-    counters then miss CUDA-graph replays (logged once)."""
+    ``vllm.forward_context`` uses, and Model Runner V2's FULL-graph replay
+    (idempotent). False where vLLM lacks the first: counters then miss
+    CUDA-graph replays (logged once)."""
+    _wrap_fullgraph_replay()
     platform = compat.forward_context_platform()
     original = getattr(platform, "set_additional_forward_context", None)
     if original is None:
@@ -239,4 +262,34 @@ def install_forward_hook() -> bool:
     set_additional_forward_context._echo_wrapped = True
     # an instance attribute shadows the classmethod for this object only
     platform.set_additional_forward_context = set_additional_forward_context
+    return True
+
+
+def _wrap_fullgraph_replay() -> bool:
+    """Model Runner V2 replays FULL graphs (every decode step) with
+    ``run_fullgraph`` and no forward context: count each replay there. False
+    where this vLLM has no such method (its replays all happen inside
+    ``set_forward_context``)."""
+    try:
+        cls = compat.fullgraph_replay_cls()
+    except Exception as e:  # an import error must not stop Echo itself
+        logger.warning("echo: counters miss Model Runner V2's FULL-graph replays (%s: %s)",
+                       type(e).__name__, e)
+        return False
+    if cls is None:
+        return False
+    original = cls.run_fullgraph
+    if getattr(original, "_echo_wrapped", False):
+        return True
+
+    @functools.wraps(original)
+    def run_fullgraph(self: Any, desc: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, desc, *args, **kwargs)
+        session = _ACTIVE
+        if session is not None:
+            session.tracker.on_graph_replay(compat.graph_num_tokens(desc))
+        return out
+
+    run_fullgraph._echo_wrapped = True
+    cls.run_fullgraph = run_fullgraph
     return True

@@ -20,14 +20,26 @@ Calls per forward
 Counters under CUDA graphs
     A replayed graph runs no Python, so the hook cannot count its calls.
     Every forward pass the hook observes leaves a *plan* -- its calls' (path,
-    reason, bytes) -- keyed by its token count. A per-forward host hook
-    (``on_forward_start``, wired to the platform's
-    ``set_additional_forward_context``, which vLLM calls in every
-    ``set_forward_context``) looks back at the previous pass: if it ran in a
-    CUDA-graph mode and the hook saw none of its calls, it was a replay, and
-    the plan captured for its token count is added to the counters. Calls
+    reason, bytes) -- keyed by its padded token count, the key vLLM's graphs
+    are dispatched on. A plan recorded while capturing is the one its graph
+    replays; a later eager pass of the same size does not replace it. Calls
     made *while capturing* go into plans only, not into the counters: they
-    executed nothing. The accounting lags by one forward pass.
+    executed nothing. vLLM replays a graph in one of two ways:
+
+    * inside a forward context: PIECEWISE graphs, and the V1 model runner's
+      FULL graphs. The per-forward host hook (``on_forward_start``, wired to
+      the platform's ``set_additional_forward_context``, which vLLM calls in
+      every ``set_forward_context``) looks back at the previous pass: if it
+      ran in a CUDA-graph mode and the hook saw none of its calls, it was a
+      replay, and its plan is added to the counters. This lags by one
+      forward pass; :meth:`ForwardTracker.settle` (the sessions' ``flush()``)
+      closes the last pass.
+    * without one: Model Runner V2 (0.26's default for dense models) replays
+      FULL graphs -- every decode step -- with
+      ``ModelCudaGraphManager.run_fullgraph``, which the hook wraps to call
+      ``on_graph_replay``: counted at once.
+
+    A replay whose size has no plan is counted in ``forwards_unplanned``.
 """
 
 from __future__ import annotations
@@ -69,6 +81,9 @@ class StepStats(EchoStats):
     """Forward passes whose all-reduces ran Python (eager, compiled, capture)."""
     forwards_replayed: int = 0
     """Forward passes replayed from a CUDA graph, counted from their plan."""
+    forwards_unplanned: int = 0
+    """Replayed passes of a size no plan was recorded for: their calls are
+    missing from the counters (logged once)."""
     forwards_mismatched: int = 0
     """Observed passes whose call count differed from the learned one."""
     calls_per_forward: int | None = None
@@ -109,6 +124,7 @@ class StepStats(EchoStats):
             snap.update(
                 forwards_observed=self.forwards_observed,
                 forwards_replayed=self.forwards_replayed,
+                forwards_unplanned=self.forwards_unplanned,
                 forwards_mismatched=self.forwards_mismatched,
                 calls_per_forward=self.calls_per_forward,
                 residual_err_end_mean=self.residual_err_end_sum / n if n else None,
@@ -137,7 +153,8 @@ class ForwardTracker:
 
     One per Echo session (process). ``next_call`` is called by the hook for
     every all-reduce of its group; ``on_forward_start`` by the per-forward
-    host hook.
+    host hook; ``on_graph_replay`` where vLLM replays a FULL graph outside
+    any forward context; ``settle`` by whoever reads the counters.
     """
 
     def __init__(self, stats: StepStats, *, rank: int = 0, publish: Callable | None = None):
@@ -148,7 +165,9 @@ class ForwardTracker:
         self._observing: dict | None = None
         self._plan: list[PlanEntry] = []
         self._plan_tokens: int | None = None
+        self._plan_captured = False
         self._plans: dict[int | None, list[PlanEntry]] = {}
+        self._captured: set[int | None] = set()
         self._started: dict | None = None
 
     @property
@@ -169,6 +188,9 @@ class ForwardTracker:
             self._observing = kwargs
             self._plan = []
             self._plan_tokens = kwargs.get(TOKENS_KEY, num_tokens)
+            self._plan_captured = False
+        if not self._plan_captured and capturing():
+            self._plan_captured = True
         index = kwargs.get(CALL_INDEX_KEY, 0)
         kwargs[CALL_INDEX_KEY] = index + 1
         self.stats.plan_sink = self._plan
@@ -181,8 +203,14 @@ class ForwardTracker:
         if kw is None:
             return
         self._observing = None
+        self.stats.plan_sink = None
         calls = kw.get(CALL_INDEX_KEY, 0)
-        self._plans[self._plan_tokens] = self._plan
+        key = self._plan_tokens
+        if self._plan_captured:  # what the graph of this size will replay
+            self._plans[key] = self._plan
+            self._captured.add(key)
+        elif key not in self._captured:
+            self._plans[key] = self._plan
         stats = self.stats
         with stats._lock:
             stats.forwards_observed += 1
@@ -203,18 +231,52 @@ class ForwardTracker:
                 calls, stats.calls_per_forward, stats.calls_per_forward - 1,
             )
 
+    # -- replays -------------------------------------------------------------------
+
+    def settle(self, running: dict | None = None) -> None:
+        """Account every pass that has ended: close the observed one (call
+        count, plan) and count the last started one if it was a replay.
+        ``running``: the ``additional_kwargs`` of a forward pass still in
+        progress (``compat.forward_kwargs()``), left open."""
+        if self._observing is not None and self._observing is not running:
+            self._finish_observed()
+        prev = self._started
+        if prev is None or prev is running:
+            return
+        self._started = None
+        if prev.get(GRAPH_KEY) and CALL_INDEX_KEY not in prev:
+            self._count_replay(prev.get(TOKENS_KEY))
+
+    def on_graph_replay(self, num_tokens: int | None) -> None:
+        """vLLM replayed the FULL graph of ``num_tokens`` without a forward
+        context (Model Runner V2): settle what came before, count it now."""
+        self.settle()
+        self._count_replay(num_tokens)
+        self.maybe_publish()
+
+    def _count_replay(self, num_tokens: int | None) -> None:
+        plan = self._plans.get(num_tokens)
+        if plan is not None:
+            self.stats.replay(plan)
+            return
+        stats = self.stats
+        with stats._lock:
+            stats.forwards_unplanned += 1
+            first = stats.forwards_unplanned == 1
+        if first:
+            logger.warning(
+                "echo: a CUDA graph of %s tokens was replayed but no pass of that size was seen "
+                "at capture; its all-reduces are missing from the counters (forwards_unplanned)",
+                num_tokens,
+            )
+
     # -- the per-forward host hook ---------------------------------------------
 
     def on_forward_start(self, kwargs: dict, *, num_tokens: int | None, cudagraph: bool) -> None:
         """Called as every forward context is created, before the model runs.
         Accounts the previous pass if it was a graph replay, then tags this
         one; exports metrics at most every PUBLISH_INTERVAL_S."""
-        self._finish_observed()
-        prev = self._started
-        if prev is not None and prev.get(GRAPH_KEY) and CALL_INDEX_KEY not in prev:
-            plan = self._plans.get(prev.get(TOKENS_KEY))
-            if plan:
-                self.stats.replay(plan)
+        self.settle()
         kwargs[TOKENS_KEY] = num_tokens
         kwargs[GRAPH_KEY] = bool(cudagraph)
         self._started = kwargs
@@ -252,4 +314,5 @@ def tag_forward(call_kwargs: dict) -> tuple[int | None, bool]:
     if tokens is None:
         tokens = call_kwargs.get("num_tokens")
     mode = call_kwargs.get("cudagraph_runtime_mode")
+    # CUDAGraphMode.NONE is falsy (CUDAGraphMode.__bool__), PIECEWISE / FULL truthy
     return tokens, bool(mode) if mode is not None else False
