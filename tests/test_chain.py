@@ -74,7 +74,7 @@ def test_telescoping_identity_holds_exactly():
 
 
 def test_exact_last_call_flushes_the_error():
-    cfg = EchoConfig(hadamard=True, exact_last_call=True, min_bytes=0)
+    cfg = EchoConfig(hadamard=True, exact_last_call=True, min_bytes=0, first_exact_calls=0)
     comm = EchoCommunicator(cfg, VirtualTransport(P))
     calls = 9
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
@@ -96,7 +96,7 @@ def test_exact_last_call_flushes_the_error():
 
 
 def test_exact_call_mid_chain_consumes_pending_error():
-    cfg = EchoConfig(hadamard=True, exact_last_call=False, min_bytes=1 << 30)  # all exact
+    cfg = EchoConfig(hadamard=True, exact_last_call=False, min_bytes=1 << 30, first_exact_calls=0)  # all exact
     echo_cfg = cfg.replace(min_bytes=0)
     transport = VirtualTransport(P)
     comm = EchoCommunicator(echo_cfg, transport)
