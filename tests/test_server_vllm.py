@@ -81,11 +81,27 @@ SCRIPT = textwrap.dedent("""
                            "value_class": values.ValueClass.__name__})
     ServeSubcommand.cmd = staticmethod(fake_cmd)
     report["main_rc"] = cli.main(["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--port", "8123"])
-    report["dispatched"] = dispatched
+    report["dispatched"] = list(dispatched)
     report["multiproc_files"] = sorted(os.listdir(dispatched[0]["multiproc_dir"])) if dispatched else []
     report["main_rc_abbreviated"] = cli.main(["m", "-tp", "2", "--tp-comm", "echo", "--enable-db"])
     report["main_rc_rejected"] = cli.main(["m", "--tp-comm", "echo"])
     report["n_dispatched"] = len(dispatched)
+
+    # the plugin would not run in vLLM's processes: an Echo run must not start as stock vLLM
+    import echo_vllm.plugin as plugin
+    def refused(argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli.main(argv)
+        return rc, err.getvalue()
+    echo_argv = ["m", "--tp-comm", "echo", "--echo-emulate-tp", "4"]
+    os.environ["VLLM_PLUGINS"] = "other"
+    report["vllm_plugins"] = refused(echo_argv)
+    del os.environ["VLLM_PLUGINS"]
+    plugin._problem = "vLLM 0.25.0 is older than 0.26 (simulated)"  # as a failed register() leaves it
+    report["no_hook"] = refused(echo_argv)
+    report["no_hook_nccl"] = refused(["m", "--port", "8124"])
+    report["n_dispatched_after"] = len(dispatched)
     print("REPORT" + json.dumps(report, default=str))
 """)
 
@@ -147,3 +163,16 @@ def test_help_shows_echo_then_vllm(report):
     assert report["help_rc"] == 0
     assert text.index("--echo-group-size") < text.index("usage: vllm serve")
     assert "(default: 32)" in text and "Config Groups" in text
+
+
+@pytest.mark.vllm
+def test_an_echo_run_without_the_plugin_does_not_start(report):
+    """If vLLM's processes would not run the plugin's hook, `--tp-comm echo`
+    stops before vLLM starts, naming why; a run without Echo still starts."""
+    rc, err = report["vllm_plugins"]
+    assert rc == 2 and "VLLM_PLUGINS='other' does not list 'echo_vllm'" in err
+    rc, err = report["no_hook"]
+    assert rc == 2 and "--tp-comm echo --echo-emulate-tp 4 needs echo-vllm's vLLM plugin" in err
+    assert "cannot install its hook: vLLM 0.25.0 is older than 0.26 (simulated)" in err
+    assert report["no_hook_nccl"][0] == 0
+    assert report["n_dispatched_after"] == report["n_dispatched"] + 1  # only the run without Echo

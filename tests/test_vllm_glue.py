@@ -273,3 +273,74 @@ def test_call_index_lives_in_the_forward_kwargs():
     tr.next_call(kw, 4)
     tr.next_call(kw, 4)
     assert kw[CALL_INDEX_KEY] == 2
+
+
+# -- a plugin that could not install its hook ------------------------------------
+
+
+def test_an_engine_asking_for_echo_is_refused_without_the_hook():
+    from echo_vllm.vllm_glue.guards import check_hook_installed
+
+    for raw in ({"tp_comm": "echo"}, {"tp_comm_emulate": 4}, {"tp_comm": "echo", "tp_comm_emulate": 2}):
+        with pytest.raises(EchoEngineConfigError, match="vLLM 0.25 is too old"):
+            check_hook_installed(SimpleNamespace(additional_config=raw), "vLLM 0.25 is too old")
+    for raw in (None, {}, {"tp_comm": "nccl"}, {"other": 1}):
+        check_hook_installed(SimpleNamespace(additional_config=raw), "vLLM 0.25 is too old")
+    check_hook_installed(SimpleNamespace(additional_config={"tp_comm": "echo"}), None)  # installed
+
+
+class _EngineArgs:
+    """Stands in for vLLM's EngineArgs (no vLLM import here)."""
+
+    def __init__(self, additional_config=None):
+        self.additional_config = additional_config
+
+    def create_engine_config(self, usage_context=None):
+        return SimpleNamespace(additional_config=self.additional_config, usage=usage_context)
+
+
+@pytest.fixture
+def failed_plugin(monkeypatch):
+    """A fresh plugin state whose hook install raises."""
+    import echo_vllm.plugin as plugin
+    from echo_vllm.vllm_glue import compat, hook
+
+    def broken():
+        raise RuntimeError("GroupCoordinator changed")
+
+    monkeypatch.setattr(plugin, "_status", None)
+    monkeypatch.setattr(plugin, "_problem", None)
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(hook, "install", broken)
+    monkeypatch.setattr(compat, "engine_args_cls", lambda: _EngineArgs)
+    monkeypatch.setattr(_EngineArgs, "create_engine_config", _EngineArgs.create_engine_config)
+    return plugin
+
+
+def test_a_failed_install_makes_echo_engines_fail_at_config_time(failed_plugin):
+    plugin = failed_plugin
+    status = plugin.register()
+    assert status.startswith("not installed: RuntimeError: GroupCoordinator changed")
+    assert "fail at start-up" in status
+    assert plugin.problem() == "RuntimeError: GroupCoordinator changed"
+    assert plugin.register() == status  # once per process
+    with pytest.raises(EchoEngineConfigError, match="GroupCoordinator changed") as e:
+        _EngineArgs({"tp_comm": "echo", "echo_group_size": 64}).create_engine_config()
+    assert "tp_comm='echo'" in str(e.value) and "drop tp_comm" in str(e.value)
+    # runs that do not ask for Echo are untouched
+    cfg = _EngineArgs({"tp_comm": "nccl"}).create_engine_config(usage_context="llm")
+    assert cfg.usage == "llm" and _EngineArgs().create_engine_config().additional_config is None
+    assert "cannot install its hook: RuntimeError" in plugin.launch_problem()
+
+
+def test_launch_problem_sees_vllm_plugins_leaving_the_plugin_out(monkeypatch):
+    import echo_vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "_status", "installed (test)")
+    monkeypatch.setattr(plugin, "_problem", None)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert plugin.launch_problem() is None  # the package declares the entry point
+    monkeypatch.setenv("VLLM_PLUGINS", "other,echo_vllm")
+    assert plugin.launch_problem() is None
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    assert "VLLM_PLUGINS='other' does not list 'echo_vllm'" in plugin.launch_problem()

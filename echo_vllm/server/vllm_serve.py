@@ -78,6 +78,19 @@ def print_help(extra: list[str]) -> int:
     return 0
 
 
+def check_plugin(settings: ServeSettings) -> None:
+    """Echo (or its emulation) runs only where vLLM's processes load the
+    plugin's hook; without it vLLM would serve its own all-reduce under an
+    Echo label. Refuse to start instead, naming the reason."""
+    from ..plugin import launch_problem
+
+    problem = launch_problem()
+    if problem is not None:
+        asked = f"--tp-comm {settings.tp_comm}" + (
+            f" --echo-emulate-tp {settings.emulate_tp}" if settings.emulate_tp else "")
+        raise ServeArgsError(f"{asked} needs echo-vllm's vLLM plugin, but {problem}")
+
+
 def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) -> int:
     """Parse with vLLM's parser, check, then hand over to ``vllm serve``."""
     check_vllm_version()
@@ -92,6 +105,8 @@ def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) 
         raise ServeArgsError(
             "vLLM parsed settings the rewrite did not see (abbreviated option or --config file?): "
             + "; ".join(problems))
+    if settings.glue_active:
+        check_plugin(settings)
     if on_parsed is not None:
         on_parsed(args)
     args.dispatch_function(args)

@@ -68,6 +68,17 @@ def group_coordinator_cls() -> type:
     return cls
 
 
+def engine_args_cls() -> type:
+    """``EngineArgs``, whose ``create_engine_config`` builds every engine's
+    ``VllmConfig`` (``LLM``, ``vllm serve``, ``AsyncLLM``) in the process that
+    starts the engine, before any worker exists."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not callable(getattr(EngineArgs, "create_engine_config", None)):
+        raise VllmCompatError("vllm.engine.arg_utils.EngineArgs.create_engine_config not found")
+    return EngineArgs
+
+
 def current_vllm_config() -> Any:
     """The config of the engine being built (set around worker start-up)."""
     from vllm import config

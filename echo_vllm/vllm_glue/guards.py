@@ -14,6 +14,11 @@ Why each one:
 
 The checks read a finalized ``VllmConfig`` (defaults resolved), so they run
 in the worker when the tensor-parallel group is created.
+
+One more refusal needs no hook: when the plugin could not install its hook
+(:mod:`echo_vllm.plugin`), an engine that asks for Echo must not start at
+all -- vLLM would run its own all-reduce under an Echo label
+(:func:`check_hook_installed`).
 """
 
 from __future__ import annotations
@@ -78,3 +83,22 @@ def check_engine_config(vllm_config: Any, settings: TpCommSettings) -> None:
             "echo-vllm cannot run with this vLLM configuration "
             f"(tp_comm={settings.mode!r}):\n  - " + "\n  - ".join(problems)
         )
+
+
+def check_hook_installed(vllm_config: Any, problem: str | None) -> None:
+    """Raise :class:`EchoEngineConfigError` if the engine asks for Echo (or
+    the emulation) while the hook is not installed; ``problem`` says why it
+    is not (None: it is). Engines that do not ask for Echo pass untouched."""
+    if problem is None:
+        return
+    settings = TpCommSettings.from_vllm_config(vllm_config)
+    if not settings.active:
+        return
+    asked = f"tp_comm={settings.mode!r}" + (
+        f", tp_comm_emulate={settings.emulate_world_size}" if settings.emulated else ""
+    )
+    raise EchoEngineConfigError(
+        f"this engine asks for echo-vllm ({asked}) but echo-vllm's vLLM plugin could not "
+        f"install its hook: {problem}. vLLM would run its own all-reduce instead. Fix the installation, "
+        "or drop tp_comm / tp_comm_emulate from --additional-config to run stock vLLM."
+    )
