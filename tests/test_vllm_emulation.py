@@ -22,7 +22,9 @@ P = 4
 LAYERS = 3
 HIDDEN, VOCAB = 128, 1000
 TOKENS = (5, 3, 8)
-SETTINGS = {"tp_comm": "echo", "tp_comm_emulate": P, "echo_min_bytes": 0}
+# every call eligible for Echo (the defaults keep the first calls in 16-bit)
+SETTINGS = {"tp_comm": "echo", "tp_comm_emulate": P, "echo_min_bytes": 0, "echo_first_exact_calls": 0}
+CONFIG = EchoConfig.from_mapping(SETTINGS, prefix="echo_")
 
 
 def test_plugin_is_declared_as_a_vllm_general_plugin():
@@ -217,7 +219,7 @@ def test_layers_are_marked_for_emulation(proc):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_eager_emulation_equals_the_reference(proc):
-    forward = _reference(EchoConfig(min_bytes=0))
+    forward = _reference(CONFIG)
     ids = _stack().ids
     for tok, got in zip(list(ids) + [ids[0]], proc["eager"]):
         want, _, _ = forward(tok)
@@ -234,7 +236,7 @@ def test_compiled_emulation_equals_eager(proc):
     """fullgraph torch.compile traces the layers around the opaque custom ops;
     the reduce inside gives the eager bits (chain state and call index are
     the same Python)."""
-    forward = _reference(EchoConfig(min_bytes=0))
+    forward = _reference(CONFIG)
     ids = _stack().ids
     forward(ids[0])  # the reference's first pass learns the call count
     assert torch.equal(proc["compiled"][0], proc["eager"][3])
@@ -244,11 +246,11 @@ def test_compiled_emulation_equals_eager(proc):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_exact_variant_is_the_fp32_sum_of_the_same_partials(proc):
-    forward = _reference(EchoConfig(min_bytes=0), mode="exact")
+    forward = _reference(CONFIG, mode="exact")
     ids = _stack().ids
     assert torch.equal(proc["exact"], forward(ids[1])[0])
     assert proc["exact_stats"]["calls"] == {"exact/disabled": 1 + 2 * LAYERS}
-    naive = _reference(EchoConfig.naive(min_bytes=0))
+    naive = _reference(EchoConfig.naive(min_bytes=0, first_exact_calls=0))
     naive(ids[0])
     assert torch.equal(proc["naive"], naive(ids[1])[0])
 
@@ -258,7 +260,7 @@ def test_exact_variant_is_the_fp32_sum_of_the_same_partials(proc):
 def test_residual_measurement_matches_its_definition(proc):
     """tp_comm_emulate_measure: |sum_t (y_t - S_t)| / |sum_t S_t| at the end of
     the pass, S_t the fp32 sum of the pass's partials."""
-    forward = _reference(EchoConfig(min_bytes=0))
+    forward = _reference(CONFIG)
     ids = _stack().ids
     forward(ids[0])
     _, outs, sums = forward(ids[1])

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LAYERS = 3  # 1 + 2 * LAYERS all-reduces per forward pass
 HIDDEN, VOCAB = 128, 1000
 TOKENS = (5, 3, 8)  # one forward pass each; other sizes reuse the buffer
-ECHO = {"tp_comm": "echo", "echo_min_bytes": 0}
+# every call eligible for Echo (the defaults keep the first calls in 16-bit)
+ECHO = {"tp_comm": "echo", "echo_min_bytes": 0, "echo_first_exact_calls": 0}
 
 
 def _stack():
