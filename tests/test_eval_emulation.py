@@ -118,7 +118,7 @@ def test_install_remove_restores_model_bitwise():
     ids = _ids()
     with torch.no_grad():
         ref = model(ids).logits
-        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0)):
+        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)):
             echo = model(ids).logits
         again = model(ids).logits
     assert torch.equal(ref, again)
@@ -127,7 +127,7 @@ def test_install_remove_restores_model_bitwise():
 
 def test_call_indices_restart_every_forward():
     model = tiny_llama(layers=3)
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0), record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), record=True)
     with emu, torch.no_grad():
         model(_ids(seed=1))
         model(_ids(seed=2))
@@ -141,9 +141,9 @@ def test_call_indices_restart_every_forward():
 def test_fp32_model_needs_comm_dtype_for_echo():
     model = tiny_llama(torch.float32)
     with pytest.raises(EchoConfigError, match="bf16/fp16"):
-        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0)), torch.no_grad():
+        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)), torch.no_grad():
             model(_ids())
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0), comm_dtype=torch.bfloat16, record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), comm_dtype=torch.bfloat16, record=True)
     with emu, torch.no_grad():
         out = model(_ids()).logits
     assert out.dtype == torch.float32 and emu.records[1].partials.dtype == torch.bfloat16
@@ -170,7 +170,7 @@ def _group_amax(partials: torch.Tensor, g: int, hadamard: bool) -> torch.Tensor:
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_echo_without_feedback_within_quantization_bound(hadamard):
     model = tiny_llama()
-    cfg = EchoConfig(min_bytes=0, feedback=False, hadamard=hadamard, exact_last_call=False)
+    cfg = EchoConfig(min_bytes=0, first_exact_calls=0, feedback=False, hadamard=hadamard, exact_last_call=False)
     emu = HFEmulation(model, P, "echo", cfg, record=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
@@ -192,7 +192,7 @@ def test_echo_feedback_telescopes_over_a_real_forward():
     """Sum over the calls of one forward of (y_t - S_t) vanishes to rounding
     with feedback + exact last call; each call alone deviates at 4-bit scale."""
     model = tiny_llama(layers=3)
-    cfg = EchoConfig(min_bytes=0, hadamard=True, exact_last_call=True)
+    cfg = EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=True, exact_last_call=True)
     emu = HFEmulation(model, P, "echo", cfg, record=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
@@ -230,7 +230,7 @@ def test_batch_composition_and_quantization():
             alone = model(a).logits
             both = model(torch.cat([a, b])).logits
         assert torch.equal(alone[0], both[0])
-        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0)):
+        with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)):
             alone = model(a).logits
             both = model(torch.cat([a, b])).logits
         assert not torch.equal(alone[0], both[0])
@@ -242,17 +242,17 @@ def test_batch_composition_and_quantization():
 def test_gemma3_postnorm_detected_and_feedback_off_by_default():
     model = tiny_gemma3()
     assert is_postnorm(model) and not is_postnorm(tiny_llama())
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0))
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0))
     assert emu.effective_mode == "echo" and emu.effective_config.feedback is False
-    assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0), postnorm_policy="exact").effective_mode == "exact"
-    assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0), postnorm_policy="feedback").effective_config.feedback
-    assert HFEmulation(tiny_llama(), P, "echo", EchoConfig(min_bytes=0)).effective_config.feedback
+    assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="exact").effective_mode == "exact"
+    assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="feedback").effective_config.feedback
+    assert HFEmulation(tiny_llama(), P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)).effective_config.feedback
 
 
 def test_gemma3_echo_runs():
     model = tiny_gemma3()
     ids = _ids()
-    with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0)), torch.no_grad():
+    with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)), torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
 
 
