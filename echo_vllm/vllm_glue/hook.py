@@ -54,6 +54,9 @@ TP_GROUP_NAME = "tp"
 class SessionBase:
     """What every Echo session in a process shares: counters and call numbering."""
 
+    comm: EchoCommunicator | None = None
+    """The session's communicator (its counters follow reset_stats)."""
+
     def __init__(self, settings: TpCommSettings, vllm_config: Any, rank: int):
         self.settings = settings
         self.stats = StepStats()
@@ -63,8 +66,6 @@ class SessionBase:
         self.max_num_tokens = compat.max_num_batched_tokens(vllm_config)
         """Largest batch a forward pass carries: sizes the feedback buffer."""
         self._reserved = False
-
-    comm: EchoCommunicator | None = None
 
     def flush(self) -> None:
         """Account the passes that have ended (the one-pass lag of replay
