@@ -260,10 +260,15 @@ def test_gemma3_echo_runs():
 
 
 def test_variant_specs():
-    vs = parse_variants(["exact", "naive", "default:group_size=16,first_exact_calls=2"])
-    assert [v.mode for v in vs] == ["exact", "echo", "echo"]
-    assert vs[1].config == EchoConfig.naive(min_bytes=0)
+    vs = parse_variants(["exact", "naive", "default:group_size=16,first_exact_calls=2", "echo+hadamard+last"])
+    assert [v.mode for v in vs] == ["exact", "echo", "echo", "echo"]
+    # the ladder pins what defines it, whatever EchoConfig's defaults are
+    assert vs[1].config == EchoConfig.naive(min_bytes=0, first_exact_calls=0, feedback_dtype="float32")
+    assert vs[3].config == EchoConfig(min_bytes=0, first_exact_calls=0, feedback_dtype="float32",
+                                      hadamard=True, feedback=True, exact_last_call=True)
+    # "default" is EchoConfig() as shipped
     assert vs[2].config == EchoConfig(min_bytes=0, group_size=16, first_exact_calls=2)
+    assert parse_variant("default").config == EchoConfig(min_bytes=0)
     assert vs[2].bits_per_value == 5.0 and vs[0].bits_per_value == 16.0
     assert set(PRESETS) >= {"exact", "naive", "echo", "echo+last", "echo+hadamard", "echo+hadamard+last"}
     with pytest.raises(EchoConfigError, match="unknown EchoConfig"):

@@ -312,11 +312,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2f}%"
 
 
-#: Names that denote the same preset (the sweep dedups by config, so a
-#: point may carry either name).
-ALIASES = {"default": "echo+hadamard+last"}
-
-
 def _metric(r: dict) -> float | None:
     """KL to exact when measured (second order, low noise), else ppl delta."""
     return r["kl"] if r.get("kl") is not None else r["delta_pct"]
@@ -330,7 +325,7 @@ def group_curves(result: dict, text: str) -> dict[str, list[tuple[float, float]]
         if r["text"] != text or r["bits_per_value"] >= 16 or (rest and not rest.startswith("group_size=")) \
                 or "," in rest:
             continue
-        curves.setdefault(ALIASES.get(name, name), []).append((r.get("eff_bits", r["bits_per_value"]), _metric(r)))
+        curves.setdefault(name, []).append((r.get("eff_bits", r["bits_per_value"]), _metric(r)))
     return {k: sorted(v) for k, v in curves.items() if len(v) > 1}
 
 

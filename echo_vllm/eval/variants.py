@@ -23,25 +23,30 @@ from ..config import EchoConfig, EchoConfigError
 #: documented ``echo_*`` options.
 ALWAYS_EXACT_MIN_BYTES = 1 << 60
 
-_ECHO_ONLY = dict(feedback=True, hadamard=False, exact_last_call=False)
+#: The ladder variants pin every field that defines them, so that they mean
+#: the same thing whatever EchoConfig's defaults become (the defaults moved
+#: to first_exact_calls=5 and a bf16 feedback buffer after this evaluation):
+#: the 4-bit path on every call but the ones named, fp32 feedback, g=32.
+_LADDER = dict(group_size=32, first_exact_calls=0, feedback_dtype="float32", rounding="nearest")
+_ECHO_ONLY = dict(_LADDER, feedback=True, hadamard=False, exact_last_call=False)
 
 #: name -> (mode, EchoConfig kwargs, description)
 PRESETS: dict[str, tuple[str, dict, str]] = {
     "unsplit": ("unsplit", {}, "the model as loaded: no TP emulation, no all-reduce"),
     "exact": ("exact", {}, "16-bit sum of the P partials (baseline)"),
-    "naive": ("echo", dict(feedback=False, hadamard=False, exact_last_call=False),
+    "naive": ("echo", dict(_LADDER, feedback=False, hadamard=False, exact_last_call=False),
               "plain 4-bit two-shot, no feedback"),
-    "naive+hadamard": ("echo", dict(feedback=False, hadamard=True, exact_last_call=False),
+    "naive+hadamard": ("echo", dict(_LADDER, feedback=False, hadamard=True, exact_last_call=False),
                        "4-bit with Hadamard rotation, no feedback"),
     "echo": ("echo", dict(_ECHO_ONLY), "error feedback only"),
     "echo+last": ("echo", dict(_ECHO_ONLY, exact_last_call=True),
                   "feedback + 16-bit last call"),
     "echo+hadamard": ("echo", dict(_ECHO_ONLY, hadamard=True),
                       "feedback + Hadamard"),
-    "echo+hadamard+last": ("echo", dict(feedback=True, hadamard=True, exact_last_call=True),
-                           "feedback + Hadamard + 16-bit last call (EchoConfig default)"),
+    "echo+hadamard+last": ("echo", dict(_ECHO_ONLY, hadamard=True, exact_last_call=True),
+                           "feedback + Hadamard + 16-bit last call (every other call 4-bit)"),
+    "default": ("echo", {}, "EchoConfig() as shipped (with min_bytes=0)"),
 }
-PRESETS["default"] = PRESETS["echo+hadamard+last"]
 
 #: The table of the issue, in order.
 STANDARD = ["exact", "naive", "echo", "echo+last", "echo+hadamard", "echo+hadamard+last"]
