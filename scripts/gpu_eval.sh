@@ -12,8 +12,9 @@
 #   scripts/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm|echo
 #   scripts/gpu_eval.sh setup                 # unpack both bundles, register the plugin entry point
 #   scripts/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
+#   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP=3 servers
 #   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
-# Results (Markdown, JSON, PNG) are copied to $OUT when it is set.
+# Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${ECHO_GPU_STATE:-/tmp/echo-gpu}"
@@ -70,17 +71,34 @@ EOF
   run)
     env_setup
     limit="${1:-none}"; shift || true
-    variants=("$@"); [ ${#variants[@]} -eq 0 ] && variants=(exact naive echo+hadamard+last)
+    variants=("$@"); [ ${#variants[@]} -eq 0 ] && variants=(exact naive default)
     lim=(); [ "$limit" != "none" ] && lim=(--limit "$limit")
+    # Straight into $OUT when set: each variant's file is written as soon as
+    # it finishes, so a call stopped by its time limit keeps what finished
+    # (merge later with `echo-vllm eval accuracy --merge --out DIR --stem gpu_accuracy`).
+    res="${OUT:-$STATE}/results"
     "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model smollm2-135m --tp 3 \
       --variants "${variants[@]}" "${lim[@]}" --parallel --enforce-eager --batch-size auto \
-      --out "$STATE/results" --stem gpu_accuracy
-    copy_out "$STATE/results"
+      --out "$res" --stem gpu_accuracy
+    ;;
+  ttft)
+    # One GPU: both servers emulate TP=3 (same extra work); `exact` sends
+    # every call down the 16-bit path (--echo-min-bytes 2^60), `echo` runs
+    # Echo's shipped defaults. vLLM's default torch.compile + CUDA graphs.
+    env_setup
+    model="$STATE/cache/models/smollm2-135m"
+    res="${OUT:-$STATE}/results/ttft"
+    "$PY" -m echo_vllm.eval.cli ttft --base-url http://127.0.0.1:8123 --tokenizer "$model" \
+      --launch "$PY -m echo_vllm.cli serve $model --host 127.0.0.1 --port 8123 --tp-comm echo \
+--echo-emulate-tp 3 --max-model-len 8192 --gpu-memory-utilization 0.5 --no-enable-prefix-caching {mode_args}" \
+      --labels exact echo --mode-args "exact=--echo-min-bytes 1152921504606846976" \
+      --input-lens ${TTFT_INPUT_LENS:-512 2048 7936} --concurrency ${TTFT_CONCURRENCY:-1 8} \
+      --num-prompts 16 --output-len 32 --server-timeout 300 --out "$res"
     ;;
   perplexity)
     env_setup
     "$PY" -m echo_vllm.eval.cli perplexity --model smollm2-135m --tp 3 --device cuda \
-      --variants exact naive echo echo+last echo+hadamard echo+hadamard+last \
+      --variants exact naive echo echo+last echo+hadamard echo+hadamard+last default \
       --group-sizes 16 32 64 128 --lambada 500 --out "$STATE/results" --stem gpu_perplexity
     copy_out "$STATE/results"
     ;;

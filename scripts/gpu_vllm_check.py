@@ -43,7 +43,16 @@ if str(REPO) not in sys.path:
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
-PHASE_CAP_S = {"eager": 260, "graphs": 400, "graphs_exact": 200}
+PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_exact": 200}
+
+#: CUDA graphs without torch.compile: vLLM's compilation mode NONE with
+#: full-model graphs for uniform decode batches (prefills stay eager). The
+#: graphs then replay exactly the eager kernels, so their tokens must equal
+#: the eager run's bit for bit; under torch.compile (``graphs``) Inductor's
+#: fused kernels change the model's own numerics, which 4-bit rounding
+#: amplifies into different greedy tokens.
+GRAPHS_EAGER_OPS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                    "cudagraph_capture_sizes": [1, 2, 4, 8]}
 
 #: name -> (tp_comm mode, EchoConfig changes from Echo's defaults)
 VARIANTS = {
@@ -72,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget-s", type=float, default=470, help="wall-clock budget of both engines")
-    p.add_argument("--phases", default="eager,graphs,graphs_exact")
+    p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_exact")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -133,7 +142,7 @@ def run_phase(args) -> None:
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    graphs = args.phase in ("graphs", "graphs_exact")
+    graphs = args.phase in ("graphs", "graphs_exact", "graphs_eager_ops")
     # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
     # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
     tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
@@ -151,7 +160,9 @@ def run_phase(args) -> None:
         additional_config={"tp_comm": tp_comm, "tp_comm_emulate": args.tp, **extra,
                            **({"echo_min_bytes": 0} if tp_comm == "echo" else {})},
     )
-    if graphs:
+    if args.phase == "graphs_eager_ops":
+        kwargs["compilation_config"] = dict(GRAPHS_EAGER_OPS)
+    elif graphs:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8], "custom_ops": ["all"]}
     else:
         kwargs["enforce_eager"] = True
@@ -260,6 +271,17 @@ def compare(out: pathlib.Path, res: dict) -> dict:
             calls=s.get("calls"),
         )
         table["graphs/echo vs eager/echo"] = row
+    gn = res.get("graphs_eager_ops", {}).get("variants", {}).get("echo")
+    if gn is not None and "echo" in eager:
+        row = diff(eager["echo"]["tokens"], gn["tokens"], load("eager", "echo"), load("graphs_eager_ops", "echo"))
+        s = gn["stats"]
+        row.update(
+            tokens_identical_to_eager=gn["tokens"] == eager["echo"]["tokens"],
+            forwards_replayed=s.get("forwards_replayed"),
+            forwards_observed=s.get("forwards_observed"),
+            calls=s.get("calls"),
+        )
+        table["graphs(no compile)/echo vs eager/echo"] = row
     ge = res.get("graphs_exact", {}).get("variants", {}).get("exact")
     if ge is not None and "exact" in eager:
         row = diff(eager["exact"]["tokens"], ge["tokens"], load("eager", "exact"), load("graphs_exact", "exact"))

@@ -53,3 +53,36 @@ def test_paired_delta_and_average():
 def test_gpu_script_parses():
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_eval.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_launch_command_fills_mode_and_mode_args():
+    template = "echo-vllm serve m --tp-comm echo --echo-emulate-tp 3 {mode_args} --served-model-name {mode}"
+    mode_args = ttft.parse_mode_args(["exact=--echo-min-bytes 1152921504606846976", "echo="])
+    assert mode_args == {"exact": "--echo-min-bytes 1152921504606846976", "echo": ""}
+    assert ttft.launch_command(template, "exact", mode_args) == (
+        "echo-vllm serve m --tp-comm echo --echo-emulate-tp 3 --echo-min-bytes 1152921504606846976 "
+        "--served-model-name exact")
+    # a label without --mode-args gets nothing in place of {mode_args}
+    assert ttft.launch_command(template, "naive", mode_args).endswith("3  --served-model-name naive")
+    with pytest.raises(ValueError, match="LABEL=ARGS"):
+        ttft.parse_mode_args(["no-equals-sign"])
+
+
+def test_report_rebuilds_cut_runs_from_vllm_bench_files(tmp_path):
+    """A run stopped midway leaves no ttft_<label>.json, only vllm bench's
+    raw files: the report still shows those cells (and prefers the merged
+    file where both exist)."""
+    (tmp_path / "ttft_exact.json").write_text(json.dumps(_run("exact", {512: 10.0}, 1)))
+    for label, L, t in (("exact", 512, 999.0), ("exact", 4096, 80.0), ("echo", 512, 12.0), ("echo", 4096, 64.0)):
+        raw = {"model_id": "m", "completed": 16, "mean_ttft_ms": t, "p50_ttft_ms": t, "p99_ttft_ms": t,
+               "mean_itl_ms": 1.0, "p99_itl_ms": 2.0}
+        (tmp_path / f"raw_{label}_in{L}_c1.json").write_text(json.dumps(raw))
+    res = ttft.report(str(tmp_path))
+    got = {(r["label"], r["input_len"]): (r["mean_ttft_ms"], r["ttft_speedup"]) for r in res["rows"]}
+    assert got == {("exact", 512): (10.0, None), ("exact", 4096): (80.0, None),
+                   ("echo", 512): (12.0, pytest.approx(10 / 12)), ("echo", 4096): (64.0, pytest.approx(1.25))}
+
+
+def test_cell_seeds_differ_between_cells():
+    seeds = {ttft.cell_seed(L, c) for L in (512, 1024, 2048, 4096, 8192) for c in (1, 8, 64)}
+    assert len(seeds) == 15

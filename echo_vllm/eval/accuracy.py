@@ -179,6 +179,10 @@ def run_vllm_one(args, v: Variant, tasks: list[str]) -> dict:
     return {"tasks": summarize(raw, tasks), "seconds": time.time() - t0, "model_args": margs}
 
 
+#: vLLM's start-up error when the memory share left no room for KV blocks.
+KV_CACHE_OOM = "No available memory for the cache blocks"
+
+
 def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
     """Each variant in its own subprocess (a fresh engine per comm config);
     with ``--parallel`` all at once on the same GPU, each with an equal share
@@ -208,6 +212,11 @@ def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
                 continue
             results[v.name] = json.loads(out.read_text())
             save_variant(args, v.name, results[v.name])
+    if failed and args.parallel and any(
+            KV_CACHE_OOM in (Path(args.out) / f"{args.stem}.log.{k}.txt").read_text(errors="replace")
+            for k in range(n) if (Path(args.out) / f"{args.stem}.log.{k}.txt").is_file()):
+        failed.append(f"hint: engines started side by side ran out of KV-cache memory; run fewer "
+                      f"variants per command (3 fit on an H200) or without --parallel")
     if failed:
         raise RuntimeError("vLLM run(s) failed: " + ", ".join(failed) +
                            (f"; logs in {args.out}/{args.stem}.log.*.txt" if args.parallel else ""))
@@ -349,7 +358,12 @@ def main(argv: list[str]) -> int:
     variants = parse_variants(args.variants)
     if args._one:
         v = next(v for v in variants if v.name == args._one)
-        Path(args._out).write_text(json.dumps(run_vllm_one(args, v, args.tasks)))
+        result = run_vllm_one(args, v, args.tasks)
+        # Saved here as well as handed back: a parent stopped by a wall-clock
+        # limit (the GPU host's 10-minute calls) still leaves every finished
+        # variant in --out, ready for --merge.
+        save_variant(args, v.name, result)
+        Path(args._out).write_text(json.dumps(result))
         # Leave without interpreter/vLLM teardown: on the H200 (2026-11-29)
         # the Echo variants' processes aborted in teardown ("terminate called
         # without an active exception", exit -6) after lm-eval had finished,
@@ -365,6 +379,8 @@ def main(argv: list[str]) -> int:
         args.tasks, args.limit = first["tasks_run"], first["limit"]
         args.model, args.backend, args.world, args.real_tp = (
             first["model"], first["backend"], first["world_size"], first["real_tp"])
+        # exact first (the table's baseline), then the rest in file order
+        results = {n: results[n] for n in sorted(results, key=lambda n: n != "exact")}
         variants = parse_variants(list(results))
     else:
         (run_vllm if args.backend == "vllm" else run_hf)(args, variants, args.tasks)
@@ -377,7 +393,9 @@ def main(argv: list[str]) -> int:
         "runs": {n: {k: v for k, v in r.items() if k != "tasks"} for n, r in results.items()},
         "per_task": {n: {t: {k: v for k, v in e.items() if k != "docs"} for t, e in r["tasks"].items()}
                      for n, r in results.items()},
-        "docs": {n: {t: e["docs"] for t, e in r["tasks"].items()} for n, r in results.items()},
+        # per-document scores stay in the variant files (<stem>.variant.*.json):
+        # copied here they made the merged file ~3x their size for nothing new
+        "variant_files": {n: variant_file(args, n).name for n in results},
     }
     md = render(result)
     paths = write_outputs(args.out, args.stem, result, md)

@@ -10,7 +10,8 @@ server's comm mode). Two ways to compare exact and Echo:
   into the same ``--out``, then ``--report`` merges every label there;
 * or give ``--launch 'echo-vllm serve MODEL --tp-comm {mode} ...'`` and
   ``--labels exact echo``: the harness starts the server per label
-  (``{mode}`` replaced), waits for ``/health``, measures, and stops it.
+  (``{mode}`` replaced; ``{mode_args}`` by that label's ``--mode-args``),
+  waits for ``/health``, measures, and stops it.
 
 ``--background-traffic DUTY`` keeps the same GPUs' interconnect busy with
 NCCL all-reduces at that duty cycle while measuring (``echo_vllm.eval.background``).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -73,6 +75,15 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
 
 
+def cell_seed(input_len: int, concurrency: int) -> int:
+    """Prompt seed of one cell: the same in every label (paired comparison),
+    different between cells, so that one cell's prompts are not already in
+    the prefix cache from another's (start servers with
+    ``--no-enable-prefix-caching`` as well: the warm-up requests repeat the
+    measured prompts)."""
+    return 1000 * input_len + concurrency
+
+
 def bench_cell(args, model: str, tokenizer: str, input_len: int, concurrency: int, out_dir: Path) -> dict:
     """One ``vllm bench serve`` run; returns its metrics."""
     fname = f"raw_{args.label}_in{input_len}_c{concurrency}.json"
@@ -82,7 +93,8 @@ def bench_cell(args, model: str, tokenizer: str, input_len: int, concurrency: in
         "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
         "--num-prompts", str(max(args.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
-        "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--num-warmups", str(args.warmups),
+        "--request-rate", "inf", "--ignore-eos", "--seed", str(cell_seed(input_len, concurrency)),
+        "--num-warmups", str(args.warmups),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname, "--disable-tqdm",
     ]
@@ -108,11 +120,30 @@ def measure(args, label: str) -> dict:
     return {"label": label, "model": model, "cells": cells}
 
 
+def parse_mode_args(items: list[str]) -> dict[str, str]:
+    """``LABEL=ARGS`` items of ``--mode-args`` -> {label: args}."""
+    out = {}
+    for item in items:
+        label, sep, rest = item.partition("=")
+        if not sep or not label:
+            raise ValueError(f"--mode-args wants LABEL=ARGS, got {item!r}")
+        out[label] = rest
+    return out
+
+
+def launch_command(template: str, label: str, mode_args: dict[str, str]) -> str:
+    """The server command for one label: ``{mode}`` becomes the label and
+    ``{mode_args}`` the label's ``--mode-args`` (empty when it has none), so
+    one template can start e.g. an emulated server whose exact label only
+    differs by ``--echo-min-bytes``."""
+    return template.replace("{mode_args}", mode_args.get(label, "")).replace("{mode}", label)
+
+
 def run_label(args, label: str) -> dict:
     args.label = label
     server = None
     if args.launch:
-        cmd = args.launch.replace("{mode}", label)
+        cmd = launch_command(args.launch, label, args.mode_args)
         print(f"[ttft] starting: {cmd}", file=sys.stderr)
         server = subprocess.Popen(shlex.split(cmd))
     try:
@@ -137,10 +168,36 @@ def run_label(args, label: str) -> dict:
     return res
 
 
+RAW_NAME = re.compile(r"raw_(?P<label>.+)_in(?P<input_len>\d+)_c(?P<concurrency>\d+)\.json$")
+
+
+def runs_from_raw(out: Path, covered: set[tuple[str, int, int]]) -> list[dict]:
+    """Runs rebuilt from ``vllm bench serve``'s own result files for cells no
+    ``ttft_<label>.json`` holds: a measurement stopped midway (a wall-clock
+    limit, a crashed server) still reports every cell it finished. The GPU
+    count of such a run is unknown (0: reported as one GPU)."""
+    by_label: dict[str, dict] = {}
+    for path in sorted(out.glob("raw_*_in*_c*.json")):
+        m = RAW_NAME.match(path.name)
+        if not m:
+            continue
+        key = (m["label"], int(m["input_len"]), int(m["concurrency"]))
+        if key in covered:
+            continue
+        raw = json.loads(path.read_text())
+        run = by_label.setdefault(key[0], {"label": key[0], "model": raw.get("model_id"), "cells": [],
+                                           "gpus": 0, "from_raw": True})
+        run["cells"].append({"label": key[0], "input_len": key[1], "concurrency": key[2],
+                             **{k: raw.get(k) for k in METRICS}})
+    return list(by_label.values())
+
+
 def report(out: str, baseline: str = "exact") -> dict:
     runs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("ttft_*.json"))]
+    covered = {(c["label"], c["input_len"], c["concurrency"]) for r in runs for c in r["cells"]}
+    runs += runs_from_raw(Path(out), covered)
     if not runs:
-        raise FileNotFoundError(f"no ttft_*.json in {out}")
+        raise FileNotFoundError(f"no ttft_*.json or raw_*.json in {out}")
     base = {(c["input_len"], c["concurrency"]): c for r in runs if r["label"] == baseline for c in r["cells"]}
     rows = []
     for r in runs:
@@ -185,6 +242,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--label", default=None, help="comm mode of the running server (exact, echo, ...)")
     p.add_argument("--labels", nargs="+", default=None, help="with --launch: one server per label")
     p.add_argument("--launch", default=None, help="server command with {mode}; started per label")
+    p.add_argument("--mode-args", nargs="*", default=[], metavar="LABEL=ARGS",
+                   help="with --launch: text put in place of {mode_args} for that label")
     p.add_argument("--server-timeout", type=float, default=900)
     p.add_argument("--model", default=None, help="served model name (default: asked from /v1/models)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the served name)")
@@ -202,6 +261,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", default="exact")
     p.add_argument("--out", default="eval_results/ttft")
     args = p.parse_args(argv)
+    try:
+        args.mode_args = parse_mode_args(args.mode_args)
+    except ValueError as e:
+        p.error(str(e))
     if gpu_count() <= 1:
         print(f"[echo-vllm] {ONE_GPU_NOTE}", file=sys.stderr)
     if not args.report:
