@@ -9,8 +9,10 @@
 #
 # On the GPU host, from the repo root (state lives in $ECHO_GPU_STATE, default
 # /tmp/echo-gpu, outside the transferred tree; it survives while the machine is warm):
-#   scripts/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm|echo
-#   scripts/gpu_eval.sh setup                 # unpack both bundles, register the plugin entry point
+#   scripts/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm, or
+#                                             # a name per cache bundle (echo, echo-gemma3, echo-qwen)
+#   scripts/gpu_eval.sh setup                 # unpack the bundles, register the plugin entry point
+#                                             # (MODELS="smollm2-135m gemma3-270m" checks each model)
 #   scripts/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
 #   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP=3 servers
 #   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
@@ -18,6 +20,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${ECHO_GPU_STATE:-/tmp/echo-gpu}"
+# The model and its emulated TP size (SmolLM2's 9 heads split 3 ways; the others 4):
+#   MODEL=gemma3-270m TP=4 scripts/gpu_eval.sh run none
+MODEL="${MODEL:-smollm2-135m}"
+case "$MODEL" in smollm2-135m) TP="${TP:-3}"; MODEL_STEM="" ;; *) TP="${TP:-4}"; MODEL_STEM="_$MODEL" ;; esac
 PY="${PYTHON:-python3}"
 mkdir -p "$STATE"
 
@@ -35,7 +41,7 @@ copy_out() {
 cmd="${1:-}"; shift || true
 case "$cmd" in
   stash)
-    src="${1:?stash DIR KIND}"; kind="${2:?stash DIR KIND (vllm|echo)}"
+    src="${1:?stash DIR KIND}"; kind="${2:?stash DIR KIND (vllm or a cache bundle name)}"
     mkdir -p "$STATE/parts-$kind"
     cp -v "$src"/bundle.part.* "$STATE/parts-$kind"/ 2>/dev/null || true
     [ -f "$src/SHA256SUMS" ] && cp -v "$src/SHA256SUMS" "$STATE/parts-$kind"/
@@ -47,11 +53,16 @@ case "$cmd" in
 unpack(Path('$STATE/site'), [Path('$STATE/parts-vllm')])"
       touch "$STATE/site/.unpacked"
     fi
-    if [ ! -f "$STATE/cache/.unpacked" ]; then
-      "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
-unpack(Path('$STATE/cache'), [Path('$STATE/parts-echo')])"
-      touch "$STATE/cache/.unpacked"
-    fi
+    # every other stashed kind (echo, echo-gemma3, echo-qwen, ...) is a cache bundle
+    for parts in "$STATE"/parts-*; do
+      kind="${parts##*/parts-}"
+      [ "$kind" = vllm ] && continue
+      if [ ! -f "$STATE/cache/.unpacked-$kind" ]; then
+        "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
+unpack(Path('$STATE/cache'), [Path('$parts')])"
+        mkdir -p "$STATE/cache" && touch "$STATE/cache/.unpacked-$kind"
+      fi
+    done
     # vLLM finds plugins through entry points: a dist-info on PYTHONPATH
     # registers echo_vllm.plugin:register without installing the package.
     di="$STATE/site/echo_vllm-0.1.0.dist-info"
@@ -59,13 +70,15 @@ unpack(Path('$STATE/cache'), [Path('$STATE/parts-echo')])"
     printf 'Metadata-Version: 2.1\nName: echo-vllm\nVersion: 0.1.0\n' > "$di/METADATA"
     printf '[vllm.general_plugins]\necho_vllm = echo_vllm.plugin:register\n' > "$di/entry_points.txt"
     env_setup
-    "$PY" - <<'EOF'
+    MODELS="${MODELS:-$MODEL}" "$PY" - <<'EOF'
 import importlib.metadata as md, vllm, lm_eval, torch
 from echo_vllm.eval.models import prepare_model, verify_model
 eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm", vllm.__version__, "lm_eval", lm_eval.__version__, "torch", torch.__version__,
       "gpu", torch.cuda.get_device_name(0), "plugins", eps)
-print("model", prepare_model("smollm2-135m"), verify_model("smollm2-135m")["gguf_sha256"][:16])
+import os
+for name in os.environ.get("MODELS", "smollm2-135m").split():
+    print("model", prepare_model(name), verify_model(name)["gguf_sha256"][:16])
 EOF
     ;;
   run)
@@ -77,9 +90,9 @@ EOF
     # it finishes, so a call stopped by its time limit keeps what finished
     # (merge later with `echo-vllm eval accuracy --merge --out DIR --stem gpu_accuracy`).
     res="${OUT:-$STATE}/results"
-    "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model smollm2-135m --tp 3 \
+    "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model "$MODEL" --tp "$TP" \
       --variants "${variants[@]}" "${lim[@]}" --parallel --enforce-eager --batch-size auto \
-      --out "$res" --stem gpu_accuracy
+      --out "$res" --stem "gpu_accuracy${MODEL_STEM}"
     ;;
   ttft)
     # One GPU: both servers emulate TP=3 (same extra work); `exact` sends

@@ -289,3 +289,22 @@ def test_vllm_additional_config_roundtrips_through_echoconfig():
     assert parse_variant("exact").vllm_additional_config(emulate=0) == {}
     assert "tp_comm_emulate" not in parse_variant("naive").vllm_additional_config(emulate=0)
     assert math.isclose(parse_variant("naive").bits_per_value, 4.5)
+
+
+def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
+    from types import SimpleNamespace
+
+    from echo_vllm.eval.accuracy import vllm_model_args
+    from echo_vllm.vllm_glue.settings import TpCommSettings
+
+    args = SimpleNamespace(world=4, real_tp=1, gpu_memory_utilization=0.5, max_length=2048,
+                           enforce_eager=True, postnorm="exact")
+    echo = vllm_model_args(args, parse_variant("default"), tmp_path)["additional_config"]
+    settings = TpCommSettings.from_additional_config(echo)
+    assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.mode == "echo"
+    # the exact baseline stays all 16-bit on a post-norm model whatever the policy
+    for policy in ("exact", "no-feedback", "feedback"):
+        args.postnorm = policy
+        exact = vllm_model_args(args, parse_variant("exact"), tmp_path)["additional_config"]
+        s, _ = TpCommSettings.from_additional_config(exact).for_model(["Gemma3ForCausalLM"])
+        assert s.mode == "nccl" or s.echo.min_bytes > 2**50

@@ -19,6 +19,7 @@ from echo_vllm.server.rewrite import (
     rewrite_args,
     verify_parsed,
 )
+from echo_vllm.vllm_glue.settings import TpCommSettings
 
 OFF = {k: False for k in BYPASS_PASSES_0_26}
 
@@ -79,7 +80,7 @@ SAMPLE = {
 def test_every_config_field_has_a_flag_and_a_sample():
     fields = [f.name for f in dataclasses.fields(EchoConfig)]
     options = {f.option for f in echo_flags()}
-    assert options == {"--tp-comm", "--echo-emulate-tp", "--echo-emulate-measure"} | {
+    assert options == {"--tp-comm", "--echo-emulate-tp", "--echo-emulate-measure", "--echo-postnorm"} | {
         "--echo-" + n.replace("_", "-") for n in fields}
     bools = [f.field for f in echo_flags() if f.kind == "bool" and f.field is not None]
     assert sorted(bools + list(SAMPLE)) == sorted(fields)
@@ -123,6 +124,21 @@ def test_defaults_when_no_echo_option_given():
     assert additional == {"tp_comm": "echo"}
     assert settings.echo == EchoConfig() and settings.tensor_parallel_size == 2
     assert compilation == {"pass_config": OFF}
+
+
+@pytest.mark.parametrize("policy", ["no-feedback", "exact", "feedback"])
+def test_postnorm_policy_lands_in_additional_config(policy):
+    vllm_argv, _ = rewrite(["m", "-tp", "2", "--tp-comm", "echo", f"--echo-postnorm={policy}"])
+    _, additional, _ = split_tail(vllm_argv)
+    assert additional == {"tp_comm": "echo", "tp_comm_postnorm": policy}
+    assert TpCommSettings.from_additional_config(additional).postnorm == policy
+
+
+def test_postnorm_policy_rejects_unknown_values_and_nccl():
+    with pytest.raises(ServeArgsError, match="--echo-postnorm 'skip': choose one of no-feedback, exact, feedback"):
+        rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--echo-postnorm", "skip"])
+    with pytest.raises(ServeArgsError, match="--echo-postnorm needs --tp-comm echo"):
+        rewrite(["m", "-tp", "2", "--echo-postnorm", "exact"])
 
 
 def test_emulation_on_one_gpu():

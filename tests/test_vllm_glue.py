@@ -43,12 +43,49 @@ def test_settings_parse_echo_options_and_emulation():
         ({"tp_comm": "echo", "echo_gruop_size": 64}, "echo_gruop_size"),
         ({"tp_comm": "echo", "echo_group_size": 48}, "group_size=48"),
         ({"tp_comm": "echo", "tp_comm_emulate_measure": True}, "needs tp_comm_emulate"),
+        ({"tp_comm": "echo", "tp_comm_postnorm": "skip"}, "tp_comm_postnorm='skip'"),
     ],
 )
 def test_settings_reject_typos_and_bad_values(raw, needle):
     with pytest.raises(EchoConfigError, match=None) as e:
         TpCommSettings.from_additional_config(raw)
     assert needle in str(e.value)
+
+
+# -- post-norm models ----------------------------------------------------------
+
+GEMMA3 = ["Gemma3ForCausalLM"]
+
+
+def test_post_norm_models_run_echo_without_feedback_by_default():
+    s = TpCommSettings.from_additional_config({"tp_comm": "echo", "echo_group_size": 64})
+    adjusted, note = s.for_model(GEMMA3)
+    assert adjusted.echo == EchoConfig(group_size=64, feedback=False) and adjusted.mode == "echo"
+    assert "feedback off" in note and "Gemma3ForCausalLM" in note and "tp_comm_postnorm" in note
+
+
+def test_post_norm_policies_exact_and_feedback():
+    exact, note = TpCommSettings.from_additional_config(
+        {"tp_comm": "echo", "tp_comm_postnorm": "exact"}).for_model(GEMMA3)
+    assert exact.mode == "nccl" and not exact.active and "Echo is off" in note
+    # with emulation, "exact" keeps the emulation and sums the partials in 16-bit
+    emu, _ = TpCommSettings.from_additional_config(
+        {"tp_comm": "echo", "tp_comm_emulate": 4, "tp_comm_postnorm": "exact"}).for_model(GEMMA3)
+    assert emu.mode == "nccl" and emu.emulated and emu.active
+    kept, note = TpCommSettings.from_additional_config(
+        {"tp_comm": "echo", "tp_comm_postnorm": "feedback"}).for_model(GEMMA3)
+    assert kept.echo.feedback and "measurement only" in note
+
+
+@pytest.mark.parametrize("archs", [["Qwen3ForCausalLM"], ["LlamaForCausalLM"], []])
+def test_pre_norm_models_and_echo_off_are_left_alone(archs):
+    s = TpCommSettings.from_additional_config({"tp_comm": "echo"})
+    assert s.for_model(archs) == (s, None)
+    off = TpCommSettings.from_additional_config({"tp_comm": "nccl", "tp_comm_emulate": 2})
+    assert off.for_model(GEMMA3) == (off, None)
+    # feedback already off: nothing to change, nothing to say
+    nofb = TpCommSettings.from_additional_config({"tp_comm": "echo", "echo_feedback": False})
+    assert nofb.for_model(GEMMA3) == (nofb, None)
 
 
 # -- guard rules (the same function runs on real VllmConfigs in test_vllm_emulation)

@@ -159,6 +159,8 @@ def vllm_model_args(args, v: Variant, path: Path) -> dict:
         "enforce_eager": args.enforce_eager,
     }
     extra = v.vllm_additional_config(emulate=emulate)
+    if extra.get("tp_comm") == "echo":  # the plugin applies it on post-norm models only
+        extra["tp_comm_postnorm"] = args.postnorm
     if extra:
         margs["additional_config"] = extra
     if args.real_tp > 1:
@@ -331,7 +333,8 @@ def parser() -> argparse.ArgumentParser:
                         "(0 turns every stderr off)")
     p.add_argument("--dtype", default="bfloat16", help="hf backend: model dtype")
     p.add_argument("--device", default="cpu", help="hf backend: torch device")
-    p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES)
+    p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES,
+                   help="Echo on post-norm models (Gemma-2/3): feedback off (default), exact, or as configured")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="vLLM: fraction of GPU memory (split between variants with --parallel)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs / torch.compile")

@@ -30,19 +30,12 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
+from ..postnorm import POSTNORM_MARKERS, POSTNORM_POLICIES, postnorm_config  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 #: Names of row-parallel linears (their output is all-reduced) per block.
 ROW_PARALLEL_NAMES = ("o_proj", "down_proj")
-
-#: Decoder-layer attributes that mark a sandwich-norm (post-norm) block: the
-#: attention / MLP output is normalised before the residual add.
-POSTNORM_MARKERS = ("post_feedforward_layernorm",)
-
-#: What Echo does on a post-norm model (see :func:`postnorm_config`).
-POSTNORM_POLICIES = ("no-feedback", "exact", "feedback")
-
 
 def find_backbone(model: nn.Module) -> nn.Module:
     """The decoder stack: the module holding ``embed_tokens`` and ``layers``
@@ -62,26 +55,6 @@ def is_postnorm(model: nn.Module) -> bool:
     output is normalised before the residual add."""
     layers = find_backbone(model).layers
     return any(hasattr(layers[0], name) for name in POSTNORM_MARKERS)
-
-
-def postnorm_config(config: EchoConfig, policy: str) -> tuple[str, EchoConfig]:
-    """Echo settings for a post-norm model: returns ``(mode, config)``.
-
-    * ``"no-feedback"`` (default): quantize every call independently (Hadamard,
-      exact last call and group size as configured, feedback off). Without
-      telescoping, carrying an error into a call whose output is normalised
-      with a different RMS adds a mis-scaled copy of it instead of cancelling
-      it -- measured worse than no feedback on Gemma-3-270M (EVAL.md).
-    * ``"exact"``: every call in 16-bit (Echo disabled for this model).
-    * ``"feedback"``: run Echo as configured anyway (for measurement).
-    """
-    if policy not in POSTNORM_POLICIES:
-        raise EchoConfigError(f"postnorm policy {policy!r}: choose one of {POSTNORM_POLICIES}")
-    if policy == "exact":
-        return "exact", config
-    if policy == "no-feedback":
-        return "echo", config.replace(feedback=False)
-    return "echo", config
 
 
 @dataclass

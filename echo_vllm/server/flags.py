@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
+from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 
 TP_COMM_CHOICES = ("nccl", "echo")
 TP_COMM_KEY = "tp_comm"
@@ -30,7 +31,9 @@ EMULATE_KEY = "tp_comm_emulate"
 MEASURE_KEY = "tp_comm_emulate_measure"
 """additional_config key: the emulation also measures the residual stream's
 accumulated communication error (eager mode)."""
-TP_COMM_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY)
+POSTNORM_KEY = "tp_comm_postnorm"
+"""additional_config key: what Echo does on a post-norm model (Gemma-2/3, ...)."""
+TP_COMM_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY)
 """Every ``tp_comm*`` key the plugin knows (others are refused)."""
 ECHO_KEY_PREFIX = "echo_"
 """additional_config keys ``echo_<EchoConfig field>`` carry Echo's options."""
@@ -90,7 +93,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def echo_flags() -> tuple[Flag, ...]:
-    """All Echo flags: the three tp_comm* ones, then one per EchoConfig field."""
+    """All Echo flags: the four tp_comm* ones, then one per EchoConfig field."""
     docs = _field_docs(EchoConfig)
     flags = [
         Flag("--tp-comm", TP_COMM_KEY, "choice", "nccl",
@@ -104,6 +107,11 @@ def echo_flags() -> tuple[Flag, ...]:
         Flag("--echo-emulate-measure", MEASURE_KEY, "bool", False,
              "With --echo-emulate-tp: also measure the residual stream's accumulated "
              "communication error per forward pass (eager mode; an fp32 sum per call)."),
+        Flag("--echo-postnorm", POSTNORM_KEY, "choice", DEFAULT_POSTNORM_POLICY,
+             "On a post-norm model (Gemma-2/3/4, OLMo-2/3, EXAONE-4), where the error "
+             "feedback cannot cancel: 'no-feedback' runs Echo without it, 'exact' turns "
+             "Echo off, 'feedback' keeps it (measurement only). Other models ignore it.",
+             POSTNORM_POLICIES),
     ]
     for f in dataclasses.fields(EchoConfig):
         kind = f.type if isinstance(f.type, str) else f.type.__name__

@@ -27,10 +27,12 @@ from importlib import metadata
 from typing import Any, Callable, Mapping
 
 from ..config import EchoConfig, EchoConfigError
+from ..postnorm import POSTNORM_POLICIES
 from .flags import (
     ECHO_KEY_PREFIX,
     EMULATE_KEY,
     MEASURE_KEY,
+    POSTNORM_KEY,
     TP_COMM_CHOICES,
     TP_COMM_KEY,
     TP_COMM_KEYS,
@@ -428,6 +430,13 @@ def _echo_values(scan: _Scan, additional: dict) -> dict[str, Any]:
     return values
 
 
+def _postnorm_value(name: str, raw: Any) -> str:
+    value = str(raw).strip().lower()
+    if value not in POSTNORM_POLICIES:
+        raise ServeArgsError(f"{name} {raw!r}: choose one of {', '.join(POSTNORM_POLICIES)}")
+    return value
+
+
 def _emulate_tp(scan: _Scan, additional: dict) -> int:
     value = _flag_or_key(scan, additional, EMULATE_KEY, _int) or 0
     if value < 0 or value == 1:
@@ -485,6 +494,10 @@ def rewrite_args(
             f"{mode} cannot run with {given}: dual-batch overlap interleaves two micro-batches' "
             "all-reduces and would mix their error-feedback chains")
     emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
+    postnorm = _flag_or_key(scan, additional, POSTNORM_KEY, _postnorm_value)
+    if postnorm is not None and tp_comm != "echo":
+        raise ServeArgsError("--echo-postnorm needs --tp-comm echo (it decides what Echo does on post-norm models)")
+    emulation.update({POSTNORM_KEY: postnorm} if postnorm is not None else {})
 
     if tp_comm == "nccl":
         echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)

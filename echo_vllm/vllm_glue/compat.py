@@ -151,6 +151,15 @@ def hidden_size(vllm_config: Any) -> int | None:
         return None
 
 
+def model_architectures(vllm_config: Any) -> list[str]:
+    """The served model's ``architectures`` (from its HF config)."""
+    model = getattr(vllm_config, "model_config", None)
+    archs = getattr(model, "architectures", None)
+    if not archs:
+        archs = getattr(getattr(model, "hf_config", None), "architectures", None)
+    return [str(a) for a in (archs or ())]
+
+
 def max_num_batched_tokens(vllm_config: Any) -> int | None:
     sched = getattr(vllm_config, "scheduler_config", None)
     value = getattr(sched, "max_num_batched_tokens", None)

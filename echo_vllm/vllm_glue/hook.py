@@ -57,6 +57,10 @@ class SessionBase:
     comm: EchoCommunicator | None = None
     """The session's communicator (its counters follow reset_stats)."""
 
+    model_note: str | None = None
+    """Why the engine's Echo settings were adjusted for this model (e.g.
+    feedback off on a post-norm model), or None; also logged at start."""
+
     def __init__(self, settings: TpCommSettings, vllm_config: Any, rank: int):
         self.settings = settings
         self.stats = StepStats()
@@ -192,6 +196,11 @@ def _on_group_created(coordinator: Any) -> None:
     if not settings.active:
         return
     check_engine_config(vllm_config, settings)
+    settings, note = settings.for_model(compat.model_architectures(vllm_config))
+    if note:
+        logger.warning("echo: %s", note)
+    if not settings.active:
+        return
     world = int(coordinator.world_size)
     if settings.emulated:
         from . import emulation
@@ -217,6 +226,7 @@ def _on_group_created(coordinator: Any) -> None:
     else:
         logger.info("echo: tp_comm=echo with tensor-parallel size 1: no all-reduce to replace")
         return
+    _ACTIVE.model_note = note
     install_forward_hook()
 
 

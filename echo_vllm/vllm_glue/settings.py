@@ -19,6 +19,11 @@ Keys
     With emulation, also track the residual stream's accumulated
     communication error per forward pass (eager mode only; costs an fp32
     sum per call).
+``tp_comm_postnorm``
+    What Echo does on a post-norm model (Gemma-2/3, OLMo-2, ...; see
+    :mod:`echo_vllm.postnorm`): ``"no-feedback"`` (default), ``"exact"``
+    (Echo off for that model) or ``"feedback"`` (as configured, for
+    measurement). Ignored for other models.
 ``echo_<field>``
     Any :class:`~echo_vllm.config.EchoConfig` field, e.g. ``echo_feedback``,
     ``echo_min_bytes``. Unknown ``echo_*`` or ``tp_comm*`` keys are errors: a
@@ -27,15 +32,16 @@ Keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..config import EchoConfig, EchoConfigError, _coerce
+from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES, is_postnorm_architecture, postnorm_config
 
 #: Values of ``tp_comm``.
 MODES = ("nccl", "echo")
 
-_KNOWN_KEYS = ("tp_comm", "tp_comm_emulate", "tp_comm_emulate_measure")
+_KNOWN_KEYS = ("tp_comm", "tp_comm_emulate", "tp_comm_emulate_measure", "tp_comm_postnorm")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class TpCommSettings:
     echo: EchoConfig = field(default_factory=EchoConfig)
     """Echo's own options (the ``echo_*`` keys)."""
 
+    postnorm: str = DEFAULT_POSTNORM_POLICY
+    """Policy for post-norm models (``tp_comm_postnorm``)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise EchoConfigError(f"tp_comm={self.mode!r}: choose one of {MODES}")
@@ -62,6 +71,10 @@ class TpCommSettings:
         if p != 0 and p < 2:
             raise EchoConfigError(
                 f"tp_comm_emulate={p!r}: must be at least 2 (or 0 / absent for no emulation)"
+            )
+        if self.postnorm not in POSTNORM_POLICIES:
+            raise EchoConfigError(
+                f"tp_comm_postnorm={self.postnorm!r}: choose one of {POSTNORM_POLICIES}"
             )
         if self.emulate_measure and not p:
             raise EchoConfigError("tp_comm_emulate_measure needs tp_comm_emulate")
@@ -96,7 +109,29 @@ class TpCommSettings:
             emulate_world_size=emulate,
             emulate_measure=measure,
             echo=EchoConfig.from_mapping(raw, prefix="echo_"),
+            postnorm=str(raw.get("tp_comm_postnorm", DEFAULT_POSTNORM_POLICY)).strip().lower(),
         )
+
+    def for_model(self, architectures: list[str]) -> tuple["TpCommSettings", str | None]:
+        """These settings adjusted for the served model, and why (None when
+        unchanged): on a post-norm model Echo's feedback would add errors
+        back at the wrong scale, so :attr:`postnorm` decides."""
+        if self.mode != "echo" or not is_postnorm_architecture(architectures):
+            return self, None
+        mode, echo = postnorm_config(self.echo, self.postnorm)
+        if mode == "exact":
+            return replace(self, mode="nccl"), (
+                f"post-norm model {architectures}: tp_comm_postnorm=exact, Echo is off "
+                "(every all-reduce in 16-bit)")
+        if echo == self.echo:
+            if self.echo.feedback:
+                return self, (f"post-norm model {architectures}: tp_comm_postnorm=feedback, Echo keeps "
+                              "its error feedback although it does not cancel here (measurement only)")
+            return self, None
+        return replace(self, echo=echo), (
+            f"post-norm model {architectures}: Echo runs with feedback off (its carried error would "
+            "be rescaled by each call's output norm instead of cancelling); tp_comm_postnorm=exact "
+            "turns Echo off, =feedback keeps it")
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "TpCommSettings":

@@ -1,0 +1,74 @@
+"""Post-norm ("sandwich") decoders: where Echo's error feedback must not run.
+
+Echo's feedback cancels because consecutive all-reduce outputs are *added*
+to one residual stream: call k's output carries ``S_k + E_{k-1} - E_k`` and
+the sum over calls telescopes. Post-norm decoders (Gemma-2/3/4, OLMo-2/3,
+EXAONE-4, ...) normalise each attention / MLP output before the residual add,
+so call k's output -- carried error included -- is rescaled by that call's
+own per-token RMS: the errors no longer cancel, they are added back at the
+wrong scale. Measured on Gemma-3-270M at emulated TP=4 (EVAL.md section 4):
+perplexity +19% with feedback off, 1.5e5 (diverged) with it on.
+
+So on such a model Echo runs with feedback off unless told otherwise; the
+choice is logged, never silent. One pure function decides, for the HF
+emulation (which sees the modules) and the vLLM glue (which sees the
+config's architecture names) alike.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .config import EchoConfig, EchoConfigError
+
+#: Decoder-layer attributes that mark a post-norm block (transformers and
+#: vLLM name the output norm of the MLP this way in every such model).
+POSTNORM_MARKERS = ("post_feedforward_layernorm",)
+
+#: ``architectures`` of post-norm models: every vLLM 0.26 model file whose
+#: decoder layer has a ``post_feedforward_layernorm``, plus OLMo-2 (served
+#: through vLLM's transformers backend, post-norm in transformers).
+POSTNORM_ARCHITECTURES = frozenset({
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "Gemma3nForCausalLM",
+    "Gemma3nForConditionalGeneration",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "OlmoHybridForCausalLM",
+    "FlexOlmoForCausalLM",
+    "Exaone4ForCausalLM",
+    "Rnj1ForCausalLM",
+})
+
+#: What Echo does on a post-norm model (see :func:`postnorm_config`).
+POSTNORM_POLICIES = ("no-feedback", "exact", "feedback")
+
+#: The policy when none is asked for.
+DEFAULT_POSTNORM_POLICY = "no-feedback"
+
+
+def is_postnorm_architecture(architectures: Iterable[str] | None) -> bool:
+    """True when any of a model config's ``architectures`` is post-norm."""
+    return any(a in POSTNORM_ARCHITECTURES for a in (architectures or ()))
+
+
+def postnorm_config(config: EchoConfig, policy: str) -> tuple[str, EchoConfig]:
+    """Echo settings for a post-norm model: returns ``(mode, config)`` with
+    mode ``"echo"`` or ``"exact"``.
+
+    * ``"no-feedback"`` (default): quantize every call independently (Hadamard,
+      exact last call and group size as configured, feedback off).
+    * ``"exact"``: every call in 16-bit (Echo disabled for this model).
+    * ``"feedback"``: run Echo as configured anyway (for measurement).
+    """
+    if policy not in POSTNORM_POLICIES:
+        raise EchoConfigError(f"postnorm policy {policy!r}: choose one of {POSTNORM_POLICIES}")
+    if policy == "exact":
+        return "exact", config
+    if policy == "no-feedback":
+        return "echo", config.replace(feedback=False)
+    return "echo", config

@@ -1,0 +1,82 @@
+"""Post-norm models through the real hook: a Gemma-3 config makes Echo run
+without feedback (logged, with the reason on the session), a Qwen3 config
+keeps it, and ``tp_comm_postnorm`` overrides. Real vLLM 0.26 ``ModelConfig``
+/ ``VllmConfig`` objects (config.json only: no weights are loaded), in a
+child process because the emulation patches vLLM's layer classes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+#: A Gemma-3 text config small enough to parse fast (no weights needed).
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16",
+}
+
+
+def _worker(rank, world):
+    from echo_vllm.testing.vllm_cpu import use_cpu_platform
+
+    use_cpu_platform()
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from echo_vllm.testing.tiny_model import make_tiny_qwen3
+    from echo_vllm.vllm_glue import compat, hook
+    from echo_vllm.vllm_glue.emulation import current_session
+
+    root = Path(tempfile.mkdtemp())
+    qwen = make_tiny_qwen3(root / "qwen3")
+    gemma = root / "gemma3"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps(GEMMA3_CONFIG))
+    models = {"qwen3": ModelConfig(model=str(qwen)), "gemma3": ModelConfig(model=str(gemma), tokenizer=str(qwen))}
+
+    out = {}
+    for name, extra in (("qwen3", {}), ("gemma3", {}), ("gemma3", {"tp_comm_postnorm": "exact"}),
+                        ("gemma3", {"tp_comm_postnorm": "feedback"})):
+        cfg = VllmConfig(model_config=models[name],
+                         additional_config={"tp_comm": "echo", "tp_comm_emulate": 2, **extra})
+        with set_current_vllm_config(cfg):
+            hook._on_group_created(SimpleNamespace(unique_name="tp:0", world_size=1, rank_in_group=0))
+        s = current_session()
+        key = name + ("/" + extra["tp_comm_postnorm"] if extra else "")
+        out[key] = dict(archs=compat.model_architectures(cfg), mode=s.settings.mode,
+                        feedback=s.settings.echo.feedback, note=s.model_note)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    pytest.importorskip("vllm")
+    from echo_vllm.launch import run_processes
+
+    return run_processes(_worker, 1)[0]
+
+
+@pytest.mark.vllm
+def test_pre_norm_model_keeps_feedback(sessions):
+    s = sessions["qwen3"]
+    assert s["archs"] == ["Qwen3ForCausalLM"]
+    assert (s["mode"], s["feedback"], s["note"]) == ("echo", True, None)
+
+
+@pytest.mark.vllm
+def test_post_norm_model_runs_echo_without_feedback(sessions):
+    s = sessions["gemma3"]
+    assert s["archs"] == ["Gemma3ForCausalLM"]
+    assert (s["mode"], s["feedback"]) == ("echo", False)
+    assert "feedback off" in s["note"]
+
+
+@pytest.mark.vllm
+def test_post_norm_overrides(sessions):
+    exact, kept = sessions["gemma3/exact"], sessions["gemma3/feedback"]
+    assert exact["mode"] == "nccl" and "Echo is off" in exact["note"]  # emulated exact sum
+    assert (kept["mode"], kept["feedback"]) == ("echo", True) and "measurement only" in kept["note"]
