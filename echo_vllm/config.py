@@ -117,8 +117,9 @@ class EchoConfig:
     @classmethod
     def naive(cls, **overrides: Any) -> "EchoConfig":
         """Plain 4-bit two-shot all-reduce: no feedback, no rotation, no exact
-        last call. The baseline every Echo number is compared with."""
-        base = dict(feedback=False, hadamard=False, exact_last_call=False)
+        first or last calls -- every call quantized. The baseline every Echo
+        number is compared with."""
+        base = dict(feedback=False, hadamard=False, exact_last_call=False, first_exact_calls=0)
         base.update(overrides)
         return cls(**base)
 

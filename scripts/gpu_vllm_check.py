@@ -63,7 +63,8 @@ VARIANTS = {
     "echo": ("echo", {}),
     "echo_no_feedback": ("echo", {"feedback": False}),
     "echo_no_last_exact": ("echo", {"exact_last_call": False}),
-    "naive_4bit": ("echo", {"feedback": False, "hadamard": False, "exact_last_call": False}),
+    "naive_4bit": ("echo", {"feedback": False, "hadamard": False, "exact_last_call": False,
+                            "first_exact_calls": 0}),
 }
 ECHO_DEFAULTS = {"feedback": True, "hadamard": True, "exact_last_call": True}
 

@@ -95,6 +95,10 @@ def test_from_mapping_and_env():
 def test_naive_preset_and_wire_bits():
     naive = EchoConfig.naive()
     assert not (naive.feedback or naive.hadamard or naive.exact_last_call)
+    # the baseline quantizes every call: none of Echo's 16-bit first calls
+    assert naive.first_exact_calls == 0
+    first = decide(CallInfo(nbytes=1 << 20, dtype=torch.bfloat16, world_size=4, call_index=0), naive)
+    assert first.path is Path.ECHO
     assert EchoConfig(group_size=32).wire_bits_per_value == 4.5
     assert EchoConfig(group_size=128).wire_bits_per_value == 4.125
     assert EchoConfig().qmax == 7
