@@ -14,7 +14,8 @@
 #   scripts/gpu_eval.sh setup                 # unpack the bundles, register the plugin entry point
 #                                             # (MODELS="smollm2-135m gemma3-270m" checks each model)
 #   scripts/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
-#   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP=3 servers
+#   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP servers
+#   REAL_TP=2 MODEL=qwen2.5-coder-1.5b scripts/gpu_eval.sh ttft   # real TP=2: nccl vs Echo
 #   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
 # Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
 set -euo pipefail
@@ -90,7 +91,9 @@ EOF
     # it finishes, so a call stopped by its time limit keeps what finished
     # (merge later with `echo-vllm eval accuracy --merge --out DIR --stem gpu_accuracy`).
     res="${OUT:-$STATE}/results"
-    "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model "$MODEL" --tp "$TP" \
+    # REAL_TP=N: real tensor parallelism on N GPUs instead of the emulation
+    [ "${REAL_TP:-1}" -gt 1 ] && MODEL_STEM="${MODEL_STEM}_tp$REAL_TP"
+    "$PY" -m echo_vllm.eval.cli accuracy --backend vllm --model "$MODEL" --tp "$TP" --real-tp "${REAL_TP:-1}" \
       --variants "${variants[@]}" "${lim[@]}" --parallel --enforce-eager --batch-size auto \
       --out "$res" --stem "gpu_accuracy${MODEL_STEM}"
     ;;
@@ -98,13 +101,22 @@ EOF
     # One GPU: both servers emulate TP=3 (same extra work); `exact` sends
     # every call down the 16-bit path (--echo-min-bytes 2^60), `echo` runs
     # Echo's shipped defaults. vLLM's default torch.compile + CUDA graphs.
+    # REAL_TP=N (N >= 2 GPUs): real tensor parallelism, stock vLLM (`nccl`)
+    # vs Echo, optionally with BG_DUTY=0.5 NCCL background traffic on the
+    # same GPUs; MODEL must split N ways (qwen2.5-coder-1.5b: 12 q / 2 kv heads).
     env_setup
-    model="$STATE/cache/models/smollm2-135m"
-    res="${OUT:-$STATE}/results/ttft"
-    "$PY" -m echo_vllm.eval.cli ttft --base-url http://127.0.0.1:8123 --tokenizer "$model" \
-      --launch "$PY -m echo_vllm.cli serve $model --host 127.0.0.1 --port 8123 --tp-comm echo \
---echo-emulate-tp 3 --max-model-len 8192 --gpu-memory-utilization 0.5 --no-enable-prefix-caching {mode_args}" \
-      --labels exact echo --mode-args "exact=--echo-min-bytes 1152921504606846976" \
+    model="$STATE/cache/models/$MODEL"
+    res="${OUT:-$STATE}/results/ttft${MODEL_STEM}${REAL_TP:+_tp$REAL_TP}"
+    serve="$PY -m echo_vllm.cli serve $model --host 127.0.0.1 --port 8123 --max-model-len 8192 \
+--gpu-memory-utilization 0.5 --no-enable-prefix-caching"
+    if [ "${REAL_TP:-1}" -gt 1 ]; then
+      launch=(--launch "$serve -tp $REAL_TP --tp-comm {mode}" --labels nccl echo --baseline nccl)
+      [ -n "${BG_DUTY:-}" ] && launch+=(--background-traffic "$BG_DUTY")
+    else
+      launch=(--launch "$serve --tp-comm echo --echo-emulate-tp $TP {mode_args}" --labels exact echo
+              --mode-args "exact=--echo-min-bytes 1152921504606846976")
+    fi
+    "$PY" -m echo_vllm.eval.cli ttft --base-url http://127.0.0.1:8123 --tokenizer "$model" "${launch[@]}" \
       --input-lens ${TTFT_INPUT_LENS:-512 2048 7936} --concurrency ${TTFT_CONCURRENCY:-1 8} \
       --num-prompts 16 --output-len 32 --server-timeout 300 --out "$res"
     ;;

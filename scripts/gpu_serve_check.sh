@@ -11,7 +11,8 @@
 #   6. a short summary, last.
 #
 # Usage (repository root):  OUT=/some/dir bash scripts/gpu_serve_check.sh
-# Knobs (environment): PORT=8765 EMULATE_TP=4 NUM_PROMPTS=256 CONCURRENCY=64
+# Knobs (environment): PORT=8765 EMULATE_TP=4 (TP=N: real tensor parallelism on N GPUs
+#   instead) NUM_PROMPTS=256 CONCURRENCY=64
 #   INPUT_LEN=256 OUTPUT_LEN=64 HEALTH_TIMEOUT=420 PYTHON=python3
 #   SERVE_EXTRA="..."  extra `echo-vllm serve` flags; default none, i.e. vLLM's
 #       default torch.compile + CUDA graphs. "--enforce-eager --echo-emulate-measure"
@@ -86,8 +87,10 @@ MODEL_DIR=$(tail -1 "$OUT/tiny_model.log")
 log "tiny model at $MODEL_DIR"
 
 # -- 2. server: Echo on every all-reduce (--echo-min-bytes 0), emulated TP
+# TP=N (N >= 2 GPUs) serves with real tensor parallelism instead of the emulation
+if [ "${TP:-1}" -gt 1 ]; then PARALLEL=(-tp "$TP"); else PARALLEL=(--echo-emulate-tp "$EMULATE_TP"); fi
 SERVE_CMD=("$PY" -m echo_vllm.cli serve "$MODEL_DIR" --served-model-name tiny
-  --tp-comm echo --echo-emulate-tp "$EMULATE_TP" --echo-min-bytes 0
+  --tp-comm echo "${PARALLEL[@]}" --echo-min-bytes 0
   --host 127.0.0.1 --port "$PORT" --gpu-memory-utilization 0.3
   --max-model-len 1024 --max-num-seqs "$CONCURRENCY" $SERVE_EXTRA)
 echo "${SERVE_CMD[*]}" > "$OUT/serve_command.txt"
