@@ -107,8 +107,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-data", action="store_true", help="leave out the benchmark data and texts")
     p.add_argument("--part-mib", type=int, default=56)
     p.add_argument("--xz-preset", type=int, default=6, choices=range(10),
-                   help="xz level: 6 packs text and data well; bf16 weights barely compress, and 0 "
-                        "packs a 3 GB model ~10x faster for ~5%% more parts")
+                   help="xz level. bf16 weights shrink ~40%% at any level (Gemma-3-270M 544 MB -> "
+                        "315 MB at 6, Qwen2.5-1.5B 3.4 GB -> 2.1 GB at 0); 0 is the fast choice for "
+                        "multi-GB models, 6 (default) packs the text and data tightest")
     p.add_argument("--out", default=".gpu-bundle/echo", help="output folder (git-ignored by default)")
     p.add_argument("--unpack", nargs="+", metavar=("TARGET", "PARTS_DIR"),
                    help="instead: unpack parts from PARTS_DIR(s) into TARGET")
