@@ -57,20 +57,21 @@ def test_settings_reject_typos_and_bad_values(raw, needle):
 GEMMA3 = ["Gemma3ForCausalLM"]
 
 
-def test_post_norm_models_run_echo_without_feedback_by_default():
-    s = TpCommSettings.from_additional_config({"tp_comm": "echo", "echo_group_size": 64})
+def test_post_norm_models_keep_16_bit_by_default():
+    exact, note = TpCommSettings.from_additional_config({"tp_comm": "echo"}).for_model(GEMMA3)
+    assert exact.mode == "nccl" and not exact.active
+    assert "Echo is off" in note and "Gemma3ForCausalLM" in note and "tp_comm_postnorm=no-feedback" in note
+
+
+def test_post_norm_policies_no_feedback_and_feedback():
+    s = TpCommSettings.from_additional_config(
+        {"tp_comm": "echo", "echo_group_size": 64, "tp_comm_postnorm": "no-feedback"})
     adjusted, note = s.for_model(GEMMA3)
     assert adjusted.echo == EchoConfig(group_size=64, feedback=False) and adjusted.mode == "echo"
-    assert "feedback off" in note and "Gemma3ForCausalLM" in note and "tp_comm_postnorm" in note
-
-
-def test_post_norm_policies_exact_and_feedback():
-    exact, note = TpCommSettings.from_additional_config(
-        {"tp_comm": "echo", "tp_comm_postnorm": "exact"}).for_model(GEMMA3)
-    assert exact.mode == "nccl" and not exact.active and "Echo is off" in note
+    assert "feedback off" in note
     # with emulation, "exact" keeps the emulation and sums the partials in 16-bit
     emu, _ = TpCommSettings.from_additional_config(
-        {"tp_comm": "echo", "tp_comm_emulate": 4, "tp_comm_postnorm": "exact"}).for_model(GEMMA3)
+        {"tp_comm": "echo", "tp_comm_emulate": 4}).for_model(GEMMA3)
     assert emu.mode == "nccl" and emu.emulated and emu.active
     kept, note = TpCommSettings.from_additional_config(
         {"tp_comm": "echo", "tp_comm_postnorm": "feedback"}).for_model(GEMMA3)
@@ -83,8 +84,9 @@ def test_pre_norm_models_and_echo_off_are_left_alone(archs):
     assert s.for_model(archs) == (s, None)
     off = TpCommSettings.from_additional_config({"tp_comm": "nccl", "tp_comm_emulate": 2})
     assert off.for_model(GEMMA3) == (off, None)
-    # feedback already off: nothing to change, nothing to say
-    nofb = TpCommSettings.from_additional_config({"tp_comm": "echo", "echo_feedback": False})
+    # feedback already off and Echo asked for without it: nothing to change, nothing to say
+    nofb = TpCommSettings.from_additional_config(
+        {"tp_comm": "echo", "echo_feedback": False, "tp_comm_postnorm": "no-feedback"})
     assert nofb.for_model(GEMMA3) == (nofb, None)
 
 

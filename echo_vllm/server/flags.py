@@ -109,8 +109,9 @@ def echo_flags() -> tuple[Flag, ...]:
              "communication error per forward pass (eager mode; an fp32 sum per call)."),
         Flag("--echo-postnorm", POSTNORM_KEY, "choice", DEFAULT_POSTNORM_POLICY,
              "On a post-norm model (Gemma-2/3/4, OLMo-2/3, EXAONE-4), where the error "
-             "feedback cannot cancel: 'no-feedback' runs Echo without it, 'exact' turns "
-             "Echo off, 'feedback' keeps it (measurement only). Other models ignore it.",
+             "feedback cannot cancel: 'exact' (default) keeps vLLM's 16-bit all-reduce, "
+             "'no-feedback' runs Echo without feedback (costs accuracy), 'feedback' keeps it "
+             "(measurement only). Other models ignore it.",
              POSTNORM_POLICIES),
     ]
     for f in dataclasses.fields(EchoConfig):

@@ -21,9 +21,9 @@ Keys
     sum per call).
 ``tp_comm_postnorm``
     What Echo does on a post-norm model (Gemma-2/3, OLMo-2, ...; see
-    :mod:`echo_vllm.postnorm`): ``"no-feedback"`` (default), ``"exact"``
-    (Echo off for that model) or ``"feedback"`` (as configured, for
-    measurement). Ignored for other models.
+    :mod:`echo_vllm.postnorm`): ``"exact"`` (default: Echo off for that
+    model), ``"no-feedback"`` (Echo without error feedback) or
+    ``"feedback"`` (as configured, for measurement). Ignored for other models.
 ``echo_<field>``
     Any :class:`~echo_vllm.config.EchoConfig` field, e.g. ``echo_feedback``,
     ``echo_min_bytes``. Unknown ``echo_*`` or ``tp_comm*`` keys are errors: a
@@ -121,8 +121,9 @@ class TpCommSettings:
         mode, echo = postnorm_config(self.echo, self.postnorm)
         if mode == "exact":
             return replace(self, mode="nccl"), (
-                f"post-norm model {architectures}: tp_comm_postnorm=exact, Echo is off "
-                "(every all-reduce in 16-bit)")
+                f"post-norm model {architectures}: Echo is off, every all-reduce in 16-bit "
+                "(tp_comm_postnorm=exact, the default: 4-bit costs such models accuracy even without "
+                "error feedback; tp_comm_postnorm=no-feedback opts in)")
         if echo == self.echo:
             if self.echo.feedback:
                 return self, (f"post-norm model {architectures}: tp_comm_postnorm=feedback, Echo keeps "
