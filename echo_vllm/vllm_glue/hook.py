@@ -59,7 +59,7 @@ class SessionBase:
 
     model_note: str | None = None
     """Why the engine's Echo settings were adjusted for this model (e.g.
-    feedback off on a post-norm model), or None; also logged at start."""
+    16-bit kept on a post-norm model), or None; also logged at start."""
 
     def __init__(self, settings: TpCommSettings, vllm_config: Any, rank: int):
         self.settings = settings

@@ -36,7 +36,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..config import EchoConfig, EchoConfigError, _coerce
-from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES, is_postnorm_architecture, postnorm_config
+from ..postnorm import (
+    DEFAULT_POSTNORM_POLICY,
+    POSTNORM_POLICIES,
+    is_postnorm_architecture,
+    postnorm_config,
+)
 
 #: Values of ``tp_comm``.
 MODES = ("nccl", "echo")
