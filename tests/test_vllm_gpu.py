@@ -1,5 +1,5 @@
 """GPU host: scripts/gpu_vllm_check.py end to end (one GPU, emulated TP=4,
-eager and CUDA-graph engines). Skipped without CUDA; ~6 minutes on an H200."""
+eager and CUDA-graph engines). Skipped without CUDA; ~4 minutes on an H200."""
 
 import json
 import pathlib
@@ -24,7 +24,7 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     )
     report = json.loads((tmp_path / "gpu_vllm_check.json").read_text())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for phase in ("eager", "graphs"):
+    for phase in ("eager", "graphs_eager_ops", "graphs", "graphs_exact"):
         assert report["phases"][phase]["skipped_layers"] == {}
     table = report["comparison"]
     echo = table["eager/echo vs exact"]
@@ -33,6 +33,11 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     assert table["eager/exact vs exact"]["logit_max_abs_diff"] == 0
     # feedback + exact last call leave only output rounding in the residual
     assert echo["residual_err_end"] < table["eager/echo_no_feedback vs exact"]["residual_err_end"]
+    # CUDA graphs of the eager kernels replay Echo bit for bit, and are counted
+    replayed = table["graphs(no compile)/echo vs eager/echo"]
+    assert replayed["tokens_identical_to_eager"] and replayed["logit_max_abs_diff"] == 0
+    assert replayed["forwards_replayed"] > 0 and replayed["calls"] == echo["calls"]
+    # under torch.compile the model's own numerics change (the exact sum's tokens
+    # differ too, see BENCHMARKS.md 4.1): only the accounting is asserted there
     graphs = table["graphs/echo vs eager/echo"]
-    assert graphs["forwards_replayed"] > 0
-    assert graphs["tokens_identical_to_eager"]
+    assert graphs["forwards_replayed"] > 0 and graphs["calls"] == echo["calls"]
