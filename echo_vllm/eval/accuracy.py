@@ -193,13 +193,14 @@ def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
     share = args.gpu_memory_utilization / n if args.parallel else args.gpu_memory_utilization
     results, procs = {}, []
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    logs = [Path(args.out) / f"{args.stem}.log.{k}.txt" for k in range(n)]
     with tempfile.TemporaryDirectory() as tmp:
         for k, v in enumerate(variants):
             out = Path(tmp) / f"{k}.json"
             cmd = [sys.executable, "-m", "echo_vllm.eval.accuracy", *args._argv, "--_one", v.name,
                    "--_out", str(out), "--gpu-memory-utilization", str(share)]
             print(f"[accuracy] ({k + 1}/{n}) {v.name}: vLLM backend in a subprocess", file=sys.stderr)
-            log = open(Path(args.out) / f"{args.stem}.log.{k}.txt", "w") if args.parallel else None
+            log = open(logs[k], "w") if args.parallel else None
             proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT if log else None)
             procs.append((v, proc, out, log))
             if not args.parallel:
@@ -212,11 +213,9 @@ def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
             if proc.returncode != 0 or not out.is_file():
                 failed.append(f"{v.name} (exit {proc.returncode})")
                 continue
-            results[v.name] = json.loads(out.read_text())
-            save_variant(args, v.name, results[v.name])
+            results[v.name] = json.loads(out.read_text())  # the child saved its variant file too
     if failed and args.parallel and any(
-            KV_CACHE_OOM in (Path(args.out) / f"{args.stem}.log.{k}.txt").read_text(errors="replace")
-            for k in range(n) if (Path(args.out) / f"{args.stem}.log.{k}.txt").is_file()):
+            KV_CACHE_OOM in p.read_text(errors="replace") for p in logs if p.is_file()):
         failed.append(f"hint: engines started side by side ran out of KV-cache memory; run fewer "
                       f"variants per command (3 fit on an H200) or without --parallel")
     if failed:
