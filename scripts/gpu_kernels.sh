@@ -6,7 +6,8 @@
 #   OUT=/tmp/echo-gpu bash scripts/gpu_kernels.sh
 #
 # Writes logs, JSON and PNGs under $OUT and prints a short summary last.
-# Budget: < 8.5 minutes on one H200 (each step has its own timeout).
+# Budget: at most ~10 minutes on one H200 (step timeouts 220 + 240 + 150 s; the one-GPU run
+# skips the multi-GPU step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d /tmp/echo-gpu-XXXX)}"

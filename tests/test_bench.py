@@ -94,3 +94,23 @@ def test_reference_bandwidths_have_their_read_write_mixes():
 
     refs = kb.measure_reference_gbps(torch.device("cpu"), 1 << 16, iters=2)
     assert set(refs) == {"write", "add"} and all(v > 0 for v in refs.values())
+
+
+def test_one_gpu_fallback_passes_every_kernels_bench_option():
+    """``bench allreduce`` on one GPU hands over to ``bench kernels``: the
+    arguments must be complete (a hand-built Namespace once lacked --timing)
+    and carry this command's values."""
+    import argparse
+
+    from echo_vllm.bench import allreduce_bench, kernels_bench
+    from echo_vllm.config import EchoConfig
+
+    ap = argparse.ArgumentParser()
+    allreduce_bench.add_arguments(ap)
+    args = ap.parse_args(["--sizes", "1M,4M", "--group-size", "64"])
+    kargs = allreduce_bench.one_gpu_kernel_args(args)
+    kp = argparse.ArgumentParser()
+    kernels_bench.add_arguments(kp)
+    assert set(vars(kp.parse_args([]))) <= set(vars(kargs))
+    assert (kargs.sizes, kargs.group_size, kargs.no_layout_compare) == ("1M,4M", 64, True)
+    assert kargs.feedback_dtype == args.feedback_dtype == EchoConfig.feedback_dtype

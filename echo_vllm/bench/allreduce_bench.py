@@ -233,7 +233,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
-    ap.add_argument("--feedback-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=("float32", "bfloat16"))
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "reference"),
                     help="gloo: Echo stages as numba loops (auto: if numba imports) or torch references")
     ap.add_argument("--out", default="", help="directory for JSON and PNG")
@@ -260,10 +260,20 @@ def run(args: argparse.Namespace) -> int:
           "(echo-vllm bench kernels)")
     from . import kernels_bench
 
-    kargs = argparse.Namespace(
-        world_sizes="4,8", min_size=args.min_size or "8K", max_size=args.max_size or "1G", sizes=args.sizes,
-        iters=args.iters, group_size=args.group_size, no_hadamard=args.no_hadamard,
-        feedback_dtype=args.feedback_dtype, device="cuda", skip_verify=False, out=args.out,
-        no_layout_compare=True, model_only=False,
-    )
-    return kernels_bench.run(kargs)
+    return kernels_bench.run(one_gpu_kernel_args(args))
+
+
+def one_gpu_kernel_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``bench kernels`` arguments for the one-GPU fallback: its own parser's
+    defaults (so no option can be missing), with this command's values."""
+    from . import kernels_bench
+
+    ap = argparse.ArgumentParser()
+    kernels_bench.add_arguments(ap)
+    kargs = ap.parse_args([])
+    kargs.min_size = args.min_size or kargs.min_size
+    kargs.max_size = args.max_size or kargs.max_size
+    kargs.sizes, kargs.iters, kargs.group_size = args.sizes, args.iters, args.group_size
+    kargs.no_hadamard, kargs.feedback_dtype, kargs.out = args.no_hadamard, args.feedback_dtype, args.out
+    kargs.no_layout_compare = True
+    return kargs

@@ -406,7 +406,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "both: device time for bytes/s plus each call's eager time (host launch included)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
-    ap.add_argument("--feedback-dtype", default="float32", choices=tuple(FEEDBACK_DTYPES))
+    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_DTYPES))
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
     ap.add_argument("--no-layout-compare", action="store_true",
