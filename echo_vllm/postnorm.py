@@ -26,14 +26,22 @@ from typing import Iterable
 
 from .config import EchoConfig, EchoConfigError
 
-#: Decoder-layer attributes that mark a post-norm block (transformers and
-#: vLLM name the output norm of the MLP this way in every such model).
-POSTNORM_MARKERS = ("post_feedforward_layernorm",)
+#: Decoder-layer attributes that mark a post-norm block: the norm applied to
+#: the MLP's output before the residual add (Gemma/OLMo/EXAONE spell it
+#: ``post_feedforward_layernorm``, GLM-4/AFMoE/AXK1 ``post_mlp_layernorm``,
+#: PLaMo ``post_mlp_norm``).
+POSTNORM_MARKERS = ("post_feedforward_layernorm", "post_mlp_layernorm", "post_mlp_norm")
 
 #: ``architectures`` of post-norm models: every vLLM 0.26 model file whose
-#: decoder layer has a ``post_feedforward_layernorm``, plus OLMo-2 (served
-#: through vLLM's transformers backend, post-norm in transformers).
+#: decoder layer always has one of :data:`POSTNORM_MARKERS`, plus OLMo-2
+#: (served through vLLM's transformers backend, post-norm in transformers).
+#: openPangu has them only with ``config.sandwich_norm`` and is not listed.
 POSTNORM_ARCHITECTURES = frozenset({
+    "AXK1ForCausalLM",
+    "AfmoeForCausalLM",
+    "Glm4ForCausalLM",
+    "Plamo2ForCausalLM",
+    "Plamo3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",

@@ -57,10 +57,11 @@ def test_settings_reject_typos_and_bad_values(raw, needle):
 GEMMA3 = ["Gemma3ForCausalLM"]
 
 
-def test_post_norm_models_keep_16_bit_by_default():
-    exact, note = TpCommSettings.from_additional_config({"tp_comm": "echo"}).for_model(GEMMA3)
+@pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", "Olmo2ForCausalLM", "Glm4ForCausalLM", "Plamo2ForCausalLM"])
+def test_post_norm_models_keep_16_bit_by_default(arch):
+    exact, note = TpCommSettings.from_additional_config({"tp_comm": "echo"}).for_model([arch])
     assert exact.mode == "nccl" and not exact.active
-    assert "Echo is off" in note and "Gemma3ForCausalLM" in note and "tp_comm_postnorm=no-feedback" in note
+    assert "Echo is off" in note and arch in note and "tp_comm_postnorm=no-feedback" in note
 
 
 def test_post_norm_policies_no_feedback_and_feedback():

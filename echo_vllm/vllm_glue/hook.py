@@ -195,12 +195,14 @@ def _on_group_created(coordinator: Any) -> None:
     settings = TpCommSettings.from_vllm_config(vllm_config)
     if not settings.active:
         return
-    check_engine_config(vllm_config, settings)
+    # the model first: a post-norm model that keeps vLLM's 16-bit all-reduce
+    # needs none of Echo's guard rails
     settings, note = settings.for_model(compat.model_architectures(vllm_config))
     if note:
         logger.warning("echo: %s", note)
     if not settings.active:
         return
+    check_engine_config(vllm_config, settings)
     world = int(coordinator.world_size)
     if settings.emulated:
         from . import emulation
