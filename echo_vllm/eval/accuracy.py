@@ -322,7 +322,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=0, help="TP size to emulate (default: per model)")
     p.add_argument("--real-tp", type=int, default=1,
                    help="vLLM only: real tensor_parallel_size (>1 disables emulation; --tp ignored)")
-    p.add_argument("--variants", nargs="+", default=["exact", "naive", "echo+hadamard+last"])
+    p.add_argument("--variants", nargs="+", default=["exact", "naive", "default"],
+                   help="default = Echo as shipped (EchoConfig())")
     p.add_argument("--tasks", nargs="+", default=SEVEN, choices=SEVEN)
     p.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval --limit)")
     p.add_argument("--batch-size", default="16", help="lm-eval batch size (int or 'auto')")

@@ -30,8 +30,10 @@ def _rotate(x):
 
 
 def _reduce_rotated(self, partials):
-    if self.mode != "echo" or self.config.hadamard or partials.shape[-1] % BLOCK:
+    if self.mode != "echo" or self.config.hadamard:
         return _reduce(self, partials)
+    if partials.shape[-1] % BLOCK:  # never skip silently: the run would measure Echo without rotation
+        raise SystemExit(f"XROT={BLOCK} does not divide the hidden size {partials.shape[-1]}")
     y = _reduce(self, _rotate(partials).to(partials.dtype))
     return _rotate(y).to(y.dtype)  # the orthonormal Hadamard is its own inverse
 
