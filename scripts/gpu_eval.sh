@@ -17,6 +17,10 @@
 #   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP servers
 #   REAL_TP=2 MODEL=qwen2.5-coder-1.5b scripts/gpu_eval.sh ttft   # real TP=2: nccl vs Echo
 #   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
+#   scripts/gpu_eval.sh bg MODEL... [-- VARIANTS]  # `run` for each model in turn, in its own process
+#                                             # session (outlives the call and its 10-minute limit);
+#                                             # each waits until `setup` has verified its model
+#   OUT=$OUT scripts/gpu_eval.sh collect      # progress of `bg`, and its results as $OUT/bg.tgz
 # Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +84,7 @@ print("vllm", vllm.__version__, "lm_eval", lm_eval.__version__, "torch", torch._
 import os
 for name in os.environ.get("MODELS", "smollm2-135m").split():
     print("model", prepare_model(name), verify_model(name)["gguf_sha256"][:16])
+    open(os.path.join(os.environ["ECHO_VLLM_CACHE"], f"ready-{name}"), "w").close()
 EOF
     ;;
   run)
@@ -127,7 +132,32 @@ EOF
       --group-sizes 16 32 64 128 --lambada 500 --out "$STATE/results" --stem gpu_perplexity
     copy_out "$STATE/results"
     ;;
+  bg)
+    # The device tool ends a command's processes when it returns, except those
+    # in a new process session: setsid lets the runs go on between calls.
+    models=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
+    [ "${1:-}" = "--" ] && shift
+    mkdir -p "$STATE/bg"
+    for m in "${models[@]}"; do
+      cat >> "$STATE/bg/queue.sh" <<EOS
+for i in \$(seq ${BG_WAIT_S:-1800}); do [ -f "$STATE/cache/ready-$m" ] && break; sleep 1; done
+echo "[bg] \$(date -u +%T) $m: start" >> "$STATE/bg/status.txt"
+OUT="$STATE/bg/$m" MODEL="$m" bash "$PWD/scripts/gpu_eval.sh" run ${LIMIT:-none} $* > "$STATE/bg/$m.log" 2>&1
+echo "[bg] \$(date -u +%T) $m: exit \$?" >> "$STATE/bg/status.txt"
+EOS
+    done
+    setsid nohup bash "$STATE/bg/queue.sh" > "$STATE/bg/queue.log" 2>&1 < /dev/null &
+    echo "[bg] queued: ${models[*]} (pid $!)"
+    ;;
+  collect)
+    cat "$STATE/bg/status.txt" 2>/dev/null || echo "[bg] nothing started yet"
+    for f in "$STATE"/bg/*.log "$STATE"/bg/*/results/*.log.*.txt; do
+      [ -f "$f" ] && { echo "== $f"; tail -c 600 "$f" | tr '\r' '\n' | tail -n 3; }
+    done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true
+    if [ -n "${OUT:-}" ]; then tar czf "$OUT/bg.tgz" -C "$STATE" bg; fi
+    ;;
   *)
-    sed -n '2,20p' "$0"; exit 2
+    sed -n '2,24p' "$0"; exit 2
     ;;
 esac
