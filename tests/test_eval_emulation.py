@@ -298,7 +298,7 @@ def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
     from echo_vllm.vllm_glue.settings import TpCommSettings
 
     args = SimpleNamespace(world=4, real_tp=1, gpu_memory_utilization=0.5, max_length=2048,
-                           enforce_eager=True, postnorm="exact")
+                           enforce_eager=True, postnorm="exact", kv_cache_gib=None, parallel=False)
     echo = vllm_model_args(args, parse_variant("default"), tmp_path)["additional_config"]
     settings = TpCommSettings.from_additional_config(echo)
     assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.mode == "echo"
@@ -308,3 +308,25 @@ def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
         exact = vllm_model_args(args, parse_variant("exact"), tmp_path)["additional_config"]
         s, _ = TpCommSettings.from_additional_config(exact).for_model(["Gemma3ForCausalLM"])
         assert s.mode == "nccl" or s.echo.min_bytes > 2**50
+
+
+def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):
+    """With --parallel each engine's KV cache is a fixed size (vLLM's own
+    estimate counts the other engines' start-up memory); alone, vLLM sizes it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from echo_vllm.eval.accuracy import PARALLEL_KV_CACHE_GIB, vllm_model_args
+
+    args = SimpleNamespace(world=4, real_tp=1, gpu_memory_utilization=0.25, max_length=2048,
+                           enforce_eager=True, postnorm="exact", kv_cache_gib=None, parallel=True)
+    margs = vllm_model_args(args, parse_variant("default"), tmp_path)
+    assert margs["kv_cache_memory_bytes"] == int(PARALLEL_KV_CACHE_GIB * 2**30)
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(margs) - {"pretrained"} <= engine_fields  # lm-eval hands them to vllm.LLM
+    args.kv_cache_gib = 2.5
+    assert vllm_model_args(args, parse_variant("exact"), tmp_path)["kv_cache_memory_bytes"] == 5 * 2**29
+    args.parallel, args.kv_cache_gib = False, None
+    assert "kv_cache_memory_bytes" not in vllm_model_args(args, parse_variant("exact"), tmp_path)

@@ -163,6 +163,9 @@ def vllm_model_args(args, v: Variant, path: Path) -> dict:
         extra["tp_comm_postnorm"] = args.postnorm
     if extra:
         margs["additional_config"] = extra
+    kv_gib = args.kv_cache_gib or (PARALLEL_KV_CACHE_GIB if args.parallel else None)
+    if kv_gib:
+        margs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
     if args.real_tp > 1:
         margs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     return margs
@@ -180,6 +183,15 @@ def run_vllm_one(args, v: Variant, tasks: list[str]) -> dict:
     raw = _evaluate(lm, tasks, args.limit, args.batch_size, args.bootstrap_iters)
     return {"tasks": summarize(raw, tasks), "seconds": time.time() - t0, "model_args": margs}
 
+
+#: KV cache per engine (GiB) when variants run side by side. vLLM sizes the
+#: cache as its memory share minus what it sees in use after profiling, and
+#: that reading includes the other engines' transient allocations: on an H200,
+#: Gemma-3's three engines got 31, 0 (failed) and -0.11 GiB. A fixed size
+#: makes each start-up independent of the others; 8 GiB holds > 100 k tokens
+#: of KV for the models here, far above lm-eval's batches of <= 2048-token
+#: requests.
+PARALLEL_KV_CACHE_GIB = 8.0
 
 #: vLLM's start-up error when the memory share left no room for KV blocks.
 KV_CACHE_OOM = "No available memory for the cache blocks"
@@ -337,6 +349,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Echo on post-norm models (Gemma-2/3): feedback off (default), exact, or as configured")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="vLLM: fraction of GPU memory (split between variants with --parallel)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help=f"vLLM: fixed KV-cache size per engine (default with --parallel: "
+                        f"{PARALLEL_KV_CACHE_GIB:g}; otherwise vLLM sizes it from its memory share)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs / torch.compile")
     p.add_argument("--parallel", action="store_true",
                    help="vLLM: run all variants at once on the GPU (memory split between them)")
