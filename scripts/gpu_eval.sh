@@ -53,21 +53,25 @@ case "$cmd" in
     ls -la "$STATE/parts-$kind"
     ;;
   setup)
-    if [ ! -f "$STATE/site/.unpacked" ]; then
+    # Each bundle unpacks in its own process (xz is one core each; the 2.1 GB
+    # Qwen bundle alone takes ~4.5 min). PART_WAIT_S=N waits up to N s for each
+    # part still in transit, so a bundle unpacks while its parts arrive.
+    unpack() {  # TARGET PARTS_DIR MARKER
       "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
-unpack(Path('$STATE/site'), [Path('$STATE/parts-vllm')])"
-      touch "$STATE/site/.unpacked"
+unpack(Path('$1'), [Path('$2')], wait_s=float('${PART_WAIT_S:-0}'))" && touch "$3"
+    }
+    pids=()
+    if [ ! -f "$STATE/site/.unpacked" ]; then
+      unpack "$STATE/site" "$STATE/parts-vllm" "$STATE/site/.unpacked" & pids+=($!)
     fi
     # every other stashed kind (echo, echo-gemma3, echo-qwen, ...) is a cache bundle
+    mkdir -p "$STATE/cache"
     for parts in "$STATE"/parts-*; do
       kind="${parts##*/parts-}"
       [ "$kind" = vllm ] && continue
-      if [ ! -f "$STATE/cache/.unpacked-$kind" ]; then
-        "$PY" -c "import sys; sys.path.insert(0, '.'); from echo_vllm.eval.bundle import unpack; from pathlib import Path; \
-unpack(Path('$STATE/cache'), [Path('$parts')])"
-        mkdir -p "$STATE/cache" && touch "$STATE/cache/.unpacked-$kind"
-      fi
+      [ -f "$STATE/cache/.unpacked-$kind" ] || { unpack "$STATE/cache" "$parts" "$STATE/cache/.unpacked-$kind" & pids+=($!); }
     done
+    for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed unpack fails setup
     # vLLM finds plugins through entry points: a dist-info on PYTHONPATH
     # registers echo_vllm.plugin:register without installing the package.
     di="$STATE/site/echo_vllm-0.1.0.dist-info"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
+import time
 import zipfile
 
 import pytest
@@ -102,9 +104,29 @@ def test_bundle_roundtrip_in_small_parts(cache, tmp_path):
     bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
     assert (target / "models" / "m" / "model.safetensors").read_bytes() == payload
     assert assets.verify_manifest(target / "models" / "m")["model"] == "m"
+    good = (tmp_path / "t1" / parts[0].name).read_bytes()
     (tmp_path / "t1" / parts[0].name).write_bytes(b"garbage")
     with pytest.raises(ValueError, match="checksum"):
         bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
+    # a part still in transit: named up front without waiting, waited for with wait_s
+    (tmp_path / "t1" / parts[0].name).unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing parts: \['bundle.part.00'\]"):
+        bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
+    late = tmp_path / "host-late"
+
+    def arrive():
+        time.sleep(0.5)
+        (tmp_path / "t1" / "incoming").write_bytes(good)
+        (tmp_path / "t1" / "incoming").rename(tmp_path / "t1" / parts[0].name)
+
+    courier = threading.Thread(target=arrive)
+    courier.start()
+    bundle.unpack(late, [tmp_path / "t1", tmp_path / "t2"], wait_s=30)
+    courier.join()
+    assert (late / "models" / "m" / "model.safetensors").read_bytes() == payload
+    (tmp_path / "t2" / parts[1].name).unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing part: bundle.part.01 \(waited 0.2 s\)"):
+        bundle.unpack(tmp_path / "host-never", [tmp_path / "t1", tmp_path / "t2"], wait_s=0.2)
 
 
 def test_registry_is_consistent():

@@ -18,6 +18,7 @@ import io
 import lzma
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from .assets import cache_dir, verify_manifest
@@ -79,25 +80,60 @@ def make_bundle(entries: list[Path], out: Path, part_mib: int = 56, preset: int 
     return writer.paths
 
 
-def unpack(target: Path, parts_dirs: list[Path]) -> None:
-    """Verify and unpack parts (possibly spread over several folders)."""
-    parts = {p.name: p for d in parts_dirs for p in d.glob("bundle.part.*")}
+class _PartReader(io.RawIOBase):
+    """Read the parts named in SHA256SUMS as one stream, checking each part's
+    checksum before any of its bytes are used. With ``wait_s`` > 0 a part not
+    there yet is waited for (parts arriving one transfer at a time can be
+    unpacked while the rest travel; they must appear atomically, by rename)."""
+
+    def __init__(self, names: list[str], digests: dict[str, str], parts_dirs: list[Path], wait_s: float):
+        self.names, self.digests, self.dirs, self.wait_s = list(names), digests, parts_dirs, wait_s
+        self.buf, self.pos = b"", 0
+
+    def _find(self, name: str) -> Path:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            for d in self.dirs:
+                if (d / name).is_file():
+                    return d / name
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(f"missing part: {name}" +
+                                        (f" (waited {self.wait_s:g} s)" if self.wait_s else ""))
+            time.sleep(min(1.0, self.wait_s))
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.pos >= len(self.buf):
+            if not self.names:
+                return 0
+            name = self.names.pop(0)
+            data = self._find(name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != self.digests[name]:
+                raise ValueError(f"checksum mismatch: {name}")
+            self.buf, self.pos = data, 0
+        n = min(len(b), len(self.buf) - self.pos)
+        b[:n] = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
+    """Verify and unpack parts (possibly spread over several folders), part by
+    part; ``wait_s`` > 0 waits that long for each part still in transit."""
     sums_file = next((d / "SHA256SUMS" for d in parts_dirs if (d / "SHA256SUMS").is_file()), None)
     if sums_file is None:
         raise FileNotFoundError("no SHA256SUMS in " + ", ".join(map(str, parts_dirs)))
     want = dict(reversed(line.split()) for line in sums_file.read_text().splitlines() if line.strip())
-    missing = sorted(set(want) - set(parts))
-    if missing:
-        raise FileNotFoundError(f"missing parts: {missing}")
-    for name, digest in want.items():
-        if hashlib.sha256(parts[name].read_bytes()).hexdigest() != digest:
-            raise ValueError(f"checksum mismatch: {name}")
-    stream = io.BytesIO()
-    for name in sorted(want):
-        stream.write(parts[name].read_bytes())
-    stream.seek(0)
+    if not wait_s:  # all must be here: say which are not before unpacking any
+        have = {p.name for d in parts_dirs for p in d.glob("bundle.part.*")}
+        missing = sorted(set(want) - have)
+        if missing:
+            raise FileNotFoundError(f"missing parts: {missing}")
     target.mkdir(parents=True, exist_ok=True)
-    with lzma.open(stream) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
+    reader = io.BufferedReader(_PartReader(sorted(want), want, parts_dirs, wait_s), 1 << 20)
+    with lzma.open(reader) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
         tar.extractall(target, filter="data")
 
 
