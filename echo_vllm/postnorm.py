@@ -10,8 +10,8 @@ wrong scale. Measured on Gemma-3-270M at emulated TP=4 (EVAL.md section 4):
 perplexity +19% with feedback off, 1.5e5 (diverged) with it on.
 
 Without feedback 4-bit still costs such a model far more than a pre-norm
-one (Gemma-3-270M: +19% perplexity, -2.6 points on the seven benchmarks,
-EVAL.md), which breaks Echo's promise of unchanged accuracy. So in serving
+one (Gemma-3-270M: +19% perplexity, -0.72 +- 0.42 points on the seven
+benchmarks' full validation sets, EVAL.md), which breaks Echo's promise of unchanged accuracy. So in serving
 (the vLLM plugin) a post-norm model keeps vLLM's 16-bit all-reduce unless the
 user opts in (``"no-feedback"``); the evaluation tools default to
 ``"no-feedback"`` to measure what Echo can do there. The choice is logged,

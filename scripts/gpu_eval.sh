@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU-host evaluation: lm-eval's vLLM backend on SmolLM2-135M, emulated TP=3 on
+# GPU-host evaluation: lm-eval's vLLM backend (SmolLM2-135M at emulated TP=3, the others TP=4) on
 # one GPU, exact vs naive 4-bit vs Echo, the seven benchmarks from local data.
 # The host has no internet: everything arrives as bundle parts (<= 56 MiB each).
 #

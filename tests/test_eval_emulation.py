@@ -330,3 +330,13 @@ def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):
     assert vllm_model_args(args, parse_variant("exact"), tmp_path)["kv_cache_memory_bytes"] == 5 * 2**29
     args.parallel, args.kv_cache_gib = False, None
     assert "kv_cache_memory_bytes" not in vllm_model_args(args, parse_variant("exact"), tmp_path)
+
+
+def test_variant_files_have_plain_names(tmp_path):
+    from types import SimpleNamespace
+
+    from echo_vllm.eval.accuracy import variant_file
+
+    args = SimpleNamespace(out=str(tmp_path), stem="acc")
+    assert variant_file(args, "default:group_size=16,bits=4").name == "acc.variant.default_group_size_16_bits_4.json"
+    assert variant_file(args, "echo+hadamard+last").name == "acc.variant.echo+hadamard+last.json"

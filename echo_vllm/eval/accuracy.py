@@ -85,7 +85,9 @@ def summarize(raw: dict, tasks: list[str]) -> dict:
 
 
 def variant_file(args, name: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "+-=_." else "_" for c in name)
+    # letters, digits and "+-_." only: a spec's ":" "=" "," would make names
+    # that shells need quoted and that the GPU host's file return refuses
+    safe = "".join(c if c.isalnum() or c in "+-_." else "_" for c in name)
     return Path(args.out) / f"{args.stem}.variant.{safe}.json"
 
 
