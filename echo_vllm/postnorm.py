@@ -22,7 +22,7 @@ config's architecture names) alike.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from .config import EchoConfig, EchoConfigError
 
@@ -32,10 +32,11 @@ from .config import EchoConfig, EchoConfigError
 #: PLaMo ``post_mlp_norm``).
 POSTNORM_MARKERS = ("post_feedforward_layernorm", "post_mlp_layernorm", "post_mlp_norm")
 
-#: ``architectures`` of post-norm models: every vLLM 0.26 model file whose
-#: decoder layer always has one of :data:`POSTNORM_MARKERS`, plus OLMo-2
+#: ``architectures`` of post-norm models: every vLLM 0.26 architecture whose
+#: model file's decoder layer always has one of :data:`POSTNORM_MARKERS`
+#: (generative, pooling and MTP-draft alike; checked against vLLM's model
+#: registry by tests/test_postnorm_registry.py), plus OLMo-2
 #: (served through vLLM's transformers backend, post-norm in transformers).
-#: openPangu has them only with ``config.sandwich_norm`` and is not listed.
 POSTNORM_ARCHITECTURES = frozenset({
     "AXK1ForCausalLM",
     "AfmoeForCausalLM",
@@ -43,12 +44,15 @@ POSTNORM_ARCHITECTURES = frozenset({
     "Plamo2ForCausalLM",
     "Plamo3ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma2Model",
     "Gemma3ForCausalLM",
+    "Gemma3TextModel",
     "Gemma3ForConditionalGeneration",
     "Gemma3nForCausalLM",
     "Gemma3nForConditionalGeneration",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
+    "Gemma4MTPModel",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "OlmoHybridForCausalLM",
@@ -57,6 +61,15 @@ POSTNORM_ARCHITECTURES = frozenset({
     "Rnj1ForCausalLM",
 })
 
+#: ``architectures`` whose decoder is post-norm only when a config flag is
+#: true: openPangu's layers (``OpenPanguDecoderLayer``, shared by all three)
+#: add ``post_mlp_layernorm`` when ``config.sandwich_norm`` is set.
+CONDITIONAL_POSTNORM_ARCHITECTURES = {
+    "PanguEmbeddedForCausalLM": "sandwich_norm",
+    "PanguUltraMoEForCausalLM": "sandwich_norm",
+    "PanguProMoEV2ForCausalLM": "sandwich_norm",
+}
+
 #: What Echo does on a post-norm model (see :func:`postnorm_config`).
 POSTNORM_POLICIES = ("no-feedback", "exact", "feedback")
 
@@ -64,9 +77,14 @@ POSTNORM_POLICIES = ("no-feedback", "exact", "feedback")
 DEFAULT_POSTNORM_POLICY = "exact"
 
 
-def is_postnorm_architecture(architectures: Iterable[str] | None) -> bool:
-    """True when any of a model config's ``architectures`` is post-norm."""
-    return any(a in POSTNORM_ARCHITECTURES for a in (architectures or ()))
+def is_postnorm_architecture(architectures: Iterable[str] | None, hf_config: Any = None) -> bool:
+    """True when any of a model config's ``architectures`` is post-norm
+    (for openPangu: when ``hf_config`` turns its sandwich norm on)."""
+    archs = list(architectures or ())
+    if any(a in POSTNORM_ARCHITECTURES for a in archs):
+        return True
+    return any(bool(getattr(hf_config, CONDITIONAL_POSTNORM_ARCHITECTURES[a], False))
+               for a in archs if a in CONDITIONAL_POSTNORM_ARCHITECTURES)
 
 
 def postnorm_config(config: EchoConfig, policy: str) -> tuple[str, EchoConfig]:

@@ -131,9 +131,9 @@ EOF
     ;;
   perplexity)
     env_setup
-    "$PY" -m echo_vllm.eval.cli perplexity --model smollm2-135m --tp 3 --device cuda \
+    "$PY" -m echo_vllm.eval.cli perplexity --model "$MODEL" --tp "$TP" --device cuda \
       --variants exact naive echo echo+last echo+hadamard echo+hadamard+last default \
-      --group-sizes 16 32 64 128 --lambada 500 --out "$STATE/results" --stem gpu_perplexity
+      --group-sizes 16 32 64 128 --lambada 500 --out "$STATE/results" --stem "gpu_perplexity$MODEL_STEM"
     copy_out "$STATE/results"
     ;;
   bg)

@@ -37,10 +37,19 @@ def _worker(rank, world):
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps(GEMMA3_CONFIG))
     models = {"qwen3": ModelConfig(model=str(qwen)), "gemma3": ModelConfig(model=str(gemma), tokenizer=str(qwen))}
+    # openPangu: post-norm only when its config turns the sandwich norm on
+    for sandwich in (True, False):
+        pangu = root / f"pangu-{sandwich}"
+        pangu.mkdir()
+        cfg = json.loads((qwen / "config.json").read_text())
+        cfg.update(architectures=["PanguEmbeddedForCausalLM"], sandwich_norm=sandwich)
+        (pangu / "config.json").write_text(json.dumps(cfg))
+        models[f"pangu-sandwich={sandwich}"] = ModelConfig(model=str(pangu), tokenizer=str(qwen))
 
     out = {}
     for name, extra in (("qwen3", {}), ("gemma3", {}), ("gemma3", {"tp_comm_postnorm": "no-feedback"}),
-                        ("gemma3", {"tp_comm_postnorm": "feedback"})):
+                        ("gemma3", {"tp_comm_postnorm": "feedback"}), ("pangu-sandwich=True", {}),
+                        ("pangu-sandwich=False", {})):
         cfg = VllmConfig(model_config=models[name],
                          additional_config={"tp_comm": "echo", "tp_comm_emulate": 2, **extra})
         with set_current_vllm_config(cfg):
@@ -79,3 +88,11 @@ def test_post_norm_overrides(sessions):
     nofb, kept = sessions["gemma3/no-feedback"], sessions["gemma3/feedback"]
     assert (nofb["mode"], nofb["feedback"]) == ("echo", False) and "feedback off" in nofb["note"]
     assert (kept["mode"], kept["feedback"]) == ("echo", True) and "measurement only" in kept["note"]
+
+
+@pytest.mark.vllm
+def test_openpangu_follows_its_sandwich_norm_flag(sessions):
+    on, off = sessions["pangu-sandwich=True"], sessions["pangu-sandwich=False"]
+    assert on["archs"] == off["archs"] == ["PanguEmbeddedForCausalLM"]
+    assert on["mode"] == "nccl" and "Echo is off" in on["note"]
+    assert (off["mode"], off["feedback"], off["note"]) == ("echo", True, None)

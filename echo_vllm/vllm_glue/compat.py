@@ -160,6 +160,11 @@ def model_architectures(vllm_config: Any) -> list[str]:
     return [str(a) for a in (archs or ())]
 
 
+def model_hf_config(vllm_config: Any) -> Any:
+    """The served model's HF config (None when there is no model config)."""
+    return getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+
+
 def max_num_batched_tokens(vllm_config: Any) -> int | None:
     sched = getattr(vllm_config, "scheduler_config", None)
     value = getattr(sched, "max_num_batched_tokens", None)

@@ -197,7 +197,8 @@ def _on_group_created(coordinator: Any) -> None:
         return
     # the model first: a post-norm model that keeps vLLM's 16-bit all-reduce
     # needs none of Echo's guard rails
-    settings, note = settings.for_model(compat.model_architectures(vllm_config))
+    settings, note = settings.for_model(compat.model_architectures(vllm_config),
+                                        compat.model_hf_config(vllm_config))
     if note:
         logger.warning("echo: %s", note)
     if not settings.active:

@@ -117,11 +117,12 @@ class TpCommSettings:
             postnorm=str(raw.get("tp_comm_postnorm", DEFAULT_POSTNORM_POLICY)).strip().lower(),
         )
 
-    def for_model(self, architectures: list[str]) -> tuple["TpCommSettings", str | None]:
+    def for_model(self, architectures: list[str], hf_config: Any = None) -> tuple["TpCommSettings", str | None]:
         """These settings adjusted for the served model, and why (None when
         unchanged): on a post-norm model Echo's feedback would add errors
-        back at the wrong scale, so :attr:`postnorm` decides."""
-        if self.mode != "echo" or not is_postnorm_architecture(architectures):
+        back at the wrong scale, so :attr:`postnorm` decides. ``hf_config``
+        settles the architectures whose post-norm is a config option."""
+        if self.mode != "echo" or not is_postnorm_architecture(architectures, hf_config):
             return self, None
         mode, echo = postnorm_config(self.echo, self.postnorm)
         if mode == "exact":
