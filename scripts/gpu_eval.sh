@@ -21,6 +21,9 @@
 #                                             # session (outlives the call and its 10-minute limit);
 #                                             # each waits until `setup` has verified its model
 #   OUT=$OUT scripts/gpu_eval.sh collect      # progress of `bg`, and its results as $OUT/bg.tgz
+#   OUT=$OUT scripts/gpu_eval.sh wait [S]     # keep the call in flight until the queue ends (or S s,
+#                                             # default 540), then collect: a host with only
+#                                             # background work counts as idle and goes back in 30 s
 # Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -152,6 +155,19 @@ EOS
     done
     setsid nohup bash "$STATE/bg/queue.sh" > "$STATE/bg/queue.log" 2>&1 < /dev/null &
     echo "[bg] queued: ${models[*]} (pid $!)"
+    ;;
+  wait)
+    deadline=$((SECONDS + ${1:-540}))
+    while [ $SECONDS -lt $deadline ]; do
+      # the queue ends when every model it started has an exit line
+      starts=$(grep -c ": start" "$STATE/bg/status.txt" 2>/dev/null || true)
+      exits=$(grep -c ": exit" "$STATE/bg/status.txt" 2>/dev/null || true)
+      queued=$(grep -c "gpu_eval.sh\" run" "$STATE/bg/queue.sh" 2>/dev/null || true)
+      [ "${exits:-0}" -ge "${queued:-0}" ] && [ "${queued:-0}" -gt 0 ] && break
+      sleep 10
+      [ $((SECONDS % 60)) -lt 10 ] && echo "[wait] ${SECONDS}s: ${starts:-0} started, ${exits:-0} of ${queued:-0} done"
+    done
+    exec bash "$0" collect
     ;;
   collect)
     cat "$STATE/bg/status.txt" 2>/dev/null || echo "[bg] nothing started yet"
