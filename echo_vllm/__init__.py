@@ -4,7 +4,8 @@ Core objects (no vLLM needed)::
 
     from echo_vllm import EchoConfig, EchoCommunicator, VirtualTransport
     comm = EchoCommunicator(EchoConfig(), VirtualTransport(4))
-    y = comm.all_reduce(partials_stacked_4xTxH, call_index=t)
+    y = comm.all_reduce(partials_stacked_4xTxH, call_index=t)   # t-th call of a forward
+    # pass: 4-bit from t = first_exact_calls (5) on, for messages >= min_bytes
 """
 
 from .collective import EchoAllReduce

@@ -1,16 +1,15 @@
 """Echo's configuration: one dataclass, validated once, parsed from one place.
 
 Every knob a user can set lives here. The vLLM plugin reads it from
-``--additional-config`` (keys without the ``echo_`` prefix, or a nested
-``echo`` dict), the CLI from its flags, and everything else from ``ECHO_*``
-environment variables (never ``VLLM_*``: vLLM rejects variables it does not
-know). Bad values raise :class:`EchoConfigError` with the offending key.
+``--additional-config`` (``echo_<field>`` keys; ``echo-<field>``, the CLI's
+spelling, reads the same), ``echo-vllm serve`` and the tools from their
+``--echo-<field>`` flags. Bad values and unknown ``echo_*`` keys raise
+:class:`EchoConfigError` with the offending key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -111,6 +110,11 @@ class EchoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer")
+        if self.max_bytes and self.min_bytes > self.max_bytes:
+            # no message could satisfy both: Echo would never run
+            raise EchoConfigError(
+                f"min_bytes={self.min_bytes} > max_bytes={self.max_bytes}: no message would take Echo"
+            )
 
     # -- presets -------------------------------------------------------------
 
@@ -143,13 +147,24 @@ class EchoConfig:
     def from_mapping(cls, raw: Mapping[str, Any], *, prefix: str = "") -> "EchoConfig":
         """Build from a dict such as vLLM's ``additional_config``.
 
-        Keys are field names, optionally with ``prefix`` (e.g. ``echo_``);
-        unknown keys that carry the prefix are an error (a typo must not
-        silently run a different experiment), others are ignored.
+        Keys are field names, optionally with ``prefix`` (e.g. ``echo_``),
+        with ``-`` read as ``_``; unknown keys that carry the prefix are an
+        error (a typo must not silently run a different experiment), and so
+        is a nested dict under the bare prefix (``{"echo": {...}}``), which
+        would otherwise be ignored; other keys are ignored.
         """
         names = {f.name: f for f in fields(cls)}
+        prefix = prefix.replace("-", "_")
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
+            if not isinstance(key, str):
+                continue
+            key = key.replace("-", "_")
+            if prefix and key == prefix.rstrip("_"):
+                raise EchoConfigError(
+                    f"{key!r}: nested options are not read; write them as {prefix}<field> keys, "
+                    f"e.g. {prefix}group_size"
+                )
             if prefix:
                 if not key.startswith(prefix):
                     continue
@@ -163,17 +178,6 @@ class EchoConfig:
                 continue
             kwargs[key] = _coerce(key, value, names[key].type)
         return cls(**kwargs)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "EchoConfig":
-        """Fields from ``ECHO_<FIELD>`` variables (e.g. ``ECHO_GROUP_SIZE=64``)."""
-        environ = os.environ if environ is None else environ
-        raw = {
-            k[len("ECHO_"):].lower(): v
-            for k, v in environ.items()
-            if k.startswith("ECHO_") and k[len("ECHO_"):].lower() in {f.name for f in fields(cls)}
-        }
-        return cls.from_mapping(raw)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

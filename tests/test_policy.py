@@ -77,7 +77,7 @@ def test_bad_config_raises(kwargs, match):
         EchoConfig(**kwargs)
 
 
-def test_from_mapping_and_env():
+def test_from_mapping():
     cfg = EchoConfig.from_mapping(
         {"echo_group_size": "64", "echo_feedback": "false", "echo_min_bytes": "4MiB", "tp_comm": "echo"},
         prefix="echo_",
@@ -87,9 +87,22 @@ def test_from_mapping_and_env():
         EchoConfig.from_mapping({"echo_group": 64}, prefix="echo_")
     with pytest.raises(EchoConfigError, match="expected a boolean"):
         EchoConfig.from_mapping({"echo_hadamard": "maybe"}, prefix="echo_")
-    env = {"ECHO_GROUP_SIZE": "128", "ECHO_EXACT_LAST_CALL": "0", "VLLM_X": "1", "ECHO_UNRELATED": "x"}
-    cfg = EchoConfig.from_env(env)
-    assert cfg.group_size == 128 and cfg.exact_last_call is False
+    # the CLI's dashed spelling reads the same, typos in it are caught too
+    dashed = EchoConfig.from_mapping({"echo-group-size": 16, "echo-exact-last-call": "off"}, prefix="echo-")
+    assert (dashed.group_size, dashed.exact_last_call) == (16, False)
+    assert EchoConfig.from_mapping({"echo-group-size": 16}, prefix="echo_").group_size == 16
+    with pytest.raises(EchoConfigError, match="unknown option 'echo_group_sise'"):
+        EchoConfig.from_mapping({"echo-group-sise": 16}, prefix="echo_")
+    # a nested dict would be ignored: refused, with the spelling that works
+    with pytest.raises(EchoConfigError, match="echo_group_size"):
+        EchoConfig.from_mapping({"echo": {"group_size": 64}}, prefix="echo_")
+
+
+def test_min_bytes_above_max_bytes_is_refused():
+    with pytest.raises(EchoConfigError, match="no message would take Echo"):
+        EchoConfig(min_bytes=4 << 20, max_bytes=1 << 20)
+    assert EchoConfig(min_bytes=1 << 20, max_bytes=1 << 20).max_bytes == 1 << 20  # one size: allowed
+    assert EchoConfig(min_bytes=4 << 20, max_bytes=0).max_bytes == 0  # 0 = no upper limit
 
 
 def test_naive_preset_and_wire_bits():

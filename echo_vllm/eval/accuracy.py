@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .hf_emulation import POSTNORM_POLICIES
-from .models import default_emulate_tp, resolve_model
+from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
 from .variants import Variant, parse_variants
@@ -109,6 +109,21 @@ def load_variants(args, names: list[str] | None) -> dict:
     if names is not None:
         out = {n: out[n] for n in names if n in out}
     return out
+
+
+#: What must agree between variant files before their scores are compared
+#: document by document (a different --limit pairs different documents).
+MERGE_KEYS = ("model", "backend", "world_size", "real_tp", "limit", "tasks_run")
+
+
+def check_mergeable(results: dict) -> None:
+    """Refuse to merge variant files from runs that measured different things."""
+    first_name, first = next(iter(results.items()))
+    for name, r in results.items():
+        diff = [f"{k}: {r.get(k)!r} vs {first.get(k)!r}" for k in MERGE_KEYS if r.get(k) != first.get(k)]
+        if diff:
+            raise SystemExit(f"cannot merge variant {name!r} with {first_name!r}, the runs differ in "
+                             + "; ".join(diff))
 
 
 def run_hf(args, variants: list[Variant], tasks: list[str]) -> dict:
@@ -333,7 +348,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="echo-vllm eval accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--tp", type=int, default=0, help="TP size to emulate (default: per model)")
+    p.add_argument("--tp", type=tp_size_arg, default=0, help="TP size to emulate (default: per model)")
     p.add_argument("--real-tp", type=int, default=1,
                    help="vLLM only: real tensor_parallel_size (>1 disables emulation; --tp ignored)")
     p.add_argument("--variants", nargs="+", default=["exact", "naive", "default"],
@@ -395,6 +410,7 @@ def main(argv: list[str]) -> int:
         results = load_variants(args, None)
         if not results:
             raise SystemExit(f"no {args.stem}.variant.*.json in {args.out}")
+        check_mergeable(results)
         first = next(iter(results.values()))
         args.tasks, args.limit = first["tasks_run"], first["limit"]
         args.model, args.backend, args.world, args.real_tp = (

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from .hf_emulation import POSTNORM_POLICIES, HFEmulation, find_backbone
-from .models import default_emulate_tp, resolve_model
+from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, lambada_set, load_hf_model, text_windows
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import parse_variant, parse_variants
@@ -116,7 +116,7 @@ def plot(result: dict, path) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tp", type=int, default=0)
+    p.add_argument("--tp", type=tp_size_arg, default=0)
     p.add_argument("--variants", nargs="+", default=["naive", "echo", "echo+hadamard+last"])
     p.add_argument("--text", default="hamlet", help="play name or path ('' to use --lambada)")
     p.add_argument("--tokens", type=int, default=2048)

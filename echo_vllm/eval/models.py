@@ -14,6 +14,8 @@ weights, so the weight quantization cancels out of the deltas.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import shutil
 import sys
@@ -108,6 +110,18 @@ def resolve_model(name_or_path: str) -> Path:
 def default_emulate_tp(name_or_path: str, fallback: int = 4) -> int:
     src = MODELS.get(name_or_path)
     return src.emulate_tp if src else fallback
+
+
+def tp_size_arg(text: str) -> int:
+    """argparse type of the tools' ``--tp``: 0 (the model's default) or >= 2.
+    At TP=1 there is no all-reduce, so every variant would equal exact and
+    the comparison would look like a perfect result."""
+    value = int(text)
+    if value != 0 and value < 2:
+        raise argparse.ArgumentTypeError(
+            f"{value}: TP size must be at least 2 (at TP=1 there is no all-reduce to quantize), "
+            "or 0 for the model's default")
+    return value
 
 
 def assemble_gguf(src: ModelSource, dest: Path) -> Path:

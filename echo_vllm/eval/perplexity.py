@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .data import lambada_passages, load_text
 from .hf_emulation import POSTNORM_POLICIES, HFEmulation
-from .models import default_emulate_tp, resolve_model
+from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants
 
@@ -370,17 +370,24 @@ def plot(result: dict, path) -> None:
 
 
 def parse_calls(text: str) -> frozenset[int]:
-    """``"1-4,9"`` -> {1, 2, 3, 4, 9}."""
+    """``"1-4,9"`` -> {1, 2, 3, 4, 9}; a reversed or malformed range is an
+    error (it would silently force nothing to 16-bit)."""
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected a call index I or a range I-J") from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected 0 <= I <= J in I-J")
+        out.update(range(first, last + 1))
     return frozenset(out)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
-    p.add_argument("--tp", type=int, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
+    p.add_argument("--tp", type=tp_size_arg, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
     p.add_argument("--variants", nargs="+", default=STANDARD,
                    help="variant specs: NAME[:field=value,...] (see echo_vllm.eval.variants)")
     p.add_argument("--group-sizes", type=int, nargs="*", default=[],

@@ -227,7 +227,10 @@ def _on_group_created(coordinator: Any) -> None:
             settings.echo,
         )
     else:
-        logger.info("echo: tp_comm=echo with tensor-parallel size 1: no all-reduce to replace")
+        # nothing to reduce: vLLM runs unchanged; said loudly, since a
+        # comparison against it would otherwise look like a perfect result
+        logger.warning("echo: tp_comm=echo at tensor-parallel size 1 has no all-reduce to replace: "
+                       "vLLM runs unchanged (tp_comm_emulate=P emulates TP=P on one device)")
         return
     _ACTIVE.model_note = note
     install_forward_hook()

@@ -99,6 +99,8 @@ class TpCommSettings:
         platform's own config object, means "not asked for")."""
         if not isinstance(raw, Mapping):
             return cls()
+        # "tp-comm" / "echo-group-size" (the CLI's spelling) read as "tp_comm" / ...
+        raw = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in raw.items()}
         unknown = [
             k for k in raw if isinstance(k, str) and k.startswith("tp_comm") and k not in _KNOWN_KEYS
         ]
