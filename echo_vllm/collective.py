@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from . import ops
+from .capture import capturing
 from .config import EchoConfig, EchoConfigError
 from .feedback import FeedbackChain
 from .quant import WireLayout
@@ -82,7 +83,7 @@ class EchoAllReduce:
         or mix garbage."""
         if key in self._checked or self.transport.is_virtual:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             return
         shape, dtype, _ = key
         self.transport.check_same([math.prod(shape), len(shape), _DTYPE_CODES.get(dtype, 99)])
@@ -91,6 +92,12 @@ class EchoAllReduce:
     def _noise(self, numel: int, device: torch.device) -> torch.Tensor | None:
         if self.config.rounding != "stochastic":
             return None
+        if capturing():
+            # a replay would reuse the captured draw: the same "random" noise
+            # every step, biased rounding instead of unbiased
+            raise RuntimeError(
+                "rounding='stochastic' cannot run inside a CUDA graph (replays would repeat one "
+                "noise draw); run eager (vLLM: --enforce-eager) or use rounding='nearest'")
         if self._generators is None:
             self._generators = []
             for r in self.transport.local_ranks:

@@ -11,16 +11,13 @@ from typing import Callable
 
 import torch
 
+from .capture import capturing
 from .collective import EchoAllReduce
 from .config import EchoConfig
 from .feedback import FeedbackChain
 from .policy import CallInfo, Decision, Path, decide
 from .stats import EchoStats
 from .transport import Transport
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class EchoCommunicator:
@@ -68,7 +65,7 @@ class EchoCommunicator:
                 nbytes=numel * per_rank.element_size(),
                 dtype=per_rank.dtype,
                 world_size=self.transport.world_size,
-                capturing=_capturing(),
+                capturing=capturing(),
                 call_index=call_index,
                 last_call=last_call,
                 residual=residual and numel > 0,

@@ -10,6 +10,7 @@ spelling, reads the same), ``echo-vllm serve`` and the tools from their
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -183,8 +184,10 @@ class EchoConfig:
         return dataclasses.asdict(self)
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+#: Boolean spellings: pydantic's (what vLLM accepts for its own flags), so a
+#: value reads the same in ``--echo-*`` flags and in ``--additional-config``.
+TRUE_TEXT = frozenset({"1", "true", "t", "yes", "y", "on"})
+FALSE_TEXT = frozenset({"0", "false", "f", "no", "n", "off"})
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
@@ -194,9 +197,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
-        if text in _TRUE:
+        if text in TRUE_TEXT:
             return True
-        if text in _FALSE:
+        if text in FALSE_TEXT:
             return False
         raise EchoConfigError(f"{key}={value!r}: expected a boolean")
     if kind == "int":
@@ -205,22 +208,30 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, int):
             return value
         try:
-            return _parse_int(str(value))
+            return parse_bytes(str(value))
         except ValueError:
             raise EchoConfigError(f"{key}={value!r}: expected an integer") from None
     return str(value) if not isinstance(value, str) else value
 
 
-_SUFFIXES = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+#: Binary size suffixes (``k`` = KiB, ...); a trailing ``b`` / ``ib`` is optional.
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt])(?:i?b)?|(\d+)\s*b?|(0x[0-9a-f]+)")
 
 
-def _parse_int(text: str) -> int:
-    """Integers with optional binary size suffix: ``256k``, ``4MiB``."""
-    t = text.strip().lower().replace("_", "")
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if t.endswith(suffix) and t[: -len(suffix)].strip().isdigit():
-            return int(t[: -len(suffix)]) * _SUFFIXES[suffix]
-    return int(t, 0)
+def parse_bytes(text: str) -> int:
+    """A byte count: ``262144``, ``256k``, ``4MiB``, ``1.5G``, ``64MB`` (suffixes
+    binary), ``0x40000``. The config's and the benchmarks' one parser."""
+    t = str(text).strip().lower().replace("_", "")
+    m = _SIZE.fullmatch(t)
+    if m is None:
+        raise ValueError(f"not a byte count: {text!r}")
+    number, suffix, plain, hexa = m.groups()
+    if hexa:
+        return int(hexa, 16)
+    if plain:
+        return int(plain)
+    return int(float(number) * _SUFFIXES[suffix])
 
 
 __all__ = [

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .capture import capturing
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -55,6 +57,10 @@ class FeedbackChain:
     ``capacity_numel`` (values per rank) may be given up front -- the vLLM
     plugin sizes it for ``max_num_batched_tokens * hidden`` and allocates it
     before any graph capture; otherwise the buffer grows on demand (eager use).
+    ``dtype`` defaults to float32 (the error carried exactly, what the chain's
+    unit tests check); :class:`~echo_vllm.communicator.EchoCommunicator`, the
+    plugin and the benchmarks pass ``EchoConfig.feedback_dtype`` (bfloat16 by
+    default) -- do the same when building a chain by hand.
     """
 
     local_ranks: int
@@ -81,7 +87,7 @@ class FeedbackChain:
         than reserved before."""
         if self._buffer is not None and self._buffer.shape[1] >= numel:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(
                 f"feedback buffer must grow to {numel} values during CUDA-graph capture; "
                 "reserve it before capture (EchoCommunicator sizes it on the profiling run)"

@@ -39,10 +39,6 @@ def _cpu_loops():
     return cpu_loops if cpu_loops.AVAILABLE else None
 
 
-def use_kernels(t: torch.Tensor, *, stochastic: bool = False) -> bool:
-    return _fused(t, stochastic=stochastic) is not None
-
-
 def _fused(t: torch.Tensor, *, stochastic: bool = False):
     """The fused implementation (a module with stage1/stage2/output/consume)
     for tensors like ``t``, or None for the references."""

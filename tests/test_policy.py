@@ -115,3 +115,24 @@ def test_naive_preset_and_wire_bits():
     assert EchoConfig(group_size=32).wire_bits_per_value == 4.5
     assert EchoConfig(group_size=128).wire_bits_per_value == 4.125
     assert EchoConfig().qmax == 7
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("262144", 262144), ("256k", 256 << 10), ("4MiB", 4 << 20), ("64MB", 64 << 20),
+    ("1.5G", 3 << 29), ("256 KiB", 256 << 10), ("0x40000", 1 << 18), ("1_000", 1000),
+])
+def test_byte_counts_parse_one_way_for_config_and_benchmarks(text, nbytes):
+    from echo_vllm.bench.report import parse_size
+    from echo_vllm.config import parse_bytes
+
+    assert parse_bytes(text) == parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-5", "4 MiBs", "1.5"])
+def test_bad_byte_counts_are_refused(text):
+    from echo_vllm.config import parse_bytes
+
+    with pytest.raises(ValueError, match="not a byte count"):
+        parse_bytes(text)
+    with pytest.raises(EchoConfigError, match="min_bytes"):
+        EchoConfig.from_mapping({"min_bytes": text})

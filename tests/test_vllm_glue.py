@@ -7,7 +7,7 @@ import pytest
 
 from echo_vllm import EchoConfig, EchoConfigError
 from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
-from echo_vllm.vllm_glue import tracking
+from echo_vllm.vllm_glue import compat, tracking
 from echo_vllm.vllm_glue.compat import check_version, version_tuple
 from echo_vllm.vllm_glue.guards import EchoEngineConfigError
 from echo_vllm.vllm_glue.tracking import (
@@ -131,6 +131,29 @@ def test_guards_for_emulation():
     assert conflicts(_config(tp=1, fuse_allreduce_rms=True), emu) == []
     (msg,) = conflicts(_config(tp=2), emu)
     assert "--tensor-parallel-size 1" in msg
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode, eager, graphs", [
+    ("NONE", False, False), ("PIECEWISE", False, True), ("FULL", False, True),
+    ("FULL_DECODE_ONLY", False, True), ("FULL_AND_PIECEWISE", False, True), ("FULL", True, False),
+])
+def test_cudagraphs_enabled_reads_vllms_enum(mode, eager, graphs):
+    config_mod = pytest.importorskip("vllm.config")
+    cfg = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                          compilation_config=SimpleNamespace(cudagraph_mode=config_mod.CUDAGraphMode[mode]))
+    assert compat.cudagraphs_enabled(cfg) is graphs
+
+
+def test_guards_refuse_stochastic_rounding_under_cuda_graphs():
+    stochastic = TpCommSettings(mode="echo", echo=EchoConfig(rounding="stochastic"))
+    graphs = _config()
+    graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
+    (msg,) = conflicts(graphs, stochastic)
+    assert "--enforce-eager" in msg and "echo_rounding=nearest" in msg
+    assert conflicts(graphs, ECHO) == []  # nearest rounding replays fine
+    graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="NONE")
+    assert conflicts(graphs, stochastic) == []
 
 
 # -- versions ------------------------------------------------------------------

@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
+from ..config import parse_bytes
+
 
 @dataclass
 class Row:
@@ -50,12 +52,8 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def parse_size(text: str) -> int:
-    """``8K``, ``64MiB``, ``1G``, ``1000000`` -> bytes (binary suffixes)."""
-    t = text.strip().lower().replace("ib", "").replace("b", "")
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
-    number = t[:-1] if t[-1:] in "kmg" else t
-    return int(float(number) * scale)
+#: ``8K``, ``64MiB``, ``1G``, ``1000`` -> bytes: the config's parser (binary suffixes).
+parse_size = parse_bytes
 
 
 def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:

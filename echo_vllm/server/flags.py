@@ -22,19 +22,11 @@ from typing import Any
 
 from ..config import FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
+# the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
+from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
+from ..vllm_glue.settings import KNOWN_KEYS as TP_COMM_KEYS
+from ..vllm_glue.settings import MODES as TP_COMM_CHOICES
 
-TP_COMM_CHOICES = ("nccl", "echo")
-TP_COMM_KEY = "tp_comm"
-"""additional_config key the plugin reads the all-reduce backend from."""
-EMULATE_KEY = "tp_comm_emulate"
-"""additional_config key of the one-GPU emulation's virtual TP size."""
-MEASURE_KEY = "tp_comm_emulate_measure"
-"""additional_config key: the emulation also measures the residual stream's
-accumulated communication error (eager mode)."""
-POSTNORM_KEY = "tp_comm_postnorm"
-"""additional_config key: what Echo does on a post-norm model (Gemma-2/3, ...)."""
-TP_COMM_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY)
-"""Every ``tp_comm*`` key the plugin knows (others are refused)."""
 ECHO_KEY_PREFIX = "echo_"
 """additional_config keys ``echo_<EchoConfig field>`` carry Echo's options."""
 

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Mapping
 
-from ..config import EchoConfig, EchoConfigError
+from ..config import FALSE_TEXT, TRUE_TEXT, EchoConfig, EchoConfigError
 from ..postnorm import POSTNORM_POLICIES
+from ..vllm_glue import compat
+from ..vllm_glue.guards import BYPASS_PASSES
 from .flags import (
     ECHO_KEY_PREFIX,
     EMULATE_KEY,
@@ -48,20 +50,15 @@ _TP_OPTIONS = ("-tp", "--tensor-parallel-size")
 _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
 _UBATCH_OPTION = "--ubatch-size"
 
-#: Compilation passes that remove or replace the all-reduce Echo hooks:
-#: FlashInfer's fused all-reduce + RMSNorm, sequence parallelism
-#: (reduce-scatter + all-gather instead of all-reduce) and async TP
-#: (GEMM fused with those collectives, built on sequence parallelism).
-BYPASS_PASSES_0_26 = ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms")
+#: Compilation passes that remove or replace the all-reduce Echo hooks (the
+#: guard rails' list): FlashInfer's fused all-reduce + RMSNorm, sequence
+#: parallelism and async TP (GEMM fused with SP's collectives).
+BYPASS_PASSES_0_26 = tuple(BYPASS_PASSES)
 #: vLLM 0.33 removed enable_sp / fuse_gemm_comms (passing them errors there).
 BYPASS_PASSES_0_33 = ("fuse_allreduce_rms",)
 _SP_REMOVED_IN = (0, 33)
 
-_REASONS = {
-    "fuse_allreduce_rms": "replaces all-reduce + RMSNorm with FlashInfer's fused kernel",
-    "enable_sp": "replaces the all-reduce with reduce-scatter + all-gather (sequence parallelism)",
-    "fuse_gemm_comms": "fuses GEMMs with reduce-scatter/all-gather (async TP)",
-}
+_REASONS = BYPASS_PASSES
 
 
 class ServeArgsError(ValueError):
@@ -99,10 +96,11 @@ class ServeSettings:
 
 def bypass_passes_for(vllm_version: str | None) -> tuple[str, ...]:
     """Pass keys to switch off for the installed vLLM (0.26 spelling if unknown)."""
-    nums = [int(n) for n in re.findall(r"\d+", vllm_version or "")[:2]]
-    if len(nums) == 2 and tuple(nums) >= _SP_REMOVED_IN:
-        return BYPASS_PASSES_0_33
-    return BYPASS_PASSES_0_26
+    try:
+        removed = compat.version_tuple(vllm_version or "") >= _SP_REMOVED_IN
+    except ValueError:
+        removed = False
+    return BYPASS_PASSES_0_33 if removed else BYPASS_PASSES_0_26
 
 
 def installed_vllm_version() -> str | None:
@@ -139,13 +137,10 @@ def parse_dotted_value(text: str) -> Any:
         return text
 
 
-_TRUE_TEXT = {"1", "true", "t", "yes", "y", "on"}
-
-
 def _truthy(value: Any) -> bool:
     """Would pydantic read this pass-config value as True?"""
     if isinstance(value, str):
-        return value.strip().lower() in _TRUE_TEXT
+        return value.strip().lower() in TRUE_TEXT
     return bool(value)
 
 
@@ -207,9 +202,9 @@ def _take_value(argv: list[str], i: int, name: str, inline: str | None) -> tuple
 
 def _parse_bool(name: str, text: str) -> bool:
     low = text.strip().lower()
-    if low in _TRUE_TEXT:
+    if low in TRUE_TEXT:
         return True
-    if low in {"0", "false", "f", "no", "n", "off"}:
+    if low in FALSE_TEXT:
         return False
     raise ServeArgsError(f"{name}={text!r}: expected true or false")
 

@@ -8,14 +8,17 @@ that vLLM read the settings the rewrite decided. Checked against vLLM 0.26.
 
 from __future__ import annotations
 
-import re
 from importlib import metadata
 from typing import Any
 
+from ..vllm_glue import compat
 from .rewrite import ServeArgsError, ServeSettings, verify_parsed
 
-#: vLLM versions this glue was written against: [min, max) as (major, minor).
-SUPPORTED_VLLM = ((0, 26), (0, 34))
+#: vLLM versions this glue was written against: [min, max) as (major, minor) --
+#: the plugin's range. Unlike the plugin, which tries a newer vLLM with a
+#: warning when the hooked method exists, ``echo-vllm serve`` refuses one: it
+#: rewrites the command line against vLLM's parser, which changes more often.
+SUPPORTED_VLLM = (compat.MIN_VERSION, compat.UNTESTED_FROM)
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -24,8 +27,11 @@ def check_vllm_version(version: str | None = None) -> str:
         version = version or metadata.version("vllm")
     except metadata.PackageNotFoundError:
         raise ServeArgsError("vLLM is not installed: pip install 'echo-vllm[vllm]'") from None
-    nums = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
     low, high = SUPPORTED_VLLM
+    try:
+        nums = compat.version_tuple(version)
+    except ValueError:
+        raise ServeArgsError(f"vLLM version {version!r} cannot be read") from None
     if not (low <= nums < high):
         raise ServeArgsError(
             f"vLLM {version} is not supported (need >={low[0]}.{low[1]},<{high[0]}.{high[1]})")

@@ -172,6 +172,12 @@ def max_num_batched_tokens(vllm_config: Any) -> int | None:
 
 
 def cudagraphs_enabled(vllm_config: Any) -> bool:
-    comp = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(comp, "cudagraph_mode", None)
-    return bool(mode) if mode is not None else False
+    """Whether the engine may replay CUDA graphs (``cudagraph_mode`` other
+    than NONE and no ``enforce_eager``), by the mode's name (the Enum's
+    truthiness is vLLM's own convention)."""
+    if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None:
+        return False
+    return str(getattr(mode, "name", mode)).upper() != "NONE"

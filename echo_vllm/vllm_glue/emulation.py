@@ -42,7 +42,8 @@ from ..transport import VirtualTransport
 from . import compat
 from .hook import SessionBase
 from .settings import TpCommSettings
-from .tracking import CallSlot, capturing
+from ..capture import capturing
+from .tracking import CallSlot
 
 logger = logging.getLogger("echo_vllm")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import EchoConfigError
+from . import compat
 from .settings import TpCommSettings
 
 
@@ -33,12 +34,13 @@ class EchoEngineConfigError(EchoConfigError):
     """The vLLM engine configuration conflicts with Echo."""
 
 
-#: pass_config fields that remove or split the all-reduce node, and the flag
-#: that turns each off.
-_PASS_FLAGS = {
-    "fuse_allreduce_rms": "-cc.pass_config.fuse_allreduce_rms=false",
-    "enable_sp": "-cc.pass_config.enable_sp=false",
-    "fuse_gemm_comms": "-cc.pass_config.fuse_gemm_comms=false",
+#: vLLM 0.26 compilation passes (pass_config fields) that remove or replace
+#: the all-reduce Echo hooks, and what each does instead. ``echo-vllm serve``
+#: turns them off (server/rewrite.py); here the engine refuses them.
+BYPASS_PASSES = {
+    "fuse_allreduce_rms": "replaces all-reduce + RMSNorm with FlashInfer's fused kernel",
+    "enable_sp": "replaces the all-reduce with reduce-scatter + all-gather (sequence parallelism)",
+    "fuse_gemm_comms": "fuses GEMMs with reduce-scatter/all-gather (async TP)",
 }
 
 
@@ -59,13 +61,19 @@ def conflicts(vllm_config: Any, settings: TpCommSettings) -> list[str]:
 
     if not settings.emulated and tp_size > 1:
         pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
-        for name, flag in _PASS_FLAGS.items():
+        for name in BYPASS_PASSES:
             if getattr(pass_config, name, None):
                 problems.append(
                     f"compilation pass {name} is on; it removes the all-reduce Echo replaces. "
-                    f"Turn it off: vllm serve ... {flag} "
+                    f"Turn it off: vllm serve ... -cc.pass_config.{name}=false "
                     f"(Python: compilation_config={{'pass_config': {{'{name}': False}}}})"
                 )
+
+    if settings.mode == "echo" and settings.echo.rounding == "stochastic" and compat.cudagraphs_enabled(vllm_config):
+        problems.append(
+            "echo_rounding=stochastic draws its noise from a torch generator; a CUDA-graph replay would "
+            "repeat the captured draw every step. Run eager (--enforce-eager) or use echo_rounding=nearest"
+        )
 
     if getattr(parallel, "enable_dbo", False) or int(getattr(parallel, "ubatch_size", 0) or 0) > 1:
         problems.append(

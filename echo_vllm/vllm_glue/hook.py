@@ -40,7 +40,8 @@ from ..transport import ProcessGroupTransport, Transport
 from . import compat
 from .guards import check_engine_config
 from .settings import TpCommSettings
-from .tracking import ForwardTracker, StepStats, capturing, metrics_publisher, tag_forward
+from ..capture import capturing
+from .tracking import ForwardTracker, StepStats, metrics_publisher, tag_forward
 
 logger = logging.getLogger("echo_vllm")
 

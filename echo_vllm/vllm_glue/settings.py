@@ -46,7 +46,17 @@ from ..postnorm import (
 #: Values of ``tp_comm``.
 MODES = ("nccl", "echo")
 
-_KNOWN_KEYS = ("tp_comm", "tp_comm_emulate", "tp_comm_emulate_measure", "tp_comm_postnorm")
+TP_COMM_KEY = "tp_comm"
+"""additional_config key the plugin reads the all-reduce backend from."""
+EMULATE_KEY = "tp_comm_emulate"
+"""additional_config key of the one-GPU emulation's virtual TP size."""
+MEASURE_KEY = "tp_comm_emulate_measure"
+"""additional_config key: the emulation also measures the residual stream's
+accumulated communication error (eager mode)."""
+POSTNORM_KEY = "tp_comm_postnorm"
+"""additional_config key: what Echo does on a post-norm model (Gemma-2/3, ...)."""
+KNOWN_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY)
+"""Every ``tp_comm*`` key the plugin knows (others are refused)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +112,11 @@ class TpCommSettings:
         # "tp-comm" / "echo-group-size" (the CLI's spelling) read as "tp_comm" / ...
         raw = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in raw.items()}
         unknown = [
-            k for k in raw if isinstance(k, str) and k.startswith("tp_comm") and k not in _KNOWN_KEYS
+            k for k in raw if isinstance(k, str) and k.startswith(TP_COMM_KEY) and k not in KNOWN_KEYS
         ]
         if unknown:
             raise EchoConfigError(
-                f"unknown option(s) {unknown} in additional_config; known: {list(_KNOWN_KEYS)}"
+                f"unknown option(s) {unknown} in additional_config; known: {list(KNOWN_KEYS)}"
             )
         mode = str(raw.get("tp_comm", "nccl")).strip().lower()
         emulate = _coerce("tp_comm_emulate", raw.get("tp_comm_emulate", 0), int)

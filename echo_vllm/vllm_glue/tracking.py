@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..capture import capturing
 from ..stats import EchoStats
 
 logger = logging.getLogger("echo_vllm")
@@ -67,10 +68,6 @@ GRAPH_KEY = "echo_cudagraph"
 PUBLISH_INTERVAL_S = 1.0
 
 PlanEntry = tuple  # (path, reason, nbytes, wire, equiv)
-
-
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass

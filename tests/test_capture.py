@@ -1,0 +1,36 @@
+"""Work that a CUDA graph cannot replay faithfully refuses to be captured,
+through the one capture check (``echo_vllm.capture.capturing``) that the CPU
+stand-in for a capture reaches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+from echo_vllm.capture import capturing
+from echo_vllm.testing.vllm_graphs import capture
+
+
+def test_the_stand_in_reaches_the_check():
+    assert not capturing()
+    with capture():
+        assert capturing()
+
+
+def test_stochastic_rounding_refuses_capture_nearest_runs():
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
+    stochastic = EchoAllReduce(EchoConfig(rounding="stochastic", min_bytes=0), VirtualTransport(4))
+    stochastic.all_reduce(x)  # eager: fine
+    with capture(), pytest.raises(RuntimeError, match="cannot run inside a CUDA graph"):
+        stochastic.all_reduce(x)
+    nearest = EchoAllReduce(EchoConfig(min_bytes=0), VirtualTransport(4))
+    with capture():
+        captured = nearest.all_reduce(x)
+    assert torch.equal(captured, EchoAllReduce(EchoConfig(min_bytes=0), VirtualTransport(4)).all_reduce(x))
+
+
+def test_feedback_buffer_cannot_grow_during_capture():
+    chain = FeedbackChain(4)
+    with capture(), pytest.raises(RuntimeError, match="reserve it before capture"):
+        chain.reserve(1024)
