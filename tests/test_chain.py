@@ -17,13 +17,110 @@ from echo_vllm import (
     FeedbackChain,
     VirtualTransport,
 )
+from echo_vllm.quant import decode_chunks
 
 P, TOKENS, HIDDEN = 4, 32, 512
+G = 32  # EchoConfig's default group size, used by every config below
+U_32 = 2.0**-24  # unit roundoff of fp32 (round to nearest: |fl(v) - v| <= u |fl(v)|)
+U_B = 2.0**-8  # unit roundoff of bf16 (8 significant bits): half an ulp, relative
+GAMMA_5 = 5 * U_32 / (1 - 5 * U_32)  # a fp32 FWHT of g = 32 = 2^5: 5 rounded butterfly levels
 
 
 def _partials(t: int, dtype=torch.bfloat16) -> torch.Tensor:
     g = torch.Generator().manual_seed(t)
     return torch.randn(P, TOKENS, HIDDEN, generator=g).to(dtype)
+
+
+class _Recorder(VirtualTransport):
+    """A VirtualTransport that keeps, per call, what the stages handed it:
+    the stage-1 wire and the feedback buffer as stage 1 left it (before
+    stage 2 adds its error to the owner's chunk), the gathered stage-2 wire,
+    and the input of the exact path."""
+
+    def __init__(self, world_size: int, chain: FeedbackChain | None = None):
+        super().__init__(world_size)
+        self.chain = chain
+        self.log: list[dict] = []
+
+    def all_to_all(self, send):
+        self.log.append({"sent": send.clone(), "fb1": self.chain.buffer(1).clone()})
+        return super().all_to_all(send)
+
+    def all_gather(self, chunks):
+        self.log[-1]["gathered"] = chunks.clone()
+        return super().all_gather(chunks)
+
+    def all_reduce_exact(self, x):
+        self.log.append({"absorbed": x.clone()})
+        return super().all_reduce_exact(x)
+
+
+def _group_abs_sum(v: torch.Tensor) -> torch.Tensor:
+    """sum over each element's group of G (last dim) of |v|, per element."""
+    a = v.abs().reshape(*v.shape[:-1], -1, G)
+    return a.sum(-1, keepdim=True).expand_as(a).reshape(v.shape)
+
+
+def _echo_call_slack(xs, y, rec, e_in, e_out, lay, *, hadamard, incoming) -> torch.Tensor:
+    """Per-element bound [numel] on |y - S - rot^-1(E_in - E_out)| for one Echo
+    call (CPU: the torch references of echo_vllm.quant), E = the feedback
+    buffer as stored. Derivation: D = q*s is exact (<= 11 significant bits)
+    and so is the decode, so per rotated element, summed over ranks r, only
+    these roundings (each <= u |rounded value|) make y differ from
+    S + E_in - E_out: rot(x_r) in fp32 (gamma_5 sum_grp |x_r|); u_r = rot(x_r)
+    + E_in_r (U_32 |u_r|, only with an incoming error); the error u - D of
+    either quantization (U_32 |err|: exact by Sterbenz but for one tie case,
+    counted anyway); the stage-2 fp32 sum in rank order (U_32 per partial
+    sum, |partial_k| <= sum_{r<=k} |D1_r|); the stage-1 error stored in the
+    buffer dtype (u_store |E1_r|); the owner's E1 + err2 in fp32, then
+    stored ((U_32 (1 + u_store) + u_store) |E_out|); the inverse rotation W/g
+    of the sum (gamma_5 sum_grp |D2| / g; /g is a power of two) and the cast
+    to y's dtype (u_out |y|). The inverse rotation maps a rotated-domain
+    error v to |(W v / g)_i| <= sum_grp |v| / g.
+    """
+    n, np_, c = lay.numel, lay.padded_numel, lay.chunk_numel
+    u_store = 0.0 if e_out.dtype == torch.float32 else U_B
+    u_out = 0.0 if y.dtype == torch.float32 else torch.finfo(y.dtype).eps / 2
+    gam = GAMMA_5 if hadamard else 0.0
+    x_abs = torch.zeros(P, np_, dtype=torch.float64)
+    x_abs[:, :n] = xs.double().reshape(P, n).abs()
+    rx = _group_abs_sum(x_abs) if hadamard else x_abs  # >= |rot(x_r)|
+    d1 = decode_chunks(rec["sent"], lay).reshape(P, np_).double().abs()
+    d2 = decode_chunks(rec["gathered"], lay).reshape(np_).double().abs()
+    e1 = rec["fb1"][:, :np_].double().abs()
+    owner = (torch.arange(np_) // c).unsqueeze(0)
+    e_own = e_out[:, :np_].double().abs().gather(0, owner).squeeze(0)
+    e1_own = e1.gather(0, owner).squeeze(0)
+    slack = (gam * rx).sum(0)
+    if incoming:
+        slack += U_32 * (rx * (1 + gam) + e_in[:, :np_].double().abs()).sum(0)
+    slack += U_32 * sum(d1[: k + 1].sum(0) for k in range(1, P))
+    # |e1| <= (1 + u_store)|E1|; |err2| <= (1 + 2^-7)|E_out| + |E1| (owner)
+    slack += U_32 * ((1 + u_store) * e1.sum(0) + (1 + 2**-7) * e_own + e1_own)
+    slack += u_store * e1.sum(0) + (U_32 * (1 + u_store) + u_store) * e_own
+    if hadamard:
+        slack = (_group_abs_sum(slack) + gam * _group_abs_sum(d2)) / G
+    # (1 + 2^-20) covers the (1 + u)^k growth of the magnitudes bounded above
+    return slack[:n] * (1 + 2**-20) + u_out * y.double().reshape(n).abs()
+
+
+def _exact_call_slack(absorbed, y, e_in, *, hadamard) -> torch.Tensor:
+    """Per-element bound [numel] on |y - S - rot^-1(E_in)| for the exact call
+    that consumes E_in (bf16 inputs): per rank, rot^-1(E_in) in fp32
+    (gamma_5 sum_grp |E| / g), x + that in fp32 (U_32), rounded to bf16
+    (U_B |absorbed|); the fp32 rank-order sum (U_32 per partial sum, each <=
+    sum |absorbed|) and its bf16 rounding (U_B |y|)."""
+    n = y.numel()
+    a = absorbed.double().reshape(P, n).abs().sum(0)
+    rot = GAMMA_5 * _group_abs_sum(e_in[:, :n].double()).sum(0) / G if hadamard else 0.0
+    rounded = rot + (U_B + U_32 * (1 + 2**-7)) * a + (P - 1) * U_32 * a
+    return rounded * (1 + 2**-20) + U_B * y.double().reshape(n).abs()
+
+
+def _fp64_slack(ops: int, mag: torch.Tensor) -> torch.Tensor:
+    """The test's own fp64 bookkeeping: ``ops`` roundings per element, each
+    <= 2^-53 of a partial sum, all bounded by ``mag`` (a sum of |terms|)."""
+    return ops * 2.0**-53 * mag.reshape(-1)
 
 
 def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
@@ -46,7 +143,8 @@ def test_echo_error_stays_flat_while_naive_grows(hadamard):
     calls = 64
     echo = _residual_errors(EchoConfig(hadamard=hadamard, exact_last_call=False), calls)
     naive = _residual_errors(EchoConfig.naive(hadamard=hadamard), calls)
-    assert echo[0] == pytest.approx(naive[0], rel=1e-12)  # same first call
+    # same first call, bit for bit: no incoming error, the same stages
+    assert echo[0] == naive[0]
     # Echo: E_T is one call's stage-1 + stage-2 error at every depth.
     assert max(echo) <= 1.5 * echo[0], (echo[0], max(echo))
     # Naive: independent errors add, sqrt(64) = 8x expected; assert >= 3x.
@@ -55,41 +153,76 @@ def test_echo_error_stays_flat_while_naive_grows(hadamard):
 
 
 def test_telescoping_identity_holds_exactly():
-    """sum_t y_t == sum_t S_t - E_T (fp64 bookkeeping, fp32 inputs so no
-    output rounding): the residual error IS the last carried error."""
+    """sum_t y_t == sum_t S_t - E_T (fp64 bookkeeping, fp32 inputs and an fp32
+    buffer so no output or storage rounding): the residual error IS the last
+    carried error, up to the fp32 roundings counted by _echo_call_slack."""
     cfg = EchoConfig(hadamard=False, exact_last_call=False)
-    ar = EchoAllReduce(cfg, VirtualTransport(P))
     chain = FeedbackChain(P)
-    res = torch.zeros(TOKENS * HIDDEN, dtype=torch.float64)
-    ref = torch.zeros_like(res)
+    transport = _Recorder(P, chain)
+    ar = EchoAllReduce(cfg, transport)
     n = TOKENS * HIDDEN
+    lay = ar.layout(n)
+    res = torch.zeros(n, dtype=torch.float64)
+    ref = torch.zeros_like(res)
+    slack = torch.zeros_like(res)
+    mag = torch.zeros_like(res)
     for t in range(10):
         xs = _partials(t, torch.float32)
-        res += ar.all_reduce(xs, chain, t).double().reshape(-1)
+        e_in = chain.buffer(n).clone()
+        y = ar.all_reduce(xs, chain, t)
+        slack += _echo_call_slack(
+            xs, y, transport.log[-1], e_in, chain.buffer(n), lay, hadamard=False, incoming=t > 0
+        )
+        res += y.double().reshape(-1)
         ref += xs.double().sum(0).reshape(-1)
         carried = chain.buffer(n)[:, :n].double().sum(0)
-        # fp32 rounding only: each of 2 ops per call per element ~ 2^-24 rel
-        tol = 1e-5 * (t + 1) * ref.abs().max().item()
-        assert torch.allclose(res, ref - carried, rtol=0, atol=tol)
+        # fp64: per call 3 adds in sum(0) and 2 +=; then carried's 3 and the -
+        mag += xs.double().abs().sum(0).reshape(-1) + y.double().abs().reshape(-1)
+        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + chain.buffer(n)[:, :n].double().abs().sum(0))
+        err = (res - (ref - carried)).abs()
+        assert bool((err <= slack + fp64).all()), (t, (err - slack - fp64).max().item())
+        # not vacuous: the carried error is 4-bit sized, the slack fp32 sized
+        assert carried.abs().max() > 1e4 * slack.max()
 
 
 def test_exact_last_call_flushes_the_error():
     cfg = EchoConfig(hadamard=True, exact_last_call=True, min_bytes=0, first_exact_calls=0)
-    comm = EchoCommunicator(cfg, VirtualTransport(P))
+    transport = _Recorder(P)
+    comm = EchoCommunicator(cfg, transport)
+    transport.chain = comm.chain
+    assert comm.chain.dtype == "bfloat16"  # the default: storage roundings are counted
+    n = TOKENS * HIDDEN
+    lay = comm.echo.layout(n)
     calls = 9
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
+    bound = torch.zeros(n, dtype=torch.float64)
+    mag = torch.zeros_like(res)
     for t in range(calls):
         xs = _partials(t)
-        res += comm.all_reduce(xs, t, last_call=(t == calls - 1)).double()
+        e_in = comm.chain.buffer(n).clone()
+        y = comm.all_reduce(xs, t, last_call=(t == calls - 1))
+        res += y.double()
         ref += xs.double().sum(0)
+        mag += xs.double().abs().sum(0) + y.double().abs()
+        if t < calls - 1:
+            bound += _echo_call_slack(
+                xs, y, transport.log[-1], e_in, comm.chain.buffer(n), lay, hadamard=True, incoming=t > 0
+            )
+        else:
+            bound += _exact_call_slack(transport.log[-1]["absorbed"], y, e_in, hadamard=True)
         if t == calls - 2:
             err_before = (res - ref).abs().max().item()
-    # after the exact call only bf16 roundings remain: the absorbed input is
-    # rounded to bf16 per rank and the sum once more, each <= 2^-9 relative
-    # (half an ulp), plus the earlier outputs' own bf16 roundings.
-    err_after = (res - ref).abs().max().item()
-    assert err_after < err_before / 5
+    # The E's telescope (E_0 = 0, the exact call consumes E_8 and leaves
+    # none), so after it only the roundings remain: per earlier call its
+    # bf16 output cast (U_B |y_t|), the bf16-stored errors and fp32 work;
+    # in the exact call x_r + rot^-1(E_r) rounded to bf16 per rank
+    # (U_B |absorbed_r|) and the sum once more (U_B |y|); plus the fp64
+    # bookkeeping (per call 3 adds in sum(0) and 2 +=; then the -).
+    bound += _fp64_slack(5 * calls + 1, mag)
+    err_after = (res - ref).abs().reshape(-1)
+    assert bool((err_after <= bound).all()), (err_after - bound).max().item()
+    assert bound.max() < err_before / 2  # not vacuous: a 4-bit error would fail it
     snap = comm.stats.snapshot()["calls"]
     assert snap == {"echo/echo": calls - 1, "exact/exact_last_call": 1}
     assert comm.chain.stats.carried == calls - 1 and not comm.chain.pending
@@ -98,11 +231,16 @@ def test_exact_last_call_flushes_the_error():
 def test_exact_call_mid_chain_consumes_pending_error():
     cfg = EchoConfig(hadamard=True, exact_last_call=False, min_bytes=1 << 30, first_exact_calls=0)  # all exact
     echo_cfg = cfg.replace(min_bytes=0)
-    transport = VirtualTransport(P)
+    transport = _Recorder(P)
     comm = EchoCommunicator(echo_cfg, transport)
+    transport.chain = comm.chain
+    n = TOKENS * HIDDEN
     xs0, xs1 = _partials(0), _partials(1)
     y0 = comm.all_reduce(xs0, 0)
     pending = comm.chain.buffer(1)[:, : TOKENS * HIDDEN].clone()
+    bound = _echo_call_slack(
+        xs0, y0, transport.log[-1], pending, pending, comm.echo.layout(n), hadamard=True, incoming=False
+    )
     comm.config = cfg  # next call falls below min_bytes -> exact path
     comm.echo.config = cfg
     y1 = comm.all_reduce(xs1, 1)
@@ -113,12 +251,20 @@ def test_exact_call_mid_chain_consumes_pending_error():
 
     e = fwht(pending.float().reshape(P, -1, 32)).reshape(P, TOKENS, HIDDEN) / 32
     absorbed = (xs1.float() + e).bfloat16()
+    assert torch.equal(transport.log[-1]["absorbed"], absorbed)
     assert torch.equal(y1, transport.all_reduce_exact(absorbed))
-    # and the two outputs together carry no error beyond bf16 rounding
+    # and the two outputs together carry no error beyond the roundings: y0 =
+    # S0 - rot^-1(E) + slack, y1 = S1 + rot^-1(E) + slack (bounds derived in
+    # _echo_call_slack / _exact_call_slack: bf16 casts, bf16 storage, fp32)
+    bound += _exact_call_slack(absorbed, y1, pending, hadamard=True)
     total = y0.double() + y1.double()
     exact = xs0.double().sum(0) + xs1.double().sum(0)
+    mag = xs0.double().abs().sum(0) + xs1.double().abs().sum(0) + y0.double().abs() + y1.double().abs()
+    bound += _fp64_slack(9, mag)  # 1 add in total, 7 in exact, the -
+    err = (total - exact).abs().reshape(-1)
+    assert bool((err <= bound).all()), (err - bound).max().item()
     one_call = (y0.double() - xs0.double().sum(0)).abs().max()
-    assert (total - exact).abs().max() < one_call / 5
+    assert bound.max() < one_call / 2  # not vacuous: the 4-bit error alone fails it
 
 
 def test_chain_rule_restarts_and_drops():

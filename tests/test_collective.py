@@ -145,9 +145,12 @@ def test_bad_inputs_are_rejected():
         ar.all_reduce(torch.zeros(4, 64, dtype=torch.int32))
 
 
-def test_output_is_bit_identical_for_every_virtual_rank_view():
-    """Each rank dequantizes the same gathered bytes: the virtual transport
-    returns one tensor, and re-decoding any rank's gathered copy gives it."""
+def test_each_rank_alone_computes_the_virtual_ranks_bits():
+    """A process of a real group holds one rank (R = 1); the virtual
+    transport computes all P at once. Per rank r, alone: its stage-1 wire and
+    feedback row, its reduced chunk (stage 2 on what it received, owning
+    chunk r) and the output it decodes from the chunks gathered from every
+    rank are the bits of the batched call."""
     from echo_vllm import quant
 
     world, n = 3, 4000
@@ -157,8 +160,24 @@ def test_output_is_bit_identical_for_every_virtual_rank_view():
     t = VirtualTransport(world)
     ar = EchoAllReduce(cfg, t)
     lay = ar.layout(n)
-    wire = quant.stage1_reference(xs, None, lay, hadamard=True)
-    q2 = quant.stage2_reference(t.all_to_all(wire), None, [0, 1, 2], lay)
+    fb = torch.zeros(world, lay.padded_numel)
+    wire = quant.stage1_reference(xs, fb, lay, hadamard=True)
+    recv = t.all_to_all(wire)
+    q2 = quant.stage2_reference(recv, fb, list(range(world)), lay)
     y = ar.all_reduce(xs)
-    for _ in range(world):  # every rank decodes the same all-gathered bytes
-        assert torch.equal(quant.output_reference(q2, lay, torch.bfloat16, hadamard=True), y)
+    assert torch.equal(quant.output_reference(t.all_gather(q2), lay, torch.bfloat16, hadamard=True), y)
+    chunks = []
+    for r in range(world):
+        fb_r = torch.zeros(1, lay.padded_numel)
+        wire_r = quant.stage1_reference(xs[r : r + 1], fb_r, lay, hadamard=True)
+        assert torch.equal(wire_r[0], wire[r])
+        recv_r = torch.stack([wire[i, r] for i in range(world)]).unsqueeze(0)  # chunk r of every rank
+        assert torch.equal(recv_r[0], recv[r])
+        chunk = quant.stage2_reference(recv_r, fb_r, [r], lay)
+        assert torch.equal(chunk[0], q2[r])
+        assert torch.equal(fb_r[0], fb[r])  # stage-1 error, plus stage 2's on chunk r
+        chunks.append(chunk[0])
+    assert len({c.numpy().tobytes() for c in chunks}) == world  # distinct per rank: not vacuous
+    # every rank's all-gather assembles these same bytes (chunk i from rank
+    # i), and decoding is a pure function of them: one decode covers all ranks
+    assert torch.equal(quant.output_reference(torch.stack(chunks), lay, torch.bfloat16, hadamard=True), y)

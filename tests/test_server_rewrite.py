@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_vllm.config import EchoConfig
+from echo_vllm.config import SUPPORTED_BITS, EchoConfig
 from echo_vllm.server.flags import echo_flags, format_help
 from echo_vllm.server.rewrite import (
     BYPASS_PASSES_0_26,
@@ -72,9 +72,12 @@ SAMPLE = {
     "max_bytes": ("64m", 64 << 20),
     "rounding": ("stochastic", "stochastic"),
     "seed": ("7", 7),
-    "feedback_dtype": ("bfloat16", "bfloat16"),
+    "feedback_dtype": ("float32", "float32"),
     "first_exact_calls": ("2", 2),
 }
+
+#: Fields with one legal value, which is the default: no non-default sample exists.
+ONLY_VALUE = {"bits": SUPPORTED_BITS}
 
 
 def test_every_config_field_has_a_flag_and_a_sample():
@@ -84,6 +87,17 @@ def test_every_config_field_has_a_flag_and_a_sample():
         "--echo-" + n.replace("_", "-") for n in fields}
     bools = [f.field for f in echo_flags() if f.kind == "bool" and f.field is not None]
     assert sorted(bools + list(SAMPLE)) == sorted(fields)
+
+
+def test_every_sample_value_is_not_the_default():
+    """A sample equal to the default would pass even if its flag were ignored."""
+    default = EchoConfig()
+    for name, (_, parsed) in SAMPLE.items():
+        if name in ONLY_VALUE:
+            # exempt only while the default is the one legal value
+            assert ONLY_VALUE[name] == (getattr(default, name),) == (parsed,), name
+            continue
+        assert parsed != getattr(default, name), f"SAMPLE[{name!r}] is EchoConfig's default"
 
 
 def _value_cases():
