@@ -145,15 +145,21 @@ EOF
     models=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
     [ "${1:-}" = "--" ] && shift
     mkdir -p "$STATE/bg"
+    # one queue file per call: a second `bg` must not rerun the first one's models
+    q="$STATE/bg/queue.$(date +%s%N).sh"
     for m in "${models[@]}"; do
-      cat >> "$STATE/bg/queue.sh" <<EOS
+      cat >> "$q" <<EOS
 for i in \$(seq ${BG_WAIT_S:-1800}); do [ -f "$STATE/cache/ready-$m" ] && break; sleep 1; done
-echo "[bg] \$(date -u +%T) $m: start" >> "$STATE/bg/status.txt"
-OUT="$STATE/bg/$m" MODEL="$m" bash "$PWD/scripts/gpu_eval.sh" run ${LIMIT:-none} $* > "$STATE/bg/$m.log" 2>&1
-echo "[bg] \$(date -u +%T) $m: exit \$?" >> "$STATE/bg/status.txt"
+if [ ! -f "$STATE/cache/ready-$m" ]; then
+  echo "[bg] \$(date -u +%T) $m: exit not-ready (setup never verified it)" >> "$STATE/bg/status.txt"
+else
+  echo "[bg] \$(date -u +%T) $m: start" >> "$STATE/bg/status.txt"
+  OUT="$STATE/bg/$m" MODEL="$m" bash "$PWD/scripts/gpu_eval.sh" run ${LIMIT:-none} $* > "$STATE/bg/$m.log" 2>&1
+  echo "[bg] \$(date -u +%T) $m: exit \$?" >> "$STATE/bg/status.txt"
+fi
 EOS
     done
-    setsid nohup bash "$STATE/bg/queue.sh" > "$STATE/bg/queue.log" 2>&1 < /dev/null &
+    setsid nohup bash "$q" > "$q.log" 2>&1 < /dev/null &
     echo "[bg] queued: ${models[*]} (pid $!)"
     ;;
   wait)
@@ -162,7 +168,7 @@ EOS
       # the queue ends when every model it started has an exit line
       starts=$(grep -c ": start" "$STATE/bg/status.txt" 2>/dev/null || true)
       exits=$(grep -c ": exit" "$STATE/bg/status.txt" 2>/dev/null || true)
-      queued=$(grep -c "gpu_eval.sh\" run" "$STATE/bg/queue.sh" 2>/dev/null || true)
+      queued=$(cat "$STATE"/bg/queue.*.sh 2>/dev/null | grep -c "gpu_eval.sh\" run" || true)
       [ "${exits:-0}" -ge "${queued:-0}" ] && [ "${queued:-0}" -gt 0 ] && break
       sleep 10
       [ $((SECONDS % 60)) -lt 10 ] && echo "[wait] ${SECONDS}s: ${starts:-0} started, ${exits:-0} of ${queued:-0} done"
