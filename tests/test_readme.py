@@ -24,3 +24,20 @@ def test_from_python_example_runs_and_prints_what_it_says():
     with contextlib.redirect_stdout(out):
         exec(compile(block, str(README), "exec"), {})
     assert ast.literal_eval(out.getvalue().strip()) == promised
+
+
+def test_demo_table_in_readme_is_what_the_demo_prints(tmp_path, capsys):
+    """The rows README quotes from `echo-vllm demo` (default arguments) are
+    the demo's current output, digit for digit (it is seeded; a change in
+    defaults or numerics must update README)."""
+    from echo_vllm.cli import main
+
+    block = re.search(r"\$ echo-vllm demo[^\n]*\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    rows = [line for line in block.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert len(rows) >= 3
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for row in rows:
+        assert row in printed
+    growth = next(line for line in block.splitlines() if line.startswith("growth"))
+    assert growth in printed
