@@ -372,3 +372,21 @@ def test_help_lists_every_flag_with_its_default():
         if flag.negative:
             assert flag.negative in text
     assert "(default: 32)" in text and "(default: nccl)" in text and f"(default: {256 * 1024})" in text
+
+
+def test_dashed_keys_in_additional_config_read_like_the_plugin_reads_them():
+    # the plugin reads "tp-comm" as "tp_comm": the rewrite must decide the same,
+    # or serve would skip its checks for an engine that then runs Echo
+    argv, s = rewrite(["m", "-tp", "2", "--additional-config",
+                       '{"tp-comm": "echo", "echo-group-size": 64, "other-key": 1}'])
+    _, additional, _ = split_tail(argv)
+    assert s.tp_comm == "echo" and s.echo.group_size == 64
+    assert additional["tp_comm"] == "echo" and additional["echo_group_size"] == 64
+    assert additional["other-key"] == 1  # a platform's own keys are passed as given
+    plugin = TpCommSettings.from_additional_config(additional)
+    assert plugin.mode == "echo" and plugin.echo == s.echo
+
+
+def test_a_nested_echo_object_is_refused_up_front():
+    with pytest.raises(ServeArgsError, match="nested"):
+        rewrite(["m", "-tp", "2", "--additional-config", '{"tp_comm": "echo", "echo": {"group_size": 64}}'])

@@ -30,6 +30,7 @@ from ..config import FALSE_TEXT, TRUE_TEXT, EchoConfig, EchoConfigError
 from ..postnorm import POSTNORM_POLICIES
 from ..vllm_glue import compat
 from ..vllm_glue.guards import BYPASS_PASSES
+from ..vllm_glue.settings import normalize_keys
 from .flags import (
     ECHO_KEY_PREFIX,
     EMULATE_KEY,
@@ -468,7 +469,10 @@ def rewrite_args(
     """
     argv = list(argv)
     scan = _scan(argv, read_config)
-    additional = _merge(scan.configs[ADDITIONAL_CONFIG])
+    additional = normalize_keys(_merge(scan.configs[ADDITIONAL_CONFIG]))
+    if isinstance(additional.get("echo"), Mapping):
+        raise ServeArgsError("--additional-config: a nested \"echo\" object is not read; write "
+                             "echo_<field> keys (e.g. echo_group_size) or --echo-<field> flags")
     _check_tp_comm_keys(additional)
     tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _tp_comm_value) or "nccl"
     tp = scan.tensor_parallel_size

@@ -59,6 +59,15 @@ KNOWN_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY)
 """Every ``tp_comm*`` key the plugin knows (others are refused)."""
 
 
+def normalize_keys(raw: Mapping[str, Any]) -> dict:
+    """Echo's keys in the CLI's dashed spelling (``tp-comm``, ``echo-group-size``)
+    read as the underscored ones; other keys (a platform's own) stay as given."""
+    def ours(key: Any) -> bool:
+        return isinstance(key, str) and (key.startswith("tp-comm") or key.startswith("echo-"))
+
+    return {k.replace("-", "_") if ours(k) else k: v for k, v in raw.items()}
+
+
 @dataclass(frozen=True)
 class TpCommSettings:
     """The engine's tensor-parallel communication choice."""
@@ -109,8 +118,7 @@ class TpCommSettings:
         platform's own config object, means "not asked for")."""
         if not isinstance(raw, Mapping):
             return cls()
-        # "tp-comm" / "echo-group-size" (the CLI's spelling) read as "tp_comm" / ...
-        raw = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in raw.items()}
+        raw = normalize_keys(raw)
         unknown = [
             k for k in raw if isinstance(k, str) and k.startswith(TP_COMM_KEY) and k not in KNOWN_KEYS
         ]
