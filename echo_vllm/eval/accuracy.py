@@ -180,9 +180,10 @@ def vllm_model_args(args, v: Variant, path: Path) -> dict:
         extra["tp_comm_postnorm"] = args.postnorm
     if extra:
         margs["additional_config"] = extra
-    kv_gib = args.kv_cache_gib or (PARALLEL_KV_CACHE_GIB if args.parallel else None)
-    if kv_gib:
-        margs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if args.kv_cache_gib:
+        margs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    elif args.parallel:
+        margs["kv_cache_memory_bytes"] = parallel_kv_cache_bytes(args.gpu_memory_utilization, _gpu_total_bytes())
     if args.real_tp > 1:
         margs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     return margs
@@ -209,6 +210,25 @@ def run_vllm_one(args, v: Variant, tasks: list[str]) -> dict:
 #: of KV for the models here, far above lm-eval's batches of <= 2048-token
 #: requests.
 PARALLEL_KV_CACHE_GIB = 8.0
+
+
+def parallel_kv_cache_bytes(share: float, gpu_total_bytes: int | None) -> int:
+    """KV cache of one side-by-side engine: :data:`PARALLEL_KV_CACHE_GIB`, or
+    half the engine's memory share where that is smaller (a 24 GB GPU split
+    three ways has 6.4 GB a share, weights included)."""
+    cap = int(PARALLEL_KV_CACHE_GIB * 2**30)
+    if gpu_total_bytes:
+        cap = min(cap, int(share * gpu_total_bytes / 2))
+    return cap
+
+
+def _gpu_total_bytes() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    except Exception:  # no usable CUDA here: vLLM will say so itself
+        return None
 
 #: vLLM's start-up error when the memory share left no room for KV blocks.
 KV_CACHE_OOM = "No available memory for the cache blocks"
@@ -368,7 +388,8 @@ def parser() -> argparse.ArgumentParser:
                    help="vLLM: fraction of GPU memory (split between variants with --parallel)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help=f"vLLM: fixed KV-cache size per engine (default with --parallel: "
-                        f"{PARALLEL_KV_CACHE_GIB:g}; otherwise vLLM sizes it from its memory share)")
+                        f"{PARALLEL_KV_CACHE_GIB:g}, or half an engine's memory share if smaller; "
+                        "otherwise vLLM sizes it from its memory share)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs / torch.compile")
     p.add_argument("--parallel", action="store_true",
                    help="vLLM: run all variants at once on the GPU (memory split between them)")
