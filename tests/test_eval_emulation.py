@@ -460,6 +460,8 @@ def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):
     assert set(margs) - {"pretrained"} <= engine_fields  # lm-eval hands them to vllm.LLM
     args.kv_cache_gib = 2.5
     assert vllm_model_args(args, parse_variant("exact"), tmp_path)["kv_cache_memory_bytes"] == 5 * 2**29
+    args.parallel, args.kv_cache_gib = False, None
+    assert "kv_cache_memory_bytes" not in vllm_model_args(args, parse_variant("exact"), tmp_path)
 
 
 def test_side_by_side_kv_cache_fits_small_gpus():
@@ -469,8 +471,6 @@ def test_side_by_side_kv_cache_fits_small_gpus():
     assert parallel_kv_cache_bytes(0.8 / 3, h200) == int(PARALLEL_KV_CACHE_GIB * 2**30)
     assert parallel_kv_cache_bytes(0.8 / 3, l4) == int(0.8 / 3 * l4 / 2)  # half the 6.4 GB share
     assert parallel_kv_cache_bytes(0.8 / 3, None) == int(PARALLEL_KV_CACHE_GIB * 2**30)  # unknown GPU
-    args.parallel, args.kv_cache_gib = False, None
-    assert "kv_cache_memory_bytes" not in vllm_model_args(args, parse_variant("exact"), tmp_path)
 
 
 def test_variant_files_have_plain_names(tmp_path):
