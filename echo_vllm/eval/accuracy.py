@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .hf_emulation import POSTNORM_POLICIES
+from ..postnorm import POSTNORM_POLICIES
 from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
@@ -229,6 +229,7 @@ def _gpu_total_bytes() -> int | None:
         return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     except Exception:  # no usable CUDA here: vLLM will say so itself
         return None
+
 
 #: vLLM's start-up error when the memory share left no room for KV blocks.
 KV_CACHE_OOM = "No available memory for the cache blocks"

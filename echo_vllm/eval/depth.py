@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from .hf_emulation import POSTNORM_POLICIES, HFEmulation, find_backbone
+from ..postnorm import POSTNORM_POLICIES
+from .hf_emulation import HFEmulation, find_backbone
 from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, lambada_set, load_hf_model, text_windows
 from .report import markdown_table, pyplot, save_figure, write_outputs

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
-from ..postnorm import POSTNORM_MARKERS, POSTNORM_POLICIES, postnorm_config  # noqa: F401 (re-exported)
+from ..postnorm import POSTNORM_MARKERS, postnorm_config
 
 log = logging.getLogger(__name__)
 

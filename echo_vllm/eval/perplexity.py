@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .data import lambada_passages, load_text
-from .hf_emulation import POSTNORM_POLICIES, HFEmulation
+from ..postnorm import POSTNORM_POLICIES
+from .hf_emulation import HFEmulation
 from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants

@@ -59,8 +59,6 @@ BYPASS_PASSES_0_26 = tuple(BYPASS_PASSES)
 BYPASS_PASSES_0_33 = ("fuse_allreduce_rms",)
 _SP_REMOVED_IN = (0, 33)
 
-_REASONS = BYPASS_PASSES
-
 
 class ServeArgsError(ValueError):
     """A command line ``echo-vllm serve`` refuses; the message is one line."""
@@ -451,7 +449,7 @@ def _echo_compilation_config(scan: _Scan, passes: tuple[str, ...]) -> dict:
         if key in pass_config and _truthy(pass_config[key]):
             raise ServeArgsError(
                 f"--tp-comm echo cannot run with -cc.pass_config.{key}={json.dumps(pass_config[key])}: "
-                f"it {_REASONS[key]}, bypassing Echo; drop it or use --tp-comm nccl")
+                f"it {BYPASS_PASSES[key]}, bypassing Echo; drop it or use --tp-comm nccl")
         pass_config[key] = False
     return compilation
 

@@ -34,13 +34,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..capture import capturing
 from ..communicator import EchoCommunicator
 from ..policy import ECHO_DTYPES, Reason
 from ..transport import ProcessGroupTransport, Transport
 from . import compat
 from .guards import check_engine_config
 from .settings import TpCommSettings
-from ..capture import capturing
 from .tracking import ForwardTracker, StepStats, metrics_publisher, tag_forward
 
 logger = logging.getLogger("echo_vllm")

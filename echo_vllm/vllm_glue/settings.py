@@ -126,15 +126,15 @@ class TpCommSettings:
             raise EchoConfigError(
                 f"unknown option(s) {unknown} in additional_config; known: {list(KNOWN_KEYS)}"
             )
-        mode = str(raw.get("tp_comm", "nccl")).strip().lower()
-        emulate = _coerce("tp_comm_emulate", raw.get("tp_comm_emulate", 0), int)
-        measure = _coerce("tp_comm_emulate_measure", raw.get("tp_comm_emulate_measure", False), bool)
+        mode = str(raw.get(TP_COMM_KEY, "nccl")).strip().lower()
+        emulate = _coerce(EMULATE_KEY, raw.get(EMULATE_KEY, 0), int)
+        measure = _coerce(MEASURE_KEY, raw.get(MEASURE_KEY, False), bool)
         return cls(
             mode=mode,
             emulate_world_size=emulate,
             emulate_measure=measure,
             echo=EchoConfig.from_mapping(raw, prefix="echo_"),
-            postnorm=str(raw.get("tp_comm_postnorm", DEFAULT_POSTNORM_POLICY)).strip().lower(),
+            postnorm=str(raw.get(POSTNORM_KEY, DEFAULT_POSTNORM_POLICY)).strip().lower(),
         )
 
     def for_model(self, architectures: list[str], hf_config: Any = None) -> tuple["TpCommSettings", str | None]:
