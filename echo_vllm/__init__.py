@@ -8,21 +8,24 @@ Core objects (no vLLM needed)::
     # pass: 4-bit from t = first_exact_calls (5) on, for messages >= min_bytes
 """
 
-from .collective import EchoAllReduce
+from .allreduce import EchoAllReduce
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .feedback import FeedbackChain
 from .policy import CallInfo, Decision, Path, Reason, decide
 from .quant import WireLayout
-from .stats import EchoStats
+from .stats import CallRecord, EchoStats
 from .transport import EchoShapeMismatch, ProcessGroupTransport, Transport, VirtualTransport
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKENDS",
     "CallInfo",
+    "CallRecord",
     "Decision",
     "EchoAllReduce",
+    "EchoBackend",
     "EchoCommunicator",
     "EchoConfig",
     "EchoConfigError",
@@ -35,5 +38,7 @@ __all__ = [
     "Transport",
     "VirtualTransport",
     "WireLayout",
+    "choose_backend",
     "decide",
+    "make_backend",
 ]

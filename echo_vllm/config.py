@@ -29,6 +29,8 @@ SUPPORTED_BITS = (4,)
 DEFAULT_MIN_BYTES = 256 * 1024
 
 ROUNDING_MODES = ("nearest", "stochastic")
+#: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
+BACKEND_CHOICES = ("auto", "reference", "triton", "numba")
 FEEDBACK_DTYPES = ("float32", "bfloat16")
 
 
@@ -84,6 +86,20 @@ class EchoConfig:
     TP=3 KL to exact was 0.0139 vs 0.0142 with float32 (EVAL.md). float32
     keeps the telescoping exact to fp32 rounding."""
 
+    batch_invariant: bool = False
+    """Make every path choice independent of the batch: ``min_bytes`` and
+    ``max_bytes`` are not applied (a message's size depends on what else is
+    in its batch), so every residual call takes the path its call index
+    gives, and the layout makes a token's bits independent of its batch.
+    The vLLM glue sets it when vLLM's batch-invariant mode
+    (``VLLM_BATCH_INVARIANT``) is on. Refuses stochastic rounding, whose
+    noise draw depends on a value's position in the message."""
+
+    backend: str = "auto"
+    """Which implementation runs a call (``echo_vllm.backends``): ``auto``
+    picks from the device and ``ECHO_KERNELS``; ``reference``, ``triton``
+    or ``numba`` force one (same bits)."""
+
     first_exact_calls: int = 5
     """Run the first k calls of every forward pass in 16-bit. The default 5
     covers the embedding and the first two layers (o_proj, down_proj each)
@@ -103,6 +119,8 @@ class EchoConfig:
             raise EchoConfigError(f"bits={self.bits!r}: only {SUPPORTED_BITS} is implemented")
         if self.rounding not in ROUNDING_MODES:
             raise EchoConfigError(f"rounding={self.rounding!r}: choose one of {ROUNDING_MODES}")
+        if self.backend not in BACKEND_CHOICES:
+            raise EchoConfigError(f"backend={self.backend!r}: choose one of {BACKEND_CHOICES}")
         if self.feedback_dtype not in FEEDBACK_DTYPES:
             raise EchoConfigError(
                 f"feedback_dtype={self.feedback_dtype!r}: choose one of {FEEDBACK_DTYPES}"
@@ -111,6 +129,10 @@ class EchoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer")
+        if self.batch_invariant and self.rounding == "stochastic":
+            raise EchoConfigError(
+                "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
+                "position in the message, so its bits would depend on the batch; use rounding='nearest'")
         if self.max_bytes and self.min_bytes > self.max_bytes:
             # no message could satisfy both: Echo would never run
             raise EchoConfigError(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .backends import fastest_cpu_backend
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .transport import VirtualTransport
@@ -79,7 +80,9 @@ class EmulatedTP:
     counter restarts and the chain starts clean); :meth:`reduce` each
     partial stack in model order. ``calls_per_forward`` (learned from the
     first forward if not given) marks the last call for ``exact_last_call``.
-    ``mode="exact"`` reduces every call in 16-bit (the baseline).
+    ``mode="exact"`` reduces every call in 16-bit (the baseline). With
+    ``config.backend="auto"`` CPU tensors run the fastest CPU backend
+    (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
     """
 
     world_size: int
@@ -91,9 +94,10 @@ class EmulatedTP:
     def __post_init__(self) -> None:
         if self.mode not in ("echo", "exact"):
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        self.comm = EchoCommunicator(
-            self.config, VirtualTransport(self.world_size), device=self.device
-        )
+        config = self.config
+        if config.backend == "auto" and torch.device(self.device).type == "cpu":
+            config = config.replace(backend=fastest_cpu_backend())
+        self.comm = EchoCommunicator(config, VirtualTransport(self.world_size), device=self.device)
         self.call_index = 0
         self._in_forward = False
 

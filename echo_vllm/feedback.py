@@ -110,32 +110,41 @@ class FeedbackChain:
     # -- the chain rule --------------------------------------------------------
 
     def incoming(self, call_index: int | None, key: tuple) -> bool:
-        """Whether the buffer holds an error this call must absorb.
-
-        True only if the previous call of this chain was ``call_index - 1``,
-        had the same ``key`` (shape, dtype, layout) and left an error. Call 0
-        (a new forward pass) and calls outside a forward pass never carry.
-        """
-        pending = self._pending_key is not None
-        ok = (
-            pending
+        """Whether the buffer holds an error a call ``call_index`` with ``key``
+        (shape, dtype, layout) must absorb: only if the previous call of this
+        chain was ``call_index - 1``, had the same key and left an error.
+        Call 0 (a new forward pass) and calls outside a forward pass never
+        carry. A question only; :meth:`take` is the call's own step."""
+        return (
+            self._pending_key is not None
             and call_index is not None
             and call_index > 0
             and self._last_index == call_index - 1
             and self._pending_key == key
         )
-        if pending and not ok and call_index not in (None, 0):
+
+    def take(self, call_index: int | None, key: tuple) -> bool:
+        """Start call ``call_index``: :meth:`incoming`, counted in ``stats``
+        (a pending error the call cannot continue is counted as dropped)."""
+        ok = self.incoming(call_index, key)
+        if self._pending_key is not None and not ok and call_index not in (None, 0):
             self.stats.dropped += 1
         if ok:
             self.stats.carried += 1
         else:
             self.stats.started_clean += 1
-        return bool(ok)
+        return ok
 
     def record(self, call_index: int | None, key: tuple, left_error: bool) -> None:
         """After a call: remember whether it left an error for the next one."""
         self._last_index = call_index
         self._pending_key = key if (left_error and call_index is not None) else None
+
+    def release(self) -> None:
+        """Free the buffer (a later call allocates it again)."""
+        self._buffer = None
+        self.capacity_numel = 0
+        self._pending_key = None
 
     def reset(self) -> None:
         """Forget any pending error (the buffer contents become irrelevant)."""

@@ -64,6 +64,7 @@ class CallInfo:
     """The transport's collectives can be recorded into a CUDA graph."""
 
 
+
 @dataclass(frozen=True)
 class Decision:
     path: Path
@@ -92,10 +93,12 @@ def decide(call: CallInfo, config: EchoConfig | None, *, enabled: bool = True) -
         return _exact(Reason.NO_FORWARD_CONTEXT)
     if not call.residual:
         return _exact(Reason.NOT_RESIDUAL)
-    if call.nbytes < config.min_bytes:
-        return _exact(Reason.BELOW_MIN_BYTES)
-    if config.max_bytes and call.nbytes > config.max_bytes:
-        return _exact(Reason.ABOVE_MAX_BYTES)
+    # batch-invariant: a message's size depends on its batch, so it decides nothing
+    if not config.batch_invariant:
+        if call.nbytes < config.min_bytes:
+            return _exact(Reason.BELOW_MIN_BYTES)
+        if config.max_bytes and call.nbytes > config.max_bytes:
+            return _exact(Reason.ABOVE_MAX_BYTES)
     if call.capturing and not call.transport_capturable:
         return _exact(Reason.CAPTURE_UNSUPPORTED)
     if config.feedback and not call.fits_buffer:

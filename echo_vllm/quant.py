@@ -2,12 +2,26 @@
 
 Format (what travels between ranks)
 -----------------------------------
-A message of ``numel`` values is padded to ``padded_numel`` (a multiple of
-``world_size * 8 * group_size``) and cut into ``world_size`` chunks of
-``chunk_numel`` values; chunk ``j`` is reduced by rank ``j``. Each chunk is one
-contiguous byte string, ready for an all-to-all::
+A message is ``rows`` token rows of ``cols`` values (``[tokens, hidden]``; a
+1-D message is one row). Its layout is *row-aligned* and *position-owned*:
+
+* each row is cut into ``world_size`` column blocks of ``row_groups``
+  groups each (the row is padded with zeros, in index math only, to
+  ``world_size * row_groups * group_size`` columns), so a quantization
+  group -- and the Hadamard block, which is the group -- never spans two
+  rows;
+* chunk ``j`` (reduced by rank ``j``) holds column block ``j`` of every
+  row, row after row: group ``m`` of chunk ``j`` is row ``m // row_groups``,
+  columns ``(j * row_groups + m % row_groups) * group_size`` onwards. Which
+  rank owns a value (and keeps its stage-2 error) depends only on its
+  column, never on how many rows came along;
+* a chunk is padded with zero groups to a multiple of ``ALIGN_GROUPS``
+  groups, and is one contiguous byte string, ready for an all-to-all::
 
     [ payload: chunk_numel / 2 bytes | scales: chunk_numel / group_size bf16 ]
+
+So a row's output bits depend only on that row's inputs and carried error:
+reducing rows A alone or inside [A; B] gives the same bits for A.
 
 * payload: two 4-bit codes per byte, element ``2i`` in the low nibble,
   ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (symmetric:
@@ -20,7 +34,9 @@ contiguous byte string, ready for an all-to-all::
 
 The 8-group alignment makes every chunk a multiple of 16 bytes long (and the
 scale block 16-byte aligned inside it) for every supported group size, so
-kernels can use 16-byte accesses on the wire buffers.
+kernels can use 16-byte accesses on the wire buffers. Feedback buffers hold
+the carried error in *wire order* (chunk after chunk, rotated domain), so
+stage 2 adds its error to one contiguous slice.
 
 Reference functions
 -------------------
@@ -70,11 +86,13 @@ def inv_qmax_f32(qmax: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WireLayout:
-    """Sizes of one all-reduce of ``numel`` values over ``world_size`` ranks."""
+    """Sizes of one all-reduce of ``numel`` values (``numel // cols`` rows of
+    ``cols``) over ``world_size`` ranks. ``cols=0`` means one row."""
 
     numel: int
     world_size: int
     group_size: int
+    cols: int = 0
 
     def __post_init__(self) -> None:
         if self.group_size not in SUPPORTED_GROUP_SIZES:
@@ -83,23 +101,37 @@ class WireLayout:
             raise EchoConfigError(f"world_size={self.world_size}: Echo needs at least 2 ranks")
         if self.numel < 1:
             raise EchoConfigError(f"numel={self.numel}: nothing to reduce")
+        if self.cols == 0:
+            object.__setattr__(self, "cols", self.numel)
+        if self.cols < 1 or self.numel % self.cols:
+            raise EchoConfigError(f"cols={self.cols}: must divide numel={self.numel}")
 
     @property
-    def align_numel(self) -> int:
-        return self.world_size * ALIGN_GROUPS * self.group_size
+    def rows(self) -> int:
+        return self.numel // self.cols
 
     @property
-    def padded_numel(self) -> int:
-        a = self.align_numel
-        return -(-self.numel // a) * a
+    def row_groups(self) -> int:
+        """Groups of one row each rank owns (its column block)."""
+        return -(-self.cols // (self.world_size * self.group_size))
 
     @property
-    def chunk_numel(self) -> int:
-        return self.padded_numel // self.world_size
+    def padded_cols(self) -> int:
+        """Row length with the zero columns that make the blocks whole groups."""
+        return self.world_size * self.row_groups * self.group_size
 
     @property
     def chunk_groups(self) -> int:
-        return self.chunk_numel // self.group_size
+        return -(-(self.rows * self.row_groups) // ALIGN_GROUPS) * ALIGN_GROUPS
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_groups * self.group_size
+
+    @property
+    def padded_numel(self) -> int:
+        """Values per rank in wire order (all chunks): the feedback buffer's size."""
+        return self.world_size * self.chunk_numel
 
     @property
     def payload_bytes(self) -> int:
@@ -122,6 +154,27 @@ class WireLayout:
         same message (reduce-scatter + all-gather), for comparison."""
         p = self.world_size
         return int(2 * (p - 1) * self.numel * elem_bytes / p)
+
+
+def to_wire_order(x: torch.Tensor, layout: WireLayout) -> torch.Tensor:
+    """Message values ``[R, numel]`` -> ``[R, padded_numel]`` in wire order
+    (chunk j = column block j of every row; zeros in the padding)."""
+    r, lay = x.shape[0], layout
+    v = torch.zeros(r, lay.rows, lay.padded_cols, dtype=x.dtype, device=x.device)
+    v[:, :, : lay.cols] = x.reshape(r, lay.rows, lay.cols)
+    blocks = v.reshape(r, lay.rows, lay.world_size, -1).transpose(1, 2)
+    out = torch.zeros(r, lay.world_size, lay.chunk_numel, dtype=x.dtype, device=x.device)
+    out[:, :, : lay.rows * lay.row_groups * lay.group_size] = blocks.reshape(r, lay.world_size, -1)
+    return out.reshape(r, lay.padded_numel)
+
+
+def from_wire_order(v: torch.Tensor, layout: WireLayout) -> torch.Tensor:
+    """Inverse of :func:`to_wire_order`: ``[R, padded_numel]`` -> ``[R, numel]``."""
+    r, lay = v.shape[0], layout
+    used = lay.rows * lay.row_groups * lay.group_size
+    blocks = v.reshape(r, lay.world_size, lay.chunk_numel)[:, :, :used]
+    rows = blocks.reshape(r, lay.world_size, lay.rows, -1).transpose(1, 2).reshape(r, lay.rows, -1)
+    return rows[:, :, : lay.cols].reshape(r, lay.numel)
 
 
 # --------------------------------------------------------------------------
@@ -233,11 +286,10 @@ def stage1_reference(
     buffer or None (no feedback). If ``has_incoming`` the buffer's first
     ``padded_numel`` values are added to the (rotated) input; the new
     stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
-    Order: u = rot(pad(x)) [+ e]; quantize; e <- u - dequant(q).
+    Order: u = rot(wire_order(x)) [+ e]; quantize; e <- u - dequant(q).
     """
-    r, n, np_ = x.shape[0], layout.numel, layout.padded_numel
-    u = torch.zeros(r, np_, dtype=torch.float32, device=x.device)
-    u[:, :n] = x.float()
+    r, np_ = x.shape[0], layout.padded_numel
+    u = to_wire_order(x.float(), layout)
     if hadamard:
         u = _rotate(u, layout.group_size)
     if feedback is not None and has_incoming:
@@ -288,10 +340,10 @@ def output_reference(
 ) -> torch.Tensor:
     """Decode the all-gathered chunks [P, chunk_bytes] into [numel] values of
     ``out_dtype``: y = rot(dequant(q2)) / g, cast with round-to-nearest."""
-    v = decode_chunks(gathered, layout).reshape(layout.padded_numel)
+    v = decode_chunks(gathered, layout).reshape(1, layout.padded_numel)
     if hadamard:
         v = _rotate(v, layout.group_size) * (1.0 / layout.group_size)
-    return v[: layout.numel].to(out_dtype)
+    return from_wire_order(v, layout)[0].to(out_dtype)
 
 
 def consume_reference(
@@ -299,8 +351,7 @@ def consume_reference(
 ) -> torch.Tensor:
     """The input of an exact (16-bit) call that absorbs the carried error:
     x + rot^-1(e), rounded to x's dtype. ``x``: [R, numel]."""
-    np_ = layout.padded_numel
-    e = feedback[:, :np_].float()
+    e = feedback[:, : layout.padded_numel].float()
     if hadamard:
         e = _rotate(e, layout.group_size) * (1.0 / layout.group_size)
-    return (x.float() + e[:, : layout.numel]).to(x.dtype)
+    return (x.float() + from_wire_order(e, layout)).to(x.dtype)

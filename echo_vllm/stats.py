@@ -1,7 +1,12 @@
-"""Counters of what Echo did, and the log-once rule for fallbacks.
+"""One record per all-reduce call, the counters built from them, and the
+log-once rule for fallbacks.
 
-Each process keeps one :class:`EchoStats` per communicator. The serving layer
-exports them to Prometheus (``echo_vllm.metrics``); tests and benchmarks read
+:class:`~echo_vllm.communicator.EchoCommunicator` hands one
+:class:`CallRecord` per call to one sink (a callable); :class:`EchoStats`
+is the usual sink (``EchoStats.record``). The vLLM glue puts its own sink
+in between, which also keeps the records of a forward pass as the plan a
+CUDA-graph replay repeats. The serving layer exports the counters to
+Prometheus (``echo_vllm.vllm_glue.metrics``); tests and benchmarks read
 them directly. A fallback is never silent: every exact-path call is counted
 under its reason, and the first occurrence of each reason is logged.
 """
@@ -12,8 +17,29 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 logger = logging.getLogger("echo_vllm")
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """What one all-reduce call did."""
+
+    path: str
+    """``"echo"`` or ``"exact"``."""
+    reason: str
+    """Why it took that path (a ``policy.Reason`` value, or the caller's own)."""
+    nbytes: int = 0
+    """Input bytes of this rank's message (exact calls)."""
+    wire_bytes: int = 0
+    """Bytes this rank sent on the wire (Echo calls)."""
+    equiv_bytes: int = 0
+    """Bytes a bandwidth-optimal 16-bit all-reduce would have sent (Echo calls)."""
+
+
+#: Where a communicator hands its records.
+CallSink = Callable[[CallRecord], None]
 
 
 @dataclass
@@ -33,20 +59,21 @@ class EchoStats:
     _logged: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def count(self, path: str, reason: str, *, nbytes: int = 0, wire: int = 0, equiv: int = 0) -> None:
+    def record(self, rec: CallRecord) -> None:
+        """Count one call (the communicators' default sink)."""
         with self._lock:
-            self.calls[(path, reason)] += 1
-            if path == "echo":
-                self.wire_bytes += wire
-                self.equiv_16bit_bytes += equiv
+            self.calls[(rec.path, rec.reason)] += 1
+            if rec.path == "echo":
+                self.wire_bytes += rec.wire_bytes
+                self.equiv_16bit_bytes += rec.equiv_bytes
             else:
-                self.exact_bytes += nbytes
-            first = path != "echo" and reason not in self._logged
+                self.exact_bytes += rec.nbytes
+            first = rec.path != "echo" and rec.reason not in self._logged
             if first:
-                self._logged.add(reason)
+                self._logged.add(rec.reason)
         if first:
             logger.info("echo: all-reduce falls back to the exact path (reason=%s); "
-                        "counted in echo stats, logged once per reason", reason)
+                        "counted in echo stats, logged once per reason", rec.reason)
 
     def add_error_sample(self, rel_err: float) -> None:
         with self._lock:

@@ -76,11 +76,11 @@ unpack(Path('$1'), [Path('$2')], wait_s=float('${PART_WAIT_S:-0}'))" && touch "$
     done
     for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed unpack fails setup
     # vLLM finds plugins through entry points: a dist-info on PYTHONPATH
-    # registers echo_vllm.plugin:register without installing the package.
+    # registers echo_vllm.vllm_glue.plugin:register without installing the package.
     di="$STATE/site/echo_vllm-0.1.0.dist-info"
     mkdir -p "$di"
     printf 'Metadata-Version: 2.1\nName: echo-vllm\nVersion: 0.1.0\n' > "$di/METADATA"
-    printf '[vllm.general_plugins]\necho_vllm = echo_vllm.plugin:register\n' > "$di/entry_points.txt"
+    printf '[vllm.general_plugins]\necho_vllm = echo_vllm.vllm_glue.plugin:register\n' > "$di/entry_points.txt"
     env_setup
     MODELS="${MODELS:-$MODEL}" "$PY" - <<'EOF'
 import importlib.metadata as md, vllm, lm_eval, torch

@@ -132,7 +132,7 @@ def run_phase(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
-    from echo_vllm.plugin import register
+    from echo_vllm.vllm_glue.plugin import register
 
     status = register()  # the engine runs in this process: no entry point needed
     from vllm import LLM, SamplingParams

@@ -17,7 +17,7 @@ from echo_vllm import (
     FeedbackChain,
     VirtualTransport,
 )
-from echo_vllm.quant import decode_chunks
+from echo_vllm.quant import decode_chunks, from_wire_order, to_wire_order
 
 P, TOKENS, HIDDEN = 4, 32, 512
 G = 32  # EchoConfig's default group size, used by every config below
@@ -76,14 +76,14 @@ def _echo_call_slack(xs, y, rec, e_in, e_out, lay, *, hadamard, incoming) -> tor
     stored ((U_32 (1 + u_store) + u_store) |E_out|); the inverse rotation W/g
     of the sum (gamma_5 sum_grp |D2| / g; /g is a power of two) and the cast
     to y's dtype (u_out |y|). The inverse rotation maps a rotated-domain
-    error v to |(W v / g)_i| <= sum_grp |v| / g.
+    error v to |(W v / g)_i| <= sum_grp |v| / g. Everything is computed in
+    wire order (the buffers' order) and returned in the message's order.
     """
     n, np_, c = lay.numel, lay.padded_numel, lay.chunk_numel
     u_store = 0.0 if e_out.dtype == torch.float32 else U_B
     u_out = 0.0 if y.dtype == torch.float32 else torch.finfo(y.dtype).eps / 2
     gam = GAMMA_5 if hadamard else 0.0
-    x_abs = torch.zeros(P, np_, dtype=torch.float64)
-    x_abs[:, :n] = xs.double().reshape(P, n).abs()
+    x_abs = to_wire_order(xs.double().reshape(P, n).abs(), lay)
     rx = _group_abs_sum(x_abs) if hadamard else x_abs  # >= |rot(x_r)|
     d1 = decode_chunks(rec["sent"], lay).reshape(P, np_).double().abs()
     d2 = decode_chunks(rec["gathered"], lay).reshape(np_).double().abs()
@@ -101,10 +101,11 @@ def _echo_call_slack(xs, y, rec, e_in, e_out, lay, *, hadamard, incoming) -> tor
     if hadamard:
         slack = (_group_abs_sum(slack) + gam * _group_abs_sum(d2)) / G
     # (1 + 2^-20) covers the (1 + u)^k growth of the magnitudes bounded above
-    return slack[:n] * (1 + 2**-20) + u_out * y.double().reshape(n).abs()
+    slack = from_wire_order(slack.unsqueeze(0), lay)[0]
+    return slack * (1 + 2**-20) + u_out * y.double().reshape(n).abs()
 
 
-def _exact_call_slack(absorbed, y, e_in, *, hadamard) -> torch.Tensor:
+def _exact_call_slack(absorbed, y, e_in, lay, *, hadamard) -> torch.Tensor:
     """Per-element bound [numel] on |y - S - rot^-1(E_in)| for the exact call
     that consumes E_in (bf16 inputs): per rank, rot^-1(E_in) in fp32
     (gamma_5 sum_grp |E| / g), x + that in fp32 (U_32), rounded to bf16
@@ -112,7 +113,8 @@ def _exact_call_slack(absorbed, y, e_in, *, hadamard) -> torch.Tensor:
     sum |absorbed|) and its bf16 rounding (U_B |y|)."""
     n = y.numel()
     a = absorbed.double().reshape(P, n).abs().sum(0)
-    rot = GAMMA_5 * _group_abs_sum(e_in[:, :n].double()).sum(0) / G if hadamard else 0.0
+    e_abs = _group_abs_sum(e_in[:, : lay.padded_numel].double())
+    rot = GAMMA_5 * from_wire_order(e_abs, lay).sum(0) / G if hadamard else 0.0
     rounded = rot + (U_B + U_32 * (1 + 2**-7)) * a + (P - 1) * U_32 * a
     return rounded * (1 + 2**-20) + U_B * y.double().reshape(n).abs()
 
@@ -161,7 +163,7 @@ def test_telescoping_identity_holds_exactly():
     transport = _Recorder(P, chain)
     ar = EchoAllReduce(cfg, transport)
     n = TOKENS * HIDDEN
-    lay = ar.layout(n)
+    lay = ar.message_layout((TOKENS, HIDDEN))
     res = torch.zeros(n, dtype=torch.float64)
     ref = torch.zeros_like(res)
     slack = torch.zeros_like(res)
@@ -175,10 +177,11 @@ def test_telescoping_identity_holds_exactly():
         )
         res += y.double().reshape(-1)
         ref += xs.double().sum(0).reshape(-1)
-        carried = chain.buffer(n)[:, :n].double().sum(0)
+        carried = from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double(), lay).sum(0)
         # fp64: per call 3 adds in sum(0) and 2 +=; then carried's 3 and the -
         mag += xs.double().abs().sum(0).reshape(-1) + y.double().abs().reshape(-1)
-        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + chain.buffer(n)[:, :n].double().abs().sum(0))
+        stored = from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double().abs(), lay)
+        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + stored.sum(0))
         err = (res - (ref - carried)).abs()
         assert bool((err <= slack + fp64).all()), (t, (err - slack - fp64).max().item())
         # not vacuous: the carried error is 4-bit sized, the slack fp32 sized
@@ -192,7 +195,7 @@ def test_exact_last_call_flushes_the_error():
     transport.chain = comm.chain
     assert comm.chain.dtype == "bfloat16"  # the default: storage roundings are counted
     n = TOKENS * HIDDEN
-    lay = comm.echo.layout(n)
+    lay = comm.echo.message_layout((TOKENS, HIDDEN))
     calls = 9
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
@@ -210,7 +213,7 @@ def test_exact_last_call_flushes_the_error():
                 xs, y, transport.log[-1], e_in, comm.chain.buffer(n), lay, hadamard=True, incoming=t > 0
             )
         else:
-            bound += _exact_call_slack(transport.log[-1]["absorbed"], y, e_in, hadamard=True)
+            bound += _exact_call_slack(transport.log[-1]["absorbed"], y, e_in, lay, hadamard=True)
         if t == calls - 2:
             err_before = (res - ref).abs().max().item()
     # The E's telescope (E_0 = 0, the exact call consumes E_8 and leaves
@@ -234,13 +237,11 @@ def test_exact_call_mid_chain_consumes_pending_error():
     transport = _Recorder(P)
     comm = EchoCommunicator(echo_cfg, transport)
     transport.chain = comm.chain
-    n = TOKENS * HIDDEN
+    lay = comm.echo.message_layout((TOKENS, HIDDEN))
     xs0, xs1 = _partials(0), _partials(1)
     y0 = comm.all_reduce(xs0, 0)
-    pending = comm.chain.buffer(1)[:, : TOKENS * HIDDEN].clone()
-    bound = _echo_call_slack(
-        xs0, y0, transport.log[-1], pending, pending, comm.echo.layout(n), hadamard=True, incoming=False
-    )
+    pending = comm.chain.buffer(1)[:, : lay.padded_numel].clone()
+    bound = _echo_call_slack(xs0, y0, transport.log[-1], pending, pending, lay, hadamard=True, incoming=False)
     comm.config = cfg  # next call falls below min_bytes -> exact path
     comm.echo.config = cfg
     y1 = comm.all_reduce(xs1, 1)
@@ -249,14 +250,15 @@ def test_exact_call_mid_chain_consumes_pending_error():
     # what the exact path reduced: x + rot^-1(e), rounded per rank to bf16
     from echo_vllm.rotation import fwht
 
-    e = fwht(pending.float().reshape(P, -1, 32)).reshape(P, TOKENS, HIDDEN) / 32
+    e = fwht(pending.float().reshape(P, -1, 32)).reshape(P, -1) / 32  # wire order
+    e = from_wire_order(e, lay).reshape(P, TOKENS, HIDDEN)
     absorbed = (xs1.float() + e).bfloat16()
     assert torch.equal(transport.log[-1]["absorbed"], absorbed)
     assert torch.equal(y1, transport.all_reduce_exact(absorbed))
     # and the two outputs together carry no error beyond the roundings: y0 =
     # S0 - rot^-1(E) + slack, y1 = S1 + rot^-1(E) + slack (bounds derived in
     # _echo_call_slack / _exact_call_slack: bf16 casts, bf16 storage, fp32)
-    bound += _exact_call_slack(absorbed, y1, pending, hadamard=True)
+    bound += _exact_call_slack(absorbed, y1, pending, lay, hadamard=True)
     total = y0.double() + y1.double()
     exact = xs0.double().sum(0) + xs1.double().sum(0)
     mag = xs0.double().abs().sum(0) + xs1.double().abs().sum(0) + y0.double().abs() + y1.double().abs()

@@ -76,18 +76,19 @@ def _one_call_bound(xs: torch.Tensor, g: int, out_dtype: torch.dtype) -> torch.T
     and no rotation: each stage-1 error <= s1_r/2 with s1_r = bf16(amax_r/7)
     <= amax_r/7 * (1 + 2^-8); the stage-2 sum's group max is <= sum_r
     (amax_r + s1_r/2), giving s2 likewise; plus half an ulp of the output
-    cast."""
+    cast. Groups are row-aligned: each row (last dim) is cut into groups of
+    g from its first column."""
     p = xs.shape[0]
-    flat = xs.double().reshape(p, -1)
-    n = flat.shape[1]
-    pad = (-n) % g
-    grouped = torch.nn.functional.pad(flat, (0, pad)).reshape(p, -1, g)
-    amax = grouped.abs().amax(-1)  # [P, G]
+    cols = xs.shape[-1] if xs.dim() > 1 else 1
+    rows = xs.double().reshape(p, -1, cols)
+    pad = (-cols) % g
+    grouped = torch.nn.functional.pad(rows, (0, pad)).reshape(p, rows.shape[1], -1, g)
+    amax = grouped.abs().amax(-1)  # [P, rows, groups per row]
     s1 = amax / 7 * (1 + 2**-8)
     s2 = (amax + s1 / 2).sum(0) / 7 * (1 + 2**-8)
     per_group = s1.sum(0) / 2 + s2 / 2
-    bound = per_group.repeat_interleave(g)[:n]
-    exact = flat.sum(0)
+    bound = per_group.repeat_interleave(g, dim=-1)[..., :cols]
+    exact = rows.sum(0)
     ulp_half = (exact.abs() + bound) * (torch.finfo(out_dtype).eps / 2)
     return (bound + ulp_half).reshape(xs.shape[1:])
 

@@ -31,18 +31,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 
-@pytest.fixture(autouse=True)
-def fast_cpu_kernels(monkeypatch):
-    """Echo's numba CPU loops (bit-identical to the references, ~20x faster)
-    when they are installed, as ``echo-vllm eval`` uses them."""
-    monkeypatch.delenv("ECHO_KERNELS", raising=False)
-    from echo_vllm.eval.cli import _fast_cpu_kernels
-
-    _fast_cpu_kernels()
-    yield
-    monkeypatch.delenv("ECHO_KERNELS", raising=False)
-
-
 @pytest.fixture(scope="module")
 def smol():
     from echo_vllm.eval.models import prepare_model

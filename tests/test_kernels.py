@@ -58,6 +58,13 @@ def kernels(impl: str = "triton"):
     return importlib.import_module("echo_vllm.kernels")
 
 
+def stages(impl: str = "triton", layout: str = "spread"):
+    """The backend stage object under test (``echo_vllm.backends.stages``)."""
+    from echo_vllm.backends.stages import NumbaStages, TritonStages
+
+    return NumbaStages() if impl == "cpu" else TritonStages(layout)
+
+
 def _numba_available() -> bool:
     try:
         import numba  # noqa: F401
@@ -98,14 +105,15 @@ def _device(impl: str) -> str:
     return "cpu" if impl == "cpu" else DEVICE
 
 
-def run_impl(impl: str, fn, *args):
-    """``fn(*args)`` for the Triton kernels (see :func:`in_kernel_process`) or,
-    in this process, for the numba CPU loops."""
-    if impl != "cpu":
-        return in_kernel_process(fn, *args)
+def run_impl(which: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` for the Triton kernels (see
+    :func:`in_kernel_process`) or, in this process, for the numba CPU loops
+    (``which == "cpu"``)."""
+    if which != "cpu":
+        return in_kernel_process(fn, *args, **kwargs)
     if not _numba_available():
         pytest.skip("numba is not installed")
-    return fn(*args)
+    return fn(*args, **kwargs)
 
 
 def _reporting(fn, *args, **kwargs):
@@ -180,24 +188,18 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 
 
 def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
-                    layout="spread"):
+                    layout="spread", cols=0):
     """One Echo call for ``world`` virtual ranks: every kernel against its
     reference on identical inputs, each stage fed the reference's output.
-    ``layout``: the kernels' thread layout (``ECHO_KERNEL_LAYOUT``; the
-    default is ``spread``)."""
-    with _env(ECHO_KERNEL_LAYOUT=layout):
-        _run_and_compare(numel, world, group, dtype, hadamard=hadamard, incoming=incoming, fb_dtype=fb_dtype,
-                         seed=seed, special=special, impl=impl)
-
-
-def _run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special, impl):
+    ``layout``: the kernels' thread layout (``spread``, the default, or
+    ``thread``)."""
     device = "cpu" if impl == "cpu" else DEVICE
-    K = kernels(impl)
-    lay = WireLayout(numel, world, group)
+    K = stages(impl, layout)
+    lay = WireLayout(numel, world, group, cols)
     x = _values((world, numel), seed, special=special).to(dtype).to(device)
     fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
-    tag = f"{impl}/{os.environ.get('ECHO_KERNEL_LAYOUT')} numel={numel} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+    tag = f"{impl}/{layout} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
 
     wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
@@ -255,6 +257,30 @@ def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming
     )
 
 
+# Messages of several rows (rows, cols): columns a multiple of P * g, of g
+# only, of neither (each row padded to whole groups per rank), one column.
+ROW_CASES = [
+    # rows, cols, P, g, dtype, hadamard, incoming, fb dtype
+    (5, 256, 2, 32, "bf16", True, True, "fp32"),
+    (3, 96, 4, 32, "fp16", True, True, "bf16"),
+    (7, 333, 3, 16, "bf16", True, True, "fp32"),
+    (4, 576, 3, 128, "bf16", True, False, "bf16"),
+    (9, 1, 2, 64, "fp32", False, True, "fp32"),
+    (2, 1000, 8, 32, "bf16", False, True, None),
+]
+
+
+@pytest.mark.parametrize("rows,cols,world,group,dt,hadamard,incoming,fb", ROW_CASES)
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
+def test_row_messages_match_reference(impl, rows, cols, world, group, dt, hadamard, incoming, fb):
+    """The position-owned layout of several rows, kernels against references."""
+    run_impl(
+        impl, run_and_compare,
+        rows * cols, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
+        fb_dtype=DTYPES.get(fb), seed=rows * 11 + cols, impl=impl, cols=cols,
+    )
+
+
 def _special_values_match_reference(dt, hadamard):
     """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs."""
     run_and_compare(
@@ -275,18 +301,16 @@ def test_thread_layout_matches_reference(groups, world, group, dt, hadamard, inc
 
 
 def test_layout_default_is_spread_and_thread_selectable():
+    from echo_vllm import envs
     from echo_vllm.kernels import launch
 
-    with _env(ECHO_KERNEL_LAYOUT="thread"):
-        assert launch.spread_groups() is False
-    with _env(ECHO_KERNEL_LAYOUT="warp"), pytest.raises(ValueError, match="ECHO_KERNEL_LAYOUT"):
-        launch.spread_groups()
-    old = os.environ.pop("ECHO_KERNEL_LAYOUT", None)
-    try:
-        assert launch.DEFAULT_LAYOUT == "spread" and launch.spread_groups() is True
-    finally:
-        if old is not None:
-            os.environ["ECHO_KERNEL_LAYOUT"] = old
+    assert launch.is_spread("spread") and not launch.is_spread("thread")
+    with pytest.raises(ValueError, match="warp"):
+        launch.is_spread("warp")
+    assert envs.read({}).kernel_layout == "spread"
+    assert envs.read({"ECHO_KERNEL_LAYOUT": "thread"}).kernel_layout == "thread"
+    with pytest.raises(envs.EchoEnvError, match="ECHO_KERNEL_LAYOUT"):
+        envs.read({"ECHO_KERNEL_LAYOUT": "warp"})
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
@@ -419,23 +443,23 @@ def test_bad_arguments_raise_clear_errors():
 
 def _echo_calls_through_ops_match_the_reference_path(mode):
     """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
-    carried) gives the same bits with ECHO_KERNELS=triton (or cpu) as with the
-    references: the dispatcher, layouts and buffers agree end to end."""
+    carried) gives the same bits on the ``triton`` (or ``numba``) backend as
+    on the references: layouts, buffers and backends agree end to end."""
     from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
 
     world, shape, device = 3, (5, 77), _device(mode)
-    cfg = EchoConfig(min_bytes=0, hadamard=True)
     results = {}
     for m in ("reference", mode):
-        with _env(ECHO_KERNELS=m):
-            ar = EchoAllReduce(cfg, VirtualTransport(world))
-            chain = FeedbackChain(world, device)
-            outs = [
-                ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
-                for t in range(3)
-            ]
-            consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(device), chain, 3)
-            results[m] = (outs, consumed)
+        cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m)
+        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        assert ar.backend(torch.device(device)).name == cfg.backend
+        chain = FeedbackChain(world, device)
+        outs = [
+            ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
+            for t in range(3)
+        ]
+        consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(device), chain, 3)
+        results[m] = (outs, consumed)
     for t, (a, b) in enumerate(zip(results[mode][0], results["reference"][0])):
         assert_same_bits(a, b, f"Echo call {t}", nan_any=True)
     assert_same_bits(results[mode][1], results["reference"][1], "absorb", nan_any=True)
@@ -539,14 +563,30 @@ def _launchers_direct():
 
 
 def test_interpreter_and_switch_use_tritons_path():
-    """Under the interpreter, and with ECHO_KERNEL_DIRECT_LAUNCH=0, every
-    launch goes through ``kernel[grid](...)``."""
+    """Under the interpreter, and with ECHO_KERNEL_DIRECT_LAUNCH=0 (read when
+    a launcher is built), every launch goes through ``kernel[grid](...)``."""
     if not CUDA:
         assert in_kernel_process(_launchers_direct) == [False] * 4
+    from echo_vllm import envs
     from echo_vllm.kernels import direct_launch, stage1_kernel
 
-    with _env(ECHO_KERNEL_DIRECT_LAUNCH="0"):
-        assert not direct_launch.Launcher(stage1_kernel._stage1_kernel, {}).direct
+    assert not direct_launch.Launcher(stage1_kernel._stage1_kernel, {}, direct=False).direct
+    assert envs.read({"ECHO_KERNEL_DIRECT_LAUNCH": "0"}).direct_launch is False
+    with pytest.raises(envs.EchoEnvError, match="ECHO_KERNEL_DIRECT_LAUNCH"):
+        envs.read({"ECHO_KERNEL_DIRECT_LAUNCH": "yes"})
+
+
+def test_installed_triton_is_one_direct_launch_was_checked_against():
+    """CI tests the direct launcher on the Triton it runs with: that Triton
+    must be one of ``CHECKED_TRITON`` (older ones, which pyproject allows,
+    fall back to Triton's own launch path, see the module docstring)."""
+    import triton
+
+    from echo_vllm.kernels import direct_launch
+
+    assert ".".join(triton.__version__.split(".")[:2]) in direct_launch.CHECKED_TRITON
+    assert direct_launch._triton_support(True) is not None
+    assert direct_launch._triton_support(False) is None
 
 
 # -- GPU only ---------------------------------------------------------------------
@@ -570,6 +610,18 @@ def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
                     fb_dtype=DTYPES[fb], seed=numel % 1000 + world, special=True)
 
 
+@pytest.mark.parametrize(
+    "rows,cols,world,group",
+    [(4096, 4096, 8, 32), (1000, 2880, 4, 128), (333, 1000, 3, 16), (2048, 576, 3, 32)],
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_large_row_messages_on_gpu(rows, cols, world, group):
+    """The position-owned layout at prefill sizes, compiled kernels vs references."""
+    run_and_compare(rows * cols, world, group, torch.bfloat16, hadamard=True, incoming=True,
+                    fb_dtype=torch.bfloat16, seed=rows + cols, special=True, cols=cols)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fb", ["fp32", "bf16"])
@@ -589,7 +641,7 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard):
 
     world, shape = 4, (512, 4096)
     ar = EchoAllReduce(EchoConfig(min_bytes=0, hadamard=hadamard), VirtualTransport(world))
-    chain = FeedbackChain(world, "cuda", capacity_numel=ar.layout(shape[0] * shape[1]).padded_numel)
+    chain = FeedbackChain(world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
     x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
     x1 = _values((world, *shape), 8).to(torch.bfloat16).cuda()
     static_x = x1.clone()

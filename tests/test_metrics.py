@@ -10,11 +10,13 @@ import sys
 import textwrap
 
 import pytest
+
+from echo_vllm.stats import CallRecord
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from echo_vllm import metrics
-from echo_vllm.metrics import EchoMetrics, publish_config
+from echo_vllm.vllm_glue import metrics
+from echo_vllm.vllm_glue.metrics import EchoMetrics, publish_config
 from echo_vllm.server.probe import echo_samples, total
 from echo_vllm.stats import EchoStats
 
@@ -32,10 +34,10 @@ def scrape(registry) -> dict[str, float]:
 def make_stats(echo_calls: int, exact_calls: int, errors: list[float]) -> EchoStats:
     stats = EchoStats()
     for _ in range(echo_calls):
-        stats.count("echo", "echo", wire=1152, equiv=4096)
+        stats.record(CallRecord("echo", "echo", wire_bytes=1152, equiv_bytes=4096))
     for _ in range(exact_calls):
-        stats.count("exact", "below_min_bytes", nbytes=512)
-    stats.count("exact", "exact_last_call", nbytes=2048)
+        stats.record(CallRecord("exact", "below_min_bytes", nbytes=512))
+    stats.record(CallRecord("exact", "exact_last_call", nbytes=2048))
     for e in errors:
         stats.add_error_sample(e)
     return stats
@@ -65,7 +67,7 @@ def test_publish_is_idempotent_incremental_and_survives_a_restart():
     m.publish(stats.snapshot(), rank=0)  # same totals: nothing moves
     first = scrape(registry)
     assert total(first, "echo:allreduce_calls_total", path="echo") == 3
-    stats.count("echo", "echo", wire=1152, equiv=4096)
+    stats.record(CallRecord("echo", "echo", wire_bytes=1152, equiv_bytes=4096))
     stats.add_error_sample(0.25)
     m.publish(stats.snapshot(), rank=0)
     second = scrape(registry)
@@ -141,23 +143,23 @@ def test_module_publish_never_raises(monkeypatch, caplog):
 
 WORKER = textwrap.dedent("""
     import sys
-    from echo_vllm import metrics
-    from echo_vllm.stats import EchoStats
+    from echo_vllm.vllm_glue import metrics
+    from echo_vllm.stats import CallRecord, EchoStats
     rank, n = int(sys.argv[1]), int(sys.argv[2])
     stats = EchoStats()
     for _ in range(n):
-        stats.count("echo", "echo", wire=100, equiv=400)
-    stats.count("exact", "exact_last_call", nbytes=64)
+        stats.record(CallRecord("echo", "echo", wire_bytes=100, equiv_bytes=400))
+    stats.record(CallRecord("exact", "exact_last_call", nbytes=64))
     stats.add_error_sample(0.5)
     metrics.publish(stats.snapshot(), rank)
-    stats.count("echo", "echo", wire=100, equiv=400)
+    stats.record(CallRecord("echo", "echo", wire_bytes=100, equiv_bytes=400))
     metrics.publish(stats.snapshot(), rank)
     metrics.publish(stats.snapshot(), rank)
 """)
 
 API_SERVER = textwrap.dedent("""
     import json
-    from echo_vllm import metrics
+    from echo_vllm.vllm_glue import metrics
     metrics.publish_config({"tp_comm": "echo", "emulate_tp": "4"})
     from fastapi import FastAPI
     from fastapi.testclient import TestClient

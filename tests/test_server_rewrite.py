@@ -74,6 +74,7 @@ SAMPLE = {
     "seed": ("7", 7),
     "feedback_dtype": ("float32", "float32"),
     "first_exact_calls": ("2", 2),
+    "backend": ("reference", "reference"),
 }
 
 #: Fields with one legal value, which is the default: no non-default sample exists.

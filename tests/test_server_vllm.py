@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent("""
     report["n_dispatched"] = len(dispatched)
 
     # the plugin would not run in vLLM's processes: an Echo run must not start as stock vLLM
-    import echo_vllm.plugin as plugin
+    import echo_vllm.vllm_glue.plugin as plugin
     def refused(argv):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

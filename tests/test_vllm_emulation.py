@@ -30,8 +30,8 @@ CONFIG = EchoConfig.from_mapping(SETTINGS, prefix="echo_")
 def test_plugin_is_declared_as_a_vllm_general_plugin():
     found = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "echo_vllm"]
     assert len(found) == 1
-    assert found[0].value == "echo_vllm.plugin:register"
-    from echo_vllm.plugin import register
+    assert found[0].value == "echo_vllm.vllm_glue.plugin:register"
+    from echo_vllm.vllm_glue.plugin import register
 
     assert found[0].load() is register
 
@@ -63,7 +63,7 @@ def _worker(rank, world):
     from vllm.distributed.parallel_state import GroupCoordinator
 
     vllm.plugins.load_general_plugins()
-    import echo_vllm.plugin as plugin
+    import echo_vllm.vllm_glue.plugin as plugin
 
     patched = (GroupCoordinator.__init__, GroupCoordinator._all_reduce_out_place)
     again = plugin.register()

@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from echo_vllm.stats import CallRecord
+
 from echo_vllm import EchoConfig, EchoConfigError
 from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
 from echo_vllm.vllm_glue import compat, tracking
@@ -175,7 +177,7 @@ def _run_calls(tracker, stats, kwargs, n, tokens=8):
     slots = []
     for _ in range(n):
         slot = tracker.next_call(kwargs, tokens)
-        stats.count("echo", "echo", wire=10, equiv=40)
+        tracker.on_record(CallRecord("echo", "echo", wire_bytes=10, equiv_bytes=40))
         slots.append(slot)
     return slots
 
@@ -249,7 +251,7 @@ def _capture(tr, stats, monkeypatch, tokens, n=3, path=("echo", "echo")):
     tr.on_forward_start(kw, num_tokens=tokens, cudagraph=False)
     for _ in range(n):
         tr.next_call(kw, tokens)
-        stats.count(*path, nbytes=tokens, wire=10, equiv=40)
+        tr.on_record(CallRecord(*path, nbytes=tokens, wire_bytes=10, equiv_bytes=40))
     monkeypatch.setattr(tracking, "capturing", lambda: False)
 
 
@@ -365,7 +367,7 @@ class _EngineArgs:
 @pytest.fixture
 def failed_plugin(monkeypatch):
     """A fresh plugin state whose hook install raises."""
-    import echo_vllm.plugin as plugin
+    import echo_vllm.vllm_glue.plugin as plugin
     from echo_vllm.vllm_glue import compat, hook
 
     def broken():
@@ -397,7 +399,7 @@ def test_a_failed_install_makes_echo_engines_fail_at_config_time(failed_plugin):
 
 
 def test_launch_problem_sees_vllm_plugins_leaving_the_plugin_out(monkeypatch):
-    import echo_vllm.plugin as plugin
+    import echo_vllm.vllm_glue.plugin as plugin
 
     monkeypatch.setattr(plugin, "_status", "installed (test)")
     monkeypatch.setattr(plugin, "_problem", None)

@@ -23,7 +23,7 @@ def _worker(rank, world, model_dir):
     from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.engine.arg_utils import EngineArgs
 
-    import echo_vllm.plugin as plugin
+    import echo_vllm.vllm_glue.plugin as plugin
 
     def build(additional_config):
         args = EngineArgs(model=model_dir, max_model_len=128, additional_config=additional_config)

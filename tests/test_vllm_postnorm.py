@@ -28,7 +28,7 @@ def _worker(rank, world):
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
     from echo_vllm.testing.tiny_model import make_tiny_qwen3
-    from echo_vllm.vllm_glue import compat, hook
+    from echo_vllm.vllm_glue import compat, startup
     from echo_vllm.vllm_glue.emulation import current_session
 
     root = Path(tempfile.mkdtemp())
@@ -53,7 +53,7 @@ def _worker(rank, world):
         cfg = VllmConfig(model_config=models[name],
                          additional_config={"tp_comm": "echo", "tp_comm_emulate": 2, **extra})
         with set_current_vllm_config(cfg):
-            hook._on_group_created(SimpleNamespace(unique_name="tp:0", world_size=1, rank_in_group=0))
+            startup.on_group_created(SimpleNamespace(unique_name="tp:0", world_size=1, rank_in_group=0), None)
         s = current_session()
         key = name + ("/" + extra["tp_comm_postnorm"] if extra else "")
         out[key] = dict(archs=compat.model_architectures(cfg), mode=s.settings.mode,

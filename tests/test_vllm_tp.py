@@ -80,7 +80,7 @@ def _worker(rank, world):
     from echo_vllm.testing.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
 
     use_cpu_platform()
-    from echo_vllm.plugin import register
+    from echo_vllm.vllm_glue.plugin import register
 
     register()
     from vllm.config import set_current_vllm_config
@@ -114,7 +114,7 @@ def _worker(rank, world):
         init_model_parallel(cfg)
         tp = ps.get_tp_group()
         out["sessions"] = sorted(
-            name for name, ref in ps._groups.items() if ref() is not None and "_echo_session" in ref().__dict__
+            name for name, ref in ps._groups.items() if ref() is not None and "_echo_comm" in ref().__dict__
         )
         out["tp_name"] = tp.unique_name
         emb, o, down = stack.vllm_layers()
@@ -136,7 +136,7 @@ def _worker(rank, world):
             return y
 
         tp._all_reduce_out_place = spy
-        session = tp._echo_session
+        comm = tp._echo_comm
         for f, tok in enumerate(stack.ids):
             forward_no[0] = f
             with set_forward_context(None, cfg, num_tokens=len(tok)):
@@ -145,7 +145,7 @@ def _worker(rank, world):
                     h = h + o[layer](_norm(h))
                     h = h + down[layer](_mlp_in(h))
         out["main_stats"] = current_stats().snapshot()
-        chain = session.comm.chain
+        chain = comm.comm.chain
         out["chain"] = dict(
             carried=chain.stats.carried, dropped=chain.stats.dropped, pending=chain.pending,
             capacity=chain.capacity_numel,
@@ -173,7 +173,7 @@ def _worker(rank, world):
             [[0, 1]], ps.get_world_group().local_rank, "gloo", group_name="echo_test_other"
         )
         x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
-        out["other"] = ("_echo_session" in other.__dict__, other.all_reduce(x))
+        out["other"] = ("_echo_comm" in other.__dict__, other.all_reduce(x))
         out["other_stats"] = current_stats().snapshot()
 
         # 5. PyncclTransport (vLLM's pynccl API) == ProcessGroupTransport, bit for bit
@@ -203,8 +203,11 @@ def _worker(rank, world):
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
         emb, o, down = stack.vllm_layers()
-        session = ps.get_tp_group()._echo_session
-        session.transport.capturable = True
+        from echo_vllm.vllm_glue.session import current
+
+        session = current()
+        assert session.communicator is ps.get_tp_group()._echo_comm
+        session.communicator.transport.capturable = True
 
         def run(n):
             h = emb(stack.ids[2][:n])
@@ -223,7 +226,7 @@ def _worker(rank, world):
         x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
         with set_forward_context(None, off, num_tokens=4):
             y = tp.all_reduce(x)
-        out["off"] = ("_echo_session" in tp.__dict__, y, current_stats())
+        out["off"] = ("_echo_comm" in tp.__dict__, y, current_stats())
     ps.destroy_model_parallel()
     out["calls"] = calls
     out["tagged"] = tagged

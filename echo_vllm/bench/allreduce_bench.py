@@ -9,7 +9,7 @@ Three ways to run, picked by ``--backend``:
   several buffers, CUDA-graph replay below 1 MiB.
 * ``gloo`` (CPU): ``--world-size`` spawned processes on one machine, a real
   bandwidth-bound transport; host clock between barriers. Echo runs the
-  CPU loops (``ECHO_KERNELS=cpu``) unless ``--cpu-kernels reference``.
+  numba CPU loops (``backend="numba"``) unless ``--cpu-kernels reference``.
 * one GPU and no torchrun: there is no link to measure; this prints the
   per-kernel table and the projection (``bench kernels``).
 
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collective import EchoAllReduce
+from ..allreduce import EchoAllReduce
 from ..config import EchoConfig
 from ..feedback import FeedbackChain
 from ..quant import WireLayout
@@ -52,10 +52,10 @@ class Contenders:
         # sees the growing (eventually non-finite) sums
         self.inputs16 = [t.clone() for t in inputs]
         self.echo = EchoAllReduce(cfg, transport)
-        self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size), transport)
+        self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport)
         self.chain = FeedbackChain(1, inputs[0].device, cfg.feedback_dtype, capacity_numel)
         self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
-        lay = self.echo.layout(inputs[0].numel())
+        lay = self.echo.message_layout(tuple(inputs[0].shape))
         self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
         self.transport = transport
 
@@ -176,18 +176,15 @@ def run_gloo(args) -> int:
     world = args.world_size
     sizes = _sizes(args, "1M", "256M")
     threads = max(1, (os.cpu_count() or 1) // world)
-    env = {} if args.cpu_kernels == "reference" else {"ECHO_KERNELS": "cpu"}
-    if args.cpu_kernels != "reference":
-        from ..kernels import cpu_loops
+    from ..backends import fastest_cpu_backend
 
-        if not cpu_loops.AVAILABLE:
-            if args.cpu_kernels == "numba":
-                print("bench allreduce: numba is not installed", file=sys.stderr)
-                return 2
-            env = {}
-    mode = env.get("ECHO_KERNELS", "reference")
+    mode = "reference" if args.cpu_kernels == "reference" else fastest_cpu_backend()
+    if args.cpu_kernels == "numba" and mode != "numba":
+        print("bench allreduce: numba is not installed", file=sys.stderr)
+        return 2
     print(f"gloo: {world} processes, {threads} thread(s) each, Echo stages: {mode}")
-    results = _launch(_gloo_worker, world, _config(args).to_dict(), sizes, args.iters, args.warmup, threads, env=env)
+    cfg = _config(args).replace(backend=mode)
+    results = _launch(_gloo_worker, world, cfg.to_dict(), sizes, args.iters, args.warmup, threads, env={})
     meta = _meta(args, "gloo", world)
     meta["echo_stages"] = mode
     meta["threads_per_process"] = threads

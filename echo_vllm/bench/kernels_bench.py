@@ -21,8 +21,6 @@ bit on a mid-sized message: a fast wrong kernel is not a result.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -68,17 +66,17 @@ NAIVE_KERNELS = ("naive_stage1", "naive_stage2", "naive_output")
 # -- the operations under test ------------------------------------------------
 
 
-def _backend(device: torch.device):
-    """The Triton kernels on CUDA; on CPU (smoke runs) the ops dispatcher."""
+def _backend(device: torch.device, layout: str = "spread"):
+    """The stages under test: the Triton kernels (in thread ``layout``) on
+    CUDA; on CPU (smoke runs) the references."""
+    from ..backends.stages import ReferenceStages, TritonStages
+
     if device.type == "cuda":
-        from .. import kernels
-
-        if not kernels.AVAILABLE:
-            raise SystemExit("bench kernels: Triton is not importable")
-        return kernels
-    from .. import ops
-
-    return ops
+        try:
+            return TritonStages(layout)
+        except RuntimeError as e:
+            raise SystemExit(f"bench kernels: {e}") from None
+    return ReferenceStages()
 
 
 class Slot:
@@ -120,8 +118,6 @@ def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, had
         return slots[i % k]
 
     def consume(i):
-        if backend.__name__.endswith("ops"):
-            return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard)
         return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard, out=outs["x"])
 
     runs = {
@@ -143,8 +139,15 @@ def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, had
 # -- verification -------------------------------------------------------------
 
 
+def message_layout(numel: int, world_size: int, group_size: int, hidden: int) -> WireLayout:
+    """The layout of a message of ``numel`` values in rows of ``hidden``
+    (0, or a ``hidden`` that does not divide ``numel``: one row)."""
+    cols = hidden if hidden and numel % hidden == 0 else 0
+    return WireLayout(numel, world_size, group_size, cols)
+
+
 def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int = 3 * (1 << 20) + 77,
-           passes: int = 2) -> list[str]:
+           passes: int = 2, hidden: int = 0) -> list[str]:
     """Kernel vs reference (run on the same device), bit for bit, for one
     Echo call and one naive call, ``passes`` times: the first launch of a
     shape goes through Triton's dispatch, the later ones launch the compiled
@@ -152,13 +155,14 @@ def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, nume
     Returns what differs (empty: all equal)."""
     bad: list[str] = []
     for i in range(passes):
-        bad += [f"{b} (pass {i + 1})" for b in _verify_once(backend, device, cfg, world_size, numel)]
+        bad += [f"{b} (pass {i + 1})" for b in _verify_once(backend, device, cfg, world_size, numel, hidden)]
     return bad
 
 
-def _verify_once(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int) -> list[str]:
+def _verify_once(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int,
+                 hidden: int = 0) -> list[str]:
     fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
-    lay = WireLayout(numel, world_size, cfg.group_size)
+    lay = message_layout(numel, world_size, cfg.group_size, hidden)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(world_size, numel, generator=gen, device=device)
     x = (x * torch.exp(torch.randn(world_size, numel, generator=gen, device=device))).to(torch.bfloat16)
@@ -227,8 +231,8 @@ def time_call(run, device: torch.device, size_bytes: int, iters: int, mode: str 
 
 
 def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int,
-                 mode: str = "auto") -> SizeResult:
-    lay = WireLayout(size_bytes // 2, world_size, cfg.group_size)
+                 mode: str = "auto", hidden: int = 0) -> SizeResult:
+    lay = message_layout(size_bytes // 2, world_size, cfg.group_size, hidden)
     fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
     n_slots = timing.rotation(size_bytes * (1 + 2 * torch.finfo(fb_dtype).bits // 16))
     slots = [Slot(backend, lay, fb_dtype, device, seed) for seed in range(n_slots)]
@@ -288,32 +292,16 @@ def eager_table(results: list[SizeResult]) -> str:
     )
 
 
-@contextlib.contextmanager
-def kernel_layout(layout: str):
-    """Run the kernels in ``layout`` (``ECHO_KERNEL_LAYOUT``) inside the block."""
-    from ..kernels.launch import LAYOUT_ENV
-
-    old = os.environ.get(LAYOUT_ENV)
-    os.environ[LAYOUT_ENV] = layout
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(LAYOUT_ENV, None)
-        else:
-            os.environ[LAYOUT_ENV] = old
-
-
 def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: list[int], iters: int,
-                    mode: str = "auto"):
+                    mode: str = "auto", hidden: int = 0):
     """Time every kernel under each thread layout (same bits, different
     memory/shuffle trade-off). Returns [(layout, SizeResult)]."""
     from ..kernels.launch import LAYOUTS
 
     out = []
     for layout in LAYOUTS:
-        with kernel_layout(layout):
-            out += [(layout, measure_size(backend, device, cfg, world_size, z, iters, mode)) for z in sizes]
+        stages = _backend(device, layout)
+        out += [(layout, measure_size(stages, device, cfg, world_size, z, iters, mode, hidden)) for z in sizes]
     return out
 
 
@@ -405,6 +393,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="auto: CUDA-graph replay below 1 MiB, eager above; graph: device time everywhere; "
                          "both: device time for bytes/s plus each call's eager time (host launch included)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
+    ap.add_argument("--hidden", type=int, default=4096,
+                    help="values per row (token) of the messages: the row-aligned, position-owned layout "
+                         "(0: one row)")
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_DTYPES))
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
@@ -452,12 +443,16 @@ def run(args: argparse.Namespace) -> int:
     compare = device.type == "cuda" and not args.no_layout_compare
     if not args.skip_verify:
         bad = []
-        from ..kernels.launch import LAYOUTS, current_layout
+        from ..kernels.launch import LAYOUTS
 
-        for layout in LAYOUTS if compare else (current_layout(),):
-            with kernel_layout(layout):
-                bad += [f"{layout} P={p}: {b}" for p in worlds
-                        for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+        for layout in LAYOUTS if compare else (backend.name if device.type != "cuda" else backend.layout,):
+            stages = _backend(device, layout) if device.type == "cuda" else backend
+            bad += [f"{layout} P={p}: {b}" for p in worlds
+                    for b in verify(stages, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+            if args.hidden:  # the row layout too: whole rows of the model's width
+                rows = max(1, min(3 << 20, max(sizes)) // args.hidden)
+                bad += [f"{layout} P={p} rows of {args.hidden}: {b}" for p in worlds
+                        for b in verify(stages, device, cfg, p, numel=rows * args.hidden, hidden=args.hidden)]
         if bad:
             print("bench kernels: kernels differ from the references, refusing to time them: " + ", ".join(bad),
                   file=sys.stderr)
@@ -472,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for p in worlds:
         for size in sizes:
-            results.append(measure_size(backend, device, cfg, p, size, args.iters, args.timing))
+            results.append(measure_size(backend, device, cfg, p, size, args.iters, args.timing, args.hidden))
             r = results[-1]
             print(f"  P={p} {report.human_bytes(size):>9}: echo {r.total_s(ECHO_KERNELS) * 1e6:9.1f} us, "
                   f"naive {r.total_s(NAIVE_KERNELS) * 1e6:9.1f} us", flush=True)
@@ -491,8 +486,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = []
     if compare:
         cmp_sizes = [z for z in sizes if z in (64 << 20, 1 << 30)] or [max(sizes)]
-        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters, args.timing)
-        print("\nthread layouts (ECHO_KERNEL_LAYOUT; same bits): % of copy bandwidth per kernel")
+        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters, args.timing, args.hidden)
+        print("\nthread layouts (same bits): % of copy bandwidth per kernel")
         print(layout_table(layouts, copy_gbps))
     compiled = compile_report() if device.type == "cuda" else []
     if compiled:

@@ -75,22 +75,14 @@ def report(layouts=("spread", "thread")) -> list[dict]:
     modules = {"stage1": stage1_kernel, "stage2": stage2_kernel, "output": output_kernel, "consume": consume_kernel}
     values_per_thread = launch.GROUPS_PER_PROGRAM * 32 // (32 * launch.NUM_WARPS)
     rows = []
-    old = os.environ.get(launch.LAYOUT_ENV)
     with compile_only():
-        try:
-            for layout in layouts:
-                os.environ[launch.LAYOUT_ENV] = layout
-                for name, call in _calls(1 << 22, 8).items():
-                    call()
-                    compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
-                    r = kernel_report(compiled)
-                    rows.append({"layout": layout, "kernel": name, **r,
-                                 "sass_per_value": r["sass"] / values_per_thread})
-        finally:
-            if old is None:
-                os.environ.pop(launch.LAYOUT_ENV, None)
-            else:
-                os.environ[launch.LAYOUT_ENV] = old
+        for layout in layouts:
+            for name, call in _calls(1 << 22, 8, launch.is_spread(layout)).items():
+                call()
+                compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
+                r = kernel_report(compiled)
+                rows.append({"layout": layout, "kernel": name, **r,
+                             "sass_per_value": r["sass"] / values_per_thread})
     return rows
 
 

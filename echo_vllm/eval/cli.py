@@ -14,8 +14,6 @@ Subcommands (each its own module with ``main(argv)``, imported lazily):
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import sys
 
 SUBCOMMANDS = {
@@ -29,23 +27,8 @@ SUBCOMMANDS = {
 }
 
 
-def _fast_cpu_kernels() -> None:
-    """Echo's fused numba CPU loops give the references' bits ~20x faster;
-    evaluation on CPU is dominated by them, so use them unless the user chose
-    (``ECHO_KERNELS``) or numba is missing. CUDA tensors are unaffected."""
-    if "ECHO_KERNELS" in os.environ or importlib.util.find_spec("numba") is None:
-        return
-    try:
-        from ..kernels import cpu_loops
-    except Exception:
-        return
-    if getattr(cpu_loops, "AVAILABLE", False):
-        os.environ["ECHO_KERNELS"] = "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _fast_cpu_kernels()
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

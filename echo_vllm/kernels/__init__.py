@@ -2,7 +2,7 @@
 
 ``stage1``, ``stage2``, ``output`` and ``consume`` take the same arguments as
 the references (plus optional ``out`` buffers, so a CUDA graph can capture a
-call without allocations) and return the same bits. ``echo_vllm.ops`` picks
+call without allocations) and return the same bits. ``echo_vllm.backends`` picks
 them for CUDA tensors. ``AVAILABLE`` is False when Triton cannot be imported;
 the references then serve every device.
 

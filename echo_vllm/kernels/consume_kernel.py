@@ -13,26 +13,29 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import WIDE_VEC, as_access, as_groups, group_mask, to_f32, to_output, unrotate, value_offsets
+from .tile import (
+    WIDE_VEC, as_access, as_groups, group_mask, message_offsets, to_f32, to_output, unrotate, value_offsets,
+)
 
 
 @triton.jit
 def _consume_kernel(
     x_ptr, fb_ptr, out_ptr,
-    x_row_stride, fb_row_stride, out_row_stride, numel, n_groups,
+    x_row_stride, fb_row_stride, out_row_stride, row_groups, cols, msg_groups, chunk_numel,
     G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
 ):
-    r = tl.program_id(1).to(tl.int64)
+    # program (block of groups, chunk j, local rank r): the error is in wire order
+    j = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(2).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    gmask = lg < n_groups
-    idx = value_offsets(0, lg, G, SPREAD, WIDE_VEC)
-    m = group_mask(gmask, SPREAD)
-    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + idx, mask=m, other=0.0), BG, G))
+    xi, xm = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD, WIDE_VEC)
+    ei = value_offsets(j * chunk_numel, lg, G, SPREAD, WIDE_VEC)
+    m = group_mask(lg < msg_groups, SPREAD)
+    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + ei, mask=m, other=0.0), BG, G))
     if HADAMARD:
         e = unrotate(e, BG, G, SPREAD)
-    xm = m & (idx < numel)
-    x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + idx, mask=xm, other=0.0), BG, G))
-    tl.store(out_ptr + r * out_row_stride + idx, as_access(to_output(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
+    x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + xi, mask=xm, other=0.0), BG, G))
+    tl.store(out_ptr + r * out_row_stride + xi, as_access(to_output(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
              mask=xm)
 
 
@@ -41,11 +44,10 @@ _LAUNCH = Launcher(_consume_kernel, launch.LAUNCH_OPTIONS)
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, rows: int, hadamard: bool, spread: bool) -> launch.Plan:
-    """``ints``: numel, n_groups (the rows' strides are per call)."""
-    n_groups = layout.padded_numel // layout.group_size
+    """``ints``: :func:`launch.message_ints`, chunk_numel (the rows' strides are per call)."""
     return launch.Plan(
-        grid=(launch.programs(n_groups), rows, 1),
-        ints=(layout.numel, n_groups),
+        grid=(launch.programs(layout.chunk_groups), layout.world_size, rows),
+        ints=(*launch.message_ints(layout), layout.chunk_numel),
         constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
                                       SPREAD=spread),
         wire_shape=(),
@@ -59,6 +61,7 @@ def consume(
     *,
     hadamard: bool,
     out: torch.Tensor | None = None,
+    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.consume_reference``: ``x [R, numel]`` -> ``[R, numel]``."""
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -71,7 +74,7 @@ def consume(
     else:
         launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
     launch.check_device(x, feedback, out)
-    plan = _plan(layout, rows, bool(hadamard), launch.spread_groups())
+    plan = _plan(layout, rows, bool(hadamard), bool(spread))
     _LAUNCH(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
             plan.constexprs)
     return out

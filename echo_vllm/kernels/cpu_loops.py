@@ -9,7 +9,7 @@ in the same order -- so they return the references' bits (tested in
 neither contracts ``a - b * c`` into an FMA nor simplifies the magic-number
 rounding away.
 
-Used when ``ECHO_KERNELS=cpu`` (``echo_vllm.ops``): the gloo benchmark and
+Used by the ``numba`` backend (``echo_vllm.backends``): the gloo benchmark and
 CPU deployments opt in; the default CPU path stays the references.
 Signatures match ``echo_vllm.kernels`` (``AVAILABLE`` says whether numba
 imports). bf16 travels as its uint16 bits; fp16 inputs are widened to fp32
@@ -194,6 +194,17 @@ def _store_group(dst, is_bf16, base, valid, v, vb, g):
             dst[base + k] = v[k]
 
 
+@_njit
+def _message_group(j, m, row_groups, cols, msg_groups, g):
+    """(offset, valid values) in the message of group ``m`` of chunk ``j``:
+    the position-owned layout of ``quant`` (valid 0 for padding groups)."""
+    if m >= msg_groups:
+        return 0, 0
+    t = m // row_groups
+    col0 = (j * row_groups + m - t * row_groups) * g
+    return t * cols + col0, min(g, max(0, cols - col0))
+
+
 # -- the stages, one row (local rank) at a time ---------------------------------
 
 
@@ -209,13 +220,15 @@ def _scratch(g):
 
 
 @_njit
-def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+def _stage1_row(x, x_bf16, msg, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
     for gi in range(n_groups):
         base = gi * g
-        _load_group(x, x_bf16, base, min(g, max(0, numel - base)), u, ub, g)
+        j = gi // groups_per_chunk
+        src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
+        _load_group(x, x_bf16, src, valid, u, ub, g)
         if hadamard:
             _fwht(u, g)
         if has_fb and incoming:
@@ -225,7 +238,6 @@ def _stage1_row(x, x_bf16, numel, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb
         s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, e, one, one_bits)
         if has_fb:
             _store_group(fb, fb_bf16, base, g, e, eb, g)
-        j = gi // groups_per_chunk
         _write_group(wire, j * cb, pb, gi - j * groups_per_chunk, g, codes, s_bits)
 
 
@@ -249,7 +261,7 @@ def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_
 
 
 @_njit
-def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
+def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard):
     v, vb, _, _, _, one, one_bits = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     for j in range(p):
@@ -259,27 +271,29 @@ def _output_all(gathered, p, out, out_bf16, numel, c, cb, pb, g, hadamard):
                 _fwht(v, g)
                 for k in range(g):
                     v[k] = v[k] * inv_g
-            base = j * c + lg * g
-            _store_group(out, out_bf16, base, min(g, max(0, numel - base)), v, vb, g)
+            dst, valid = _message_group(j, lg, msg[0], msg[1], msg[2], g)
+            _store_group(out, out_bf16, dst, valid, v, vb, g)
 
 
 @_njit
-def _consume_row(x, x_bf16, numel, fb, fb_bf16, out, padded, g, hadamard):
+def _consume_row(x, x_bf16, msg, fb, fb_bf16, out, p, c, g, hadamard):
     u, ub, e, eb, _, _, _ = _scratch(g)
     inv_g = _F(1.0) / _F(g)
-    for base in range(0, padded, g):
-        valid = min(g, max(0, numel - base))
+    groups_per_chunk = c // g
+    for gi in range(p * groups_per_chunk):
+        j = gi // groups_per_chunk
+        src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
         if valid == 0:
-            break
-        _load_group(fb, fb_bf16, base, g, e, eb, g)
+            continue
+        _load_group(fb, fb_bf16, gi * g, g, e, eb, g)
         if hadamard:
             _fwht(e, g)
             for k in range(g):
                 e[k] = e[k] * inv_g
-        _load_group(x, x_bf16, base, valid, u, ub, g)
+        _load_group(x, x_bf16, src, valid, u, ub, g)
         for k in range(valid):
             u[k] = u[k] + e[k]
-        _store_group(out, x_bf16, base, valid, u, ub, g)
+        _store_group(out, x_bf16, src, valid, u, ub, g)
 
 
 # -- torch-facing wrappers -------------------------------------------------------
@@ -331,7 +345,7 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     dummy = np.empty(1, np.float32)
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
-        _stage1_row(xr, x_bf16, layout.numel, fb[r] if fb is not None else dummy, fb_bf16,
+        _stage1_row(xr, x_bf16, launch.message_ints(layout), fb[r] if fb is not None else dummy, fb_bf16,
                     fb is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
                     layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard))
     return wire
@@ -371,7 +385,7 @@ def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
     bf16 = out_dtype == torch.bfloat16
     buf = torch.empty(layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     dst = buf.numpy().view(np.uint16) if bf16 else buf.numpy()
-    _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, layout.numel,
+    _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, launch.message_ints(layout),
                 layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard))
     y = buf.view(torch.bfloat16) if bf16 else buf.to(out_dtype)
     if out is None:
@@ -392,8 +406,8 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     res_np = res.numpy().view(np.uint16) if bf16 else res.numpy()
     for r in range(rows):
         xr, _ = _as_loop_input(x[r])
-        _consume_row(xr, bf16, layout.numel, fb[r], fb_bf16, res_np[r], layout.padded_numel,
-                     layout.group_size, bool(hadamard))
+        _consume_row(xr, bf16, launch.message_ints(layout), fb[r], fb_bf16, res_np[r], layout.world_size,
+                      layout.chunk_numel, layout.group_size, bool(hadamard))
     y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
     if out is None:
         return y

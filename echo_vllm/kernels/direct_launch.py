@@ -4,9 +4,9 @@ Why: ``kernel[grid](*args)`` re-derives on every call what only changes
 when the arguments' *specialization* changes: it binds the arguments into a
 dict, specializes each one, builds and hashes a cache key from them and the
 options, builds a launch-metadata dict and calls two (empty) launch-hook
-chains. On the H200 every eager Echo kernel cost 35-90 us of host time
-against 2-10 us of device time below 16 MiB (BENCHMARKS.md, 2.4), and vLLM
-runs prefill batches above its CUDA-graph sizes eagerly.
+chains. On the H200 that host time exceeded the kernels' device time below
+16 MiB (BENCHMARKS.md, 2.4), and vLLM runs prefill batches above its
+CUDA-graph sizes eagerly.
 
 How: a :class:`Launcher` wraps one ``@triton.jit`` function. A call it has
 not seen goes through Triton's own path, which compiles (or finds) the
@@ -27,7 +27,10 @@ Triton's path is kept whenever the shortcut could differ from it: under
 the interpreter (``TRITON_INTERPRET=1``), when a launch hook is installed
 (profilers), when a tensor is not on the current device, on Triton
 versions whose launch convention was not checked here
-(:data:`CHECKED_TRITON`), and when ``ECHO_KERNEL_DIRECT_LAUNCH=0``.
+(:data:`CHECKED_TRITON`; ``pyproject.toml`` allows older ones, which then
+take Triton's path, and CI tests the checked one), and when
+``ECHO_KERNEL_DIRECT_LAUNCH=0`` (:mod:`echo_vllm.envs`, read when the
+launcher is built).
 Compile-time knobs read from the environment (``TRITON_DEBUG``,
 instrumentation) are part of Triton's key but not of this one: set them
 before the first launch.
@@ -36,28 +39,26 @@ before the first launch.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Sequence
 
 import torch
+
+from .. import envs
 
 #: Triton minor versions whose ``CompiledKernel.run`` calling convention
 #: (grid, stream, function, packed metadata, launch metadata, enter hook,
 #: exit hook, *all kernel arguments) this module was checked against.
 CHECKED_TRITON = ("3.6",)
 
-#: Set to 0 to always launch through Triton's ``kernel[grid](...)``.
-DIRECT_ENV = "ECHO_KERNEL_DIRECT_LAUNCH"
-
 #: Keys kept per kernel before the table is cleared (each distinct message
 #: size and buffer set adds one; an entry is three references).
 MAX_ENTRIES = 4096
 
 
-def _triton_support():
-    """``(JITFunction, knobs)`` when direct launches are possible with the
-    installed Triton, else None."""
-    if os.environ.get(DIRECT_ENV, "1") == "0":
+def _triton_support(allowed: bool = True):
+    """``(JITFunction, knobs)`` when direct launches are ``allowed`` and
+    possible with the installed Triton, else None."""
+    if not allowed:
         return None
     try:
         import triton
@@ -92,10 +93,10 @@ class Launcher:
     values by name once per plan, so call sites cannot mix them up.
     """
 
-    def __init__(self, fn: Any, options: dict):
+    def __init__(self, fn: Any, options: dict, *, direct: bool | None = None):
         self.fn = fn
         self.options = dict(options)
-        support = _triton_support()
+        support = _triton_support(envs.read().direct_launch if direct is None else direct)
         self.direct = support is not None and isinstance(fn, support[0])
         if self.direct:
             self._hooks = support[1].runtime

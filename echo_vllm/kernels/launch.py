@@ -1,7 +1,7 @@
 """How the Echo kernels are launched: tile sizes, compiler options, checks.
 
 Every kernel processes ``GROUPS_PER_PROGRAM`` quantization groups per program
-(in one of two thread layouts, see :func:`spread_groups` and ``tile``), and
+(in one of two thread layouts, :data:`LAYOUTS`), and
 is compiled with FMA contraction off: the references in ``echo_vllm.quant`` round every product and sum
 separately, and the kernels must produce the same bits.
 
@@ -12,14 +12,13 @@ instead of reading out of bounds. Everything else a launch needs that
 depends only on the shapes and options (grid, layout-derived integers,
 constexprs) is a :class:`Plan`, cached per wrapper, and the launch itself
 goes through ``direct_launch.Launcher``, which skips Triton's per-call
-dispatch once a specialization is compiled: an eager call costs a few µs of
-host time instead of tens (BENCHMARKS.md, 2.7).
+dispatch once a specialization is compiled (host time per eager call:
+BENCHMARKS.md, 2.7).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import types
 from typing import NamedTuple
 
@@ -36,44 +35,18 @@ GROUPS_PER_PROGRAM = 32 * NUM_WARPS
 #: ``a - b * c`` from becoming one fused multiply-add.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
-#: Environment variable choosing the thread layout of a group (see
-#: :func:`spread_groups`).
-LAYOUT_ENV = "ECHO_KERNEL_LAYOUT"
-LAYOUTS = ("thread", "spread")
-#: The layout used when ``ECHO_KERNEL_LAYOUT`` is unset (measured faster on the H200).
-DEFAULT_LAYOUT = "spread"
+#: The kernels' thread layouts (see ``tile``): ``spread`` (a group across
+#: lanes, coalesced, the default: faster on the H200, BENCHMARKS.md section 2)
+#: and ``thread`` (a group per thread). The same bits either way; wrappers
+#: take ``spread=`` and :class:`echo_vllm.backends.stages.TritonStages` passes it.
+LAYOUTS = ("spread", "thread")
 
 
-def spread_groups() -> bool:
-    """Which of two layouts the kernels compile to (the same bits either way).
-
-    ``spread`` (default): a group spans VEC-wide slices of several lanes,
-    so a warp reads contiguous memory, at the price of shuffles for the amax
-    and the butterflies. ``thread``: one thread owns a whole group; amax and
-    every butterfly stay in registers, and each lane reads 8-16 contiguous
-    bytes of its own group (lanes a group apart). On one H200 (BENCHMARKS.md,
-    section 2) ``spread`` moved 1.05-2.4x the bytes/s of ``thread`` at 1 GiB
-    (stage 1 72% vs 59% of a copy, output 54% vs 23%), hence the default;
-    ``echo-vllm bench kernels`` times both.
-    """
-    raw = os.environ.get(LAYOUT_ENV)
-    spread = _SPREAD_BY_ENV.get(raw)
-    if spread is None:
-        layout = raw.lower()
-        if layout not in LAYOUTS:
-            raise ValueError(f"{LAYOUT_ENV}={raw!r}: choose one of {LAYOUTS}")
-        spread = layout == "spread"
-    return spread
-
-
-def current_layout() -> str:
-    """The name of the layout :func:`spread_groups` selects now."""
-    return "spread" if spread_groups() else "thread"
-
-
-#: ``ECHO_KERNEL_LAYOUT`` values already understood (read on every call:
-#: the benchmark switches layouts at run time).
-_SPREAD_BY_ENV = {None: DEFAULT_LAYOUT == "spread", "thread": False, "spread": True}
+def is_spread(layout: str) -> bool:
+    """``spread=`` for a layout name of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kernel layout {layout!r}: choose one of {LAYOUTS}")
+    return layout == "spread"
 
 
 #: Largest qmax whose codes (q + 8) fit a nibble.
@@ -151,6 +124,12 @@ def wire_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Te
         return torch.empty(shape, dtype=WIRE_DTYPE, device=like.device)
     check_wire("out", out, shape)
     return out
+
+
+def message_ints(layout: WireLayout) -> tuple[int, int, int]:
+    """The message's shape as the kernels address it (:func:`tile.message_offsets`):
+    ``row_groups, cols, msg_groups``."""
+    return (layout.row_groups, layout.cols, layout.rows * layout.row_groups)
 
 
 def chunk_ints(layout: WireLayout) -> tuple[int, int, int, int]:

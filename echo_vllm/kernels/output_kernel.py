@@ -15,12 +15,12 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import WIDE_VEC, as_access, group_mask, load_chunk_groups, to_output, unrotate, value_offsets
+from .tile import WIDE_VEC, as_access, load_chunk_groups, message_offsets, to_output, unrotate
 
 
 @triton.jit
 def _output_kernel(
-    gathered_ptr, out_ptr, numel,
+    gathered_ptr, out_ptr, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
 ):
@@ -30,9 +30,8 @@ def _output_kernel(
     v = load_chunk_groups(gathered_ptr, j * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
     if HADAMARD:
         v = unrotate(v, BG, G, SPREAD)
-    idx = value_offsets(j * chunk_numel, lg, G, SPREAD, WIDE_VEC)
-    tl.store(out_ptr + idx, as_access(to_output(v, out_ptr.dtype.element_ty), BG, G, SPREAD),
-             mask=group_mask(gmask, SPREAD) & (idx < numel))
+    idx, m = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD, WIDE_VEC)
+    tl.store(out_ptr + idx, as_access(to_output(v, out_ptr.dtype.element_ty), BG, G, SPREAD), mask=m)
 
 
 _LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
@@ -40,10 +39,10 @@ _LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, hadamard: bool, spread: bool) -> launch.Plan:
-    """``ints``: numel, then :func:`launch.chunk_ints`."""
+    """``ints``: :func:`launch.message_ints`, then :func:`launch.chunk_ints`."""
     return launch.Plan(
         grid=(launch.programs(layout.chunk_groups), layout.world_size, 1),
-        ints=(layout.numel, *launch.chunk_ints(layout)),
+        ints=(*launch.message_ints(layout), *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
                                       SPREAD=spread),
         wire_shape=(layout.world_size, layout.chunk_bytes),
@@ -57,10 +56,11 @@ def output(
     *,
     hadamard: bool,
     out: torch.Tensor | None = None,
+    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.output_reference``: ``gathered [P, chunk_bytes]``
     -> ``[numel]`` of ``out_dtype``."""
-    plan = _plan(layout, bool(hadamard), launch.spread_groups())
+    plan = _plan(layout, bool(hadamard), bool(spread))
     launch.check_wire("gathered", gathered, plan.wire_shape)
     if out_dtype not in launch.INPUT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")

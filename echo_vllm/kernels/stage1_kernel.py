@@ -17,14 +17,15 @@ from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
 from .tile import (
-    as_access, as_groups, from_f32, fwht, group_mask, quantize, store_chunk_groups, to_f32, value_offsets,
+    as_access, as_groups, from_f32, fwht, group_mask, message_offsets, quantize, store_chunk_groups, to_f32,
+    value_offsets,
 )
 
 
 @triton.jit
 def _stage1_kernel(
     x_ptr, fb_ptr, wire_ptr,
-    x_row_stride, fb_row_stride, wire_row_stride, numel,
+    x_row_stride, fb_row_stride, wire_row_stride, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, SPREAD: tl.constexpr,
@@ -35,8 +36,9 @@ def _stage1_kernel(
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = lg < chunk_groups
     m3 = group_mask(gmask, SPREAD)
-    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)  # value index within the row
-    x = tl.load(x_ptr + r * x_row_stride + idx, mask=m3 & (idx < numel), other=0.0)
+    xi, xm = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD)
+    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)  # wire order: feedback
+    x = tl.load(x_ptr + r * x_row_stride + xi, mask=xm, other=0.0)
     u = to_f32(as_groups(x, BG, G))
     if HADAMARD:
         u = fwht(u, BG, G, SPREAD)
@@ -56,11 +58,11 @@ _LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
           spread: bool) -> launch.Plan:
-    """``ints``: wire_row_stride, numel, then :func:`launch.chunk_ints`."""
+    """``ints``: wire_row_stride, :func:`launch.message_ints`, :func:`launch.chunk_ints`."""
     p = layout.world_size
     return launch.Plan(
         grid=(launch.programs(layout.chunk_groups), p, rows),
-        ints=(p * layout.chunk_bytes, layout.numel, *launch.chunk_ints(layout)),
+        ints=(p * layout.chunk_bytes, *launch.message_ints(layout), *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
             G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, SPREAD=spread,
@@ -78,6 +80,7 @@ def stage1(
     hadamard: bool,
     has_incoming: bool,
     out: torch.Tensor | None = None,
+    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage1_reference``: ``x [R, numel]`` ->
     wire ``[R, P, chunk_bytes]``; rewrites ``feedback[:, :padded_numel]``."""
@@ -89,7 +92,7 @@ def stage1(
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(x, feedback, out)
     plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
-                 launch.spread_groups())
+                 bool(spread))
     wire = launch.wire_or_new(out, plan.wire_shape, x)
     fb = feedback if feedback is not None else x
     _LAUNCH(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)

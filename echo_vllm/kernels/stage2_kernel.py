@@ -96,6 +96,7 @@ def stage2(
     *,
     qmax: int,
     out: torch.Tensor | None = None,
+    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage2_reference``: ``recv [R, P, chunk_bytes]``
     -> wire ``[R, chunk_bytes]``; adds the error into ``feedback``'s own chunk."""
@@ -108,7 +109,7 @@ def stage2(
     if feedback is not None:
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(recv, feedback, out)
-    plan = _plan(layout, rows, qmax, feedback is not None, launch.spread_groups())
+    plan = _plan(layout, rows, qmax, feedback is not None, bool(spread))
     wire = launch.wire_or_new(out, plan.wire_shape, recv)
     fb = feedback if feedback is not None else recv
     recv_stride, out_stride, *chunk = plan.ints

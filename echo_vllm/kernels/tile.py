@@ -17,18 +17,18 @@ for bit:
 * the Walsh-Hadamard butterflies run in the order of
   ``echo_vllm.rotation.fwht`` (stride 1, 2, 4, ...; outputs ``(a+b, a-b)``).
 
-Thread layouts (``SPREAD``, chosen by ``launch.spread_groups``; the bits
+Thread layouts (``SPREAD``, the wrappers' ``spread=`` argument; the bits
 are the same either way):
 
 * ``SPREAD`` (default): 2-D offsets ``[BG, G]``, a group across lanes, so a
   warp reads contiguous memory; the amax and the cross-lane butterfly
   stages become shuffles. Faster on the H200 (BENCHMARKS.md, section 2).
-* one group per thread (``ECHO_KERNEL_LAYOUT=thread``): tiles are loaded
+* one group per thread (``spread=False``): tiles are loaded
   through 3-D offsets ``[BG, G // VEC, VEC]`` (``VEC`` values = 16 bytes of
   fp32 per vector access), with which Triton gives each thread whole
   groups, so the amax and every butterfly stay in registers: no shared
   memory, no shuffles. Lanes read 8-16 contiguous bytes each, a group
-  apart; on the H200 that reached only 23-63% of a copy's bytes/s.
+  apart; slower on the H200 (BENCHMARKS.md, section 2).
 """
 
 from __future__ import annotations
@@ -130,6 +130,26 @@ def value_offsets(first, lg, G: tl.constexpr, SPREAD: tl.constexpr, SPREAD_VEC: 
         k = tl.arange(0, G // VEC)[None, :, None]
         v = tl.arange(0, VEC)[None, None, :]
         return first + lg.to(tl.int64)[:, None, None] * G + (k * VEC + v)
+
+
+@triton.jit
+def message_offsets(j, lg, row_groups, cols, msg_groups, G: tl.constexpr, SPREAD: tl.constexpr,
+                    SPREAD_VEC: tl.constexpr = VEC):
+    """Offsets into the message ``[rows, cols]`` of groups ``lg`` of chunk
+    ``j``, and their mask (the position-owned layout of ``quant``): group
+    ``m`` is row ``m // row_groups``, first column ``(j * row_groups +
+    m % row_groups) * G``. Masked: padding groups (``m >= msg_groups``) and
+    the zero columns past ``cols``. Shapes as :func:`value_offsets`."""
+    t = lg // row_groups
+    col0 = (j * row_groups + (lg - t * row_groups)) * G
+    first = t * cols + col0
+    live = lg < msg_groups
+    if SPREAD:
+        e = tl.max_contiguous(tl.arange(0, G), SPREAD_VEC)[None, :]
+        return first[:, None] + e, live[:, None] & (col0[:, None] + e < cols)
+    else:
+        e = tl.arange(0, G // VEC)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+        return first[:, None, None] + e, live[:, None, None] & (col0[:, None, None] + e < cols)
 
 
 @triton.jit

@@ -6,7 +6,7 @@
 2. with Echo on (or the emulation's exact baseline), Prometheus
    multiprocess mode is switched on before vLLM is imported, so the workers'
    Echo counters reach ``/metrics``
-   (:mod:`echo_vllm.metrics`);
+   (:mod:`echo_vllm.vllm_glue.metrics`);
 3. vLLM's own ``vllm serve`` runs in this process
    (:mod:`~echo_vllm.server.vllm_serve`).
 """
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     on_parsed = None
     if settings.glue_active:
-        from .. import metrics
+        from ..vllm_glue import metrics
 
         path = metrics.prepare_multiprocess_dir()  # before vLLM imports prometheus_client
         print(f"echo-vllm serve: Prometheus multiprocess dir {path}", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
+from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
@@ -36,6 +36,7 @@ _CHOICES: dict[str, tuple] = {
     "bits": SUPPORTED_BITS,
     "rounding": ROUNDING_MODES,
     "feedback_dtype": FEEDBACK_DTYPES,
+    "backend": BACKEND_CHOICES,
 }
 
 

@@ -88,7 +88,7 @@ def check_plugin(settings: ServeSettings) -> None:
     """Echo (or its emulation) runs only where vLLM's processes load the
     plugin's hook; without it vLLM would serve its own all-reduce under an
     Echo label. Refuse to start instead, naming the reason."""
-    from ..plugin import launch_problem
+    from ..vllm_glue.plugin import launch_problem
 
     problem = launch_problem()
     if problem is not None:

@@ -1,15 +1,20 @@
 """vLLM glue: Echo inside stock vLLM's tensor-parallel all-reduce.
 
-* :mod:`.settings`  -- what ``--additional-config`` asks for (``tp_comm``, ``echo_*``)
-* :mod:`.guards`    -- engine settings Echo refuses at start-up, by flag name
-* :mod:`.hook`      -- the ``GroupCoordinator`` patches and the per-process session
-* :mod:`.tracking`  -- call index per forward pass, counters under CUDA graphs
+* :mod:`.plugin`       -- the ``vllm.general_plugins`` entry point: installs the hook
+* :mod:`.hook`         -- the ``GroupCoordinator`` patches, nothing else
+* :mod:`.startup`      -- what happens when vLLM creates the TP group
+* :mod:`.session`      -- the process's one Echo session, and its registry
+* :mod:`.communicator` -- ``TpEchoCommunicator``: Echo for one TP group, in vLLM's shape
+* :mod:`.settings`     -- what ``--additional-config`` asks for (``tp_comm``, ``echo_*``)
+* :mod:`.guards`       -- engine settings Echo refuses at start-up, by flag name
+* :mod:`.tracking`     -- call index per forward pass, counters under CUDA graphs
+* :mod:`.metrics`      -- Prometheus export of the counters
 * :mod:`.pynccl_transport` -- Echo's collectives over vLLM's pynccl communicator
-* :mod:`.emulation` -- one-device TP=P emulation (custom ops + layer patches)
-* :mod:`.compat`    -- every vLLM symbol used, version checks
+* :mod:`.emulation`    -- one-device TP=P emulation (custom ops + layer patches)
+* :mod:`.compat`       -- every vLLM symbol used, version checks
 
 Importing this package does not import vLLM; the plugin
-(:func:`echo_vllm.plugin.register`) installs the hook.
+(:func:`echo_vllm.vllm_glue.plugin.register`) installs the hook.
 """
 
 from .guards import EchoEngineConfigError, check_engine_config, conflicts
@@ -19,7 +24,7 @@ from .settings import TpCommSettings
 def current_stats():
     """This process's Echo counters (a :class:`~.tracking.StepStats`, an
     :class:`~echo_vllm.stats.EchoStats`), or None when Echo is not active."""
-    from .hook import current_stats as _current
+    from .session import current_stats as _current
 
     return _current()
 

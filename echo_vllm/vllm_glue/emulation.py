@@ -34,20 +34,21 @@ from typing import Any, Optional
 
 import torch
 
+from ..capture import capturing
 from ..communicator import EchoCommunicator
-from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..config import EchoConfigError
+from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..policy import Reason
 from ..transport import VirtualTransport
-from . import compat
-from .hook import SessionBase
+from . import session as sessions
+from .session import EchoSession
 from .settings import TpCommSettings
-from ..capture import capturing
 from .tracking import CallSlot
 
 logger = logging.getLogger("echo_vllm")
 
-_SESSION: "Optional[EmulationSession]" = None
+_STARTED: "Optional[EmulationSession]" = None
+"""The session layers built from now on are emulated for (None: none)."""
 _LIB: Any = None
 _PATCHED = False
 
@@ -58,7 +59,7 @@ ROW_OP = "emulated_row_parallel"
 VOCAB_OP = "emulated_vocab_embedding"
 
 
-class EmulationSession(SessionBase):
+class EmulationSession(EchoSession):
     """P virtual ranks for every emulated layer of this process's model."""
 
     def __init__(self, settings: TpCommSettings, vllm_config: Any):
@@ -74,9 +75,7 @@ class EmulationSession(SessionBase):
     def reduce(self, partials: torch.Tensor) -> torch.Tensor:
         """Sum partials [P, tokens, hidden] as the configured all-reduce would."""
         per_rank = partials[0]
-        slot = self.tracker.next_call(
-            compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0
-        )
+        slot = self.next_call(per_rank)
         if capturing():
             self.captured = True
         comm = self._communicator(partials.device)
@@ -86,22 +85,23 @@ class EmulationSession(SessionBase):
         if self.settings.mode == "echo":
             y = comm.all_reduce(partials, slot.index, last_call=slot.last_call, residual=residual)
         else:
-            self.stats.count(
-                "exact", Reason.DISABLED.value, nbytes=per_rank.numel() * per_rank.element_size()
-            )
-            y = comm.exact(partials, slot.index)
+            y = comm.exact(partials, slot.index, reason=Reason.DISABLED)
         if self.settings.emulate_measure:
             self._measure(partials, y, slot, residual)
         return y
 
     def _communicator(self, device: torch.device) -> EchoCommunicator:
         if self.comm is None or self.comm.chain.device != device:
-            self.comm = EchoCommunicator(
-                self.settings.echo, VirtualTransport(self.world_size), device=device, stats=self.stats
-            )
-            self.comm.fixed_capacity = True  # sized once by reserve_once, never under capture
+            # sized once by reserve_once, never under capture
+            self.comm = EchoCommunicator(self.settings.echo, VirtualTransport(self.world_size), device=device,
+                                         fixed_capacity=True, stats=self.stats, sink=self.record)
             self._reserved = False
         return self.comm
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
 
     # -- residual-error measurement (tp_comm_emulate_measure) --------------------
 
@@ -156,7 +156,7 @@ class EmulationSession(SessionBase):
             mode=mode or self.settings.mode,
             echo=self.settings.echo.replace(**echo_changes),
         )
-        self.comm = None
+        self.close()
 
     def note_skipped(self, layer: torch.nn.Module, reason: str) -> None:
         self.skipped_layers[reason] += 1
@@ -169,13 +169,16 @@ class EmulationSession(SessionBase):
 
 
 def current_session() -> "Optional[EmulationSession]":
-    return _SESSION
+    """The current session if it is an emulation (None otherwise)."""
+    s = sessions.current()
+    return s if isinstance(s, EmulationSession) else None
 
 
 def _session() -> EmulationSession:
-    if _SESSION is None:
+    s = current_session()
+    if s is None:
         raise RuntimeError("echo emulation op called without an emulation session")
-    return _SESSION
+    return s
 
 
 # ---------------------------------------------------------------------------
@@ -274,7 +277,7 @@ def vocab_embedding_skip_reason(layer: Any, world_size: int) -> Optional[str]:
 
 def _mark(layer: Any, reason_fn: Any) -> None:
     """Decide once, at construction, whether ``layer`` is emulated."""
-    s = _SESSION
+    s = _STARTED
     if s is None:
         layer._echo_emulated = False
         return
@@ -334,25 +337,25 @@ def patch_layers() -> None:
     _PATCHED = True
 
 
-def uninstall() -> None:
+def stop() -> None:
     """Stop emulating for layers built from now on (a new engine without it)."""
-    global _SESSION
-    _SESSION = None
+    global _STARTED
+    _STARTED = None
 
 
-def install(settings: TpCommSettings, vllm_config: Any) -> EmulationSession:
+def start(settings: TpCommSettings, vllm_config: Any) -> EmulationSession:
     """Start emulating (called when the TP group of size 1 is created, before
-    the model is built)."""
-    global _SESSION
-    _SESSION = EmulationSession(settings, vllm_config)
+    the model is built); the caller activates the returned session."""
+    global _STARTED
+    _STARTED = EmulationSession(settings, vllm_config)
     register_ops()
     patch_layers()
-    return _SESSION
+    return _STARTED
 
 
 __all__ = [
     "EmulationSession",
     "current_session",
-    "install",
-    "uninstall",
+    "start",
+    "stop",
 ]

@@ -16,7 +16,7 @@ The checks read a finalized ``VllmConfig`` (defaults resolved), so they run
 in the worker when the tensor-parallel group is created.
 
 One more refusal needs no hook: when the plugin could not install its hook
-(:mod:`echo_vllm.plugin`), an engine that asks for Echo must not start at
+(:mod:`echo_vllm.vllm_glue.plugin`), an engine that asks for Echo must not start at
 all -- vLLM would run its own all-reduce under an Echo label
 (:func:`check_hook_installed`).
 """

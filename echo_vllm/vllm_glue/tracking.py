@@ -19,8 +19,10 @@ Calls per forward
 
 Counters under CUDA graphs
     A replayed graph runs no Python, so the hook cannot count its calls.
-    Every forward pass the hook observes leaves a *plan* -- its calls' (path,
-    reason, bytes) -- keyed by its padded token count, the key vLLM's graphs
+    Every forward pass the hook observes leaves a *plan* -- its calls'
+    :class:`~echo_vllm.stats.CallRecord` s, which the tracker receives as the
+    communicator's sink (:meth:`ForwardTracker.on_record`) -- keyed by its
+    padded token count, the key vLLM's graphs
     are dispatched on. A plan recorded while capturing is the one its graph
     replays; a later eager pass of the same size does not replace it. Calls
     made *while capturing* go into plans only, not into the counters: they
@@ -46,13 +48,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ..capture import capturing
-from ..stats import EchoStats
+from ..stats import CallRecord, EchoStats
 
 logger = logging.getLogger("echo_vllm")
 
@@ -66,8 +68,6 @@ GRAPH_KEY = "echo_cudagraph"
 
 #: Seconds between two metric exports from the per-forward hook.
 PUBLISH_INTERVAL_S = 1.0
-
-PlanEntry = tuple  # (path, reason, nbytes, wire, equiv)
 
 
 @dataclass
@@ -91,20 +91,11 @@ class StepStats(EchoStats):
     residual_err_max_sum: float = 0.0
     """Same, taking the largest value over the pass's calls."""
     residual_samples: int = 0
-    plan_sink: list | None = field(default=None, repr=False)
-    """Where ``count`` also records the current pass's calls (set by the
-    tracker)."""
 
-    def count(self, path: str, reason: str, *, nbytes: int = 0, wire: int = 0, equiv: int = 0) -> None:
-        if self.plan_sink is not None:
-            self.plan_sink.append((path, reason, nbytes, wire, equiv))
-        if not capturing():
-            super().count(path, reason, nbytes=nbytes, wire=wire, equiv=equiv)
-
-    def replay(self, plan: list[PlanEntry]) -> None:
+    def replay(self, plan: list[CallRecord]) -> None:
         """Count one replayed forward pass from its captured plan."""
-        for path, reason, nbytes, wire, equiv in plan:
-            super().count(path, reason, nbytes=nbytes, wire=wire, equiv=equiv)
+        for rec in plan:
+            self.record(rec)
         with self._lock:
             self.forwards_replayed += 1
 
@@ -160,10 +151,11 @@ class ForwardTracker:
         self._publish = publish
         self._last_publish = 0.0
         self._observing: dict | None = None
-        self._plan: list[PlanEntry] = []
+        self._in_forward = False
+        self._plan: list[CallRecord] = []
         self._plan_tokens: int | None = None
         self._plan_captured = False
-        self._plans: dict[int | None, list[PlanEntry]] = {}
+        self._plans: dict[int | None, list[CallRecord]] = {}
         self._captured: set[int | None] = set()
         self._started: dict | None = None
 
@@ -177,8 +169,9 @@ class ForwardTracker:
         """Index of the next all-reduce of the pass whose context holds
         ``kwargs`` (None: no forward context)."""
         if kwargs is None:
-            self.stats.plan_sink = None
+            self._in_forward = False
             return NO_FORWARD
+        self._in_forward = True
         first = kwargs is not self._observing
         if first:
             self._finish_observed()
@@ -190,9 +183,16 @@ class ForwardTracker:
             self._plan_captured = True
         index = kwargs.get(CALL_INDEX_KEY, 0)
         kwargs[CALL_INDEX_KEY] = index + 1
-        self.stats.plan_sink = self._plan
         n = self.calls_per_forward
         return CallSlot(index, n is not None and index == n - 1, first)
+
+    def peek(self, kwargs: dict | None) -> CallSlot:
+        """The slot :meth:`next_call` would return now, without taking it."""
+        if kwargs is None:
+            return NO_FORWARD
+        index = kwargs.get(CALL_INDEX_KEY, 0)
+        n = self.calls_per_forward
+        return CallSlot(index, n is not None and index == n - 1, kwargs is not self._observing)
 
     def _finish_observed(self) -> None:
         """Close the pass observed so far: learn its call count, keep its plan."""
@@ -200,7 +200,6 @@ class ForwardTracker:
         if kw is None:
             return
         self._observing = None
-        self.stats.plan_sink = None
         calls = kw.get(CALL_INDEX_KEY, 0)
         key = self._plan_tokens
         if self._plan_captured:  # what the graph of this size will replay
@@ -227,6 +226,15 @@ class ForwardTracker:
                 "partial pass?); exact_last_call marks call %d; counted in forwards_mismatched",
                 calls, stats.calls_per_forward, stats.calls_per_forward - 1,
             )
+
+    def on_record(self, rec: CallRecord) -> None:
+        """The communicators' sink: a call of the observed pass joins its
+        plan; it is counted unless a graph is being captured (a capture
+        executes nothing; its replays are counted from the plan)."""
+        if self._in_forward and self._observing is not None:
+            self._plan.append(rec)
+        if not capturing():
+            self.stats.record(rec)
 
     # -- replays -------------------------------------------------------------------
 
@@ -295,9 +303,9 @@ class ForwardTracker:
 
 
 def metrics_publisher() -> Callable[[dict, int], Any] | None:
-    """``echo_vllm.metrics.publish`` if that module is importable."""
+    """``echo_vllm.vllm_glue.metrics.publish`` if that module is importable."""
     try:
-        from .. import metrics  # type: ignore[attr-defined]
+        from . import metrics
     except Exception:
         return None
     return getattr(metrics, "publish", None)

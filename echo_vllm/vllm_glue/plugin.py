@@ -86,14 +86,14 @@ def launch_problem() -> str | None:
 
 
 def _install() -> str:
-    from .vllm_glue import compat
+    from . import compat
 
     version = compat.vllm_version()
     reason = compat.check_version(version)
     if reason is not None:
         return _not_installed(reason)
     try:
-        from .vllm_glue import hook
+        from . import hook
 
         done = hook.install()
     except Exception as e:  # a broken hook must not stop vLLM runs that do not use Echo
@@ -121,7 +121,7 @@ def _refuse_echo_engines(reason: str) -> str:
     starts) so that an engine asking for Echo fails there with ``reason``.
     Returns what was done, for the status line."""
     try:
-        from .vllm_glue import compat, guards
+        from . import compat, guards
 
         cls = compat.engine_args_cls()
     except Exception as e:

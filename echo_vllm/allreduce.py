@@ -1,20 +1,17 @@
-"""EchoAllReduce: the error-compensated 4-bit two-shot all-reduce.
+"""EchoAllReduce: one Echo all-reduce call over any backend, with the chain rule.
 
-For P ranks, rank r holding x_r (N values) and a carried error e_r:
-
-1. stage 1 (every rank): u_r = rot(x_r) + e_r in fp32; q_r = Q(u_r);
-   e_r <- u_r - D(q_r). Chunk j of q_r goes to rank j (all-to-all).
-2. stage 2 (rank j): s_j = sum_r D(q_r[j]) in fp32, rank order;
-   q2_j = Q(s_j); e_j[chunk j] += s_j - D(q2_j). All-gather q2.
-3. output (every rank): y = rot^-1(D(q2)) -- the same bits on every rank.
-
-Each value is quantized at most twice, whatever P. The call returns
-``S + E_in - E_out`` (exact sum, plus the error carried in, minus the error
-carried out), so a residual stream fed by a chain of calls holds the error of
-one call, not of all of them (``echo_vllm.feedback``).
+The algorithm itself (the two-shot stages around an all-to-all and an
+all-gather, or one fused kernel) lives in a backend (:mod:`echo_vllm.backends`).
+This class holds what every backend shares: the message's layout, the
+ranks' agreement on it, and the feedback chain's rule -- absorb the error
+the previous call of the chain left, leave this call's error for the next.
+Each Echo call returns ``S + E_in - E_out`` (exact sum, plus the error
+carried in, minus the error carried out), so a residual stream fed by a
+chain of calls holds the error of one call, not of all of them
+(:mod:`echo_vllm.feedback`).
 
 This class always runs Echo; :class:`echo_vllm.communicator.EchoCommunicator`
-adds the policy (which calls take the exact path) and the counters.
+adds the policy (which calls take the exact path) and the call records.
 """
 
 from __future__ import annotations
@@ -24,9 +21,11 @@ from typing import Callable
 
 import torch
 
-from . import ops
+from . import envs
+from .backends import EchoBackend, make_backend
 from .capture import capturing
 from .config import EchoConfig, EchoConfigError
+from .envs import EchoEnv
 from .feedback import FeedbackChain
 from .quant import WireLayout
 from .transport import Transport
@@ -36,9 +35,15 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class EchoAllReduce:
     """Echo over one transport. Holds no feedback state itself: callers pass
-    the :class:`FeedbackChain` of the stream the call belongs to."""
+    the :class:`FeedbackChain` of the stream the call belongs to.
 
-    def __init__(self, config: EchoConfig, transport: Transport):
+    ``backend``: a built :class:`~echo_vllm.backends.EchoBackend`, or None to
+    build the one ``config.backend`` names (``auto``: per device type of the
+    tensors, on first use) with ``env`` (default: :func:`echo_vllm.envs.read`
+    now)."""
+
+    def __init__(self, config: EchoConfig, transport: Transport, *, backend: EchoBackend | None = None,
+                 env: EchoEnv | None = None):
         if transport.world_size < 2:
             raise EchoConfigError(
                 f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}"
@@ -46,17 +51,41 @@ class EchoAllReduce:
         self.config = config
         self.transport = transport
         self.world_size = transport.world_size
-        self._layouts: dict[int, WireLayout] = {}
+        self.env = env if env is not None else envs.read()
+        self._backend = backend
+        self._backends: dict[str, EchoBackend] = {}
+        self._layouts: dict[tuple[int, int], WireLayout] = {}
         self._checked: set[tuple] = set()
-        self._generators: list[torch.Generator] | None = None
+
+    def backend(self, device: torch.device) -> EchoBackend:
+        """The backend that reduces tensors on ``device`` (built once per device type)."""
+        if self._backend is not None:
+            return self._backend
+        b = self._backends.get(device.type)
+        if b is None:
+            b = self._backends[device.type] = make_backend(
+                self.config, self.transport, device_type=device.type, env=self.env)
+        return b
+
+    def close(self) -> None:
+        for b in {id(b): b for b in (self._backend, *self._backends.values()) if b is not None}.values():
+            b.close()
+        self._backends.clear()
 
     # -- helpers ---------------------------------------------------------------
 
-    def layout(self, numel: int) -> WireLayout:
-        lay = self._layouts.get(numel)
+    def layout(self, numel: int, cols: int = 0) -> WireLayout:
+        """Layout of a message of ``numel`` values in rows of ``cols`` (0: one row)."""
+        lay = self._layouts.get((numel, cols))
         if lay is None:
-            lay = self._layouts[numel] = WireLayout(numel, self.world_size, self.config.group_size)
+            lay = self._layouts[(numel, cols)] = WireLayout(
+                numel, self.world_size, self.config.group_size, cols
+            )
         return lay
+
+    def message_layout(self, shape: tuple[int, ...]) -> WireLayout:
+        """Layout of a message of ``shape`` (one rank's): rows along the last dim."""
+        return self.layout(math.prod(shape), shape[-1] if shape else 0)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Inputs as [R, ...]: a virtual transport takes stacked inputs."""
@@ -73,7 +102,7 @@ class EchoAllReduce:
 
     def chain_key(self, x_local: torch.Tensor) -> tuple:
         shape = tuple(x_local.shape[1:])
-        return (shape, x_local.dtype, self.layout(math.prod(shape)).padded_numel)
+        return (shape, x_local.dtype, self.message_layout(shape).padded_numel)
 
     def _check(self, key: tuple) -> None:
         """Ranks must agree on the message: checked once per new shape with a
@@ -86,27 +115,9 @@ class EchoAllReduce:
         if capturing():
             return
         shape, dtype, _ = key
-        self.transport.check_same([math.prod(shape), len(shape), _DTYPE_CODES.get(dtype, 99)])
+        cols = shape[-1] if shape else 1
+        self.transport.check_same([math.prod(shape), len(shape), cols, _DTYPE_CODES.get(dtype, 99)])
         self._checked.add(key)
-
-    def _noise(self, numel: int, device: torch.device) -> torch.Tensor | None:
-        if self.config.rounding != "stochastic":
-            return None
-        if capturing():
-            # a replay would reuse the captured draw: the same "random" noise
-            # every step, biased rounding instead of unbiased
-            raise RuntimeError(
-                "rounding='stochastic' cannot run inside a CUDA graph (replays would repeat one "
-                "noise draw); run eager (vLLM: --enforce-eager) or use rounding='nearest'")
-        if self._generators is None:
-            self._generators = []
-            for r in self.transport.local_ranks:
-                g = torch.Generator(device=device)
-                g.manual_seed(self.config.seed * 1_000_003 + r)
-                self._generators.append(g)
-        return torch.stack(
-            [torch.rand(numel, generator=g, device=device) for g in self._generators]
-        )
 
     # -- the two paths ---------------------------------------------------------
 
@@ -121,32 +132,13 @@ class EchoAllReduce:
         key = self.chain_key(xs)
         self._check(key)
         shape = key[0]
-        lay = self.layout(math.prod(shape))
+        lay = self.message_layout(shape)
         r = xs.shape[0]
         fb, incoming = None, False
         if chain is not None and cfg.feedback:
-            incoming = chain.incoming(call_index, key)
+            incoming = chain.take(call_index, key)
             fb = chain.buffer(lay.padded_numel)
-        wire = ops.stage1(
-            xs.reshape(r, lay.numel),
-            fb,
-            lay,
-            qmax=cfg.qmax,
-            hadamard=cfg.hadamard,
-            has_incoming=incoming,
-            noise=self._noise(lay.padded_numel, xs.device),
-        )
-        recv = self.transport.all_to_all(wire)
-        q2 = ops.stage2(
-            recv,
-            fb,
-            list(self.transport.local_ranks),
-            lay,
-            qmax=cfg.qmax,
-            noise=self._noise(lay.chunk_numel, xs.device),
-        )
-        gathered = self.transport.all_gather(q2)
-        y = ops.output(gathered, lay, xs.dtype, hadamard=cfg.hadamard)
+        y = self.backend(xs.device).all_reduce(xs.reshape(r, lay.numel), lay, fb, has_incoming=incoming)
         if chain is not None:
             chain.record(call_index, key, left_error=fb is not None)
         return y.reshape(shape)
@@ -162,14 +154,11 @@ class EchoAllReduce:
             chain.record(call_index, None, left_error=False)
             return xs
         key = self.chain_key(xs)
-        if chain.incoming(call_index, key):
-            lay = self.layout(math.prod(key[0]))
+        if chain.take(call_index, key):
+            lay = self.message_layout(key[0])
             r = xs.shape[0]
-            xs = ops.consume(
-                xs.reshape(r, lay.numel),
-                chain.buffer(lay.padded_numel),
-                lay,
-                hadamard=self.config.hadamard,
+            xs = self.backend(xs.device).consume(
+                xs.reshape(r, lay.numel), lay, chain.buffer(lay.padded_numel)
             ).reshape(xs.shape)
         chain.record(call_index, key, left_error=False)
         return xs
@@ -188,4 +177,4 @@ class EchoAllReduce:
         xs = self.absorb(self._local(x), chain, call_index)
         if exact_fn is not None:
             return exact_fn(xs if self.transport.is_virtual else xs[0])
-        return self.transport.all_reduce_exact(xs)
+        return self.backend(xs.device).exact_all_reduce(xs)

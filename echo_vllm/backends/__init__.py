@@ -1,0 +1,124 @@
+"""Echo's backends: one interface, a registry, and the choice between them.
+
+=============  =================================================================
+``reference``  composed: the torch references (the specification) + transport
+``triton``     composed: the fused Triton stage kernels + transport
+``numba``      composed: the fused numba CPU loops + transport
+=============  =================================================================
+
+``EchoConfig.backend`` names one, or ``auto``: :func:`choose_backend` (one
+pure function, returning its reason) picks from the device, the rounding
+mode and ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`). A new backend registers a
+:class:`BackendSpec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
+from ..envs import EchoEnv
+from ..transport import Transport
+from .base import EchoBackend
+from .composed import ComposedBackend
+from .stages import NumbaStages, ReferenceStages, StageOps, TritonStages
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend."""
+
+    name: str
+    build: Callable[[EchoConfig, Transport, EchoEnv], EchoBackend]
+    """Makes the backend for one configuration and transport."""
+    devices: tuple[str, ...]
+    """Device types (``torch.device.type``) whose tensors it reduces."""
+    doc: str
+    """One line for ``--help`` and the README."""
+
+
+BACKENDS: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    BACKENDS[spec.name] = spec
+
+
+register_backend(BackendSpec(
+    "reference", lambda cfg, tr, env: ComposedBackend(cfg, tr, ReferenceStages()), ("cpu", "cuda"),
+    "torch references of every stage (the specification) around the transport",
+))
+register_backend(BackendSpec(
+    "triton", lambda cfg, tr, env: ComposedBackend(cfg, tr, TritonStages(env.kernel_layout)), ("cuda", "cpu"),
+    "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
+))
+register_backend(BackendSpec(
+    "numba", lambda cfg, tr, env: ComposedBackend(cfg, tr, NumbaStages()), ("cpu",),
+    "fused numba CPU loops around the transport",
+))
+
+
+assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and the registry disagree"
+
+
+def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto") -> tuple[str, str]:
+    """``(backend name, reason)`` for tensors on ``device_type``.
+
+    An explicit ``requested`` name wins (stochastic rounding needs
+    ``reference``: its noise comes from torch). ``auto``: stochastic ->
+    ``reference``; else ``ECHO_KERNELS`` if set (``numba`` for CPU tensors
+    only); else ``triton`` for CUDA tensors and ``reference`` elsewhere.
+    """
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise EchoConfigError(f"backend={requested!r}: choose one of {('auto', *BACKENDS)}")
+        if stochastic and requested != "reference":
+            raise EchoConfigError(f"rounding='stochastic' runs on the reference backend, not {requested!r}")
+        if device_type not in BACKENDS[requested].devices:
+            raise EchoConfigError(f"backend={requested!r} does not run on {device_type} tensors")
+        return requested, "configured"
+    if stochastic:
+        return "reference", "stochastic rounding (torch noise)"
+    if env_kernels == "numba" and device_type == "cpu":
+        return "numba", "ECHO_KERNELS=numba"
+    if env_kernels in ("reference", "triton"):
+        return env_kernels, f"ECHO_KERNELS={env_kernels}"
+    if device_type == "cuda":
+        return "triton", "CUDA tensors"
+    return "reference", f"{device_type} tensors"
+
+
+def fastest_cpu_backend() -> str:
+    """``numba`` when numba imports (the references' bits, much faster on
+    CPU; it compiles on first use), else ``reference``. The evaluation tools
+    use it for CPU tensors; the library's ``auto`` stays ``reference``."""
+    try:
+        from ..kernels import cpu_loops
+    except Exception:  # numba missing or broken: the references still work
+        return "reference"
+    return "numba" if cpu_loops.AVAILABLE else "reference"
+
+
+def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv) -> EchoBackend:
+    """Build the backend :func:`choose_backend` picks for ``config``."""
+    name, _ = choose_backend(config.backend, device_type=device_type,
+                             stochastic=config.rounding == "stochastic", env_kernels=env.kernels)
+    return BACKENDS[name].build(config, transport, env)
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_CHOICES",
+    "BackendSpec",
+    "ComposedBackend",
+    "EchoBackend",
+    "NumbaStages",
+    "ReferenceStages",
+    "StageOps",
+    "TritonStages",
+    "choose_backend",
+    "fastest_cpu_backend",
+    "make_backend",
+    "register_backend",
+]

@@ -1,0 +1,72 @@
+"""The backend interface: what runs one Echo all-reduce, end to end.
+
+A backend turns this process's local inputs into the all-reduced output,
+moving the bytes and running the stages; :class:`echo_vllm.allreduce.EchoAllReduce`
+keeps everything else (layouts, the ranks' shape agreement, the feedback
+chain's rule). Two kinds exist: *composed* backends (stage functions around
+a transport's all-to-all and all-gather, :mod:`.composed`) and *fused* ones
+that replace transport and stages together (one kernel over peer-mapped
+memory, :mod:`.fused`).
+
+Contract of :meth:`EchoBackend.all_reduce`: the output bits are those of the
+reference pipeline in :mod:`echo_vllm.quant` (stage 1 on every rank, the
+chunks exchanged, stage 2 on each owner, stage 3 on the gathered chunks),
+identical on every rank; the feedback buffer, when given, ends holding this
+call's stage-1 error plus, on each rank's own chunk, its stage-2 error.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..config import EchoConfig
+from ..quant import WireLayout
+from ..transport import Transport
+
+
+class EchoBackend(abc.ABC):
+    """One way to run Echo over a group of ranks (see the module docstring)."""
+
+    name: str = "?"
+
+    def __init__(self, config: EchoConfig, transport: Transport):
+        self.config = config
+        self.transport = transport
+        self.world_size = transport.world_size
+        self.local_ranks = transport.local_ranks
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a call can be recorded into a CUDA graph."""
+        return self.transport.capturable
+
+    @abc.abstractmethod
+    def all_reduce(
+        self,
+        xs: torch.Tensor,
+        layout: WireLayout,
+        feedback: torch.Tensor | None,
+        *,
+        has_incoming: bool,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Echo of local inputs ``xs [R, numel]`` -> ``[numel]`` of ``xs.dtype``.
+        ``feedback``: ``[R, >= padded_numel]`` or None (no feedback); its
+        first ``padded_numel`` values are added first if ``has_incoming``."""
+
+    @abc.abstractmethod
+    def consume(self, xs: torch.Tensor, layout: WireLayout, feedback: torch.Tensor) -> torch.Tensor:
+        """``xs + rot^-1(e)`` rounded to ``xs.dtype`` (``[R, numel]``): the input
+        of an exact call that absorbs the carried error."""
+
+    def exact_all_reduce(self, xs: torch.Tensor) -> torch.Tensor:
+        """The 16-bit all-reduce of local inputs ``xs [R, ...]``."""
+        return self.transport.all_reduce_exact(xs)
+
+    def close(self) -> None:
+        """Release what the backend holds (buffers, peer mappings)."""
+
+
+__all__ = ["EchoBackend"]

@@ -1,0 +1,147 @@
+"""The four stage functions of Echo, and the three implementations of them.
+
+A :class:`StageOps` runs the stages of one Echo call on local data, with no
+communication: ``stage1`` (rotate, add the carried error, quantize, write
+the wire), ``stage2`` (decode P chunks, sum in rank order, requantize),
+``output`` (decode, unrotate, cast) and ``consume`` (the input of an exact
+call absorbing the carried error). Every implementation returns the bits of
+the torch references in :mod:`echo_vllm.quant`, which are the specification:
+
+* :class:`ReferenceStages` -- the references themselves (any device; the
+  only one with stochastic rounding, whose noise comes from torch);
+* :class:`TritonStages` -- the fused Triton kernels (CUDA; CPU tensors under
+  ``TRITON_INTERPRET=1``, which is how CI checks them);
+* :class:`NumbaStages` -- the fused numba loops (CPU).
+
+A composed backend (:mod:`echo_vllm.backends.composed`) puts one of them
+around a transport's all-to-all and all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .. import quant
+from ..quant import WireLayout
+
+
+class StageOps(Protocol):
+    """What a stage implementation provides (signatures of the references)."""
+
+    name: str
+    stochastic: bool
+    """Whether ``noise`` (stochastic rounding) is supported."""
+
+    def stage1(self, x: torch.Tensor, feedback: torch.Tensor | None, layout: WireLayout, *, qmax: int,
+               hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def stage2(self, recv: torch.Tensor, feedback: torch.Tensor | None, own_chunks: list[int],
+               layout: WireLayout, *, qmax: int, noise: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def output(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def consume(self, x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *,
+                hadamard: bool, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return value
+    out.copy_(value.view(out.shape))
+    return out
+
+
+def _no_noise(name: str, noise: torch.Tensor | None) -> None:
+    if noise is not None:
+        raise ValueError(f"{name} stages round to nearest only; stochastic rounding runs on 'reference'")
+
+
+class ReferenceStages:
+    """The torch references of :mod:`echo_vllm.quant`."""
+
+    name = "reference"
+    stochastic = True
+
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+        wire = quant.stage1_reference(x, feedback, layout, qmax=qmax, hadamard=hadamard,
+                                      has_incoming=has_incoming, noise=noise)
+        return _into(out, wire)
+
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
+        return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise))
+
+    def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
+        return _into(out, quant.output_reference(gathered, layout, out_dtype, hadamard=hadamard))
+
+    def consume(self, x, feedback, layout, *, hadamard, out=None):
+        return _into(out, quant.consume_reference(x, feedback, layout, hadamard=hadamard))
+
+
+class TritonStages:
+    """The fused Triton kernels of :mod:`echo_vllm.kernels`, compiled in the
+    thread ``layout`` given (``spread`` or ``thread``: the same bits)."""
+
+    name = "triton"
+    stochastic = False
+
+    def __init__(self, layout: str = "spread"):
+        from .. import kernels  # imports Triton: only when these stages are built
+        from ..kernels import launch
+
+        if not kernels.AVAILABLE:
+            raise RuntimeError("the Triton stages need Triton (pip install triton)")
+        self._k = kernels
+        self.layout = layout
+        self.spread = launch.is_spread(layout)
+
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+        _no_noise(self.name, noise)
+        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
+                              out=out, spread=self.spread)
+
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
+        _no_noise(self.name, noise)
+        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out, spread=self.spread)
+
+    def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
+        return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out, spread=self.spread)
+
+    def consume(self, x, feedback, layout, *, hadamard, out=None):
+        return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out, spread=self.spread)
+
+
+class NumbaStages:
+    """The fused numba CPU loops of :mod:`echo_vllm.kernels.cpu_loops`."""
+
+    name = "numba"
+    stochastic = False
+
+    def __init__(self):
+        from ..kernels import cpu_loops
+
+        if not cpu_loops.AVAILABLE:
+            raise RuntimeError("the numba stages need numba (pip install numba)")
+        self._k = cpu_loops
+
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+        _no_noise(self.name, noise)
+        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
+                              out=out)
+
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
+        _no_noise(self.name, noise)
+        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out)
+
+    def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
+        return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out)
+
+    def consume(self, x, feedback, layout, *, hadamard, out=None):
+        return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out)
+
+
+__all__ = ["NumbaStages", "ReferenceStages", "StageOps", "TritonStages"]

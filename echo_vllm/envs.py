@@ -1,0 +1,79 @@
+"""Environment variables Echo reads: one table, read when an object is built.
+
+As vLLM's ``vllm.envs``: every variable is listed here with its meaning and
+default, and :func:`read` turns the environment into one frozen
+:class:`EchoEnv`. Objects read it once, when they are built (a backend, a
+kernel launcher), never per call; tools and tests pass their choices as
+arguments instead of writing ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+#: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
+KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
+#: Values of ``ECHO_KERNEL_LAYOUT`` (see :attr:`EchoEnv.kernel_layout`).
+LAYOUT_CHOICES = ("spread", "thread")
+
+
+class EchoEnvError(ValueError):
+    """An ``ECHO_*`` environment variable holds a value Echo does not know."""
+
+
+@dataclass(frozen=True)
+class EchoEnv:
+    """Echo's environment, parsed."""
+
+    kernels: str = "auto"
+    """``ECHO_KERNELS``: which implementation runs the stages when the
+    configuration says ``backend="auto"``: ``auto`` (Triton kernels for CUDA
+    tensors, torch references elsewhere), ``reference``, ``triton`` (also on
+    CPU tensors under ``TRITON_INTERPRET=1``) or ``numba`` (fused CPU loops;
+    ``cpu`` is read as ``numba``)."""
+
+    kernel_layout: str = "spread"
+    """``ECHO_KERNEL_LAYOUT``: the Triton kernels' thread layout, ``spread``
+    (a group across lanes) or ``thread`` (a group per thread); same bits."""
+
+    direct_launch: bool = True
+    """``ECHO_KERNEL_DIRECT_LAUNCH``: ``0`` launches every kernel through
+    Triton's own ``kernel[grid](...)`` path instead of the cached launcher."""
+
+    cache_dir: str | None = None
+    """``ECHO_VLLM_CACHE``: where the evaluation keeps models, data and
+    downloaded packages (default ``~/.cache/echo-vllm``)."""
+
+
+#: Environment variable -> field of :class:`EchoEnv`.
+VARIABLES = {
+    "ECHO_KERNELS": "kernels",
+    "ECHO_KERNEL_LAYOUT": "kernel_layout",
+    "ECHO_KERNEL_DIRECT_LAUNCH": "direct_launch",
+    "ECHO_VLLM_CACHE": "cache_dir",
+}
+
+
+def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
+    """Parse the ``ECHO_*`` variables of ``environ`` (default ``os.environ``);
+    a value outside its choices raises :class:`EchoEnvError` naming it."""
+    env = os.environ if environ is None else environ
+    kernels = env.get("ECHO_KERNELS", "auto").strip().lower() or "auto"
+    kernels = "numba" if kernels == "cpu" else kernels
+    if kernels not in KERNEL_CHOICES:
+        raise EchoEnvError(f"ECHO_KERNELS={env['ECHO_KERNELS']!r}: choose one of {KERNEL_CHOICES}")
+    layout = env.get("ECHO_KERNEL_LAYOUT", "spread").strip().lower() or "spread"
+    if layout not in LAYOUT_CHOICES:
+        raise EchoEnvError(f"ECHO_KERNEL_LAYOUT={env['ECHO_KERNEL_LAYOUT']!r}: choose one of {LAYOUT_CHOICES}")
+    direct = env.get("ECHO_KERNEL_DIRECT_LAUNCH", "1").strip()
+    if direct not in ("0", "1"):
+        raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r}: 0 or 1")
+    return EchoEnv(kernels=kernels, kernel_layout=layout, direct_launch=direct == "1",
+                   cache_dir=env.get("ECHO_VLLM_CACHE") or None)
+
+
+assert set(VARIABLES.values()) == {f.name for f in fields(EchoEnv)}
+
+__all__ = ["EchoEnv", "EchoEnvError", "KERNEL_CHOICES", "LAYOUT_CHOICES", "VARIABLES", "read"]

@@ -1,0 +1,100 @@
+"""TpEchoCommunicator: Echo for one vLLM tensor-parallel group, in vLLM's shape.
+
+Shaped like vLLM's own device communicators (``CustomAllreduce``,
+``QuickAllReduce``): built per group, ``disabled``, ``should_echo(inp)``,
+``all_reduce(inp, out=)``, ``close()``. The hook's patch of
+``GroupCoordinator._all_reduce_out_place`` is a thin adapter around it, and an
+upstream dispatcher could call it the same way.
+
+It sees every all-reduce of the group: Echo's 4-bit path where the policy
+says so, vLLM's own all-reduce otherwise -- after adding the chain's pending
+error to the input (an exact call in the middle of a forward pass must
+absorb it). Each call is numbered within its forward pass by the session
+and recorded in the session's sink.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..communicator import EchoCommunicator
+from ..policy import Reason
+from ..stats import CallRecord
+from ..transport import ProcessGroupTransport, Transport
+
+if TYPE_CHECKING:
+    from .session import EchoSession
+
+
+class TpEchoCommunicator:
+    """Echo for the TP group of ``coordinator`` (a vLLM ``GroupCoordinator``)."""
+
+    def __init__(self, coordinator: Any, session: "EchoSession",
+                 vllm_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.session = session
+        self.group_name = coordinator.unique_name
+        self.world_size = int(coordinator.world_size)
+        self.disabled = self.world_size < 2
+        self.transport = make_transport(coordinator)
+        self.comm = EchoCommunicator(
+            session.settings.echo, self.transport, device=coordinator.device,
+            fixed_capacity=True, stats=session.stats, sink=session.record,
+        )
+        self._vllm_all_reduce = vllm_all_reduce
+
+    def bind(self, vllm_all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The exact path: vLLM's own all-reduce of this group."""
+        self._vllm_all_reduce = vllm_all_reduce
+
+    def should_echo(self, inp: torch.Tensor) -> bool:
+        """Whether the next call, with ``inp``, takes Echo's 4-bit path."""
+        if self.disabled or not inp.is_floating_point():
+            return False
+        slot = self.session.tracker.peek(self._kwargs())
+        residual = self.session.is_residual(inp)
+        return self.comm.should_echo(inp, slot.index, last_call=slot.last_call, residual=residual).echo
+
+    def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce ``inp`` over the group: Echo, or vLLM's all-reduce after
+        absorbing the pending error. ``out``, if given, receives the result."""
+        slot = self.session.next_call(inp)
+        if not inp.is_floating_point():  # Echo's exact path adds float errors: not for ints
+            self.session.record(CallRecord("exact", Reason.DTYPE.value, nbytes=inp.numel() * inp.element_size()))
+            y = self._vllm_all_reduce(inp)
+        else:
+            residual = self.session.is_residual(inp)
+            if residual:
+                self.session.reserve_once(self.comm, inp)
+            y = self.comm.all_reduce(inp, slot.index, last_call=slot.last_call, residual=residual,
+                                     exact_fn=self._vllm_all_reduce)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def close(self) -> None:
+        self.comm.close()
+        self.disabled = True
+
+    @staticmethod
+    def _kwargs() -> dict | None:
+        from . import compat
+
+        return compat.forward_kwargs()
+
+
+def make_transport(coordinator: Any) -> Transport:
+    """vLLM's pynccl communicator on CUDA; the group's own process group
+    (gloo on CPU) elsewhere."""
+    device_comm = getattr(coordinator, "device_communicator", None)
+    pynccl = getattr(device_comm, "pynccl_comm", None)
+    if pynccl is not None and not getattr(pynccl, "disabled", True):
+        from .pynccl_transport import PyncclTransport
+
+        return PyncclTransport(pynccl, coordinator.cpu_group)
+    return ProcessGroupTransport(coordinator.device_group)
+
+
+__all__ = ["TpEchoCommunicator", "make_transport"]

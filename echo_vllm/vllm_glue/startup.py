@@ -1,0 +1,73 @@
+"""What happens when vLLM creates a tensor-parallel group: Echo starts, or not.
+
+Called by the hook's ``GroupCoordinator.__init__`` patch for every group;
+acts only on the group named ``tp`` (in the worker, inside
+``set_current_vllm_config``): reads ``additional_config``
+(:mod:`.settings`), adjusts for the model (post-norm models), refuses
+conflicting engine settings (:mod:`.guards`), and activates the process's
+session (:mod:`.session`): real TP, or the one-device emulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+
+from . import compat, emulation, session
+from .guards import check_engine_config
+from .settings import TpCommSettings
+
+logger = logging.getLogger("echo_vllm")
+
+#: Name vLLM gives the tensor-parallel group ("tp:0", "tp:1", ...).
+TP_GROUP_NAME = "tp"
+
+
+def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+    """Set Echo up for ``coordinator`` if it is the TP group of an engine that
+    asks for it. ``vllm_all_reduce``: vLLM's unpatched ``_all_reduce_out_place``."""
+    if str(getattr(coordinator, "unique_name", "")).split(":")[0] != TP_GROUP_NAME:
+        return
+    # a new TP group starts a new engine in this process: forget the last one
+    session.deactivate()
+    emulation.stop()
+    vllm_config = compat.current_vllm_config()
+    if vllm_config is None:
+        return
+    settings = TpCommSettings.from_vllm_config(vllm_config)
+    if not settings.active:
+        return
+    # the model first: a post-norm model that keeps vLLM's 16-bit all-reduce
+    # needs none of Echo's guard rails
+    settings, note = settings.for_model(compat.model_architectures(vllm_config),
+                                        compat.model_hf_config(vllm_config))
+    if note:
+        logger.warning("echo: %s", note)
+    if not settings.active:
+        return
+    check_engine_config(vllm_config, settings)
+    world = int(coordinator.world_size)
+    if settings.emulated:
+        active = session.activate(emulation.start(settings, vllm_config))
+        logger.info("echo: emulating tensor parallelism %d on one device (%s reduce) %s",
+                    settings.emulate_world_size, settings.mode, settings.echo)
+    elif world > 1:
+        active = session.activate(session.TpSession(coordinator, settings, vllm_config))
+        comm = active.communicator
+        comm.bind(functools.partial(vllm_all_reduce, coordinator))
+        coordinator._echo_comm = comm
+        logger.info("echo: Echo all-reduce on group %s (world size %d, transport %s) %s",
+                    coordinator.unique_name, world, type(comm.transport).__name__, settings.echo)
+    else:
+        # nothing to reduce: vLLM runs unchanged; said loudly, since a
+        # comparison against it would otherwise look like a perfect result
+        logger.warning("echo: tp_comm=echo at tensor-parallel size 1 has no all-reduce to replace: "
+                       "vLLM runs unchanged (tp_comm_emulate=P emulates TP=P on one device)")
+        return
+    active.model_note = note
+
+
+__all__ = ["TP_GROUP_NAME", "on_group_created"]
