@@ -5,7 +5,7 @@ buffer (an allocation a replay would not repeat), the once-per-shape rank
 handshake (a host sync), counting calls (a replay runs no Python), drawing
 stochastic-rounding noise (a replay would reuse the captured draw). One
 function, so that the CPU tests' stand-in
-(:func:`echo_vllm.testing.vllm_graphs.capture`) reaches every such check.
+(``tests/support/vllm_graphs.py``: ``capture``) reaches every such check.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "demo": ("echo_vllm.demo", "error vs depth of exact, naive 4-bit and Echo over gloo processes"),
+    "demo": ("echo_vllm.eval.demo", "error vs depth of exact, naive 4-bit and Echo over gloo processes"),
     "bench": ("echo_vllm.bench.cli", "benchmarks: all-reduce (GPU/gloo) and kernels"),
     "serve": ("echo_vllm.server.cli", "vLLM's OpenAI-compatible server with --tp-comm echo"),
     "eval": ("echo_vllm.eval.cli", "accuracy, perplexity and TTFT: exact vs naive 4-bit vs Echo"),

@@ -22,10 +22,10 @@ SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 #: Only 4-bit payloads exist today; the field is kept so configs say it.
 SUPPORTED_BITS = (4,)
 
-#: 256 KiB: below this a quantized two-shot all-reduce cannot beat a 16-bit
-#: one-shot all-reduce on NVLink (peers measured 18-25 us floors for
-#: quantized kernels against 5-25 us for vLLM's custom all-reduce at decode
-#: sizes). Prefill messages (tokens x hidden x 2 bytes) are far above it.
+#: Below this a quantized two-shot all-reduce cannot beat a 16-bit one-shot
+#: all-reduce on NVLink: quantized kernels have a latency floor above vLLM's
+#: custom all-reduce at decode sizes (peers' measurements: DESIGN.md, "Peers").
+#: Prefill messages (tokens x hidden x 2 bytes) are far above it.
 DEFAULT_MIN_BYTES = 256 * 1024
 
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -82,9 +82,9 @@ class EchoConfig:
     """Storage dtype of the feedback buffer. bfloat16 (default) halves the
     buffer's memory traffic (stage 1 reads and rewrites it: 8 -> 4 bytes per
     value) and rounds each carried error to 8 significant bits, at most a 2^-8
-    relative change of an already small term: on SmolLM2-135M at emulated
-    TP=3 KL to exact was 0.0139 vs 0.0142 with float32 (EVAL.md). float32
-    keeps the telescoping exact to fp32 rounding."""
+    relative change of an already small term (no measured accuracy cost:
+    EVAL.md, section 1). float32 keeps the telescoping exact to fp32
+    rounding."""
 
     batch_invariant: bool = False
     """Make every path choice independent of the batch: ``min_bytes`` and
@@ -105,9 +105,8 @@ class EchoConfig:
     covers the embedding and the first two layers (o_proj, down_proj each)
     of a 1 + 2L-call transformer: there the residual stream is only one or
     two updates, so one call's 4-bit error is a large relative perturbation
-    that the early MLPs amplify. Measured on SmolLM2-135M (emulated TP=3):
-    KL to exact halves (0.029 -> 0.014 on Hamlet; perplexity +2.8% -> +1.2%)
-    for 5 of 61 calls in 16-bit (EVAL.md). 0 quantizes every call."""
+    that the early MLPs amplify (the measured effect: EVAL.md, section 1).
+    0 quantizes every call."""
 
     def __post_init__(self) -> None:
         g = self.group_size

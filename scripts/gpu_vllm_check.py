@@ -41,8 +41,9 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "tests"):  # the package, and the tests' support helpers
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    from echo_vllm.testing.tiny_model import make_tiny_qwen3
+    from support.tiny_model import make_tiny_qwen3
 
     model = make_tiny_qwen3(
         out / "tiny-qwen3", num_layers=args.layers, hidden_size=args.hidden,
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
 
     vocab_limit = Tokenizer.from_file(str(model / "tokenizer.json")).get_vocab_size()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO), str(REPO / "tests")]))
     env["ECHO_CHECK_VOCAB_LIMIT"] = str(vocab_limit)
     report: dict = {"args": vars(args), "model": str(model), "phases": {}}
     results: dict = {}

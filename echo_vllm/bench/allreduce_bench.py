@@ -193,7 +193,7 @@ def run_gloo(args) -> int:
 
 
 def _launch(fn, world, *fn_args, env):
-    from ..launch import run_processes
+    from ..spawn import run_processes
 
     return run_processes(fn, world, *fn_args, backend="gloo", env=env, timeout_s=3600)
 

@@ -259,7 +259,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--bg-mib", type=int, default=256)
     p.add_argument("--report", action="store_true", help="only merge ttft_*.json in --out into a table")
     p.add_argument("--baseline", default="exact")
-    p.add_argument("--out", default="eval_results/ttft")
+    p.add_argument("--out", default="eval/results/ttft")
     args = p.parse_args(argv)
     try:
         args.mode_args = parse_mode_args(args.mode_args)

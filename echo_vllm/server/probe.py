@@ -13,7 +13,7 @@ request afterwards (the server keeps serving), and /metrics before and after.
 ``summary``: scrapes /metrics again, reads the load test's result file
 (``vllm bench serve --save-result``), prints one line per check, writes
 summary.json, and exits 1 if any check failed. The load itself is vLLM's
-``vllm bench serve`` (see scripts/gpu_serve_check.sh).
+``vllm bench serve`` (see server/gpu_serve_check.sh).
 """
 
 from __future__ import annotations

@@ -181,3 +181,11 @@ def cudagraphs_enabled(vllm_config: Any) -> bool:
     if mode is None:
         return False
     return str(getattr(mode, "name", mode)).upper() != "NONE"
+
+
+def batch_invariant_enabled() -> bool:
+    """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT``, read through
+    ``vllm.envs`` as vLLM reads it); False where this vLLM has no such mode."""
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))

@@ -160,6 +160,25 @@ class TpCommSettings:
             "be rescaled by each call's output norm instead of cancelling); tp_comm_postnorm=exact "
             "turns Echo off, =feedback keeps it")
 
+    def for_batch_invariance(self, enabled: bool) -> tuple["TpCommSettings", str | None]:
+        """These settings under vLLM's batch-invariant mode, and why they
+        changed (None when unchanged): Echo's size thresholds go off
+        (``EchoConfig.batch_invariant``), so every residual all-reduce takes
+        the path its call index gives whatever the batch, and the layout
+        keeps each token's bits to itself. Stochastic rounding is refused:
+        a value's noise draw depends on its position in the message."""
+        if not enabled or self.mode != "echo":
+            return self, None
+        if self.echo.rounding == "stochastic":
+            raise EchoConfigError(
+                "VLLM_BATCH_INVARIANT with echo_rounding=stochastic: a token's noise draw depends on "
+                "its position in the batch, so its bits would too; use echo_rounding=nearest")
+        echo = self.echo.replace(batch_invariant=True)
+        return replace(self, echo=echo), (
+            "vLLM batch-invariant mode: Echo's size thresholds are off (min_bytes/max_bytes "
+            f"{self.echo.min_bytes}/{self.echo.max_bytes} ignored): every residual all-reduce takes the "
+            "path of its call index, whatever the batch, and a token's bits never depend on the others")
+
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "TpCommSettings":
         return cls.from_additional_config(getattr(vllm_config, "additional_config", None))

@@ -48,6 +48,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
         logger.warning("echo: %s", note)
     if not settings.active:
         return
+    settings, invariance = settings.for_batch_invariance(compat.batch_invariant_enabled())
+    if invariance:
+        logger.warning("echo: %s", invariance)
     check_engine_config(vllm_config, settings)
     world = int(coordinator.world_size)
     if settings.emulated:

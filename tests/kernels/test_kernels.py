@@ -700,3 +700,30 @@ def test_direct_launches_give_the_reference_bits_on_gpu():
     finally:
         for la, fn in zip(launchers, saved):
             la.fn = fn
+
+
+# -- batch invariance through the kernels ------------------------------------------
+
+
+def _rows_independent(world, hidden, group, dtype, device):
+    from support.invariance import check_rows_independent
+
+    return check_rows_independent(world, hidden, group, dtype, backend="triton", device=device,
+                                  tokens_a=2, tokens_b=3, calls=3, exact_at=1, seed=world * hidden)
+
+
+@pytest.mark.parametrize("world,hidden,group,dt", [(3, 333, 16, "fp16"), (4, 200, 32, "bf16")])
+def test_kernels_keep_rows_independent(world, hidden, group, dt):
+    """Rows of A alone == rows of A inside [A; B] and [B; A] through the Triton
+    kernels, call after call (feedback carried, an exact call absorbing it)."""
+    assert in_kernel_process(_rows_independent, world, hidden, group, DTYPES[dt], DEVICE) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world,hidden,group", [(8, 4096, 32), (4, 2880, 128), (3, 1000, 16)])
+def test_kernels_keep_rows_independent_at_prefill_sizes_on_gpu(world, hidden, group):
+    from support.invariance import check_rows_independent
+
+    assert check_rows_independent(world, hidden, group, torch.bfloat16, backend="triton", device="cuda",
+                                  tokens_a=517, tokens_b=1531, seed=hidden) == 8

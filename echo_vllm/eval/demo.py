@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from .communicator import EchoCommunicator
-from .config import EchoConfig
-from .launch import run_processes
-from .quant import WireLayout
-from .transport import ProcessGroupTransport
+from ..communicator import EchoCommunicator
+from ..config import EchoConfig
+from ..quant import WireLayout
+from ..spawn import run_processes
+from ..transport import ProcessGroupTransport
 
 MODES = {
     "exact 16-bit": None,
@@ -47,9 +47,12 @@ def _rank_main(rank: int, world: int, layers: int, tokens: int, hidden: int, see
     out: dict = {}
     bar = None
     if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=layers * len(MODES), desc=f"demo P={world} L={layers}", unit="call")
+        try:
+            from tqdm import tqdm  # the [eval] extra; the table prints without it
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=layers * len(MODES), desc=f"demo P={world} L={layers}", unit="call")
     for name, cfg in MODES.items():
         comm = EchoCommunicator(cfg or EchoConfig(), transport)
         residual = torch.zeros(tokens, hidden, dtype=torch.float64)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.time() - t0
 
     cfg = MODES["Echo"]
-    lay = WireLayout(args.tokens * args.hidden, args.world_size, cfg.group_size)
+    lay = WireLayout(args.tokens * args.hidden, args.world_size, cfg.group_size, args.hidden)
     unit = sum(results["exact 16-bit"]["update_rms"]) / args.layers
     print(f"\nresidual-stream error after each all-reduce, P={args.world_size}, "
           f"{args.tokens}x{args.hidden} bf16 per call")
@@ -135,14 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "demo.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png = os.path.join(args.out, "demo.png")
-    _plot(summary, png)
-    print(f"wrote {args.out}/demo.json and {png} ({elapsed:.1f} s)")
+    if _plot(summary, png):
+        print(f"wrote {args.out}/demo.json and {png} ({elapsed:.1f} s)")
+    else:
+        print(f"wrote {args.out}/demo.json ({elapsed:.1f} s); no PNG: matplotlib is not installed "
+              "(pip install 'echo-vllm[eval]')")
     return 0
 
 
-def _plot(summary: dict, path: str) -> None:
-    import matplotlib
-
+def _plot(summary: dict, path: str) -> bool:
+    """Write the PNG; False if matplotlib (the [eval] extra) is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -158,6 +167,7 @@ def _plot(summary: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

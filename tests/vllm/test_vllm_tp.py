@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from echo_vllm import EchoConfig, ProcessGroupTransport, EchoAllReduce  # noqa: E402
 from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
-from echo_vllm.launch import run_processes  # noqa: E402
+from echo_vllm.spawn import run_processes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ ECHO = {"tp_comm": "echo", "echo_min_bytes": 0, "echo_first_exact_calls": 0}
 
 
 def _stack():
-    from echo_vllm.testing.vllm_cpu import ToyStack
+    from support.vllm_cpu import ToyStack
 
     return ToyStack.random(layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tokens=TOKENS, seed=1234)
 
@@ -77,7 +77,7 @@ class _GlooAsPynccl:
 
 
 def _worker(rank, world):
-    from echo_vllm.testing.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
+    from support.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
 
     use_cpu_platform()
     from echo_vllm.vllm_glue.plugin import register
@@ -197,7 +197,7 @@ def _worker(rank, world):
     # calls vLLM makes): replays are counted like the passes they stand for.
     # gloo cannot be captured; pretend it can (as pynccl), so that capture
     # takes the eager decisions.
-    from echo_vllm.testing.vllm_graphs import replay_accounting
+    from support.vllm_graphs import replay_accounting
 
     cfg = vllm_config(tp=2, additional_config=ECHO)
     with set_current_vllm_config(cfg):
@@ -356,7 +356,7 @@ def test_graph_replays_are_counted_like_the_passes_they_replay(ranks):
     """Model Runner V2's FULL replays (no forward context), PIECEWISE and V1
     FULL replays (a context, no calls), and the last pass of the window
     (settled by flush): the counters equal those of executing every pass."""
-    from echo_vllm.testing.vllm_graphs import accounting_problems
+    from support.vllm_graphs import accounting_problems
 
     for r in ranks:
         assert accounting_problems(r["graphs"], calls_per_forward=1 + 2 * LAYERS) == []

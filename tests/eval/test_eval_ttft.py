@@ -51,7 +51,7 @@ def test_paired_delta_and_average():
 
 
 def test_gpu_script_parses():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_eval.sh"
+    script = Path(__file__).resolve().parents[2] / "eval" / "gpu_eval.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
 from echo_vllm.capture import capturing
-from echo_vllm.testing.vllm_graphs import capture
+from support.vllm_graphs import capture
 
 
 def test_the_stand_in_reaches_the_check():

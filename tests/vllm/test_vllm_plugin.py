@@ -14,7 +14,7 @@ REASON = "vLLM 0.25.0 is older than 0.26 (simulated)"
 
 
 def _worker(rank, world, model_dir):
-    from echo_vllm.testing.vllm_cpu import use_cpu_platform
+    from support.vllm_cpu import use_cpu_platform
 
     use_cpu_platform()
     from echo_vllm.vllm_glue import compat
@@ -46,8 +46,8 @@ def _worker(rank, world, model_dir):
 @pytest.fixture(scope="module")
 def proc(tmp_path_factory):
     pytest.importorskip("vllm")
-    from echo_vllm.launch import run_processes
-    from echo_vllm.testing.tiny_model import make_tiny_qwen3
+    from echo_vllm.spawn import run_processes
+    from support.tiny_model import make_tiny_qwen3
 
     model_dir = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", num_layers=1, vocab_size=512)
     return run_processes(_worker, 1, str(model_dir))[0]

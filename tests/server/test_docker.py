@@ -18,13 +18,13 @@ import pytest
 from echo_vllm.cli import SUBCOMMANDS
 from echo_vllm.server.rewrite import rewrite_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 yaml = pytest.importorskip("yaml")
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined."""
-    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    text = re.sub(r"\\\n", " ", (REPO / "server" / "Dockerfile").read_text())
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -73,15 +73,15 @@ def test_image_installs_this_package_and_keeps_vllm():
 
 @pytest.fixture(scope="module")
 def service():
-    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    compose = yaml.safe_load((REPO / "server" / "compose.yaml").read_text())
     assert list(compose["services"]) == ["echo-vllm"]
     assert "hf-cache" in compose["volumes"]
     return compose["services"]["echo-vllm"]
 
 
 def test_compose_builds_this_repository(service):
-    assert (REPO / "docker" / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == \
-        REPO / "Dockerfile"
+    context = (REPO / "server" / service["build"]["context"]).resolve()
+    assert context == REPO and (context / service["build"]["dockerfile"]) == REPO / "server" / "Dockerfile"
 
 
 def test_compose_serves_tp4_with_echo(service):

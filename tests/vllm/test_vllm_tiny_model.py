@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from echo_vllm.testing.tiny_model import IM_END, IM_START, make_tiny_qwen3  # noqa: E402
+from support.tiny_model import IM_END, IM_START, make_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")

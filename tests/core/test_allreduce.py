@@ -14,7 +14,7 @@ from echo_vllm import (
     ProcessGroupTransport,
     VirtualTransport,
 )
-from echo_vllm.launch import run_processes
+from echo_vllm.spawn import run_processes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (dtype, shape, hadamard): none of the sizes is a multiple of P * 8 * group

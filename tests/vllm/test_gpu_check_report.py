@@ -10,7 +10,7 @@ import pathlib
 
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_check.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_vllm_check.py"
 
 
 def _script():

@@ -20,7 +20,7 @@ from echo_vllm.vllm_glue.metrics import EchoMetrics, publish_config
 from echo_vllm.server.probe import echo_samples, total
 from echo_vllm.stats import EchoStats
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def scrape(registry) -> dict[str, float]:

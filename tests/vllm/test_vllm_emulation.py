@@ -37,7 +37,7 @@ def test_plugin_is_declared_as_a_vllm_general_plugin():
 
 
 def _stack():
-    from echo_vllm.testing.vllm_cpu import ToyStack
+    from support.vllm_cpu import ToyStack
 
     return ToyStack.random(layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tokens=TOKENS, seed=99)
 
@@ -53,7 +53,7 @@ def _model(embed, o, down, ids):
 
 
 def _worker(rank, world):
-    from echo_vllm.testing.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
+    from support.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
 
     use_cpu_platform()
     out = {}
@@ -137,7 +137,7 @@ def _worker(rank, world):
     # the calls vLLM makes): replays are counted like the passes they stand for
     from vllm.distributed import parallel_state as ps
 
-    from echo_vllm.testing.vllm_graphs import replay_accounting
+    from support.vllm_graphs import replay_accounting
 
     ps.destroy_model_parallel()
     cfg = vllm_config(tp=1, additional_config=SETTINGS)
@@ -153,7 +153,7 @@ def _worker(rank, world):
 @pytest.fixture(scope="module")
 def proc():
     pytest.importorskip("vllm")
-    from echo_vllm.launch import run_processes
+    from echo_vllm.spawn import run_processes
 
     return run_processes(_worker, 1)[0]
 
@@ -279,6 +279,6 @@ def test_graph_replays_are_counted_like_the_passes_they_replay(proc):
     """Model Runner V2's FULL replays (no forward context), PIECEWISE and V1
     FULL replays (a context, no calls), and the last pass of the window
     (settled by flush): the counters equal those of executing every pass."""
-    from echo_vllm.testing.vllm_graphs import accounting_problems
+    from support.vllm_graphs import accounting_problems
 
     assert accounting_problems(proc["graphs"], calls_per_forward=1 + 2 * LAYERS) == []

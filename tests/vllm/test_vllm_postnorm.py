@@ -22,12 +22,12 @@ GEMMA3_CONFIG = {
 
 
 def _worker(rank, world):
-    from echo_vllm.testing.vllm_cpu import use_cpu_platform
+    from support.vllm_cpu import use_cpu_platform
 
     use_cpu_platform()
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
-    from echo_vllm.testing.tiny_model import make_tiny_qwen3
+    from support.tiny_model import make_tiny_qwen3
     from echo_vllm.vllm_glue import compat, startup
     from echo_vllm.vllm_glue.emulation import current_session
 
@@ -64,7 +64,7 @@ def _worker(rank, world):
 @pytest.fixture(scope="module")
 def sessions():
     pytest.importorskip("vllm")
-    from echo_vllm.launch import run_processes
+    from echo_vllm.spawn import run_processes
 
     return run_processes(_worker, 1)[0]
 

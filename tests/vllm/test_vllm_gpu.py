@@ -11,7 +11,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_check.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_vllm_check.py"
 LAYERS = 8
 
 

@@ -2,7 +2,7 @@
 
 vLLM's CUDA wheel imports and runs its distributed layer on a CPU-only
 machine once ``current_platform`` is set to ``CpuPlatform`` *before* any vLLM
-module binds it. Each process (e.g. one of ``echo_vllm.launch.run_processes``'
+module binds it. Each process (e.g. one of ``echo_vllm.spawn.run_processes``'
 gloo ranks, whose default process group vLLM reuses) then:
 
     use_cpu_platform()

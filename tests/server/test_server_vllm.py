@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: (echo-vllm serve argv, the same intent for stock vLLM without Echo's flags)
 ROWS = [

@@ -4,24 +4,24 @@
 # The host has no internet: everything arrives as bundle parts (<= 56 MiB each).
 #
 # Prepared on a machine with registry access (repo root):
-#   bash ../shared/gpu-wheelhouse/build.sh .gpu-bundle 56 scripts/gpu_eval_pins.txt   # vLLM + lm-eval
+#   bash ../shared/gpu-wheelhouse/build.sh .gpu-bundle 56 eval/gpu_eval_pins.txt   # vLLM + lm-eval
 #   .venv/bin/echo-vllm eval bundle --models smollm2-135m --out .gpu-bundle/echo      # model + data
 #
 # On the GPU host, from the repo root (state lives in $ECHO_GPU_STATE, default
 # /tmp/echo-gpu, outside the transferred tree; it survives while the machine is warm):
-#   scripts/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm, or
+#   eval/gpu_eval.sh stash DIR KIND        # copy DIR/bundle.part.* (+SHA256SUMS) aside; KIND = vllm, or
 #                                             # a name per cache bundle (echo, echo-gemma3, echo-qwen)
-#   scripts/gpu_eval.sh setup                 # unpack the bundles, register the plugin entry point
+#   eval/gpu_eval.sh setup                 # unpack the bundles, register the plugin entry point
 #                                             # (MODELS="smollm2-135m gemma3-270m" checks each model)
-#   scripts/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
-#   scripts/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP servers
-#   REAL_TP=2 MODEL=qwen2.5-coder-1.5b scripts/gpu_eval.sh ttft   # real TP=2: nccl vs Echo
-#   scripts/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
-#   scripts/gpu_eval.sh bg MODEL... [-- VARIANTS]  # `run` for each model in turn, in its own process
+#   eval/gpu_eval.sh run [LIMIT] [VARIANTS...]   # lm-eval, all variants in parallel on the GPU
+#   eval/gpu_eval.sh ttft                  # TTFT/ITL, exact vs Echo, emulated TP servers
+#   REAL_TP=2 MODEL=qwen2.5-coder-1.5b eval/gpu_eval.sh ttft   # real TP=2: nccl vs Echo
+#   eval/gpu_eval.sh perplexity            # HF-backend perplexity table on the GPU (optional)
+#   eval/gpu_eval.sh bg MODEL... [-- VARIANTS]  # `run` for each model in turn, in its own process
 #                                             # session (outlives the call and its 10-minute limit);
 #                                             # each waits until `setup` has verified its model
-#   OUT=$OUT scripts/gpu_eval.sh collect      # progress of `bg`, and its results as $OUT/bg.tgz
-#   OUT=$OUT scripts/gpu_eval.sh wait [S]     # keep the call in flight until the queue ends (or S s,
+#   OUT=$OUT eval/gpu_eval.sh collect      # progress of `bg`, and its results as $OUT/bg.tgz
+#   OUT=$OUT eval/gpu_eval.sh wait [S]     # keep the call in flight until the queue ends (or S s,
 #                                             # default 540), then collect: a host with only
 #                                             # background work counts as idle and goes back in 30 s
 # Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
@@ -29,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${ECHO_GPU_STATE:-/tmp/echo-gpu}"
 # The model and its emulated TP size (SmolLM2's 9 heads split 3 ways; the others 4):
-#   MODEL=gemma3-270m TP=4 scripts/gpu_eval.sh run none
+#   MODEL=gemma3-270m TP=4 eval/gpu_eval.sh run none
 MODEL="${MODEL:-smollm2-135m}"
 case "$MODEL" in smollm2-135m) TP="${TP:-3}"; MODEL_STEM="" ;; *) TP="${TP:-4}"; MODEL_STEM="_$MODEL" ;; esac
 PY="${PYTHON:-python3}"
@@ -154,7 +154,7 @@ if [ ! -f "$STATE/cache/ready-$m" ]; then
   echo "[bg] \$(date -u +%T) $m: exit not-ready (setup never verified it)" >> "$STATE/bg/status.txt"
 else
   echo "[bg] \$(date -u +%T) $m: start" >> "$STATE/bg/status.txt"
-  OUT="$STATE/bg/$m" MODEL="$m" bash "$PWD/scripts/gpu_eval.sh" run ${LIMIT:-none} $* > "$STATE/bg/$m.log" 2>&1
+  OUT="$STATE/bg/$m" MODEL="$m" bash "$PWD/eval/gpu_eval.sh" run ${LIMIT:-none} $* > "$STATE/bg/$m.log" 2>&1
   echo "[bg] \$(date -u +%T) $m: exit \$?" >> "$STATE/bg/status.txt"
 fi
 EOS

@@ -1,0 +1,51 @@
+"""The batch-invariance property, as one function every backend's test calls.
+
+For random token rows A and B, a chain of calls (feedback carried from call
+to call, one exact call in the middle that absorbs the carried error): the
+rows of A reduced alone, inside [A; B] and inside [B; A] must be equal bit
+for bit, call after call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+
+
+def _rows(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world, tokens, hidden, generator=g) * torch.exp(torch.randn(world, tokens, 1, generator=g))
+    x[..., :: max(1, hidden // 7)] *= 30.0  # outlier channels: they set their groups' scales
+    return x.to(dtype)
+
+
+def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dtype, *, backend: str,
+                           device: str = "cpu", tokens_a: int = 3, tokens_b: int = 5, calls: int = 4,
+                           hadamard: bool = True, exact_at: int | None = 2, seed: int = 0) -> int:
+    """Raise AssertionError on the first call whose A rows differ; return the
+    number of (call, arrangement) pairs compared."""
+    cfg = EchoConfig(min_bytes=0, group_size=group, hadamard=hadamard, exact_last_call=False,
+                     first_exact_calls=0, backend=backend)
+    ar = EchoAllReduce(cfg, VirtualTransport(world))
+    chains = {k: FeedbackChain(world, device, cfg.feedback_dtype) for k in ("A", "AB", "BA")}
+    compared = 0
+    for t in range(calls):
+        a = _rows(world, tokens_a, hidden, dtype, seed * 1000 + 2 * t).to(device)
+        b = _rows(world, tokens_b, hidden, dtype, seed * 1000 + 2 * t + 1).to(device)
+        inputs = {"A": a, "AB": torch.cat([a, b], dim=1), "BA": torch.cat([b, a], dim=1)}
+        if t == exact_at:
+            out = {k: ar.exact_all_reduce(x, chains[k], t) for k, x in inputs.items()}
+        else:
+            out = {k: ar.all_reduce(x, chains[k], t) for k, x in inputs.items()}
+        alone = out["A"].cpu()
+        for name, rows in (("[A; B]", out["AB"][:tokens_a]), ("[B; A]", out["BA"][tokens_b:])):
+            rows = rows.cpu()
+            differ = alone.view(torch.int16) != rows.view(torch.int16)
+            if differ.any():
+                raise AssertionError(
+                    f"call {t} ({'exact' if t == exact_at else 'Echo'}), P={world} hidden={hidden} g={group} "
+                    f"{dtype} {backend}: A's rows inside {name} differ from A alone in "
+                    f"{int(differ.sum())} of {differ.numel()} values")
+            compared += 1
+    return compared
