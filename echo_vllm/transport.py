@@ -12,7 +12,10 @@ P for in-process virtual ranks):
 Backends:
 
 * :class:`ProcessGroupTransport` -- ``torch.distributed`` (gloo on CPU,
-  NCCL on GPU): ``all_to_all_single`` + ``all_gather_into_tensor``.
+  NCCL on GPU): ``all_to_all_single`` + ``all_gather_into_tensor``. Over
+  gloo, CUDA tensors are staged through host memory (gloo's collectives are
+  CPU collectives): a GPU job over a TCP link, which is how the gloo
+  benchmark measures a bandwidth-bound link with the kernels on the GPU.
 * :class:`VirtualTransport` -- P ranks in one process (one-GPU emulation of
   TP=P, evaluation). A transpose and a no-op; Echo's numerics are
   bit-identical to the multi-process run on the same inputs because every
@@ -100,26 +103,30 @@ class ProcessGroupTransport(Transport):
         # NCCL collectives issued on the current stream can be captured; gloo
         # runs on the host and cannot.
         self.capturable = self.backend == "nccl"
+        self._staged = self.backend == "gloo"
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where this backend's collectives can read it."""
+        return t.cpu() if self._staged and t.is_cuda else t
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
-        send = send.contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
-        return recv
+        host = self._host(send.contiguous())
+        recv = torch.empty_like(host)
+        dist.all_to_all_single(recv.view(-1), host.view(-1), group=self.group)
+        return recv.to(send.device)
 
     def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
         # flat buffers: gloo wants the output to be the input's shape with
         # its first dimension multiplied by world_size
-        out = torch.empty(
-            self.world_size * chunks.numel(), dtype=chunks.dtype, device=chunks.device
-        )
-        dist.all_gather_into_tensor(out, chunks.reshape(-1), group=self.group)
-        return out.view((self.world_size,) + tuple(chunks.shape[1:]))
+        host = self._host(chunks.reshape(-1))
+        out = torch.empty(self.world_size * chunks.numel(), dtype=chunks.dtype, device=host.device)
+        dist.all_gather_into_tensor(out, host, group=self.group)
+        return out.view((self.world_size,) + tuple(chunks.shape[1:])).to(chunks.device)
 
     def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
-        out = x[0].clone()
+        out = self._host(x[0]).clone()
         dist.all_reduce(out, group=self.group)
-        return out
+        return out.to(x.device)
 
     def check_same(self, values: Sequence[int]) -> None:
         device = "cuda" if self.backend == "nccl" else "cpu"

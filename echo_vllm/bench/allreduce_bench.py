@@ -7,9 +7,13 @@ Three ways to run, picked by ``--backend``:
   (naive 4-bit, and Echo with a carried error) over the same process group;
   CUDA events, warm-up, median of ``--iters``, inputs rotating through
   several buffers, CUDA-graph replay below 1 MiB.
-* ``gloo`` (CPU): ``--world-size`` spawned processes on one machine, a real
-  bandwidth-bound transport; host clock between barriers. Echo runs the
-  numba CPU loops (``backend="numba"``) unless ``--cpu-kernels reference``.
+* ``gloo``: ``--world-size`` spawned processes on one machine over TCP, a
+  real bandwidth-bound link; host clock between barriers. With ``--device
+  cpu`` Echo runs the numba CPU loops (``backend="numba"``) unless
+  ``--cpu-kernels reference``. With ``--device cuda`` every process puts its
+  tensors on the one GPU (``cuda:0``) and Echo runs the Triton kernels there;
+  both contenders stage their bytes through host memory to cross the link
+  (the 16-bit all-reduce its bf16 tensor, Echo its 4-bit chunks).
 * one GPU and no torchrun: there is no link to measure; this prints the
   per-kernel table and the projection (``bench kernels``).
 
@@ -58,12 +62,18 @@ class Contenders:
         lay = self.echo.message_layout(tuple(inputs[0].shape))
         self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
         self.transport = transport
+        # gloo with CUDA tensors: the 16-bit baseline crosses the link as Echo does
+        self.staged = transport.backend == "gloo" and inputs[0].is_cuda
 
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
 
     def sixteen_bit(self, i: int) -> None:
-        dist.all_reduce(self.inputs16[i % len(self.inputs16)])
+        x = self.inputs16[i % len(self.inputs16)]
+        if self.staged:
+            x.copy_(self.transport.all_reduce_exact(x.unsqueeze(0)))
+        else:
+            dist.all_reduce(x)
 
     def naive4(self, i: int) -> torch.Tensor:
         return self.naive.all_reduce(self.x(i))
@@ -98,8 +108,8 @@ def measure(cfg: EchoConfig, sizes: list[int], iters: int, warmup: int, device, 
         c = Contenders(cfg, inputs, WireLayout(size // 2, world, cfg.group_size).padded_numel)
         for algo in algos:
             run = c.runs()[algo]
-            if device.type != "cuda":
-                t = timing.host_time(run, iters=iters, warmup=warmup, barrier=dist.barrier)
+            if device.type != "cuda" or c.staged:
+                t = timing.host_time(_synced(run, device), iters=iters, warmup=warmup, barrier=dist.barrier)
             elif size < timing.GRAPH_BELOW_BYTES:
                 t = timing.cuda_graph_time(run, iters=iters, warmup=warmup)
             else:
@@ -111,9 +121,25 @@ def measure(cfg: EchoConfig, sizes: list[int], iters: int, warmup: int, device, 
     return rows
 
 
-def _gloo_worker(rank, world, cfg_dict, sizes, iters, warmup, threads):
+def _synced(run, device: torch.device):
+    """``run`` that returns when its GPU work is done (host-clock timing)."""
+    if device.type != "cuda":
+        return run
+
+    def synced(i: int):
+        out = run(i)
+        torch.cuda.synchronize(device)
+        return out
+
+    return synced
+
+
+def _gloo_worker(rank, world, cfg_dict, sizes, iters, warmup, threads, device="cpu"):
     torch.set_num_threads(threads)
-    return measure(EchoConfig(**cfg_dict), sizes, iters, warmup, torch.device("cpu"), max_buffers=2)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return measure(EchoConfig(**cfg_dict), sizes, iters, warmup, dev, max_buffers=2)
 
 
 def _slowest_rank(per_rank: list[list[dict]]) -> list[report.Row]:
@@ -178,15 +204,23 @@ def run_gloo(args) -> int:
     threads = max(1, (os.cpu_count() or 1) // world)
     from ..backends import fastest_cpu_backend
 
-    mode = "reference" if args.cpu_kernels == "reference" else fastest_cpu_backend()
-    if args.cpu_kernels == "numba" and mode != "numba":
-        print("bench allreduce: numba is not installed", file=sys.stderr)
-        return 2
-    print(f"gloo: {world} processes, {threads} thread(s) each, Echo stages: {mode}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench allreduce --device cuda: no CUDA device", file=sys.stderr)
+            return 2
+        mode = "triton"
+    else:
+        mode = "reference" if args.cpu_kernels == "reference" else fastest_cpu_backend()
+        if args.cpu_kernels == "numba" and mode != "numba":
+            print("bench allreduce: numba is not installed", file=sys.stderr)
+            return 2
+    print(f"gloo: {world} processes, {threads} thread(s) each, tensors on {args.device}, Echo stages: {mode}")
     cfg = _config(args).replace(backend=mode)
-    results = _launch(_gloo_worker, world, cfg.to_dict(), sizes, args.iters, args.warmup, threads, env={})
+    results = _launch(_gloo_worker, world, cfg.to_dict(), sizes, args.iters, args.warmup, threads,
+                      "cuda:0" if args.device == "cuda" else "cpu", env={})
     meta = _meta(args, "gloo", world)
     meta["echo_stages"] = mode
+    meta["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     meta["threads_per_process"] = threads
     _finish(args, _slowest_rank(results), meta)
     return 0
@@ -231,6 +265,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="gloo: where each process keeps its tensors and runs Echo's stages "
+                         "(cuda: all processes on cuda:0, bytes staged through the host to cross the link)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "reference"),
                     help="gloo: Echo stages as numba loops (auto: if numba imports) or torch references")
     ap.add_argument("--out", default="", help="directory for JSON and PNG")
