@@ -64,6 +64,10 @@ class EchoCommunicator:
         """Nothing to reduce with Echo (vLLM's communicator convention)."""
         return self.transport.world_size < 2
 
+    def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
+        """Replace the size thresholds (a measured crossover, ``echo_vllm.crossover``)."""
+        self.config = self.config.replace(min_bytes=min_bytes, max_bytes=max_bytes)
+
     def reserve(self, rows: int, cols: int) -> None:
         """Size the feedback buffer for messages of up to ``rows`` rows of ``cols``."""
         if self.config.feedback:

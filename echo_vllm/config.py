@@ -28,6 +28,12 @@ SUPPORTED_BITS = (4,)
 #: Prefill messages (tokens x hidden x 2 bytes) are far above it.
 DEFAULT_MIN_BYTES = 256 * 1024
 
+#: ``min_bytes="auto"``: the crossover is measured at engine start
+#: (``echo_vllm.crossover``); until then, and where nothing is measured (no
+#: real link: the emulation, plain ``EchoCommunicator`` use), it is
+#: ``DEFAULT_MIN_BYTES``.
+AUTO_BYTES = -1
+
 ROUNDING_MODES = ("nearest", "stochastic")
 #: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
 BACKEND_CHOICES = ("auto", "reference", "triton", "numba")
@@ -63,9 +69,12 @@ class EchoConfig:
     carried error so the residual stream enters the final norm / LM head with
     no quantization error left in it."""
 
-    min_bytes: int = DEFAULT_MIN_BYTES
+    min_bytes: int = AUTO_BYTES
     """Messages smaller than this (in input bytes) take the exact 16-bit path:
-    latency-bound sizes gain nothing from a 4x smaller payload."""
+    latency-bound sizes gain nothing from a 4x smaller payload. ``"auto"``
+    (the default, stored as ``AUTO_BYTES``): the vLLM glue measures where
+    Echo beats vLLM's all-reduce on this machine at engine start and uses
+    that (``echo_vllm.crossover``); elsewhere ``DEFAULT_MIN_BYTES``."""
 
     max_bytes: int = 0
     """Messages larger than this take the exact path (0 = no upper limit).
@@ -126,16 +135,18 @@ class EchoConfig:
             )
         for name in ("min_bytes", "max_bytes", "first_exact_calls", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer")
+            auto = name == "min_bytes" and value == AUTO_BYTES
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 0 and not auto):
+                raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer"
+                                      + (" or 'auto'" if name == "min_bytes" else ""))
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
                 "position in the message, so its bits would depend on the batch; use rounding='nearest'")
-        if self.max_bytes and self.min_bytes > self.max_bytes:
+        if self.max_bytes and self.effective_min_bytes > self.max_bytes:
             # no message could satisfy both: Echo would never run
             raise EchoConfigError(
-                f"min_bytes={self.min_bytes} > max_bytes={self.max_bytes}: no message would take Echo"
+                f"min_bytes={self.effective_min_bytes} > max_bytes={self.max_bytes}: no message would take Echo"
             )
 
     # -- presets -------------------------------------------------------------
@@ -151,6 +162,16 @@ class EchoConfig:
 
     def replace(self, **changes: Any) -> "EchoConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def min_bytes_auto(self) -> bool:
+        """``min_bytes="auto"``: to be measured (``echo_vllm.crossover``)."""
+        return self.min_bytes == AUTO_BYTES
+
+    @property
+    def effective_min_bytes(self) -> int:
+        """The threshold the policy applies: ``DEFAULT_MIN_BYTES`` while auto."""
+        return DEFAULT_MIN_BYTES if self.min_bytes_auto else self.min_bytes
 
     @property
     def qmax(self) -> int:
@@ -228,6 +249,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise EchoConfigError(f"{key}={value!r}: expected an integer")
         if isinstance(value, int):
             return value
+        if key == "min_bytes" and str(value).strip().lower() == "auto":
+            return AUTO_BYTES
         try:
             return parse_bytes(str(value))
         except ValueError:
@@ -256,6 +279,7 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
+    "AUTO_BYTES",
     "DEFAULT_MIN_BYTES",
     "EchoConfig",
     "EchoConfigError",

@@ -95,7 +95,7 @@ def decide(call: CallInfo, config: EchoConfig | None, *, enabled: bool = True) -
         return _exact(Reason.NOT_RESIDUAL)
     # batch-invariant: a message's size depends on its batch, so it decides nothing
     if not config.batch_invariant:
-        if call.nbytes < config.min_bytes:
+        if call.nbytes < config.effective_min_bytes:
             return _exact(Reason.BELOW_MIN_BYTES)
         if config.max_bytes and call.nbytes > config.max_bytes:
             return _exact(Reason.ABOVE_MAX_BYTES)

@@ -61,6 +61,11 @@ class Transport(abc.ABC):
         """Raise :class:`EchoShapeMismatch` on every rank if ranks disagree on
         ``values``. Virtual ranks share one call, so they always agree."""
 
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """The element-wise maximum of ``values`` over the ranks (the same
+        list on every rank). Virtual ranks share one call: ``values``."""
+        return [float(v) for v in values]
+
 
 class VirtualTransport(Transport):
     """P ranks held by one process; inputs are stacked on dim 0."""
@@ -127,6 +132,12 @@ class ProcessGroupTransport(Transport):
         out = self._host(x[0]).clone()
         dist.all_reduce(out, group=self.group)
         return out.to(x.device)
+
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def check_same(self, values: Sequence[int]) -> None:
         device = "cuda" if self.backend == "nccl" else "cpu"

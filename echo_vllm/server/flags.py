@@ -20,7 +20,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
+from ..config import AUTO_BYTES, BACKEND_CHOICES, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
@@ -151,6 +151,7 @@ def format_help(width: int = 100) -> str:
         text = flag.help
         if flag.kind == "int" and flag.choices:
             text += f" One of {', '.join(str(c) for c in flag.choices)}."
-        text += f" (default: {flag.default})"
+        default = "auto" if flag.field == "min_bytes" and flag.default == AUTO_BYTES else flag.default
+        text += f" (default: {default})"
         lines += textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8)
     return "\n".join(lines)

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .. import crossover
 from ..communicator import EchoCommunicator
-from ..policy import Reason
+from ..feedback import FeedbackChain
+from ..policy import ECHO_DTYPES, Reason
 from ..stats import CallRecord
 from ..transport import ProcessGroupTransport, Transport
 
@@ -43,10 +45,40 @@ class TpEchoCommunicator:
             fixed_capacity=True, stats=session.stats, sink=session.record,
         )
         self._vllm_all_reduce = vllm_all_reduce
+        session.stats.set_thresholds(self.comm.config.effective_min_bytes, self.comm.config.max_bytes)
 
     def bind(self, vllm_all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The exact path: vLLM's own all-reduce of this group."""
         self._vllm_all_reduce = vllm_all_reduce
+
+    def calibrate(self, cols: int | None, max_tokens: int | None, dtype: Any) -> crossover.Crossover | None:
+        """Measure where Echo beats vLLM's all-reduce on this group and set
+        the thresholds (``min_bytes="auto"`` only; every rank of the group
+        must call it at the same point: it runs collectives). Messages are
+        rows of ``cols`` values of ``dtype``, up to ``max_tokens`` rows.
+        None when nothing was measured (thresholds as configured)."""
+        cfg = self.comm.config
+        if self.disabled or not cfg.min_bytes_auto or cfg.batch_invariant or not cols or not max_tokens:
+            return None
+        dtype = dtype if dtype in ECHO_DTYPES else torch.bfloat16
+        row_bytes = cols * torch.finfo(dtype).bits // 8
+        echo = self.comm.echo
+        device = self.comm.chain.device
+        chain = FeedbackChain(1, device, cfg.feedback_dtype)
+
+        def run_echo(x: torch.Tensor) -> None:
+            # the steady state of a forward pass: call 1 absorbs call 0's error
+            chain.record(0, echo.chain_key(x.unsqueeze(0)), left_error=True)
+            echo.all_reduce(x, chain, 1)
+
+        points = crossover.calibrate(self._vllm_all_reduce, run_echo,
+                                     crossover.ladder(max_tokens * row_bytes, row_bytes), cols=cols,
+                                     dtype=dtype, device=device, slowest=self.transport.max_over_ranks)
+        chain.release()
+        result = crossover.decide(points)
+        self.comm.set_thresholds(result.min_bytes, result.max_bytes)
+        self.session.stats.set_thresholds(result.min_bytes, result.max_bytes)
+        return result
 
     def should_echo(self, inp: torch.Tensor) -> bool:
         """Whether the next call, with ``inp``, takes Echo's 4-bit path."""

@@ -165,6 +165,11 @@ def model_hf_config(vllm_config: Any) -> Any:
     return getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
 
 
+def model_dtype(vllm_config: Any) -> Any:
+    """The model's activation dtype (a ``torch.dtype``), or None."""
+    return getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+
+
 def max_num_batched_tokens(vllm_config: Any) -> int | None:
     sched = getattr(vllm_config, "scheduler_config", None)
     value = getattr(sched, "max_num_batched_tokens", None)

@@ -38,6 +38,8 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   (the residual stream's accumulated error, end_mean / max_mean, measured in
   emulation with ``--echo-emulate-measure``) and
   ``echo:residual_error_samples_total{rank}``
+- ``echo:threshold_bytes{rank,bound}`` the message sizes Echo takes (min,
+  max; measured at engine start with ``min_bytes=auto``)
 - ``echo:config_info{...}`` = 1, labels = Echo's settings (API server)
 
 Without the variable (plain ``vllm serve``), each worker keeps its values in
@@ -130,6 +132,10 @@ class EchoMetrics:
                                   "Residual stream's accumulated relative communication error, mean over "
                                   "measured passes (stat: end_mean at the end of the pass, max_mean worst call).",
                                   rank + ["stat"], registry=registry, multiprocess_mode="mostrecent")
+        self.thresholds = Gauge(PREFIX + "threshold_bytes",
+                                "Message sizes Echo takes (bound: min, max; 0 = none), as measured at start "
+                                "with min_bytes=auto.", rank + ["bound"], registry=registry,
+                                multiprocess_mode="mostrecent")
         self._last: dict[tuple, Any] = {}
         self._last_snapshot: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -194,6 +200,9 @@ class EchoMetrics:
         for key, stat in _RESIDUAL_STATS.items():
             if snapshot.get(key) is not None:
                 self.residual_err.labels(r, stat).set(float(snapshot[key]))
+        for bound in ("min", "max"):
+            if snapshot.get(bound + "_bytes") is not None:
+                self.thresholds.labels(r, bound).set(float(snapshot[bound + "_bytes"]))
 
 
 _FORWARD_KINDS = {"forwards_observed": "observed", "forwards_replayed": "replayed",

@@ -69,3 +69,6 @@ class PyncclTransport(Transport):
 
     def check_same(self, values: Sequence[int]) -> None:
         self._cpu.check_same(values)
+
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        return self._cpu.max_over_ranks(values)

@@ -87,7 +87,8 @@ class EchoSession:
         captured plans); returns the old ones, settled."""
         self.flush()
         old = self.stats
-        self.stats = self.tracker.stats = StepStats(calls_per_forward=old.calls_per_forward)
+        self.stats = self.tracker.stats = StepStats(calls_per_forward=old.calls_per_forward,
+                                                    min_bytes=old.min_bytes, max_bytes=old.max_bytes)
         return old
 
     def close(self) -> None:
@@ -99,6 +100,7 @@ class TpSession(EchoSession):
 
     def __init__(self, coordinator: Any, settings: TpCommSettings, vllm_config: Any):
         super().__init__(settings, vllm_config, rank=int(getattr(coordinator, "rank_in_group", 0)))
+        self.dtype = compat.model_dtype(vllm_config)
         self.communicator = TpEchoCommunicator(coordinator, self)
 
     def close(self) -> None:

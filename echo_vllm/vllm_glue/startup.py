@@ -64,6 +64,11 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
         coordinator._echo_comm = comm
         logger.info("echo: Echo all-reduce on group %s (world size %d, transport %s) %s",
                     coordinator.unique_name, world, type(comm.transport).__name__, settings.echo)
+        # every rank of the group is here, in the same order: the calibration's collectives are safe
+        measured = comm.calibrate(active.hidden_size, active.max_num_tokens, active.dtype)
+        if measured is not None:
+            logger.info("echo: crossover measured on this group: min_bytes=%s max_bytes=%s (%s)",
+                        measured.min_bytes, measured.max_bytes, measured.reason)
     else:
         # nothing to reduce: vLLM runs unchanged; said loudly, since a
         # comparison against it would otherwise look like a perfect result

@@ -91,6 +91,13 @@ class StepStats(EchoStats):
     residual_err_max_sum: float = 0.0
     """Same, taking the largest value over the pass's calls."""
     residual_samples: int = 0
+    min_bytes: int | None = None
+    """The size threshold in force (measured at start with ``min_bytes="auto"``)."""
+    max_bytes: int | None = None
+
+    def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
+        with self._lock:
+            self.min_bytes, self.max_bytes = int(min_bytes), int(max_bytes)
 
     def replay(self, plan: list[CallRecord]) -> None:
         """Count one replayed forward pass from its captured plan."""
@@ -118,6 +125,8 @@ class StepStats(EchoStats):
                 residual_err_end_mean=self.residual_err_end_sum / n if n else None,
                 residual_err_max_mean=self.residual_err_max_sum / n if n else None,
                 residual_samples=n,
+                min_bytes=self.min_bytes,
+                max_bytes=self.max_bytes,
             )
         return snap
 

@@ -68,7 +68,8 @@ def test_default_min_bytes_routes_decode_sizes_to_exact():
         ({"bits": 8}, "only"),
         ({"rounding": "up"}, "rounding"),
         ({"feedback_dtype": "float16"}, "feedback_dtype"),
-        ({"min_bytes": -1}, "non-negative"),
+        ({"min_bytes": -2}, "non-negative"),
+        ({"max_bytes": -1}, "non-negative"),
         ({"first_exact_calls": True}, "non-negative"),
     ],
 )

@@ -218,7 +218,26 @@ def _worker(rank, world):
         out["graphs"] = replay_accounting(session, cfg, run)
     ps.destroy_model_parallel()
 
-    # 7. Echo off (no tp_comm): no session, vLLM's sum
+    # 7. min_bytes=auto (the default): the crossover is measured on the group at
+    # start, for the model's rows (a model-less config here: its shape stands in)
+    from echo_vllm.vllm_glue import compat as glue_compat
+
+    saved = glue_compat.hidden_size, glue_compat.max_num_batched_tokens
+    glue_compat.hidden_size, glue_compat.max_num_batched_tokens = (lambda c: HIDDEN), (lambda c: 512)
+    auto = vllm_config(tp=2, additional_config={"tp_comm": "echo"})
+    try:
+        with set_current_vllm_config(auto):
+            init_model_parallel(auto)
+            from echo_vllm.vllm_glue.session import current
+
+            comm = current().communicator.comm
+            out["auto"] = dict(config_min=comm.config.min_bytes, config_max=comm.config.max_bytes,
+                               snapshot=current().stats.snapshot())
+        ps.destroy_model_parallel()
+    finally:
+        glue_compat.hidden_size, glue_compat.max_num_batched_tokens = saved
+
+    # 8. Echo off (no tp_comm): no session, vLLM's sum
     off = vllm_config(tp=2)
     with set_current_vllm_config(off):
         init_model_parallel(off)
@@ -236,6 +255,17 @@ def _worker(rank, world):
 @pytest.fixture(scope="module")
 def ranks():
     return run_processes(_worker, 2)
+
+
+def test_min_bytes_auto_is_measured_and_the_same_on_every_rank(ranks):
+    from echo_vllm.crossover import NEVER, SMALLEST_BYTES
+
+    got = [r["auto"] for r in ranks]
+    assert got[0]["config_min"] == got[1]["config_min"]  # ranks that disagreed would hang
+    m = got[0]["config_min"]
+    assert m == NEVER or m >= SMALLEST_BYTES  # a measured ladder size, not the 256 KiB fallback's -1
+    for g in got:
+        assert (g["snapshot"]["min_bytes"], g["snapshot"]["max_bytes"]) == (g["config_min"], g["config_max"])
 
 
 def test_guard_rail_raises_at_tp_group_creation(ranks):
