@@ -9,9 +9,10 @@ address table (``fused.local_buffers``):
   2, then phase 3 (``phase=`` 1, 2, 3: no barrier), each compared with the
   reference stage it replaces -- ``recv`` slots, ``gathered`` slots,
   feedback buffers, outputs (compiled, on the device, on a CUDA host);
-* in P spawned interpreter processes sharing memory, the whole kernel with
-  its barriers, for a chain of calls: the flags' protocol, self-reset and
-  the persistent grid's tile loop, with real atomics across processes.
+* in P processes forked from the interpreter worker, sharing memory, the
+  whole kernel with its barriers, for a chain of calls: the flags'
+  protocol, self-reset and the persistent grid's tile loop, with real
+  atomics across processes.
 
 Not covered here: the compiled barrier (acquire/release on a GPU, the
 ``%globaltimer`` timeout and ``trap``: the interpreter has no inline
@@ -34,7 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_kernels import (
-    CUDA, DEVICE, DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits, in_kernel_process,
+    CUDA, DEVICE, DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
+    in_kernel_process,
 )
 
 from echo_vllm import quant
@@ -142,7 +144,7 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
     lay = WireLayout(rows * cols, world, group, cols)
     table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
     for t in (*bufs, *pads):
-        t.share_memory_()
+        t.share_memory_()  # moves the storage: the table is rebuilt below
     table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64)
     xs = torch.stack([_values((world, lay.numel), 50 + c, special=c == 1).to(torch.bfloat16) for c in range(calls)])
     fb0 = _feedback(world, lay, torch.float32, 51, device="cpu")

@@ -44,7 +44,7 @@ from .base import EchoBackend
 from .stages import TritonStages
 
 #: torch's switch for symmetric memory on ranks that share a GPU (tests on
-#: one GPU); read here only, by :func:`fused_support`.
+#: one GPU); read here only, by :func:`probe`.
 OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 #: Largest message (values per rank) the buffers are sized for when neither
