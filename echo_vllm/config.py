@@ -36,7 +36,7 @@ AUTO_BYTES = -1
 
 ROUNDING_MODES = ("nearest", "stochastic")
 #: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
-BACKEND_CHOICES = ("auto", "reference", "triton", "numba")
+BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
 FEEDBACK_DTYPES = ("float32", "bfloat16")
 
 

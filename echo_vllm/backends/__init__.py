@@ -4,12 +4,14 @@
 ``reference``  composed: the torch references (the specification) + transport
 ``triton``     composed: the fused Triton stage kernels + transport
 ``numba``      composed: the fused numba CPU loops + transport
+``fused``      one Triton kernel over symmetric (peer-mapped) memory
 =============  =================================================================
 
 ``EchoConfig.backend`` names one, or ``auto``: :func:`choose_backend` (one
 pure function, returning its reason) picks from the device, the rounding
-mode and ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`). A new backend registers a
-:class:`BackendSpec`.
+mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`) and whether the group's GPUs
+can run the fused kernel (:func:`.fused.fused_support`). A new backend
+registers a :class:`BackendSpec`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..envs import EchoEnv
 from ..transport import Transport
 from .base import EchoBackend
 from .composed import ComposedBackend
+from .fused import FusedSymmMemBackend, fused_support
 from .stages import NumbaStages, ReferenceStages, StageOps, TritonStages
 
 
@@ -59,16 +62,31 @@ register_backend(BackendSpec(
 ))
 
 
+def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv) -> EchoBackend:
+    # messages larger than its buffers take the composed Triton path: same bits
+    fallback = ComposedBackend(cfg, tr, TritonStages(env.kernel_layout))
+    return FusedSymmMemBackend(cfg, tr, kernel_layout=env.kernel_layout, fallback=fallback)
+
+
+register_backend(BackendSpec(
+    "fused", _build_fused, ("cuda",),
+    "one Triton kernel over symmetric memory (P2P GPUs of one host; larger messages: the triton backend)",
+))
+
+
 assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and the registry disagree"
 
 
-def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto") -> tuple[str, str]:
+def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
+                   p2p: bool = False) -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
     ``reference``: its noise comes from torch). ``auto``: stochastic ->
     ``reference``; else ``ECHO_KERNELS`` if set (``numba`` for CPU tensors
-    only); else ``triton`` for CUDA tensors and ``reference`` elsewhere.
+    only); else, for CUDA tensors, ``fused`` if ``p2p`` (the group can run
+    it: :func:`.fused.fused_support`) and ``triton`` if not; ``reference``
+    elsewhere.
     """
     if requested != "auto":
         if requested not in BACKENDS:
@@ -84,6 +102,8 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
         return "numba", "ECHO_KERNELS=numba"
     if env_kernels in ("reference", "triton"):
         return env_kernels, f"ECHO_KERNELS={env_kernels}"
+    if device_type == "cuda" and p2p:
+        return "fused", "CUDA tensors, peer-to-peer GPUs"
     if device_type == "cuda":
         return "triton", "CUDA tensors"
     return "reference", f"{device_type} tensors"
@@ -101,9 +121,15 @@ def fastest_cpu_backend() -> str:
 
 
 def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv) -> EchoBackend:
-    """Build the backend :func:`choose_backend` picks for ``config``."""
-    name, _ = choose_backend(config.backend, device_type=device_type,
-                             stochastic=config.rounding == "stochastic", env_kernels=env.kernels)
+    """Build the backend :func:`choose_backend` picks for ``config``. When
+    ``auto`` could pick ``fused``, the group is probed first (a collective on
+    a process group: every rank builds its backend at the same call)."""
+    stochastic = config.rounding == "stochastic"
+    p2p = False
+    if config.backend == "auto" and device_type == "cuda" and not stochastic and env.kernels == "auto":
+        p2p, _ = fused_support(transport, device_type)
+    name, _ = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
+                             env_kernels=env.kernels, p2p=p2p)
     return BACKENDS[name].build(config, transport, env)
 
 
@@ -113,6 +139,7 @@ __all__ = [
     "BackendSpec",
     "ComposedBackend",
     "EchoBackend",
+    "FusedSymmMemBackend",
     "NumbaStages",
     "ReferenceStages",
     "StageOps",

@@ -1,0 +1,354 @@
+"""The fused backend: Echo as one Triton kernel over symmetric memory.
+
+Where the composed backends run stage kernels around a transport's
+all-to-all and all-gather, :class:`FusedSymmMemBackend` runs one kernel
+(:mod:`echo_vllm.kernels.fused_kernel`) that stores the 4-bit chunks
+straight into the peers' memory, synchronises with them through
+self-resetting flags and decodes the result: the same bits as the composed
+pipeline, no host work per call beyond one launch, capturable into a CUDA
+graph.
+
+It needs peer-mapped memory: CUDA tensors, ranks in a ``torch.distributed``
+process group on one host whose GPUs can all reach each other (P2P), and
+``torch.distributed._symmetric_memory``. :func:`fused_availability` decides
+from :class:`FusedFacts` (a pure function, with its reason);
+:func:`fused_support` gathers the facts (a collective over the group) and
+asks it.
+
+Buffers (per rank: P ``recv`` and P ``gathered`` chunk slots, plus the
+flags in the signal pad) are allocated and rendezvoused when the backend is
+built -- a collective, so every rank builds it at the same point and before
+any CUDA-graph capture -- sized for messages of up to ``max_numel`` values,
+and cached per (group, device, size): backends of one group share them, so
+they must run on one stream. A message whose chunks do not fit is never cut
+or overflowed: it goes to the ``fallback`` backend (same bits) when one was
+given, else raises :class:`MessageTooLarge`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..capture import capturing
+from ..config import EchoConfig
+from ..quant import WIRE_DTYPE, WireLayout
+from ..transport import ProcessGroupTransport, Transport
+from .base import EchoBackend
+from .stages import TritonStages
+
+#: torch's switch for symmetric memory on ranks that share a GPU (tests on
+#: one GPU); read here only, by :func:`probe`.
+OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+#: Largest message (values per rank) the buffers are sized for when neither
+#: ``max_numel`` nor ``EchoConfig.max_bytes`` says: about 1.1 bytes of
+#: symmetric memory per value per rank (4-bit codes + scales, twice).
+DEFAULT_MAX_NUMEL = 1 << 25
+
+#: Seconds a program waits for a peer before the kernel traps (a CUDA error
+#: instead of a hang). Generous: ranks legitimately drift apart by a
+#: first-call compilation or a host stall.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class MessageTooLarge(ValueError):
+    """A message whose chunks do not fit the fused backend's buffers."""
+
+
+# -- availability ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedFacts:
+    """What decides whether the fused backend can run, as gathered by
+    :func:`probe` (one entry per rank of the group where per-rank)."""
+
+    device_type: str
+    transport: str
+    """``process_group`` (a ``ProcessGroupTransport``), ``virtual``
+    (in-process ranks) or the transport's class name."""
+    symm_mem: bool
+    """``torch.distributed._symmetric_memory`` imports."""
+    hosts: tuple[str, ...] = ()
+    devices: tuple[int, ...] = ()
+    """CUDA device index of each rank."""
+    peer_access: tuple[tuple[bool, ...], ...] = ()
+    """``peer_access[a][b]``: rank a's GPU can access rank b's memory
+    (``torch.cuda.can_device_access_peer``; True on the diagonal)."""
+    sm_counts: tuple[int, ...] = ()
+    allow_overlap: bool = False
+    """``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``: ranks may share a GPU."""
+
+
+def fused_availability(facts: FusedFacts) -> tuple[bool, str]:
+    """``(can run, reason)`` for the fused backend, from ``facts`` alone."""
+    if facts.device_type != "cuda":
+        return False, f"{facts.device_type} tensors (the fused kernel needs CUDA)"
+    if facts.transport == "virtual":
+        return False, "in-process virtual ranks have no peer memory"
+    if facts.transport != "process_group":
+        return False, f"transport {facts.transport} is not a torch.distributed process group"
+    if not facts.symm_mem:
+        return False, "torch.distributed._symmetric_memory is not importable"
+    if len(set(facts.hosts)) > 1:
+        return False, f"ranks on {len(set(facts.hosts))} hosts (peer memory needs one host)"
+    devs = facts.devices
+    if len(set(devs)) < len(devs) and not facts.allow_overlap:
+        shared = sorted({d for d in devs if devs.count(d) > 1})
+        return False, f"ranks share GPU(s) {shared} (allowed only with {OVERLAP_ENV}=1)"
+    for a, da in enumerate(devs):
+        for b, db in enumerate(devs):
+            if da != db and not facts.peer_access[a][b]:
+                return False, f"GPU {da} (rank {a}) cannot access GPU {db} (rank {b}): no P2P"
+    return True, f"{len(devs)} ranks on GPU(s) {list(devs)} with peer access"
+
+
+def _symm_mem_importable() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception:
+        return False
+    return dist.is_available()
+
+
+def _transport_kind(transport: Transport) -> str:
+    if isinstance(transport, ProcessGroupTransport):
+        return "process_group"
+    return "virtual" if transport.is_virtual else type(transport).__name__
+
+
+def _group(transport: ProcessGroupTransport) -> dist.ProcessGroup:
+    return transport.group if transport.group is not None else dist.group.WORLD
+
+
+#: Facts probed per transport (a probe is a collective: once is enough).
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def probe(transport: Transport, device_type: str = "cuda") -> FusedFacts:
+    """The facts of this rank's group. For a process group on CUDA, an
+    ``all_gather_object`` of (host, device, SM count) over the group --
+    every rank must call it, and not under CUDA-graph capture -- done once
+    per transport."""
+    kind = _transport_kind(transport)
+    facts = FusedFacts(device_type, kind, _symm_mem_importable())
+    if device_type != "cuda" or kind != "process_group" or not facts.symm_mem or not torch.cuda.is_available():
+        return facts
+    known = _PROBED.get(transport)
+    if known is not None:
+        return known
+    dev = torch.cuda.current_device()
+    mine = (socket.gethostname(), dev, torch.cuda.get_device_properties(dev).multi_processor_count)
+    every: list = [None] * transport.world_size
+    dist.all_gather_object(every, mine, group=transport.group)
+    devices = tuple(d for _, d, _ in every)
+    access = tuple(tuple(a == b or torch.cuda.can_device_access_peer(a, b) for b in devices) for a in devices)
+    facts = FusedFacts(
+        device_type, kind, True, hosts=tuple(h for h, _, _ in every), devices=devices, peer_access=access,
+        sm_counts=tuple(s for _, _, s in every), allow_overlap=os.environ.get(OVERLAP_ENV) == "1",
+    )
+    _PROBED[transport] = facts
+    return facts
+
+
+def fused_support(transport: Transport, device_type: str = "cuda") -> tuple[bool, str]:
+    """:func:`fused_availability` of this group (probing it: a collective for
+    a process group on CUDA). Under CUDA-graph capture nothing is probed
+    (no collective may run there) and the answer is no."""
+    if capturing() and transport not in _PROBED:
+        return False, "not probed under CUDA-graph capture"
+    return fused_availability(probe(transport, device_type))
+
+
+def max_programs_for(facts: FusedFacts) -> int:
+    """Programs one rank may run at once: its share of the smallest GPU's SMs
+    (ranks sharing a GPU split it: their spinning programs must all be
+    resident), at least 1."""
+    share = min(sm // facts.devices.count(d) for d, sm in zip(facts.devices, facts.sm_counts))
+    return max(1, share)
+
+
+# -- buffers ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SymmBuffers:
+    """One rank's symmetric buffer and the address table the kernel reads."""
+
+    buffer: torch.Tensor
+    """uint8 ``[2 * P * chunk_bytes]``: ``recv`` slots, then ``gathered`` slots."""
+    handle: object
+    """The ``_SymmetricMemory`` handle (keeps the peers' mappings alive)."""
+    table: torch.Tensor
+    """int64 ``[2, P]`` on the device: every rank's buffer and signal-pad address."""
+    rank: int
+    chunk_bytes: int
+    """Largest chunk a slot holds."""
+    signal_slots: int
+    """int32 flags zeroed in each rank's signal pad."""
+
+    @property
+    def gathered_offset(self) -> int:
+        return self.buffer.numel() // 2
+
+
+_BUFFERS: dict[tuple, SymmBuffers] = {}
+
+
+def symm_buffers(group: dist.ProcessGroup, device: torch.device, chunk_bytes: int, signal_slots: int) -> SymmBuffers:
+    """The cached buffers of ``group`` on ``device``, or new ones: allocate,
+    rendezvous, zero this rank's flags, and wait on the group until every
+    rank has (so no flag is raised before its owner cleared it). A
+    collective on first use."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from ..kernels.fused_kernel import buffer_bytes
+
+    key = (group.group_name, device, chunk_bytes, signal_slots)
+    cached = _BUFFERS.get(key)
+    if cached is not None:
+        return cached
+    world = dist.get_world_size(group)
+    if 4 * signal_slots > symm_mem.get_signal_pad_size():
+        raise ValueError(f"{signal_slots} flags exceed the signal pad ({symm_mem.get_signal_pad_size()} bytes)")
+    buf = symm_mem.empty(buffer_bytes(chunk_bytes, world), dtype=WIRE_DTYPE, device=device)
+    hdl = symm_mem.rendezvous(buf, group)
+    hdl.get_signal_pad(hdl.rank, (signal_slots,), dtype=torch.int32).zero_()
+    table = torch.tensor([list(hdl.buffer_ptrs), list(hdl.signal_pad_ptrs)], dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    out = _BUFFERS[key] = SymmBuffers(buf, hdl, table, hdl.rank, chunk_bytes, signal_slots)
+    return out
+
+
+def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
+                  device: torch.device | str) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's buffer and signal pad in this process (one address
+    space), for driving the ranks' phases one at a time (``phase=`` 1, 2, 3
+    of ``fused_all_reduce``: tests, per-phase timing): ``(table, buffers,
+    pads)``; ``table`` is the one every emulated rank passes."""
+    from ..kernels.fused_kernel import buffer_bytes
+
+    bufs = [torch.zeros(buffer_bytes(chunk_bytes, world_size), dtype=WIRE_DTYPE, device=device)
+            for _ in range(world_size)]
+    pads = [torch.zeros(signal_slots, dtype=torch.int32, device=device) for _ in range(world_size)]
+    table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64,
+                         device=device)
+    return table, bufs, pads
+
+
+def release_buffers() -> None:
+    """Drop every cached buffer (tests; backends built later allocate anew)."""
+    _BUFFERS.clear()
+
+
+# -- the backend ---------------------------------------------------------------------
+
+
+class FusedSymmMemBackend(EchoBackend):
+    """Echo as one kernel over symmetric memory (see the module docstring).
+
+    ``max_numel``: values per rank of the largest message the buffers hold
+    (default: ``config.max_bytes // 2`` when set, else
+    :data:`DEFAULT_MAX_NUMEL`); a message fits if its chunks are no larger
+    than a one-row message of ``max_numel`` values. ``timeout_s``: how long
+    a program waits for a peer before the kernel traps. ``max_programs``:
+    caps the persistent grid (default: this rank's share of the SMs).
+    ``fallback``: runs the messages that do not fit. ``facts``: the probe's
+    result, when the caller has it. ``buffers``: what the kernel reduces
+    through (default: :func:`symm_buffers` of the group, a collective).
+    """
+
+    name = "fused"
+
+    def __init__(
+        self,
+        config: EchoConfig,
+        transport: Transport,
+        *,
+        max_numel: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_programs: int | None = None,
+        kernel_layout: str = "spread",
+        fallback: EchoBackend | None = None,
+        facts: FusedFacts | None = None,
+        buffers: SymmBuffers | None = None,
+    ):
+        super().__init__(config, transport)
+        if config.rounding != "nearest":
+            raise ValueError("the fused backend rounds to nearest; stochastic rounding runs on 'reference'")
+        facts = facts if facts is not None else probe(transport)
+        ok, reason = fused_availability(facts)
+        if not ok:
+            raise RuntimeError(f"the fused backend cannot run here: {reason}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be positive")
+        from ..kernels import fused_kernel
+
+        self._k = fused_kernel
+        self._stages = TritonStages(kernel_layout)
+        self.fallback = fallback
+        self.rank = transport.rank
+        self.timeout_ns = int(timeout_s * 1e9)
+        if max_numel is None:
+            max_numel = config.max_bytes // 2 if config.max_bytes else DEFAULT_MAX_NUMEL
+        p = self.world_size
+        self.max_programs = min(max_programs or max_programs_for(facts), max_programs_for(facts))
+        if buffers is None:
+            buffers = symm_buffers(_group(transport), torch.device("cuda", torch.cuda.current_device()),
+                                   WireLayout(max_numel, p, config.group_size).chunk_bytes,
+                                   fused_kernel.signal_slots(self.max_programs, p))
+        if buffers.signal_slots < fused_kernel.signal_slots(self.max_programs, p):
+            raise ValueError(f"buffers: {buffers.signal_slots} flags for {self.max_programs} programs of {p} ranks")
+        self.buffers = buffers
+        if self.buffers.rank != self.rank:
+            raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
+        self._plans = functools.lru_cache(maxsize=1024)(self._plan)
+
+    @property
+    def capturable(self) -> bool:
+        """Every fitting message is one kernel launch: capturable. Others take
+        the fallback, capturable as it is."""
+        return self.fallback is None or self.fallback.capturable
+
+    def fits(self, layout: WireLayout) -> bool:
+        """Whether ``layout``'s chunks fit the buffers' slots."""
+        return layout.world_size == self.world_size and layout.chunk_bytes <= self.buffers.chunk_bytes
+
+    def _plan(self, layout: WireLayout):
+        return self._k.plan_for(layout, self.max_programs)
+
+    def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
+        if not self.fits(layout):
+            if self.fallback is not None:
+                return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
+            raise MessageTooLarge(
+                f"message of {layout.numel} values ({layout.rows} rows of {layout.cols}, P={layout.world_size}): "
+                f"chunks of {layout.chunk_bytes} bytes, the fused buffers hold {self.buffers.chunk_bytes}")
+        cfg, b = self.config, self.buffers
+        return self._k.fused_all_reduce(
+            xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
+            hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
+            out=out, spread=self._stages.spread,
+        )
+
+    def consume(self, xs, layout, feedback):
+        return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
+
+    def close(self) -> None:
+        if self.fallback is not None:
+            self.fallback.close()
+
+
+__all__ = [
+    "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedSymmMemBackend", "MessageTooLarge", "OVERLAP_ENV",
+    "SymmBuffers", "fused_availability", "fused_support", "max_programs_for", "probe", "release_buffers",
+    "symm_buffers",
+]

@@ -1,0 +1,484 @@
+#!/usr/bin/env python3
+"""The fused backend on a GPU host: P processes, bits against the references.
+
+    python scripts/gpu_fused_check.py [--worlds 2,4] [--gpus 1] [--json OUT] [--bench]
+
+Runs from the repository root (it puts it on ``sys.path``); needs torch with
+CUDA and Triton, nothing else, no network. For each P in ``--worlds`` it
+spawns P processes joined in a gloo group (``file://`` rendezvous), on
+``--gpus`` GPUs (rank r on GPU r % gpus: by default every rank on GPU 0,
+with ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` -- NCCL refuses two ranks
+on one GPU, symmetric memory over gloo does not), and checks:
+
+* ``eager``: several layouts (rows x cols, cols not a multiple of the group,
+  fp16/bf16/fp32, feedback fp32/bf16/none, with and without rotation), each
+  a chain of calls with feedback carried, NaN/Inf/huge/zero groups in one
+  call, and one message large enough that programs loop over tiles: every
+  rank's output and feedback buffer equal the composed references' bits
+  (computed here, on the CPU, from every rank's inputs), outputs identical
+  across ranks;
+* ``graph``: a call captured in a CUDA graph after a warm-up, replayed with
+  fresh inputs copied into the static input and the feedback reset: the
+  references' bits on every replay;
+* ``auto``: ``EchoAllReduce`` with ``backend="auto"`` picks ``fused`` here
+  and returns the references' bits;
+* ``too_large``: a message larger than the buffers raises ``MessageTooLarge``
+  (no fallback given);
+* ``absent_peer`` / ``killed_peer``: rank 1 never calls (waits elsewhere, or
+  exits): rank 0's call fails with a CUDA error within the timeout instead
+  of hanging.
+
+Processes sharing one GPU are time-sliced, so nothing here is timed except
+the timeout. ``--bench`` adds a single-process timing of each phase alone
+(``phase=`` 1, 2, 3, every peer's buffer local to the GPU: no NVLink), next
+to the composed Triton stage kernels on the same layouts.
+
+Prints one JSON summary (also written to ``--json``); exits 1 if any check
+failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+QMAX = 7
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# name, rows, cols, group, dtype, feedback dtype (None: no buffer), hadamard, calls, call with special values
+CASES = [
+    ("decode", 1, 8192, 32, "bf16", "bf16", True, 3, 1),
+    ("ragged", 5, 333, 16, "fp16", "fp32", True, 2, 0),
+    ("no-rotation", 7, 1000, 64, "fp32", "fp32", False, 2, 1),
+    ("no-feedback", 3, 4096, 128, "bf16", None, True, 1, 0),
+    ("prefill", 512, 4096, 32, "bf16", "fp32", True, 2, 1),  # programs loop over tiles
+]
+TIMEOUT_S = 30.0  # time-sliced ranks on one GPU wait long for each other: generous
+ABSENT_TIMEOUT_S = 3.0
+
+
+# -- inputs and comparison ---------------------------------------------------------------
+
+
+def inputs(shape, seed: int, special: bool) -> torch.Tensor:
+    """fp32 values of wide dynamic range; ``special`` plants groups with NaN,
+    +-Inf, near-fp32-max, subnormal and all-zero values."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))
+    if special:
+        flat = x.view(-1)
+        for i, v in {0: float("nan"), 70: float("inf"), 150: float("-inf"), 230: 3e38, 300: 1e-40}.items():
+            flat[i % flat.numel()] = v
+        flat[400:528] = 0.0
+    return x
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, *, nan_any: bool = False) -> str | None:
+    """None if the bits are equal (any NaN matching any NaN with ``nan_any``:
+    the compiled output cast writes the hardware's NaN payload), else where not."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    bad = got.contiguous().view(ints) != want.contiguous().view(ints)
+    if nan_any:
+        bad &= ~(got.float().isnan() & want.float().isnan())
+    if not bad.any():
+        return None
+    i = bad.nonzero()[0].tolist()
+    return f"{int(bad.sum())}/{bad.numel()} differ, first at {i}: {got[tuple(i)].item()!r} vs {want[tuple(i)].item()!r}"
+
+
+def reference(xs: torch.Tensor, fb: torch.Tensor | None, layout, *, hadamard: bool, incoming: bool) -> torch.Tensor:
+    """The composed pipeline on every rank's inputs ``xs [P, numel]`` (``fb``
+    ``[P, ...]`` updated in place): the output every rank must return."""
+    from echo_vllm import quant
+
+    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb, list(range(layout.world_size)), layout,
+                                qmax=QMAX)
+    return quant.output_reference(q2, layout, xs.dtype, hadamard=hadamard)
+
+
+def compare_calls(per_rank: list[list[dict]], layout, hadamard: bool) -> list[str]:
+    """Problems in the calls the ranks recorded (``x``, ``fb_before``,
+    ``fb_after``, ``y``, ``incoming`` per call), against the references."""
+    problems = []
+    for c in range(len(per_rank[0])):
+        calls = [r[c] for r in per_rank]
+        fb = None if calls[0]["fb_before"] is None else torch.cat([k["fb_before"] for k in calls])
+        y = reference(torch.cat([k["x"] for k in calls]), fb, layout, hadamard=hadamard,
+                      incoming=calls[0]["incoming"])
+        for r, k in enumerate(calls):
+            for what, got, want, nan_any in (("output", k["y"], y, True),
+                                              ("same output as rank 0", k["y"], calls[0]["y"], False),
+                                              ("feedback", k["fb_after"], None if fb is None else fb[r:r + 1], False)):
+                if got is not None and (d := differs(got, want, nan_any=nan_any)):
+                    problems.append(f"call {c}, rank {r}, {what}: {d}")
+    return problems
+
+
+# -- what each rank runs ----------------------------------------------------------------
+
+
+def _backend(world: int, group: int, hadamard: bool, max_numel: int, timeout_s: float = TIMEOUT_S, **kw):
+    from echo_vllm import EchoConfig, ProcessGroupTransport
+    from echo_vllm.backends.fused import FusedSymmMemBackend
+
+    cfg = EchoConfig(group_size=group, hadamard=hadamard, min_bytes=0)
+    return FusedSymmMemBackend(cfg, ProcessGroupTransport(), max_numel=max_numel, timeout_s=timeout_s, **kw)
+
+
+def _finish() -> None:
+    """Every rank's GPU work is done before any rank goes on (or exits and
+    unmaps its buffer)."""
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def rank_eager(rank: int, world: int) -> dict:
+    from echo_vllm.quant import WireLayout
+
+    out = {}
+    for ci, (name, rows, cols, g, dt, fbdt, had, calls, special) in enumerate(CASES):
+        lay = WireLayout(rows * cols, world, g, cols)
+        b = _backend(world, g, had, lay.padded_numel)  # one row of padded_numel: chunks as large as lay's
+        fb = None
+        if fbdt:
+            gen = torch.Generator().manual_seed(ci * 100 + rank)
+            fb = (1e-2 * torch.randn(1, lay.padded_numel + 40, generator=gen)).to(DTYPES[fbdt]).cuda()
+        recs = []
+        for c in range(calls):
+            x = inputs((1, lay.numel), 1000 * ci + 10 * c + rank, special=c == special).to(DTYPES[dt]).cuda()
+            before = None if fb is None else fb.cpu()
+            y = b.all_reduce(x, lay, fb, has_incoming=c > 0)
+            torch.cuda.synchronize()
+            recs.append(dict(x=x.cpu(), fb_before=before, fb_after=None if fb is None else fb.cpu(), y=y.cpu(),
+                             incoming=c > 0))
+        out[name] = recs
+    _finish()
+    return out
+
+
+def rank_graph(rank: int, world: int) -> dict:
+    from echo_vllm.quant import WireLayout
+
+    lay = WireLayout(64 * 4096, world, 32, 4096)
+    b = _backend(world, 32, True, lay.padded_numel)
+    gen = torch.Generator().manual_seed(7 + rank)
+    fb0 = (1e-2 * torch.randn(1, lay.padded_numel, generator=gen)).cuda()
+    fb = fb0.clone()
+    static_x = inputs((1, lay.numel), 500 + rank, False).to(torch.bfloat16).cuda()
+    static_y = torch.empty(lay.numel, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, every rank takes part
+        b.all_reduce(static_x, lay, fb, has_incoming=True, out=static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b.all_reduce(static_x, lay, fb, has_incoming=True, out=static_y)
+    recs = []
+    for replay in range(3):
+        static_x.copy_(inputs((1, lay.numel), 600 + 10 * replay + rank, replay == 1).to(torch.bfloat16))
+        fb.copy_(fb0 * (replay + 1))
+        torch.cuda.synchronize()
+        before = fb.cpu()
+        graph.replay()
+        torch.cuda.synchronize()
+        recs.append(dict(x=static_x.cpu(), fb_before=before, fb_after=fb.cpu(), y=static_y.cpu(), incoming=True))
+    _finish()
+    return {"graph": recs}
+
+
+def rank_auto(rank: int, world: int) -> dict:
+    from echo_vllm import EchoAllReduce, EchoConfig, ProcessGroupTransport
+
+    ar = EchoAllReduce(EchoConfig(min_bytes=0), ProcessGroupTransport())
+    name = ar.backend(torch.device("cuda")).name
+    x = inputs((16, 2048), 900 + rank, False).to(torch.bfloat16).cuda()
+    y = ar.all_reduce(x)
+    _finish()
+    return {"backend": name, "x": x.cpu(), "y": y.cpu()}
+
+
+def rank_too_large(rank: int, world: int) -> dict:
+    from echo_vllm.backends.fused import MessageTooLarge
+    from echo_vllm.quant import WireLayout
+
+    b = _backend(world, 32, True, 4096)
+    lay = WireLayout(8192, world, 32)
+    try:
+        b.all_reduce(torch.zeros(1, lay.numel, dtype=torch.bfloat16, device="cuda"), lay, None, has_incoming=False)
+        result = "no error"
+    except MessageTooLarge as e:
+        result = f"MessageTooLarge: {e}"
+    _finish()
+    return {"result": result}
+
+
+def rank_lost_peer(rank: int, world: int, how: str) -> dict:
+    """Rank 1 builds the backend, then never calls it: it waits on the gloo
+    group (``absent``) or exits (``killed``). Rank 0 calls, and must get an
+    error within the timeout."""
+    import torch.distributed as dist
+    from echo_vllm.quant import WireLayout
+
+    lay = WireLayout(4 * 4096, world, 32, 4096)
+    b = _backend(world, 32, True, lay.padded_numel, timeout_s=ABSENT_TIMEOUT_S)
+    if rank != 0:
+        if how == "killed":
+            os._exit(0)
+        dist.barrier()  # released by rank 0 once it has its error
+        return {}
+    x = torch.ones(1, lay.numel, dtype=torch.bfloat16, device="cuda")
+    b.all_reduce(x, lay, None, has_incoming=False)  # compiles, then launches
+    t0 = time.monotonic()
+    try:
+        torch.cuda.synchronize()
+        error = None
+    except Exception as e:  # the trapped kernel's CUDA error
+        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    waited = time.monotonic() - t0
+    if how == "absent":
+        dist.barrier()
+    return {"error": error, "waited_s": waited}
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def _child(rank, world, init_file, gpus, fn, args, results):
+    if world > gpus:
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"  # this child's torch reads it
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % gpus)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+    # no teardown: a trapped kernel leaves a CUDA context whose destructors
+    # may fail, and the peers are done with this rank's memory (_finish)
+    os._exit(0)
+
+
+def run_ranks(fn, world: int, gpus: int, *args, expect=None, deadline_s: float = 240.0) -> dict[int, object]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; the results
+    of the ranks in ``expect`` (default: all). Raises with the tracebacks if
+    a rank fails or the deadline passes (stragglers are killed)."""
+    expect = set(range(world)) if expect is None else set(expect)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="echo-fused-") as tmp:
+        procs = [ctx.Process(target=_child, args=(r, world, os.path.join(tmp, "store"), gpus, fn, args, results),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        out, errors, deadline = {}, [], time.monotonic() + deadline_s
+        try:
+            while not expect <= set(out) and not errors:
+                if time.monotonic() > deadline:
+                    errors.append(f"deadline of {deadline_s} s passed; results from ranks {sorted(out)}")
+                    break
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if status == "ok":
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=20 if not errors else 0)
+                if p.is_alive():
+                    p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return out
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def check_world(world: int, gpus: int) -> list[dict]:
+    from echo_vllm.quant import WireLayout
+
+    checks = []
+
+    def record(name, fn):
+        t0 = time.monotonic()
+        try:
+            problems = fn()
+        except Exception:
+            problems = [traceback.format_exc()]
+        checks.append({"check": name, "world": world, "ok": not problems, "problems": problems[:8],
+                       "seconds": round(time.monotonic() - t0, 1)})
+        print(f"P={world} {name}: {'ok' if not problems else 'FAILED'} ({checks[-1]['seconds']} s)", flush=True)
+        for p in problems[:8]:
+            print("   ", p[:2000], flush=True)
+
+    def eager():
+        got = run_ranks(rank_eager, world, gpus)
+        problems = []
+        for name, rows, cols, g, *_rest in CASES:
+            had = _rest[2]
+            lay = WireLayout(rows * cols, world, g, cols)
+            problems += [f"{name}: {p}" for p in compare_calls([got[r][name] for r in range(world)], lay, had)]
+        return problems
+
+    def graph():
+        got = run_ranks(rank_graph, world, gpus)
+        return compare_calls([got[r]["graph"] for r in range(world)], WireLayout(64 * 4096, world, 32, 4096), True)
+
+    def auto():
+        got = run_ranks(rank_auto, world, gpus)
+        problems = [f"rank {r} picked {got[r]['backend']!r}" for r in range(world) if got[r]["backend"] != "fused"]
+        xs = torch.stack([got[r]["x"].view(-1) for r in range(world)])
+        y = reference(xs, None, WireLayout(xs.shape[1], world, 32, 2048), hadamard=True, incoming=False)
+        problems += [f"rank {r}: {d}" for r in range(world)
+                     if (d := differs(got[r]["y"].view(-1), y, nan_any=True))]
+        return problems
+
+    def too_large():
+        got = run_ranks(rank_too_large, world, gpus)
+        return [f"rank {r}: {got[r]['result']}" for r in range(world)
+                if not got[r]["result"].startswith("MessageTooLarge")]
+
+    record("eager", eager)
+    record("graph", graph)
+    record("auto", auto)
+    record("too_large", too_large)
+    return checks
+
+
+def check_lost_peer(how: str, gpus: int) -> dict:
+    t0 = time.monotonic()
+    try:
+        got = run_ranks(rank_lost_peer, 2, gpus, how, expect=[0], deadline_s=180)[0]
+        # an error, after about the timeout (a live but absent peer can end
+        # the wait no other way; the clock starts after the launch returned)
+        lo = 0.5 * ABSENT_TIMEOUT_S if how == "absent" else 0.0
+        ok = got["error"] is not None and lo <= got["waited_s"] < ABSENT_TIMEOUT_S + 20
+        problems = [] if ok else [f"rank 0 after {got['waited_s']:.1f} s: {got['error']}"]
+        detail = got
+    except Exception:
+        problems, detail = [traceback.format_exc()], None
+    res = {"check": f"{how}_peer", "world": 2, "ok": not problems, "problems": problems, "detail": detail,
+           "seconds": round(time.monotonic() - t0, 1)}
+    print(f"P=2 {how}_peer: {'ok' if not problems else 'FAILED'} {detail}", flush=True)
+    return res
+
+
+# -- per-phase timing (one process) ----------------------------------------------------------
+
+
+def bench() -> list[dict]:
+    """Each phase of rank 0 alone, every peer's buffer on this GPU, against
+    the composed Triton stage kernels on the same layout (device time per
+    call, CUDA events over repeated launches)."""
+    from echo_vllm import kernels
+    from echo_vllm.backends.fused import local_buffers
+    from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.quant import WireLayout
+
+    def timed(fn, reps=50) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000 / reps
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for world in (2, 4, 8):
+        for tokens in (1, 16, 256, 4096):
+            lay = WireLayout(tokens * 8192, world, 32, 8192)
+            plan = fk.plan_for(lay, sms)
+            table, _, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+            x = torch.randn(1, lay.numel, device="cuda").to(torch.bfloat16)
+            fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty(lay.numel, dtype=torch.bfloat16, device="cuda")
+            kw = dict(rank=0, gathered_offset=world * lay.chunk_bytes, qmax=QMAX, hadamard=True, has_incoming=True,
+                      plan=plan, timeout_ns=10**10, out=y)
+            row = {"P": world, "tokens": tokens, "hidden": 8192, "plan": plan._asdict()}
+            for ph in (1, 2, 3):
+                row[f"fused_phase{ph}_us"] = round(timed(lambda: fk.fused_all_reduce(x, fb, table, lay, phase=ph,
+                                                                                     **kw)), 2)
+            wire = torch.empty(1, world, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+            q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+            gathered = torch.zeros(world, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+            row["triton_stage1_us"] = round(timed(lambda: kernels.stage1(
+                x, fb, lay, qmax=QMAX, hadamard=True, has_incoming=True, out=wire)), 2)
+            row["triton_stage2_us"] = round(timed(lambda: kernels.stage2(wire, fb, [0], lay, qmax=QMAX, out=q2)), 2)
+            row["triton_output_us"] = round(timed(lambda: kernels.output(
+                gathered, lay, torch.bfloat16, hadamard=True, out=y)), 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="2,4", help="comma-separated P values (default 2,4)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (default 1: all share GPU 0)")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--bench", action="store_true", help="add per-phase kernel timings (one process)")
+    ap.add_argument("--skip-lost-peer", action="store_true", help="skip the absent/killed peer checks")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this checks the compiled kernel", file=sys.stderr)
+        return 2
+    gpus = max(1, min(args.gpus, torch.cuda.device_count()))
+    import triton
+
+    t0 = time.monotonic()
+    summary = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
+               "gpus": gpus, "checks": []}
+    for world in (int(w) for w in args.worlds.split(",")):
+        summary["checks"] += check_world(world, gpus)
+    if not args.skip_lost_peer:
+        summary["checks"] += [check_lost_peer("absent", gpus), check_lost_peer("killed", gpus)]
+    if args.bench:
+        summary["bench"] = bench()
+    summary["ok"] = all(c["ok"] for c in summary["checks"])
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    text = json.dumps(summary, indent=1, default=str)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

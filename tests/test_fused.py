@@ -1,0 +1,396 @@
+"""The fused backend: its kernel against the references bit for bit, and the
+pure functions that decide where it runs.
+
+Triton's interpreter reads, writes and runs atomics through int64 addresses
+cast to pointers, so on CPU the ranks are emulated with plain tensors and an
+address table (``fused.local_buffers``):
+
+* in the interpreter worker, every rank's phase 1, then every rank's phase
+  2, then phase 3 (``phase=`` 1, 2, 3: no barrier), each compared with the
+  reference stage it replaces -- ``recv`` slots, ``gathered`` slots,
+  feedback buffers, outputs (compiled, on the device, on a CUDA host);
+* in P processes forked from the interpreter worker, sharing memory, the
+  whole kernel with its barriers, for a chain of calls: the flags'
+  protocol, self-reset and the persistent grid's tile loop, with real
+  atomics across processes.
+
+Not covered here: the compiled barrier (acquire/release on a GPU, the
+``%globaltimer`` timeout and ``trap``: the interpreter has no inline
+assembly; checked here only as PTX), CUDA-graph replay and real peer
+memory. ``scripts/gpu_fused_check.py`` runs those on a GPU host (processes
+sharing one GPU); ``test_gpu_check`` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from test_kernels import (
+    CUDA, DEVICE, DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
+    in_kernel_process,
+)
+
+from echo_vllm import quant
+from echo_vllm.backends import BACKENDS, choose_backend
+from echo_vllm.backends import fused as fused_mod
+from echo_vllm.backends.fused import FusedFacts, fused_availability
+from echo_vllm.config import BACKEND_CHOICES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
+from echo_vllm.quant import WireLayout
+
+QMAX = 7
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def reference_chain(xs, fb, layout, *, hadamard, incoming):
+    """The composed pipeline for P ranks (``xs [P, numel]``; ``fb [P, ...]``
+    or None, updated in place): ``(wire [P, P, B], q2 [P, B], y [numel])``."""
+    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb, list(range(layout.world_size)), layout,
+                                qmax=QMAX)
+    return wire, q2, quant.output_reference(q2, layout, xs.dtype, hadamard=hadamard)
+
+
+# -- every phase of every rank, one at a time ------------------------------------------
+
+
+def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, incoming, tile_groups, programs,
+                            special=False, spread=True):
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(numel, world, group, cols)
+    tag = f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming}"
+    x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
+    fb_ref = _feedback(world, lay, DTYPES[fb_dtype], 7) if fb_dtype else None
+    fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
+    # buffers sized for larger chunks, as the backend's are: this call's
+    # slots are packed at the start of each area
+    cb = lay.chunk_bytes + 48
+    table, bufs, _ = fused_mod.local_buffers(world, cb, fk.signal_slots(programs, world), DEVICE)
+    for b in bufs:
+        b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
+    plan = fk.FusedPlan(tile_groups, 2, programs)
+    ys = [torch.empty(numel, dtype=x.dtype, device=DEVICE) for _ in range(world)]
+    wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
+    fb_after = {1: None, 2: fb_ref}
+    if fb_dtype:  # the reference's feedback after stage 1 alone
+        fb1 = _feedback(world, lay, DTYPES[fb_dtype], 7)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+        fb_after[1] = fb1
+    n = world * lay.chunk_bytes
+    for phase in (1, 2, 3):
+        for r in range(world):
+            fk.fused_all_reduce(x[r:r + 1], fbs[r], table, lay, rank=r, gathered_offset=world * cb, qmax=QMAX,
+                                hadamard=hadamard, has_incoming=incoming, plan=plan, timeout_ns=0, out=ys[r],
+                                phase=phase, spread=spread)
+        for r in range(world):
+            if phase == 1:
+                recv = bufs[r][:n].view(world, lay.chunk_bytes)
+                assert_same_bits(recv, wire[:, r], f"phase 1 recv of rank {r} [{tag}]")
+            if phase == 2:
+                gathered = bufs[r][world * cb:world * cb + n].view(world, lay.chunk_bytes)
+                assert_same_bits(gathered, q2, f"phase 2 gathered of rank {r} [{tag}]")
+            if phase < 3 and fb_dtype:
+                assert_same_bits(fbs[r], fb_after[phase][r:r + 1], f"phase {phase} feedback of rank {r} [{tag}]")
+            if phase == 3:
+                assert_same_bits(ys[r], y, f"output of rank {r} [{tag}]", nan_any=True)
+
+
+# numel, P, g, cols (0: one row), dtype, feedback, hadamard, incoming, groups per tile, programs;
+# most cases have more tiles than programs (programs loop over tiles, unevenly where noted)
+PHASE_CASES = [
+    (1000, 2, 32, 0, "bf16", "fp32", True, True, 4, 3),           # 4 tiles on 3 programs
+    (7 * 77, 3, 16, 77, "bf16", "bf16", True, True, 4, 2),        # cols not a multiple of g
+    (3 * 96, 4, 32, 96, "fp16", "fp32", True, False, 8, 1),
+    (5 * 200, 3, 64, 200, "fp32", None, False, True, 8, 1),       # no feedback buffer
+    (2 * 256, 2, 128, 256, "bf16", "fp32", True, True, 8, 1),
+    (9, 2, 64, 1, "fp32", "fp32", False, True, 4, 2),             # one column: a group per row
+]
+
+
+@pytest.mark.parametrize("numel,world,group,cols,dt,fb,hadamard,incoming,tile_groups,programs", PHASE_CASES)
+def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups, programs):
+    in_kernel_process(_phases_match_reference, numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups,
+                      programs)
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_phases_special_values_match_reference(spread):
+    """NaN/Inf groups decode to NaN on every rank; huge, tiny and zero groups
+    as the reference; both thread layouts."""
+    in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", "fp32", True, True, 8, 2,
+                      special=True, spread=spread)  # 3 tiles on 2 programs
+
+
+# -- the whole kernel, barriers included, over processes sharing memory ---------------
+
+
+def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadamard=True, deadline_s=60.0):
+    """In the interpreter worker: ``world`` forked processes (one per rank)
+    run ``calls`` chained calls of the whole kernel on buffers in shared
+    memory (mapped at the same addresses in every child, so one table
+    serves all); compared with the reference chain. Forking the warm worker
+    instead of spawning fresh interpreters saves their imports."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(rows * cols, world, group, cols)
+    table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
+    for t in (*bufs, *pads):
+        t.share_memory_()  # moves the storage: the table is rebuilt below
+    table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64)
+    xs = torch.stack([_values((world, lay.numel), 50 + c, special=c == 1).to(torch.bfloat16) for c in range(calls)])
+    fb0 = _feedback(world, lay, torch.float32, 51, device="cpu")
+    fbs = fb0.clone().share_memory_()
+    ys = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
+    plan = fk.FusedPlan(tile_groups, 2, programs)
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # one rank; never returns into the worker's code
+            code = 1
+            try:
+                for c in range(calls):
+                    fk.fused_all_reduce(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, rank=rank,
+                                        gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=hadamard,
+                                        has_incoming=c > 0, plan=plan, timeout_ns=0, out=ys[c, rank])
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    # a failed rank leaves its peers waiting, and a lost flag would hang the
+    # interpreter's unbounded wait: stop everyone then, or at the deadline
+    deadline, codes = time.monotonic() + deadline_s, {}
+    while len(codes) < world and time.monotonic() < deadline and not any(codes.values()):
+        for pid in pids:
+            done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for pid in set(pids) - set(codes):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert list(codes.values()) == [0] * world, (
+        f"emulated ranks' exit codes {codes} (missing: still waiting after {deadline_s} s or stopped)")
+    fb_ref = fb0.clone()
+    for c in range(calls):
+        _, _, y = reference_chain(xs[c], fb_ref, lay, hadamard=hadamard, incoming=c > 0)
+        for r in range(world):
+            assert_same_bits(ys[c, r], y, f"call {c}, rank {r}", nan_any=True)
+    assert_same_bits(fbs, fb_ref, "feedback after the chain")
+    assert all(int(p.abs().sum()) == 0 for p in pads), [p.tolist() for p in pads]
+
+
+def test_whole_kernel_with_barriers_over_processes():
+    """P = 3 processes run 3 chained calls of the whole kernel (two programs
+    looping over four tiles, barriers between the phases; NaN/Inf in call
+    1): every rank returns the reference chain's bits, the feedback buffers
+    hold its errors, and every flag is back to 0 at the end."""
+    _interpreter_pool().submit(_reporting, _emulate_ranks, world=3, rows=5, cols=77, group=16, calls=3,
+                               tile_groups=4, programs=2).result(timeout=300)
+
+
+# -- compiled for sm_90 (no GPU needed) -------------------------------------------------
+
+
+def _compiled_ptx() -> str:
+    from echo_vllm.bench.host_overhead import compile_only
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(4 * 4096, 4, 32, 4096)
+    with compile_only():
+        plan = fk.plan_for(lay, 132)
+        fk.fused_all_reduce(torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel),
+                            torch.zeros(2, 4, dtype=torch.int64), lay, rank=1, gathered_offset=4 * lay.chunk_bytes,
+                            qmax=QMAX, hadamard=True, has_incoming=True, plan=plan, timeout_ns=5 * 10**9)
+        kernels, *_ = fk._fused_kernel.device_caches[-1]  # device -1: the compile-only driver's
+        return list(kernels.values())[-1].asm["ptx"]
+
+
+def test_compiled_kernel_has_system_scope_barriers_and_a_timeout():
+    """Compiled for sm_90 on the CPU: the flags are CASed with release
+    (signal) and acquire (wait) semantics at system scope, the waits read
+    ``%globaltimer`` and can ``trap``, and no multiply-add was contracted."""
+    ptx = _compiler_pool().submit(_reporting, _compiled_ptx).result(timeout=600)
+    assert len(re.findall(r"atom\.global\.release\.sys\.cas\.b32", ptx)) == 2
+    assert len(re.findall(r"atom\.global\.acquire\.sys\.cas\.b32", ptx)) == 2
+    assert "%globaltimer" in ptx and re.search(r"@%p\w* trap;", ptx)
+    assert not re.search(r"\bfma\.", ptx)
+
+
+# -- the grid table ---------------------------------------------------------------------
+
+
+def test_tile_table_and_plans():
+    from echo_vllm.kernels import fused_kernel as fk
+
+    rows = fk.TILE_TABLE
+    assert [r.max_chunk_numel for r in rows] == sorted(r.max_chunk_numel for r in rows)
+    assert rows[-1].max_chunk_numel >= 1 << 40, "the last row takes every size"
+    for r in rows:
+        assert r.tile_values & (r.tile_values - 1) == 0 and r.tile_values >= max(SUPPORTED_GROUP_SIZES)
+        assert r.num_warps in (1, 2, 4, 8)
+    for numel, cols in [(1, 0), (8192, 8192), (64 * 8192, 8192), (4096 * 8192, 8192), (3 * 1000, 1000)]:
+        for p in (2, 3, 8):
+            for g in SUPPORTED_GROUP_SIZES:
+                lay = WireLayout(numel, p, g, cols)
+                for cap in (1, 7, 132):
+                    plan = fk.plan_for(lay, cap)
+                    assert 1 <= plan.programs <= cap and plan.programs == min(cap, plan.tiles(lay))
+                    assert plan.groups_per_tile * g in {r.tile_values for r in rows}
+                    assert plan.tiles(lay) * plan.groups_per_tile >= lay.chunk_groups
+    with pytest.raises(ValueError, match="max_programs"):
+        fk.plan_for(WireLayout(64, 2, 32), 0)
+
+
+def test_bad_arguments_raise_clear_errors():
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(256, 2, 32)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    table = torch.zeros(2, 2, dtype=torch.int64)
+    kw = dict(rank=0, gathered_offset=2 * lay.chunk_bytes, qmax=QMAX, hadamard=True, has_incoming=False,
+              plan=fk.plan_for(lay, 4), timeout_ns=1)
+    with pytest.raises(ValueError, match="table"):
+        fk.fused_all_reduce(x, None, torch.zeros(2, 3, dtype=torch.int64), lay, **kw)
+    with pytest.raises(ValueError, match="rank"):
+        fk.fused_all_reduce(x, None, table, lay, **{**kw, "rank": 2})
+    with pytest.raises(ValueError, match="gathered_offset"):
+        fk.fused_all_reduce(x, None, table, lay, **{**kw, "gathered_offset": lay.chunk_bytes})
+    with pytest.raises(ValueError, match="phase"):
+        fk.fused_all_reduce(x, None, table, lay, phase=4, **kw)
+    with pytest.raises(ValueError, match="257 values, layout says 256"):
+        fk.fused_all_reduce(torch.zeros(1, 257, dtype=torch.bfloat16), None, table, lay, **kw)
+    with pytest.raises(ValueError, match="feedback"):
+        fk.fused_all_reduce(x, torch.zeros(1, 10), table, lay, **kw)
+
+
+# -- where it runs: pure functions ---------------------------------------------------------
+
+
+def _facts(**kw) -> FusedFacts:
+    base = dict(device_type="cuda", transport="process_group", symm_mem=True, hosts=("h", "h"), devices=(0, 1),
+                peer_access=((True, True), (True, True)), sm_counts=(132, 132))
+    return FusedFacts(**{**base, **kw})
+
+
+@pytest.mark.parametrize("facts,ok,reason", [
+    (_facts(), True, "2 ranks on GPU"),
+    (_facts(device_type="cpu"), False, "cpu tensors"),
+    (_facts(transport="virtual"), False, "virtual ranks"),
+    (_facts(transport="PyncclTransport"), False, "not a torch.distributed process group"),
+    (_facts(symm_mem=False), False, "_symmetric_memory"),
+    (_facts(hosts=("a", "b")), False, "2 hosts"),
+    (_facts(devices=(0, 0)), False, "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1"),
+    (_facts(devices=(0, 0), allow_overlap=True), True, "GPU(s) [0, 0]"),
+    (_facts(peer_access=((True, False), (True, True))), False, "GPU 0 (rank 0) cannot access GPU 1"),
+])
+def test_fused_availability(facts, ok, reason):
+    got, why = fused_availability(facts)
+    assert got is ok and reason in why
+
+
+def test_max_programs_share_the_smallest_gpu():
+    assert fused_mod.max_programs_for(_facts(sm_counts=(132, 78))) == 78
+    assert fused_mod.max_programs_for(_facts(devices=(0, 0, 0, 1), sm_counts=(132,) * 4,
+                                             hosts=("h",) * 4)) == 44  # three ranks share GPU 0
+    assert fused_mod.max_programs_for(_facts(sm_counts=(1, 1), devices=(0, 0))) == 1
+
+
+def test_choose_backend_picks_fused_only_with_peer_access():
+    assert choose_backend("auto", device_type="cuda", stochastic=False, p2p=True)[0] == "fused"
+    assert choose_backend("auto", device_type="cuda", stochastic=False)[0] == "triton"  # p2p defaults to False
+    assert choose_backend("auto", device_type="cuda", stochastic=True, p2p=True)[0] == "reference"
+    assert choose_backend("auto", device_type="cuda", stochastic=False, env_kernels="triton", p2p=True)[0] == "triton"
+    assert choose_backend("auto", device_type="cpu", stochastic=False, p2p=True)[0] == "reference"
+    assert choose_backend("fused", device_type="cuda", stochastic=False) == ("fused", "configured")
+    with pytest.raises(EchoConfigError, match="cpu"):
+        choose_backend("fused", device_type="cpu", stochastic=False)
+    with pytest.raises(EchoConfigError, match="stochastic"):
+        choose_backend("fused", device_type="cuda", stochastic=True)
+    assert "fused" in BACKENDS and "fused" in BACKEND_CHOICES and EchoConfig(backend="fused").backend == "fused"
+
+
+def test_virtual_and_cpu_groups_are_not_probed():
+    """No collective runs for groups that cannot use the fused kernel, and
+    they are told why."""
+    from echo_vllm import VirtualTransport
+
+    tr = VirtualTransport(3)
+    assert fused_mod.fused_support(tr) == (False, "in-process virtual ranks have no peer memory")
+    assert fused_mod.probe(tr, "cpu").device_type == "cpu"
+    assert fused_mod.fused_support(tr, "cpu")[0] is False
+
+
+class _OneRank:
+    """The transport attributes the backend reads (its facts are given)."""
+
+    world_size, rank, local_ranks, is_virtual, capturable = 2, 0, (0,), False, False
+
+
+class _Recorder:
+    capturable = True
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
+        self.calls.append(layout)
+        return "fallback"
+
+    def close(self):
+        pass
+
+
+def test_messages_that_do_not_fit_take_the_fallback_or_raise():
+    """Chunks larger than the buffers' slots never reach the kernel: the
+    fallback runs them, or, without one, a clear error."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    cfg = EchoConfig(group_size=32)
+    small = WireLayout(4096, 2, 32)
+    table, bufs, pads = fused_mod.local_buffers(2, small.chunk_bytes, fk.signal_slots(4, 2), "cpu")
+    buffers = fused_mod.SymmBuffers(bufs[0], None, table, 0, small.chunk_bytes, pads[0].numel())
+    rec = _Recorder()
+    b = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=4, fallback=rec, facts=_facts(),
+                                      buffers=buffers)
+    big = WireLayout(4096 + 32 * 2 * 8, 2, 32)
+    assert b.fits(small) and not b.fits(big) and not b.fits(WireLayout(4096, 3, 32))
+    assert b.fits(WireLayout(4096 // 64 * 63, 2, 32, 4096 // 64 * 63 // 7))
+    x = torch.zeros(1, big.numel, dtype=torch.bfloat16)
+    assert b.all_reduce(x, big, None, has_incoming=False) == "fallback" and rec.calls == [big]
+    assert b.capturable
+    bare = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=4, facts=_facts(), buffers=buffers)
+    with pytest.raises(fused_mod.MessageTooLarge, match="fused buffers hold"):
+        bare.all_reduce(x, big, None, has_incoming=False)
+    with pytest.raises(ValueError, match="flags"):
+        fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=8, facts=_facts(), buffers=buffers)
+    with pytest.raises(RuntimeError, match="cannot run here: in-process"):
+        fused_mod.FusedSymmMemBackend(cfg, _OneRank(), facts=_facts(transport="virtual"), buffers=buffers)
+    with pytest.raises(ValueError, match="nearest"):
+        fused_mod.FusedSymmMemBackend(EchoConfig(rounding="stochastic"), _OneRank(), facts=_facts(),
+                                      buffers=buffers)
+
+
+# -- GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_check():
+    """scripts/gpu_fused_check.py: P = 2 and 4 processes sharing the GPU,
+    bits against the references, eager and graph replay, a chain, NaN/Inf,
+    an absent peer turned into an error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_fused_check.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
