@@ -47,7 +47,7 @@ from echo_vllm.config import BACKEND_CHOICES, SUPPORTED_GROUP_SIZES, EchoConfig,
 from echo_vllm.quant import WireLayout
 
 QMAX = 7
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference_chain(xs, fb, layout, *, hadamard, incoming):
