@@ -19,8 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .. import crossover
+import logging
+
+from .. import crossover, envs
+from ..backends import ComposedBackend, EchoBackend, TritonStages
+from ..backends.fused import FusedSymmMemBackend, fused_support
 from ..communicator import EchoCommunicator
+from ..config import EchoConfig, EchoConfigError
 from ..feedback import FeedbackChain
 from ..policy import ECHO_DTYPES, Reason
 from ..stats import CallRecord
@@ -28,6 +33,8 @@ from ..transport import ProcessGroupTransport, Transport
 
 if TYPE_CHECKING:
     from .session import EchoSession
+
+logger = logging.getLogger("echo_vllm")
 
 
 class TpEchoCommunicator:
@@ -40,9 +47,16 @@ class TpEchoCommunicator:
         self.world_size = int(coordinator.world_size)
         self.disabled = self.world_size < 2
         self.transport = make_transport(coordinator)
+        cfg = session.settings.echo
+        max_numel = None
+        if session.hidden_size and session.max_num_tokens:
+            cols = session.hidden_size
+            lay = _row_layout(cfg, self.world_size, cols)
+            max_numel = session.max_num_tokens * lay.padded_cols if lay is not None else None
+        self.backend = fused_backend(cfg, coordinator, self.transport, max_numel)
         self.comm = EchoCommunicator(
-            session.settings.echo, self.transport, device=coordinator.device,
-            fixed_capacity=True, stats=session.stats, sink=session.record,
+            cfg, self.transport, device=coordinator.device,
+            fixed_capacity=True, stats=session.stats, sink=session.record, backend=self.backend,
         )
         self._vllm_all_reduce = vllm_all_reduce
         session.stats.set_thresholds(self.comm.config.effective_min_bytes, self.comm.config.max_bytes)
@@ -117,6 +131,42 @@ class TpEchoCommunicator:
         return compat.forward_kwargs()
 
 
+def _row_layout(config: EchoConfig, world_size: int, cols: int):
+    """The layout of one row of ``cols`` values (None for a group of one)."""
+    from ..quant import WireLayout
+
+    return WireLayout(cols, world_size, config.group_size, cols) if world_size > 1 else None
+
+
+def fused_backend(config: EchoConfig, coordinator: Any, transport: Transport,
+                  max_numel: int | None) -> EchoBackend | None:
+    """The fused backend for this TP group when it can run (CUDA, one host,
+    P2P GPUs: decided from facts gathered over the group's NCCL group, the
+    same on every rank) and the configuration allows it (``backend`` auto
+    or fused); messages larger than its buffers take the composed Triton
+    path over ``transport``. None: the composed path (``backend="fused"``
+    that cannot run is an error naming why). Collective: every rank calls
+    it at group creation."""
+    if config.backend not in ("auto", "fused") or getattr(coordinator.device, "type", "cpu") != "cuda":
+        return None
+    if config.rounding == "stochastic":
+        return None
+    group_transport = ProcessGroupTransport(coordinator.device_group)
+    ok, reason = fused_support(group_transport)
+    if not ok:
+        if config.backend == "fused":
+            raise EchoConfigError(f"echo_backend=fused cannot run on group {coordinator.unique_name}: {reason}")
+        logger.info("echo: composed backend on %s (fused unavailable: %s)", coordinator.unique_name, reason)
+        return None
+    env = envs.read()
+    fallback = ComposedBackend(config, transport, TritonStages(env.kernel_layout))
+    backend = FusedSymmMemBackend(config, group_transport, max_numel=max_numel, kernel_layout=env.kernel_layout,
+                                  fallback=fallback)
+    logger.info("echo: fused backend on %s (%s; buffers for %s values per rank)", coordinator.unique_name, reason,
+                max_numel)
+    return backend
+
+
 def make_transport(coordinator: Any) -> Transport:
     """vLLM's pynccl communicator on CUDA; the group's own process group
     (gloo on CPU) elsewhere."""
@@ -129,4 +179,4 @@ def make_transport(coordinator: Any) -> Transport:
     return ProcessGroupTransport(coordinator.device_group)
 
 
-__all__ = ["TpEchoCommunicator", "make_transport"]
+__all__ = ["TpEchoCommunicator", "fused_backend", "make_transport"]

@@ -4,6 +4,7 @@ rules, call numbering and counters under (simulated) CUDA-graph replay."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from echo_vllm.stats import CallRecord
 
@@ -409,3 +410,30 @@ def test_launch_problem_sees_vllm_plugins_leaving_the_plugin_out(monkeypatch):
     assert plugin.launch_problem() is None
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     assert "VLLM_PLUGINS='other' does not list 'echo_vllm'" in plugin.launch_problem()
+
+
+# -- the fused backend's choice for a TP group -------------------------------------
+
+
+def test_fused_backend_is_chosen_from_the_groups_facts(monkeypatch):
+    from types import SimpleNamespace
+
+    from echo_vllm import EchoConfig, EchoConfigError
+    from echo_vllm.vllm_glue import communicator as glue
+
+    probed = []
+    monkeypatch.setattr(glue, "ProcessGroupTransport", lambda group: ("pg", group))
+    monkeypatch.setattr(glue, "fused_support", lambda t: probed.append(t) or (False, "GPU 0 cannot access GPU 1"))
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), device_group="nccl-group", unique_name="tp:0")
+    # auto: the composed path, with the reason logged; nothing raised
+    assert glue.fused_backend(EchoConfig(), gpu, transport=None, max_numel=None) is None
+    assert probed == [("pg", "nccl-group")]
+    # asked for explicitly: an error that says why
+    with pytest.raises(EchoConfigError, match="cannot access GPU 1"):
+        glue.fused_backend(EchoConfig(backend="fused"), gpu, transport=None, max_numel=None)
+    # never probed: CPU groups, another backend asked for, stochastic rounding
+    cpu = SimpleNamespace(device=torch.device("cpu"), device_group="gloo", unique_name="tp:0")
+    for cfg, coord in ((EchoConfig(), cpu), (EchoConfig(backend="triton"), gpu),
+                       (EchoConfig(rounding="stochastic"), gpu)):
+        assert glue.fused_backend(cfg, coord, transport=None, max_numel=None) is None
+    assert len(probed) == 2
