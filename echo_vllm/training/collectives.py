@@ -350,14 +350,17 @@ class _ReduceFromTP(torch.autograd.Function):
     chain), identity backward (every rank gets the whole gradient)."""
 
     @staticmethod
-    def forward(ctx, partials: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    def forward(ctx, partials: torch.Tensor, comm: TPComm, out_dtype: torch.dtype | None) -> torch.Tensor:
         ctx.shape = partials.shape
         ctx.dtype = partials.dtype
-        return comm.forward(partials)
+        y = comm.forward(partials)
+        return y if out_dtype is None else y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.to(ctx.dtype).unsqueeze(0).expand(ctx.shape), None
+        # the gradient goes back in the partials' (compute) dtype: the message
+        # dtype is a property of the forward all-reduce, not of this gradient
+        return grad.to(ctx.dtype).unsqueeze(0).expand(ctx.shape), None, None
 
 
 def copy_to_tp(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
@@ -366,10 +369,11 @@ def copy_to_tp(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return _CopyToTP.apply(x, comm)
 
 
-def reduce_from_tp(partials: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    """Megatron's g: per-rank ``partials`` [R, ...] -> their sum [...] (comm
-    dtype), a call of the forward chain."""
-    return _ReduceFromTP.apply(partials, comm)
+def reduce_from_tp(partials: torch.Tensor, comm: TPComm, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Megatron's g: per-rank ``partials`` [R, ...] -> their sum [...], a call
+    of the forward chain. The sum comes back in the comm dtype, cast to
+    ``out_dtype`` (the residual stream's) when given."""
+    return _ReduceFromTP.apply(partials, comm, out_dtype)
 
 
 __all__ = [

@@ -167,8 +167,8 @@ class DecoderLayer(nn.Module):
         return copy_to_tp(norm(x), comm)
 
     def forward(self, x, comm: TPComm, cos, sin):
-        x = x + reduce_from_tp(self.attn(self._enter(x, self.input_norm, comm), cos, sin), comm).to(x.dtype)
-        x = x + reduce_from_tp(self.mlp(self._enter(x, self.post_attn_norm, comm)), comm).to(x.dtype)
+        x = x + reduce_from_tp(self.attn(self._enter(x, self.input_norm, comm), cos, sin), comm, x.dtype)
+        x = x + reduce_from_tp(self.mlp(self._enter(x, self.post_attn_norm, comm)), comm, x.dtype)
         return x
 
 
@@ -208,7 +208,7 @@ class TPQwen3(nn.Module):
         b, s = ids.shape
         cos, sin = self._rope_tables(s)
         self.comm.begin_forward(self.forward_calls)
-        x = reduce_from_tp(self.embed(ids.reshape(-1)), self.comm).float().view(b, s, -1)
+        x = reduce_from_tp(self.embed(ids.reshape(-1)), self.comm, torch.float32).view(b, s, -1)
         for layer in self.layers:
             x = layer(x, self.comm, cos, sin)
         self.comm.end_forward()
