@@ -131,8 +131,8 @@ class VocabParallelEmbedding(nn.Module):
         return local.clamp(0, self.rows - 1), inside
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` [N] -> partials [R, N, H]: the row on its owner rank, zeros
-        elsewhere."""
+        """``ids`` [...] -> partials [R, ..., H]: the row on its owner rank,
+        zeros elsewhere."""
         local, inside = self.local_ids(ids)
         out = torch.stack([F.embedding(local[r], self.weight[r]) for r in range(local.shape[0])])
         return out * inside.unsqueeze(-1).to(out.dtype)

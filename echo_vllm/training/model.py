@@ -208,7 +208,8 @@ class TPQwen3(nn.Module):
         b, s = ids.shape
         cos, sin = self._rope_tables(s)
         self.comm.begin_forward(self.forward_calls)
-        x = reduce_from_tp(self.embed(ids.reshape(-1)), self.comm, torch.float32).view(b, s, -1)
+        # [B, S, H] like every other residual message: one chain key (shape)
+        x = reduce_from_tp(self.embed(ids), self.comm, torch.float32)
         for layer in self.layers:
             x = layer(x, self.comm, cos, sin)
         self.comm.end_forward()
