@@ -42,7 +42,7 @@ trap 'rm -rf "$WORK"' EXIT
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" || true
   git rev-parse HEAD 2>/dev/null || true
   echo "BUDGET_S=$BUDGET_S CAL_STEPS=$CAL_STEPS extra: ${EXTRA[*]:-}"
 } > "$OUT/train_env.txt" 2>&1

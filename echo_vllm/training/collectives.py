@@ -248,6 +248,7 @@ class ChainedAllReduce:
         start = self._tick()
         if self.exact_only:
             y = self.comm.exact(arg, None)
+            self.comm.stats.count("exact", "exact_mode", nbytes=xs.numel() * xs.element_size() // xs.shape[0])
         else:
             y = self.comm.all_reduce(arg, t, last_call=last)
         self._tock(start)

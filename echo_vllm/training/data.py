@@ -130,7 +130,9 @@ class Corpus:
         return cls(splits["train"], splits["val"], info)
 
 
-def train_batch(tokens: torch.Tensor, batch: int, seq_len: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batch(
+    tokens: torch.Tensor, batch: int, seq_len: int, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``step`` of a run: ``batch`` windows of ``seq_len + 1`` bytes at
     offsets drawn from a generator seeded by (seed, step) -- the same data
     in the same order for every mode and every process, whatever happened

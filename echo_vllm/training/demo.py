@@ -257,8 +257,9 @@ def write_report(records: list[dict], out: Path) -> None:
     m, t = first["model"], first["train"]
     setup = (f"{first['parameters'] / 1e6:.2f}M parameters ({m['num_layers']} layers, hidden {m['hidden_size']}), "
              f"emulated TP={first['world_size']} on {first['device']}, {first['steps_done']} steps x "
-             f"{t['batch_size']}x{t['seq_len']} tokens, seed {t['seed']}; comm time = "
-             f"{first['timing']['comm_timer']} around the residual all-reduces (one device: kernel cost only)")
+             f"{t['batch_size']}x{t['seq_len']} tokens, seed {t['seed']}; comm = the residual all-reduces of "
+             f"both chains, timed by {first['timing']['comm_timer']}"
+             + (" (one GPU emulating TP: the kernels' time, no link)" if first["device"] != "cpu" else ""))
     table = format_table(rows)
     (out / "train_table.md").write_text(setup + "\n\n" + table + "\n")
     (out / "train_results.json").write_text(json.dumps({"setup": setup, "table": rows,
@@ -302,7 +303,8 @@ def plot(records: list[dict], path: Path) -> None:
             gap.plot(xs[:n], _smooth(rel, max(window, 5)), color=colors[r["mode"]], lw=1,
                      label=f"{LABELS[r['mode']]} train")
             ev = {v["step"]: v["loss"] for v in exact["val_curve"]}
-            pts = [(v["tokens"] / 1e6, 100 * (v["loss"] / ev[v["step"]] - 1)) for v in r["val_curve"] if v["step"] in ev]
+            pts = [(v["tokens"] / 1e6, 100 * (v["loss"] / ev[v["step"]] - 1))
+                   for v in r["val_curve"] if v["step"] in ev]
             if pts:
                 gap.plot(*zip(*pts), "o--", color=colors[r["mode"]], ms=3, label=f"{LABELS[r['mode']]} val")
     ax.set_xlabel("tokens (M)")

@@ -9,8 +9,11 @@ vocabulary by rank (embedding, LM head, loss).
 
 One forward pass makes ``1 + 2 L`` residual all-reduces (embedding, then
 o_proj and down_proj per layer: the forward chain) and its backward
-``2 L + 1`` (the LM head's input, then down/up... per layer from the last:
-the backward chain).
+``2 L + 1`` (the input gradients of the LM head, then of each layer's MLP
+and attention from the last layer to the first: the backward chain).
+
+The model was checked against ``transformers``' ``Qwen3ForCausalLM`` with the
+same (unsharded) weights: the same loss to fp32 rounding.
 """
 
 from __future__ import annotations

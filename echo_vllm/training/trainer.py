@@ -100,7 +100,9 @@ def make_optimizer(model: TPQwen3, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused)
 
 
-def train_step(model: TPQwen3, opt: torch.optim.Optimizer, ids, targets, cfg: TrainConfig, lr: float) -> tuple[float, float]:
+def train_step(
+    model: TPQwen3, opt: torch.optim.Optimizer, ids, targets, cfg: TrainConfig, lr: float
+) -> tuple[float, float]:
     """One optimizer step; returns (loss, gradient norm before clipping)."""
     for g in opt.param_groups:
         g["lr"] = lr

@@ -41,7 +41,7 @@ from echo_vllm.training import TPComm, TPCommConfig, TPGroup, copy_to_tp, reduce
 from echo_vllm.training.layers import ColumnParallelLinear, RowParallelLinear
 
 P, G = 4, 32
-T, H, I = 64, 128, 256  # T*H = 8192: a multiple of P * 8 * G, so no padding
+T, H, FF = 64, 128, 256  # T*H = 8192: a multiple of P * 8 * G, so no padding
 U32, UB, U64 = 2.0**-24, 2.0**-8, 2.0**-53  # unit roundoffs: fp32, bf16, fp64
 FLT_MIN = 2.0**-126  # Echo clamps scales to it
 GAMMA5_32 = 5 * U32 / (1 - 5 * U32)  # an fp32 Walsh-Hadamard of 32 = 2^5 values: 5 rounded levels
@@ -52,8 +52,8 @@ CQ = 0.5 + 2.0**-19
 # owner's chunk + stage-2 error in fp32 and bf16 again:
 # (1+u32)^2 (1+ub)^2 - 1 <= 2.01 ub
 KSTORE = 2.01 * UB
-# fp64 matmul chains (x A B, its backward): gamma_n |.||.||.| with n <= T + H + I
-GAM64 = 1.01 * (T + H + I) * U64
+# fp64 matmul chains (x A B, its backward): gamma_n |.||.||.| with n <= T + H + FF
+GAM64 = 1.01 * (T + H + FF) * U64
 
 
 class TwoLayerTP(nn.Module):
@@ -62,8 +62,8 @@ class TwoLayerTP(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.up, self.down = nn.ModuleList(), nn.ModuleList()
         for std in stds:
-            a = torch.randn(I, H, generator=gen, dtype=torch.float64) * std
-            b = torch.randn(H, I, generator=gen, dtype=torch.float64) * std
+            a = torch.randn(FF, H, generator=gen, dtype=torch.float64) * std
+            b = torch.randn(H, FF, generator=gen, dtype=torch.float64) * std
             self.up.append(ColumnParallelLinear(group, [a], torch.float64))
             self.down.append(RowParallelLinear(group, b, torch.float64))
 
@@ -75,7 +75,7 @@ class TwoLayerTP(nn.Module):
         return x
 
     def mats(self, k: int):
-        """Per-rank A_r [P, H, I/P] and B_r [P, I/P, H] of block k (x A B)."""
+        """Per-rank A_r [P, H, FF/P] and B_r [P, FF/P, H] of block k (x A B)."""
         return self.up[k].weight.detach().transpose(1, 2), self.down[k].weight.detach().transpose(1, 2)
 
 
@@ -94,8 +94,8 @@ def _run(mode: str, stds, hadamard: bool) -> dict:
     out = {"x2": x2.detach(), "gx0": x0.grad, "calls": calls, "model": model, "x0": x0.detach(), "c": c,
            "comm": comm}
     for k in range(2):
-        out[f"gA{k}"] = model.up[k].weight.grad.transpose(1, 2)  # [P, H, I/P]
-        out[f"gB{k}"] = model.down[k].weight.grad.transpose(1, 2)  # [P, I/P, H]
+        out[f"gA{k}"] = model.up[k].weight.grad.transpose(1, 2)  # [P, H, FF/P]
+        out[f"gB{k}"] = model.down[k].weight.grad.transpose(1, 2)  # [P, FF/P, H]
     return out
 
 
@@ -183,7 +183,7 @@ def _bounds(run: dict, kind: str, hadamard: bool) -> dict:
     q1, h1, _ = call("forward", 1, ein)
     q0, q1 = view(q0), view(q1)
     b1m = UB * msg("forward", 1) + GAM64 * absmm(x1, a1, b1)
-    # x2 - ideal = d1 (I + M1) - eps0 M1 + b1 + (stored - true E0) - eps1 + n1
+    # x2 - ideal = d1 (1 + M1) - eps0 M1 + b1 + (stored - true E0) - eps1 + n1
     x2 = d1 + absmm(d1, a1, b1) + absmm(q0, a1, b1) + b1m + KSTORE * q0 + q1 + view(h1) + U64 * run["x2"].abs()
     dx1 = d1 + q0  # |x1 - ideal| (no telescoping yet)
 
