@@ -18,6 +18,10 @@ into compute and communication), also printed.
     echo-vllm train-demo --data train-data              # CPU: a small model, three runs
     echo-vllm train-demo --data train-data --preset gpu --modes echo --out W   # one run (GPU)
     echo-vllm train-demo --report W --out OUT           # report of the runs in W
+
+On CPU, ``ECHO_KERNELS=cpu`` in the environment runs Echo's stages through
+the numba loops (the same bits, several times faster; ``echo_vllm.ops``).
+On CUDA tensors Echo uses its Triton kernels.
 """
 
 from __future__ import annotations
