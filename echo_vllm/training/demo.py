@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--norm-outside-tp", action="store_true",
                    help="Megatron's norm placement (before f); default: norm inside the TP region")
     m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA")
+    m.add_argument("--comm-dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                   help="dtype of the all-reduce messages, in every mode (default bfloat16)")
     t = ap.add_argument_group("training (override the preset)")
     for flag, field, typ in (("steps", "steps", int), ("batch", "batch_size", int), ("seq", "seq_len", int),
                              ("lr", "lr", float), ("warmup", "warmup_steps", int), ("seed", "seed", int),
@@ -132,7 +134,8 @@ def _configs(args, device: torch.device) -> tuple[ModelConfig, TrainConfig, TPCo
                             exact_last_call=getattr(args, f"{prefix}_exact_last_call"),
                             first_exact_calls=getattr(args, f"{prefix}_first_exact_calls"))
 
-    comm_cfg = TPCommConfig(forward=echo("fwd", FORWARD_DEFAULT), backward=echo("bwd", BACKWARD_DEFAULT))
+    comm_cfg = TPCommConfig(forward=echo("fwd", FORWARD_DEFAULT), backward=echo("bwd", BACKWARD_DEFAULT),
+                            comm_dtype=getattr(torch, args.comm_dtype))
     return model_cfg, train_cfg, comm_cfg
 
 
