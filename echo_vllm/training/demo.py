@@ -231,6 +231,7 @@ def table_rows(records: list[dict]) -> list[dict]:
             "comm_fwd_ms": 1e3 * t["comm_forward_s"],
             "comm_bwd_ms": 1e3 * t["comm_backward_s"],
             "truncated": r["truncated"],
+            "quantized_calls": _quantized_calls(r),
         }
         if exact is not None:
             for key in ("train_loss", "val_loss", "val_loss_exact_comm"):
@@ -239,19 +240,32 @@ def table_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _quantized_calls(record: dict) -> str:
+    """"q/n" per direction: calls per pass that went 4-bit, of all calls."""
+    per_pass = 1 + 2 * record["model"]["num_layers"]
+    out = []
+    for direction in ("forward", "backward"):
+        calls = record["comm_stats"][direction]["calls"]
+        passes = sum(calls.values()) / per_pass
+        out.append(f"{round(calls.get('echo/echo', 0) / passes) if passes else 0}/{per_pass}")
+    return " + ".join(out)
+
+
 def format_table(rows: list[dict]) -> str:
     has_gap = "val_loss_gap_pct" in rows[0]
     head = ["run", "final train loss", "final val loss"]
     if has_gap:
         head += ["train gap vs exact", "val gap vs exact"]
-    head += ["val loss, 16-bit eval", "tokens/s", "step ms", "compute ms", "comm ms (fwd+bwd)"]
+    head += ["val loss, 16-bit eval", "4-bit calls (fwd + bwd)", "tokens/s", "step ms", "compute ms",
+             "comm ms (fwd + bwd)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["mode"] + (" (truncated)" if r["truncated"] else ""), f"{r['train_loss']:.4f}",
                  f"{r['val_loss']:.4f}"]
         if has_gap:
             cells += [f"{r['train_loss_gap_pct']:+.2f}%", f"{r['val_loss_gap_pct']:+.2f}%"]
-        cells += [f"{r['val_loss_exact_comm']:.4f}", f"{r['tokens_per_s'] or 0:,.0f}", f"{r['step_ms']:.1f}",
+        cells += [f"{r['val_loss_exact_comm']:.4f}", r["quantized_calls"], f"{r['tokens_per_s'] or 0:,.0f}",
+                  f"{r['step_ms']:.1f}",
                   f"{r['compute_ms']:.1f}", f"{r['comm_fwd_ms']:.1f} + {r['comm_bwd_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -314,6 +328,11 @@ def plot(records: list[dict], path: Path) -> None:
                    for v in r["val_curve"] if v["step"] in ev]
             if pts:
                 gap.plot(*zip(*pts), "o--", color=colors[r["mode"]], ms=3, label=f"{LABELS[r['mode']]} val")
+    # the first tenth of training (loss falling from ln 256) would flatten the rest
+    late = [v for r in records for v in _smooth(r["train_loss"], max(1, len(r["train_loss"]) // 50))
+            [len(r["train_loss"]) // 10:]]
+    if late:
+        ax.set_ylim(min(late) - 0.05 * (max(late) - min(late)), max(late))
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title("loss")
