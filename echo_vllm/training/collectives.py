@@ -57,12 +57,13 @@ FORWARD_DEFAULT = EchoConfig(min_bytes=0)
 
 #: Backward chain defaults, chosen by measurement (``train-demo --fidelity``:
 #: gradient error against the exact backward at fixed weights, over every
-#: combination; then training runs): only the first call -- the LM head's
-#: input gradient, a sum of per-vocab-shard partials that largely cancel --
-#: needs 16 bits (more first calls in 16-bit did not lower the error, none
-#: raised it); the last call in 16-bit matters (its error would land whole
-#: in the embedding's gradient); the rotation made no measurable difference
-#: and stays on, as in the forward chain.
+#: combination; then training runs): the first call -- the LM head's input
+#: gradient -- is the one that needs 16 bits (more first calls in 16-bit did
+#: not lower the error further, so one keeps the most calls 4-bit); the last
+#: call in 16-bit matters (its error would land whole in the embedding's
+#: gradient; a backward chain with both ends 4-bit trained visibly worse);
+#: the rotation made no measurable difference and stays on, as in the
+#: forward chain.
 BACKWARD_DEFAULT = EchoConfig(min_bytes=0, first_exact_calls=1)
 
 
