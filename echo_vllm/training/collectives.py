@@ -28,6 +28,12 @@ in a real process group over :class:`~echo_vllm.ProcessGroupTransport`. A
 replicated tensor (the residual stream, the loss) has no rank dimension.
 The same layer code runs both ways, and Echo's numerics are identical
 (every stage is elementwise per rank; the stage-2 sum runs in rank order).
+What can differ in the last bit between the two settings are sums whose
+order a backend chooses: the 16-bit exact path (the emulation adds in fp32
+in rank order and rounds once; NCCL rounds its bf16 partial sums as it goes;
+gloo with 2 ranks rounds once, the same bits) and the fp32 sums of
+:class:`TPGroup` for P > 2 (tests/training/test_tp_gloo.py checks P = 2 bit
+for bit).
 """
 
 from __future__ import annotations
