@@ -45,13 +45,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from echo_vllm import (
-    EchoCommunicator,
-    EchoConfig,
-    ProcessGroupTransport,
-    Transport,
-    VirtualTransport,
-)
+from ..backends import fastest_cpu_backend
+from ..communicator import EchoCommunicator
+from ..config import EchoConfig
+from ..transport import ProcessGroupTransport, Transport, VirtualTransport
 
 MODES = ("exact", "naive", "echo")
 
@@ -228,9 +225,10 @@ class ChainedAllReduce:
         self.exact_only = echo_cfg is None
         # exact mode still owns a communicator: its exact path is the one the
         # Echo modes fall back to, so the three modes share the 16-bit numerics
-        self.comm = EchoCommunicator(
-            echo_cfg or EchoConfig(min_bytes=0), group.transport, device=group.device
-        )
+        cfg = echo_cfg or EchoConfig(min_bytes=0)
+        if cfg.backend == "auto" and torch.device(group.device).type == "cpu":
+            cfg = cfg.replace(backend=fastest_cpu_backend())  # the same bits, faster on CPU
+        self.comm = EchoCommunicator(cfg, group.transport, device=group.device)
         self.index = 0
         """Index the next call gets."""
         self.calls_per_pass: int | None = None
@@ -259,8 +257,7 @@ class ChainedAllReduce:
         arg = xs if self.group.is_virtual else xs[0]
         start = self._tick()
         if self.exact_only:
-            y = self.comm.exact(arg, None)
-            self.comm.stats.count("exact", "exact_mode", nbytes=xs.numel() * xs.element_size() // xs.shape[0])
+            y = self.comm.exact(arg, None, reason="exact_mode")
         else:
             y = self.comm.all_reduce(arg, t, last_call=last)
         self._tock(start)

@@ -19,9 +19,9 @@ into compute and communication), also printed.
     echo-vllm train-demo --data train-data --preset gpu --modes echo --out W   # one run (GPU)
     echo-vllm train-demo --report W --out OUT           # report of the runs in W
 
-On CPU, ``ECHO_KERNELS=cpu`` in the environment runs Echo's stages through
-the numba loops (the same bits, several times faster; ``echo_vllm.ops``).
-On CUDA tensors Echo uses its Triton kernels.
+On CPU Echo's stages run as the numba loops when numba is installed (the
+same bits, several times faster: ``echo_vllm.backends.fastest_cpu_backend``);
+on CUDA tensors as the Triton kernels.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from echo_vllm import EchoConfig
-from echo_vllm.launch import run_processes
+from echo_vllm.spawn import run_processes
 from echo_vllm.training import ModelConfig, TPComm, TPCommConfig, TPGroup, TPQwen3
 from echo_vllm.training.data import train_batch
 from echo_vllm.training.trainer import TrainConfig, make_optimizer, train_step
@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, mode: str) -> dict:
 def test_gloo_training_matches_virtual_ranks():
     real = run_processes(_worker, WORLD, "echo")
     threads = torch.get_num_threads()
-    # the workers run with cores // world threads each (echo_vllm.launch)
+    # the workers run with cores // world threads each (echo_vllm.spawn)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
     try:
         virtual = _run(TPGroup.virtual(WORLD), "echo")
