@@ -276,15 +276,17 @@ class TileRow(NamedTuple):
 #: Chunk size -> tile size and warps, first row that fits. Small chunks
 #: (decode) take small tiles, so that even they spread over several programs
 #: (programs barrier independently: more of them, more stores in flight);
-#: large ones take the stage kernels' tile (128 groups of 32, four warps).
-#: Tile sizes are powers of two of at least ``max(SUPPORTED_GROUP_SIZES)``
-#: values, so every group size gives a power-of-two number of whole groups.
-#: A first guess, to be tuned on the GPU (``scripts/gpu_fused_check.py --bench``).
+#: large ones take 2048-value tiles with eight warps: with one program per
+#: SM (the co-residency bound of the barriers), the best of the tile x warps
+#: sweep at prefill sizes (``scripts/experiments/fused_tuning.py``,
+#: BENCHMARKS.md section 9). Tile sizes are powers of two of at least
+#: ``max(SUPPORTED_GROUP_SIZES)`` values, so every group size gives a
+#: power-of-two number of whole groups.
 TILE_TABLE: tuple[TileRow, ...] = (
     TileRow(max_chunk_numel=1 << 12, tile_values=1 << 8, num_warps=1),
     TileRow(max_chunk_numel=1 << 16, tile_values=1 << 10, num_warps=2),
     TileRow(max_chunk_numel=1 << 20, tile_values=1 << 11, num_warps=4),
-    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 12, num_warps=4),
+    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 11, num_warps=8),
 )
 
 
