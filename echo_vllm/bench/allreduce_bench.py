@@ -45,11 +45,28 @@ ALGOS = ("16-bit", "naive4", "echo", "wire-only")
 stages were free, i.e. what the link alone allows."""
 
 
-class Contenders:
-    """The three all-reduces of one message size on one rank, each a
-    ``run(i)`` that reduces input buffer ``i mod k``."""
+def echo_algo(backend: str) -> str:
+    """The algorithm name of Echo on one named backend (``--echo-backends``)."""
+    return f"echo-{backend}"
 
-    def __init__(self, cfg: EchoConfig, inputs: list[torch.Tensor], capacity_numel: int):
+
+def _named_backend(cfg: EchoConfig, transport, name: str, numel: int):
+    """A backend built for one message size: the fused one sized for it
+    (so that it never falls back), others as the registry builds them."""
+    if name == "fused":
+        from ..backends.fused import FusedSymmMemBackend
+
+        return FusedSymmMemBackend(cfg, transport, max_numel=numel)
+    return None
+
+
+class Contenders:
+    """The all-reduces of one message size on one rank, each a ``run(i)``
+    that reduces input buffer ``i mod k``. ``echo_backends``: Echo also on
+    each of these backends (algorithms ``echo-<name>``)."""
+
+    def __init__(self, cfg: EchoConfig, inputs: list[torch.Tensor], capacity_numel: int,
+                 echo_backends: tuple[str, ...] = ()):
         transport = ProcessGroupTransport()
         self.inputs = inputs
         # the 16-bit all-reduce works in place: its own copies, so Echo never
@@ -64,6 +81,11 @@ class Contenders:
         self.transport = transport
         # gloo with CUDA tensors: the 16-bit baseline crosses the link as Echo does
         self.staged = transport.backend == "gloo" and inputs[0].is_cuda
+        self.named = {}
+        for name in echo_backends:
+            named_cfg = cfg.replace(backend=name)
+            backend = _named_backend(named_cfg, transport, name, inputs[0].numel())
+            self.named[echo_algo(name)] = EchoAllReduce(named_cfg, transport, backend=backend)
 
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
@@ -87,9 +109,20 @@ class Contenders:
         recv = self.transport.all_to_all(self.wire)
         return self.transport.all_gather(recv[:, 0])
 
+    def named_call(self, algo: str):
+        ar = self.named[algo]
+
+        def run(i: int) -> torch.Tensor:
+            self.chain.record(0, self.key, left_error=True)
+            return ar.all_reduce(self.x(i), self.chain, 1)
+
+        return run
+
     def runs(self):
-        return {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call,
-                "wire-only": self.wire_only}
+        out = {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call,
+               "wire-only": self.wire_only}
+        out.update({algo: self.named_call(algo) for algo in self.named})
+        return out
 
 
 def _inputs(size_bytes: int, device, seed: int, max_buffers: int) -> list[torch.Tensor]:
@@ -99,13 +132,14 @@ def _inputs(size_bytes: int, device, seed: int, max_buffers: int) -> list[torch.
 
 
 def measure(cfg: EchoConfig, sizes: list[int], iters: int, warmup: int, device, algos=ALGOS,
-            max_buffers: int = 16) -> list[dict]:
+            max_buffers: int = 16, echo_backends: tuple[str, ...] = ()) -> list[dict]:
     """Per size and algorithm, this rank's median seconds per call."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
+    algos = tuple(algos) + tuple(echo_algo(b) for b in echo_backends)
     for size in sizes:
         inputs = _inputs(size, device, 1000 * rank + size % 997, max_buffers)
-        c = Contenders(cfg, inputs, WireLayout(size // 2, world, cfg.group_size).padded_numel)
+        c = Contenders(cfg, inputs, WireLayout(size // 2, world, cfg.group_size).padded_numel, echo_backends)
         for algo in algos:
             run = c.runs()[algo]
             if device.type != "cuda" or c.staged:
@@ -118,6 +152,10 @@ def measure(cfg: EchoConfig, sizes: list[int], iters: int, warmup: int, device, 
             if rank == 0:
                 print(f"  {report.human_bytes(size):>9} {algo:>7}: {t.median_s * 1e3:9.3f} ms", flush=True)
         del c, inputs
+        if "fused" in echo_backends:  # buffers were sized for this message: free them
+            from ..backends.fused import release_buffers
+
+            release_buffers()
     return rows
 
 
@@ -134,12 +172,12 @@ def _synced(run, device: torch.device):
     return synced
 
 
-def _gloo_worker(rank, world, cfg_dict, sizes, iters, warmup, threads, device="cpu"):
+def _gloo_worker(rank, world, cfg_dict, sizes, iters, warmup, threads, device="cpu", echo_backends=()):
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    return measure(EchoConfig(**cfg_dict), sizes, iters, warmup, dev, max_buffers=2)
+    return measure(EchoConfig(**cfg_dict), sizes, iters, warmup, dev, max_buffers=2, echo_backends=echo_backends)
 
 
 def _slowest_rank(per_rank: list[list[dict]]) -> list[report.Row]:
@@ -159,13 +197,14 @@ def _finish(args, rows: list[report.Row], meta: dict) -> None:
     print()
     print(f"all-reduce of bf16 messages, {title}; times are medians per call; "
           "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs 16-bit")
-    print(report.format_table(rows, "16-bit", ALGOS))
+    algos = [a for a in ALGOS] + sorted({r.algo for r in rows} - set(ALGOS))
+    print(report.format_table(rows, "16-bit", algos))
     if args.out:
         path = report.write_json(args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.json",
                                  {**meta, "rows": [r.to_dict() for r in rows]})
         report.plot_lines(
             args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.png",
-            {a: [(r.size_bytes, r.busbw_gbps) for r in rows if r.algo == a] for a in ALGOS},
+            {a: [(r.size_bytes, r.busbw_gbps) for r in rows if r.algo == a] for a in algos},
             title=f"all-reduce busbw (of the 16-bit message), {title}", ylabel="busbw (GB/s)",
         )
         print(f"\nwrote {path}")
@@ -217,7 +256,8 @@ def run_gloo(args) -> int:
     print(f"gloo: {world} processes, {threads} thread(s) each, tensors on {args.device}, Echo stages: {mode}")
     cfg = _config(args).replace(backend=mode)
     results = _launch(_gloo_worker, world, cfg.to_dict(), sizes, args.iters, args.warmup, threads,
-                      "cuda:0" if args.device == "cuda" else "cpu", env={})
+                      "cuda:0" if args.device == "cuda" else "cpu",
+                      tuple(b for b in args.echo_backends.split(",") if b), env={})
     meta = _meta(args, "gloo", world)
     meta["echo_stages"] = mode
     meta["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
@@ -240,7 +280,8 @@ def run_nccl(args) -> int:
         world = dist.get_world_size()
         sizes = _sizes(args, "8K", "1G")
         device = torch.device("cuda", local_rank)
-        raw = measure(_config(args), sizes, args.iters, args.warmup, device)
+        raw = measure(_config(args), sizes, args.iters, args.warmup, device,
+                      echo_backends=tuple(b for b in args.echo_backends.split(",") if b))
         gathered = [None] * world
         dist.all_gather_object(gathered, raw)
         if dist.get_rank() == 0:
@@ -270,6 +311,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(cuda: all processes on cuda:0, bytes staged through the host to cross the link)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "reference"),
                     help="gloo: Echo stages as numba loops (auto: if numba imports) or torch references")
+    ap.add_argument("--echo-backends", default="",
+                    help="also time Echo on each of these backends (comma list, e.g. triton,fused; "
+                         "columns echo-<name>); the column 'echo' is backend auto")
     ap.add_argument("--out", default="", help="directory for JSON and PNG")
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The measurements that need several GPUs of one host, one command (issue 13):
+# run it the moment a multi-GPU machine is lent (nvidia-h200-x2 / -x4 / -x8).
+#
+#   OUT=/tmp/m bash scripts/gpu_multi.sh
+#
+# 1. the fused backend's correctness with one rank per GPU (P2P, no overlap);
+# 2. nccl-tests-style table: NCCL bf16 vs Echo (auto = fused here) vs Echo on
+#    the composed Triton path vs the fused one, 8 KiB .. 1 GiB, P = all GPUs;
+# 3. the same through the host (NCCL_P2P_DISABLE=1, the PCIe-class link;
+#    the fused backend needs P2P, so composed only).
+# Needs torch + Triton (no vLLM). Real-TP TTFT and the real-model TP=2 vs
+# emulation run need vLLM: `REAL_TP=2 MODEL=qwen2.5-coder-1.5b eval/gpu_eval.sh ttft`
+# after its setup steps (eval/gpu_eval.sh). Budget: ~9 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d /tmp/echo-multi-XXXX)}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "${NGPU:-0}" -lt 2 ]; then echo "gpu_multi: $NGPU GPU(s) visible; this needs at least 2" >&2; exit 2; fi
+status=()
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  status+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+}
+{ nvidia-smi; nvidia-smi topo -m; } > "$OUT/topology.txt" 2>&1
+step fused_check 200 "$PY" scripts/gpu_fused_check.py --gpus "$NGPU" --worlds "$NGPU" --json "$OUT/fused_check.json"
+step nccl 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m echo_vllm.cli bench allreduce \
+  --backend nccl --min-size 8K --max-size 1G --factor 4 --echo-backends triton,fused --out "$OUT/nccl"
+step nccl_no_p2p 150 env NCCL_P2P_DISABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+  -m echo_vllm.cli bench allreduce --backend nccl --min-size 64K --max-size 1G --factor 4 --echo-backends triton \
+  --out "$OUT/nccl_no_p2p"
+echo; echo "=================== summary ($OUT) ==================="
+printf '%s\n' "${status[@]}"
+grep -E '"ok"' "$OUT/fused_check.json" | tail -n 1 || true
+for s in nccl nccl_no_p2p; do echo "--- $s:"; grep -E "^ +[0-9]+ [KMG]iB \|" "$OUT/$s.log" || true; done
