@@ -15,17 +15,8 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET ECHO_KERNELS
-status=()
-
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 40 "$OUT/$name.log"
-  status+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-}
+STEP_TAIL=40
+source scripts/step.sh
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
@@ -33,7 +24,7 @@ step() {  # step NAME SECONDS CMD...
 cat "$OUT/env.txt"
 
 # 1. bit-exact kernel tests: small awkward shapes, large shapes, CUDA-graph replay
-step tests 220 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs \
+step tests 220 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -rs \
   --junitxml="$OUT/tests.xml"
 
 # 2. every kernel, P = 4 and 8, 8 KiB .. 1 GiB, device time (graph replay)

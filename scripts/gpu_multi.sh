@@ -20,16 +20,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${NGPU:-0}" -lt 2 ]; then echo "gpu_multi: $NGPU GPU(s) visible; this needs at least 2" >&2; exit 2; fi
-status=()
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 25 "$OUT/$name.log"
-  status+=("$(printf '%-14s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-}
+STEP_TAIL=25
+source scripts/step.sh
 { nvidia-smi; nvidia-smi topo -m; } > "$OUT/topology.txt" 2>&1
 step fused_check 200 "$PY" scripts/gpu_fused_check.py --gpus "$NGPU" --worlds "$NGPU" --json "$OUT/fused_check.json"
 step nccl 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m echo_vllm.cli bench allreduce \

@@ -16,17 +16,8 @@ OLD="${OLD:-.bench_old}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET ECHO_KERNELS
-status=()
-
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 30 "$OUT/$name.log"
-  status+=("$(printf '%-16s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-}
+STEP_TAIL=30
+source scripts/step.sh
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; \
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
