@@ -35,7 +35,7 @@ POSTNORM_MARKERS = ("post_feedforward_layernorm", "post_mlp_layernorm", "post_ml
 #: ``architectures`` of post-norm models: every vLLM 0.26 architecture whose
 #: model file's decoder layer always has one of :data:`POSTNORM_MARKERS`
 #: (generative, pooling and MTP-draft alike; checked against vLLM's model
-#: registry by tests/test_postnorm_registry.py), plus OLMo-2
+#: registry by tests/vllm/test_postnorm_registry.py), plus OLMo-2
 #: (served through vLLM's transformers backend, post-norm in transformers).
 POSTNORM_ARCHITECTURES = frozenset({
     "AXK1ForCausalLM",

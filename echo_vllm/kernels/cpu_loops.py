@@ -5,7 +5,7 @@ memory per stage, each allocating a full-size temporary: readable, and slow
 (~10 s per stage for 32 M values on one core). These loops make one pass,
 one group at a time in a small scratch array, with the same fp32 operations
 in the same order -- so they return the references' bits (tested in
-``tests/test_kernels.py``). LLVM gets no fast-math flags from numba, so it
+``tests/kernels/test_kernels.py``). LLVM gets no fast-math flags from numba, so it
 neither contracts ``a - b * c`` into an FMA nor simplifies the magic-number
 rounding away.
 

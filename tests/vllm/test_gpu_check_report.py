@@ -1,7 +1,7 @@
 """The GPU check's report logic (scripts/gpu_vllm_check.py ``compare``), on
 synthetic phase results: which rows it builds, and that "identical" means
 identical tokens *and* bit-equal logits. Runs on CPU; the engines themselves
-run only on the GPU host (tests/test_vllm_gpu.py)."""
+run only on the GPU host (tests/vllm/test_vllm_gpu.py)."""
 
 from __future__ import annotations
 
