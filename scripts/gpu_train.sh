@@ -4,7 +4,8 @@
 # exact 16-bit, naive 4-bit, Echo all-reduces -- at emulated TP=4, the three
 # runs concurrently (same seed, same data order), then the report.
 #
-# Needs: torch with CUDA, triton, numpy, matplotlib, tqdm (no vLLM, no network).
+# Needs: torch with CUDA and triton (no vLLM, no network); tqdm and matplotlib if
+# present (without them: plain progress lines, no PNG).
 #
 #   DATA_DIR=train-data OUT=/tmp/train bash scripts/gpu_train.sh [train-demo flags]
 #

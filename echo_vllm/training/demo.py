@@ -285,10 +285,11 @@ def write_report(records: list[dict], out: Path) -> None:
     (out / "train_table.md").write_text(setup + "\n\n" + table + "\n")
     (out / "train_results.json").write_text(json.dumps({"setup": setup, "table": rows,
                                                          "runs": {r["mode"]: r for r in records}}) + "\n")
-    plot(records, out / "train_loss.png")
+    png = plot(records, out / "train_loss.png")
     print(setup)
     print(table)
-    print(f"wrote {out}/train_results.json, train_table.md, train_loss.png")
+    print(f"wrote {out}/train_results.json, train_table.md" + (", train_loss.png" if png else
+                                                                " (no PNG: matplotlib is not installed)"))
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -301,11 +302,16 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
+def plot(records: list[dict], path: Path) -> bool:
+    """Loss curves and the gap to exact; False if matplotlib is missing (the
+    JSON holds every number)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(11, 4.2))
     exact = next((r for r in records if r["mode"] == "exact"), None)
@@ -347,6 +353,7 @@ def plot(records: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

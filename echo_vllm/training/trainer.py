@@ -137,12 +137,7 @@ def train(
     main = is_main_rank(group)
     tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
 
-    bar = None
-    if progress and main:
-        from tqdm import tqdm
-
-        bar = tqdm(total=train_cfg.steps, desc=label, unit="step", file=sys.stderr,
-                   mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    bar = _progress(train_cfg.steps, label) if progress and main else None
     losses, grad_norms, val_curve = [], [], []
     step_s = fwd_s = bwd_s = 0.0
     timed_steps = 0
@@ -229,6 +224,35 @@ def train(
         log(f"{label}: final train {record['final']['train_loss']:.4f}, val {val_loss:.4f} "
             f"(exact comm {val_loss_exact:.4f}), {record['timing']['tokens_per_s'] or 0:,.0f} tok/s")
     return record
+
+
+class _PlainProgress:
+    """tqdm's calls, printed as a line every tenth of the run (tqdm missing)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.n, self.postfix = total, label, 0, {}
+
+    def set_postfix(self, **kw) -> None:
+        self.postfix = kw
+
+    def update(self) -> None:
+        self.n += 1
+        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"{self.label}: step {self.n}/{self.total} {extra}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, label: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total, label)
+    # a log file gets an update every 15 s, a terminal every second
+    return tqdm(total=total, desc=label, unit="step", file=sys.stderr,
+                mininterval=1.0 if sys.stderr.isatty() else 15.0)
 
 
 def _echo_dict(cfg) -> dict | None:
