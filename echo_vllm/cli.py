@@ -21,7 +21,8 @@ SUBCOMMANDS = {
 
 def _usage() -> str:
     lines = ["usage: echo-vllm <command> [args]", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    width = max(map(len, SUBCOMMANDS))
+    lines += [f"  {name:<{width}} {text}" for name, (_, text) in SUBCOMMANDS.items()]
     lines += ["", "echo-vllm <command> --help for a command's options"]
     return "\n".join(lines)
 
