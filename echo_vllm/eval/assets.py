@@ -26,15 +26,16 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from .. import envs
+
 
 class AssetError(RuntimeError):
     """An asset cannot be fetched, read or verified."""
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("ECHO_VLLM_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "echo-vllm"
-    )
+    """``ECHO_VLLM_CACHE`` (:mod:`echo_vllm.envs`), else ``~/.cache/echo-vllm``."""
+    root = envs.read().cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "echo-vllm")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
