@@ -402,19 +402,12 @@ def bench() -> list[dict]:
     call, CUDA events over repeated launches)."""
     from echo_vllm import kernels
     from echo_vllm.backends.fused import local_buffers
+    from echo_vllm.bench.timing import cuda_mean_s
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.quant import WireLayout
 
-    def timed(fn, reps=50) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / reps
+    def timed(fn) -> float:
+        return cuda_mean_s(fn, reps=50) * 1e6
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []

@@ -62,6 +62,21 @@ def cuda_time(run: Callable[[int], object], *, iters: int = 20, warmup: int = 5)
     return Timing([s.elapsed_time(e) * 1e-3 for s, e in events])
 
 
+def cuda_mean_s(fn: Callable[[], object], *, reps: int = 30, warmup: int = 3) -> float:
+    """Mean seconds per call of ``reps`` back-to-back launches of ``fn()``
+    between two events (launches queue up: the device time of a stream of
+    calls, as a kernel sees it inside a larger pass)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3 / reps
+
+
 def cuda_graph_time(
     run: Callable[[int], object], *, iters: int = 20, warmup: int = 3, calls_per_graph: int = 10
 ) -> Timing:

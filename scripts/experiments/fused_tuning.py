@@ -21,23 +21,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
-def timed(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from echo_vllm.backends.fused import local_buffers
+    from echo_vllm.bench.timing import cuda_mean_s
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.quant import WireLayout
 
@@ -56,7 +45,7 @@ def main() -> int:
                       plan=plan, timeout_ns=10**10, out=y)
             row = {"P": world, "tokens": tokens, "groups": groups, "warps": warps, "programs": plan.programs}
             for ph in (1, 2, 3):
-                row[f"phase{ph}_us"] = round(timed(lambda: fk.fused_all_reduce(x, fb, table, lay, phase=ph, **kw)), 1)
+                row[f"phase{ph}_us"] = round(cuda_mean_s(lambda: fk.fused_all_reduce(x, fb, table, lay, phase=ph, **kw)) * 1e6, 1)
             row["total_us"] = round(row["phase1_us"] + row["phase2_us"] + row["phase3_us"], 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
