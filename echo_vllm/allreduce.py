@@ -68,7 +68,8 @@ class EchoAllReduce:
         return b
 
     def close(self) -> None:
-        for b in {id(b): b for b in (self._backend, *self._backends.values()) if b is not None}.values():
+        """Close the backend(s): the given one, or those built per device type."""
+        for b in [self._backend] if self._backend is not None else self._backends.values():
             b.close()
         self._backends.clear()
 

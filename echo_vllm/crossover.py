@@ -135,9 +135,9 @@ def _human(n: int) -> str:
     if n >= NEVER:
         return "never"
     for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << k and n % (1 << k) == 0:
-            return f"{n >> k} {unit}"
-    return f"{n} B" if n < 1 << 10 else f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+        if n >= 1 << k:
+            return f"{n / (1 << k):.4g} {unit}"
+    return f"{n} B"
 
 
 __all__ = ["Crossover", "NEVER", "Point", "calibrate", "decide", "ladder"]

@@ -19,7 +19,6 @@ import torch
 
 from ..capture import capturing
 from ..config import EchoConfig
-from ..quant import WireLayout
 from ..transport import Transport
 from .base import EchoBackend
 from .stages import StageOps

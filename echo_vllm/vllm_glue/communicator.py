@@ -15,11 +15,10 @@ and recorded in the session's sink.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-
-import logging
 
 from .. import crossover, envs
 from ..backends import ComposedBackend, EchoBackend, TritonStages
@@ -28,6 +27,7 @@ from ..communicator import EchoCommunicator
 from ..config import EchoConfig, EchoConfigError
 from ..feedback import FeedbackChain
 from ..policy import ECHO_DTYPES, Reason
+from ..quant import WireLayout
 from ..stats import CallRecord
 from ..transport import ProcessGroupTransport, Transport
 
@@ -48,11 +48,10 @@ class TpEchoCommunicator:
         self.disabled = self.world_size < 2
         self.transport = make_transport(coordinator)
         cfg = session.settings.echo
-        max_numel = None
-        if session.hidden_size and session.max_num_tokens:
-            cols = session.hidden_size
-            lay = _row_layout(cfg, self.world_size, cols)
-            max_numel = session.max_num_tokens * lay.padded_cols if lay is not None else None
+        max_numel = None  # the largest message: rows of the model's width, padded to whole groups per rank
+        if session.hidden_size and session.max_num_tokens and not self.disabled:
+            row = WireLayout(session.hidden_size, self.world_size, cfg.group_size)
+            max_numel = session.max_num_tokens * row.padded_cols
         self.backend = fused_backend(cfg, coordinator, self.transport, max_numel)
         self.comm = EchoCommunicator(
             cfg, self.transport, device=coordinator.device,
@@ -129,13 +128,6 @@ class TpEchoCommunicator:
         from . import compat
 
         return compat.forward_kwargs()
-
-
-def _row_layout(config: EchoConfig, world_size: int, cols: int):
-    """The layout of one row of ``cols`` values (None for a group of one)."""
-    from ..quant import WireLayout
-
-    return WireLayout(cols, world_size, config.group_size, cols) if world_size > 1 else None
 
 
 def fused_backend(config: EchoConfig, coordinator: Any, transport: Transport,

@@ -51,7 +51,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
 
 from ..capture import capturing
 from ..stats import CallRecord, EchoStats
