@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backends import fastest_cpu_backend
+from .backends import fast_on_cpu
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .transport import VirtualTransport
@@ -94,10 +94,8 @@ class EmulatedTP:
     def __post_init__(self) -> None:
         if self.mode not in ("echo", "exact"):
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        config = self.config
-        if config.backend == "auto" and torch.device(self.device).type == "cpu":
-            config = config.replace(backend=fastest_cpu_backend())
-        self.comm = EchoCommunicator(config, VirtualTransport(self.world_size), device=self.device)
+        self.comm = EchoCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
+                                     device=self.device)
         self.call_index = 0
         self._in_forward = False
 

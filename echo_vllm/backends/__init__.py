@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..transport import Transport
@@ -111,13 +113,22 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
 
 def fastest_cpu_backend() -> str:
     """``numba`` when numba imports (the references' bits, much faster on
-    CPU; it compiles on first use), else ``reference``. The evaluation tools
-    use it for CPU tensors; the library's ``auto`` stays ``reference``."""
+    CPU; it compiles on first use), else ``reference``. The evaluation and
+    training tools use it for CPU tensors; the library's ``auto`` stays
+    ``reference``."""
     try:
         from ..kernels import cpu_loops
     except Exception:  # numba missing or broken: the references still work
         return "reference"
     return "numba" if cpu_loops.AVAILABLE else "reference"
+
+
+def fast_on_cpu(config: EchoConfig, device: torch.device | str) -> EchoConfig:
+    """``config`` with ``backend="auto"`` resolved to :func:`fastest_cpu_backend`
+    for CPU tensors (the same bits); unchanged otherwise."""
+    if config.backend == "auto" and torch.device(device).type == "cpu":
+        return config.replace(backend=fastest_cpu_backend())
+    return config
 
 
 def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv) -> EchoBackend:
@@ -145,6 +156,7 @@ __all__ = [
     "StageOps",
     "TritonStages",
     "choose_backend",
+    "fast_on_cpu",
     "fastest_cpu_backend",
     "make_backend",
     "register_backend",

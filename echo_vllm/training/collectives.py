@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..backends import fastest_cpu_backend
+from ..backends import fast_on_cpu
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
@@ -225,10 +225,8 @@ class ChainedAllReduce:
         self.exact_only = echo_cfg is None
         # exact mode still owns a communicator: its exact path is the one the
         # Echo modes fall back to, so the three modes share the 16-bit numerics
-        cfg = echo_cfg or EchoConfig(min_bytes=0)
-        if cfg.backend == "auto" and torch.device(group.device).type == "cpu":
-            cfg = cfg.replace(backend=fastest_cpu_backend())  # the same bits, faster on CPU
-        self.comm = EchoCommunicator(cfg, group.transport, device=group.device)
+        self.comm = EchoCommunicator(fast_on_cpu(echo_cfg or EchoConfig(min_bytes=0), group.device),
+                                     group.transport, device=group.device)
         self.index = 0
         """Index the next call gets."""
         self.calls_per_pass: int | None = None
