@@ -15,8 +15,6 @@ from typing import Mapping
 
 #: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
 KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
-#: Values of ``ECHO_KERNEL_LAYOUT`` (see :attr:`EchoEnv.kernel_layout`).
-LAYOUT_CHOICES = ("spread", "thread")
 
 
 class EchoEnvError(ValueError):
@@ -34,10 +32,6 @@ class EchoEnv:
     CPU tensors under ``TRITON_INTERPRET=1``) or ``numba`` (fused CPU loops;
     ``cpu`` is read as ``numba``)."""
 
-    kernel_layout: str = "spread"
-    """``ECHO_KERNEL_LAYOUT``: the Triton kernels' thread layout, ``spread``
-    (a group across lanes) or ``thread`` (a group per thread); same bits."""
-
     direct_launch: bool = True
     """``ECHO_KERNEL_DIRECT_LAUNCH``: ``0`` launches every kernel through
     Triton's own ``kernel[grid](...)`` path instead of the cached launcher."""
@@ -50,7 +44,6 @@ class EchoEnv:
 #: Environment variable -> field of :class:`EchoEnv`.
 VARIABLES = {
     "ECHO_KERNELS": "kernels",
-    "ECHO_KERNEL_LAYOUT": "kernel_layout",
     "ECHO_KERNEL_DIRECT_LAUNCH": "direct_launch",
     "ECHO_VLLM_CACHE": "cache_dir",
 }
@@ -64,16 +57,13 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     kernels = "numba" if kernels == "cpu" else kernels
     if kernels not in KERNEL_CHOICES:
         raise EchoEnvError(f"ECHO_KERNELS={env['ECHO_KERNELS']!r}: choose one of {KERNEL_CHOICES}")
-    layout = env.get("ECHO_KERNEL_LAYOUT", "spread").strip().lower() or "spread"
-    if layout not in LAYOUT_CHOICES:
-        raise EchoEnvError(f"ECHO_KERNEL_LAYOUT={env['ECHO_KERNEL_LAYOUT']!r}: choose one of {LAYOUT_CHOICES}")
     direct = env.get("ECHO_KERNEL_DIRECT_LAUNCH", "1").strip()
     if direct not in ("0", "1"):
         raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r}: 0 or 1")
-    return EchoEnv(kernels=kernels, kernel_layout=layout, direct_launch=direct == "1",
+    return EchoEnv(kernels=kernels, direct_launch=direct == "1",
                    cache_dir=env.get("ECHO_VLLM_CACHE") or None)
 
 
 assert set(VARIABLES.values()) == {f.name for f in fields(EchoEnv)}
 
-__all__ = ["EchoEnv", "EchoEnvError", "KERNEL_CHOICES", "LAYOUT_CHOICES", "VARIABLES", "read"]
+__all__ = ["EchoEnv", "EchoEnvError", "KERNEL_CHOICES", "VARIABLES", "read"]

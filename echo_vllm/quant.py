@@ -43,11 +43,14 @@ Reference functions
 ``stage1_reference``, ``stage2_reference``, ``output_reference`` and
 ``consume_reference`` are the specification of the Triton kernels in
 ``echo_vllm.kernels``: same fp32 operations in the same order, so the kernels
-are compared bit for bit. Two details make that possible: division appears
-only as one correctly rounded ``1 / scale`` per group, and round-to-nearest-
-even uses the ``(y + 1.5 * 2**23) - 1.5 * 2**23`` identity (valid for
-|y| <= 2**22) instead of a library call. The kernels are compiled with FMA
-contraction disabled for the same reason.
+are compared bit for bit. Three details make that possible: division
+appears only as one correctly rounded ``1 / scale`` per group;
+round-to-nearest-even uses the ``(y + 1.5 * 2**23) - 1.5 * 2**23`` identity
+(valid for |y| <= 2**22) instead of a library call; and a product is fused
+into its sum (one rounding, :func:`fma_exact_product`) exactly where it is
+exact -- a code times a scale: the stage-1 error ``u - r * s`` and the
+stage-2 sum -- while every other product and sum is rounded on its own (the
+kernels are compiled with FMA contraction off and call ``fma`` there).
 """
 
 from __future__ import annotations
@@ -211,10 +214,21 @@ def quantize_groups(
         r = torch.clamp(torch.floor(y + noise), -float(qmax), float(qmax))
     r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
     codes = (r + CODE_OFFSET).to(WIRE_DTYPE)
-    err = u - r * s.unsqueeze(-1)
+    err = fma_exact_product(-r, s.unsqueeze(-1), u)
     err = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=err.dtype), err)
     scales = torch.where(bad, torch.full((), float("nan"), dtype=SCALE_DTYPE), s16)
     return codes, scales, err
+
+
+def fma_exact_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a * b + c`` rounded once, for fp32 ``a, b`` whose product is
+    exact in fp32 (a code times a bf16 scale: at most 11 significant bits)
+    -- what the kernels' ``fma`` computes. Formed in float64, where the
+    product and the sum are exact (the exponents differ by little: either
+    ``a * b`` is the larger or ``c`` is within a few binades of it), then
+    rounded to fp32 once; unlike ``c + a * b`` in fp32 it does not overflow
+    where only the product would."""
+    return (c.double() + a.double() * b.double()).float()
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -252,13 +266,20 @@ def encode_chunks(codes: torch.Tensor, scales: torch.Tensor, layout: WireLayout)
     return torch.cat((payload, scale_bytes), dim=-1)
 
 
-def decode_chunks(wire: torch.Tensor, layout: WireLayout) -> torch.Tensor:
-    """wire [..., chunk_bytes] -> fp32 values [..., chunk_numel]."""
+def decode_codes(wire: torch.Tensor, layout: WireLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """wire [..., chunk_bytes] -> ``(q, scales)``: fp32 ``code - 8``
+    [..., G, g] and fp32 scales [..., G, 1] (G groups per chunk)."""
     c, g = layout.chunk_numel, layout.group_size
     payload = wire[..., : layout.payload_bytes]
     scales = wire[..., layout.payload_bytes :].contiguous().view(SCALE_DTYPE)
-    codes = unpack_nibbles(payload).reshape(*wire.shape[:-1], c // g, g)
-    return dequantize_groups(codes, scales).reshape(*wire.shape[:-1], c)
+    q = unpack_nibbles(payload).reshape(*wire.shape[:-1], c // g, g).float() - CODE_OFFSET
+    return q, scales.float().unsqueeze(-1)
+
+
+def decode_chunks(wire: torch.Tensor, layout: WireLayout) -> torch.Tensor:
+    """wire [..., chunk_bytes] -> fp32 values [..., chunk_numel]."""
+    q, s = decode_codes(wire, layout)
+    return (q * s).reshape(*wire.shape[:-1], layout.chunk_numel)
 
 
 # --------------------------------------------------------------------------
@@ -322,12 +343,11 @@ def stage2_reference(
     """
     r, p = recv.shape[0], recv.shape[1]
     c, g = layout.chunk_numel, layout.group_size
-    acc = torch.zeros(r, c, dtype=torch.float32, device=recv.device)
-    for i in range(p):
-        acc = acc + decode_chunks(recv[:, i], layout)
-    codes, scales, err = quantize_groups(
-        acc.reshape(r, c // g, g), qmax, None if noise is None else noise.reshape(r, c // g, g)
-    )
+    acc = torch.zeros(r, c // g, g, dtype=torch.float32, device=recv.device)
+    for i in range(p):  # acc + code * scale, rounded once (the product is exact)
+        q, s = decode_codes(recv[:, i], layout)
+        acc = fma_exact_product(q, s, acc)
+    codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g))
     if feedback is not None:
         for k, j in enumerate(own_chunks):
             own = feedback[k, j * c : (j + 1) * c]
@@ -339,11 +359,16 @@ def output_reference(
     gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool = False
 ) -> torch.Tensor:
     """Decode the all-gathered chunks [P, chunk_bytes] into [numel] values of
-    ``out_dtype``: y = rot(dequant(q2)) / g, cast with round-to-nearest."""
-    v = decode_chunks(gathered, layout).reshape(1, layout.padded_numel)
+    ``out_dtype``: y = rot(q2) * (scale / g) with rotation, q2 * scale
+    without, cast with round-to-nearest. Every step before the cast is exact
+    (integers below 2**8 times a bf16 scale and a power of two), so this is
+    rot(dequant(q2)) / g, without the overflow of its intermediate sums."""
+    q, s = decode_codes(gathered, layout)
     if hadamard:
-        v = _rotate(v, layout.group_size) * (1.0 / layout.group_size)
-    return from_wire_order(v, layout)[0].to(out_dtype)
+        v = fwht(q) * (s * (1.0 / layout.group_size))
+    else:
+        v = q * s
+    return from_wire_order(v.reshape(1, layout.padded_numel), layout)[0].to(out_dtype)
 
 
 def consume_reference(

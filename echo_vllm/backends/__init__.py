@@ -55,7 +55,7 @@ register_backend(BackendSpec(
     "torch references of every stage (the specification) around the transport",
 ))
 register_backend(BackendSpec(
-    "triton", lambda cfg, tr, env: ComposedBackend(cfg, tr, TritonStages(env.kernel_layout)), ("cuda", "cpu"),
+    "triton", lambda cfg, tr, env: ComposedBackend(cfg, tr, TritonStages()), ("cuda", "cpu"),
     "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
 ))
 register_backend(BackendSpec(
@@ -66,8 +66,8 @@ register_backend(BackendSpec(
 
 def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv) -> EchoBackend:
     # messages larger than its buffers take the composed Triton path: same bits
-    fallback = ComposedBackend(cfg, tr, TritonStages(env.kernel_layout))
-    return FusedSymmMemBackend(cfg, tr, kernel_layout=env.kernel_layout, fallback=fallback)
+    fallback = ComposedBackend(cfg, tr, TritonStages())
+    return FusedSymmMemBackend(cfg, tr, fallback=fallback)
 
 
 register_backend(BackendSpec(

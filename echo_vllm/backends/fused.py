@@ -167,10 +167,10 @@ def fused_support(transport: Transport, device_type: str = "cuda") -> tuple[bool
     return fused_availability(probe(transport, device_type))
 
 
-def max_programs_for(facts: FusedFacts) -> int:
-    """Programs one rank may run at once: its share of the smallest GPU's SMs
-    (ranks sharing a GPU split it: their spinning programs must all be
-    resident), at least 1."""
+def sms_for(facts: FusedFacts) -> int:
+    """SMs one rank's programs may fill at once: its share of the smallest
+    GPU's SMs (ranks sharing a GPU split it: their spinning programs must
+    all be resident), at least 1."""
     share = min(sm // facts.devices.count(d) for d, sm in zip(facts.devices, facts.sm_counts))
     return max(1, share)
 
@@ -183,20 +183,21 @@ class SymmBuffers:
     """One rank's symmetric buffer and the address table the kernel reads."""
 
     buffer: torch.Tensor
-    """uint8 ``[2 * P * chunk_bytes]``: ``recv`` slots, then ``gathered`` slots."""
+    """uint8: ``recv`` slots (P of ``chunk_bytes``), ``gathered`` slots, then
+    ``signal_slots`` int32 flags (zeroed once; they reset themselves)."""
     handle: object
     """The ``_SymmetricMemory`` handle (keeps the peers' mappings alive)."""
     table: torch.Tensor
-    """int64 ``[2, P]`` on the device: every rank's buffer and signal-pad address."""
+    """int64 ``[2, P]`` on the device: every rank's buffer and flag-area address."""
     rank: int
     chunk_bytes: int
     """Largest chunk a slot holds."""
     signal_slots: int
-    """int32 flags zeroed in each rank's signal pad."""
+    """int32 flags in each rank's flag area."""
 
     @property
     def gathered_offset(self) -> int:
-        return self.buffer.numel() // 2
+        return self.buffer.numel() // 2 - 2 * self.signal_slots
 
 
 _BUFFERS: dict[tuple, SymmBuffers] = {}
@@ -216,12 +217,14 @@ def symm_buffers(group: dist.ProcessGroup, device: torch.device, chunk_bytes: in
     if cached is not None:
         return cached
     world = dist.get_world_size(group)
-    if 4 * signal_slots > symm_mem.get_signal_pad_size():
-        raise ValueError(f"{signal_slots} flags exceed the signal pad ({symm_mem.get_signal_pad_size()} bytes)")
-    buf = symm_mem.empty(buffer_bytes(chunk_bytes, world), dtype=WIRE_DTYPE, device=device)
+    data = buffer_bytes(chunk_bytes, world)
+    # the flags live in the buffer itself: torch's signal pad (9 KiB) holds
+    # too few for several programs per SM
+    buf = symm_mem.empty(data + 4 * signal_slots, dtype=WIRE_DTYPE, device=device)
     hdl = symm_mem.rendezvous(buf, group)
-    hdl.get_signal_pad(hdl.rank, (signal_slots,), dtype=torch.int32).zero_()
-    table = torch.tensor([list(hdl.buffer_ptrs), list(hdl.signal_pad_ptrs)], dtype=torch.int64, device=device)
+    buf[data:].zero_()
+    table = torch.tensor([list(hdl.buffer_ptrs), [p + data for p in hdl.buffer_ptrs]], dtype=torch.int64,
+                         device=device)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
     out = _BUFFERS[key] = SymmBuffers(buf, hdl, table, hdl.rank, chunk_bytes, signal_slots)
@@ -237,7 +240,7 @@ def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
     from ..kernels.fused_kernel import buffer_bytes
 
     bufs = [torch.zeros(buffer_bytes(chunk_bytes, world_size), dtype=WIRE_DTYPE, device=device)
-            for _ in range(world_size)]
+            for _ in range(world_size)]  # flags in separate tensors: every byte of a buffer is data
     pads = [torch.zeros(signal_slots, dtype=torch.int32, device=device) for _ in range(world_size)]
     table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64,
                          device=device)
@@ -259,8 +262,9 @@ class FusedSymmMemBackend(EchoBackend):
     (default: ``config.max_bytes // 2`` when set, else
     :data:`DEFAULT_MAX_NUMEL`); a message fits if its chunks are no larger
     than a one-row message of ``max_numel`` values. ``timeout_s``: how long
-    a program waits for a peer before the kernel traps. ``max_programs``:
-    caps the persistent grid (default: this rank's share of the SMs).
+    a program waits for a peer before the kernel traps. ``sms``: the SMs
+    one rank's persistent grid may fill (default and most: its share of
+    the GPU, :func:`sms_for`).
     ``fallback``: runs the messages that do not fit. ``facts``: the probe's
     result, when the caller has it. ``buffers``: what the kernel reduces
     through (default: :func:`symm_buffers` of the group, a collective).
@@ -275,8 +279,7 @@ class FusedSymmMemBackend(EchoBackend):
         *,
         max_numel: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_programs: int | None = None,
-        kernel_layout: str = "spread",
+        sms: int | None = None,
         fallback: EchoBackend | None = None,
         facts: FusedFacts | None = None,
         buffers: SymmBuffers | None = None,
@@ -293,20 +296,21 @@ class FusedSymmMemBackend(EchoBackend):
         from ..kernels import fused_kernel
 
         self._k = fused_kernel
-        self._stages = TritonStages(kernel_layout)
+        self._stages = TritonStages()
         self.fallback = fallback
         self.rank = transport.rank
         self.timeout_ns = int(timeout_s * 1e9)
         if max_numel is None:
             max_numel = config.max_bytes // 2 if config.max_bytes else DEFAULT_MAX_NUMEL
         p = self.world_size
-        self.max_programs = min(max_programs or max_programs_for(facts), max_programs_for(facts))
+        self.sms = min(sms or sms_for(facts), sms_for(facts))
+        self.sm = fused_kernel.sm_limits() if torch.cuda.is_available() else fused_kernel.SMLimits()
+        slots = fused_kernel.signal_slots(self.sms * fused_kernel.max_per_sm(), p)
         if buffers is None:
             buffers = symm_buffers(_group(transport), torch.device("cuda", torch.cuda.current_device()),
-                                   WireLayout(max_numel, p, config.group_size).chunk_bytes,
-                                   fused_kernel.signal_slots(self.max_programs, p))
-        if buffers.signal_slots < fused_kernel.signal_slots(self.max_programs, p):
-            raise ValueError(f"buffers: {buffers.signal_slots} flags for {self.max_programs} programs of {p} ranks")
+                                   WireLayout(max_numel, p, config.group_size).chunk_bytes, slots)
+        if buffers.signal_slots < slots:
+            raise ValueError(f"buffers: {buffers.signal_slots} flags for {self.sms} SMs of programs of {p} ranks")
         self.buffers = buffers
         if self.buffers.rank != self.rank:
             raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
@@ -323,7 +327,7 @@ class FusedSymmMemBackend(EchoBackend):
         return layout.world_size == self.world_size and layout.chunk_bytes <= self.buffers.chunk_bytes
 
     def _plan(self, layout: WireLayout):
-        return self._k.plan_for(layout, self.max_programs)
+        return self._k.plan_for(layout, self.sms, self.sm)
 
     def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
         if not self.fits(layout):
@@ -336,7 +340,7 @@ class FusedSymmMemBackend(EchoBackend):
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
-            out=out, spread=self._stages.spread,
+            out=out, sms=self.sms,
         )
 
     def consume(self, xs, layout, feedback):
@@ -349,6 +353,6 @@ class FusedSymmMemBackend(EchoBackend):
 
 __all__ = [
     "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedSymmMemBackend", "MessageTooLarge", "OVERLAP_ENV",
-    "SymmBuffers", "fused_availability", "fused_support", "max_programs_for", "probe", "release_buffers",
+    "SymmBuffers", "fused_availability", "fused_support", "probe", "release_buffers", "sms_for",
     "symm_buffers",
 ]

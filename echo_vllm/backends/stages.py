@@ -83,36 +83,31 @@ class ReferenceStages:
 
 
 class TritonStages:
-    """The fused Triton kernels of :mod:`echo_vllm.kernels`, compiled in the
-    thread ``layout`` given (``spread`` or ``thread``: the same bits)."""
+    """The fused Triton kernels of :mod:`echo_vllm.kernels`."""
 
     name = "triton"
     stochastic = False
 
-    def __init__(self, layout: str = "spread"):
+    def __init__(self):
         from .. import kernels  # imports Triton: only when these stages are built
-        from ..kernels import launch
 
         if not kernels.AVAILABLE:
             raise RuntimeError("the Triton stages need Triton (pip install triton)")
         self._k = kernels
-        self.layout = layout
-        self.spread = launch.is_spread(layout)
 
     def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
         _no_noise(self.name, noise)
-        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
-                              out=out, spread=self.spread)
+        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming, out=out)
 
     def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
         _no_noise(self.name, noise)
-        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out, spread=self.spread)
+        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out)
 
     def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
-        return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out, spread=self.spread)
+        return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out)
 
     def consume(self, x, feedback, layout, *, hadamard, out=None):
-        return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out, spread=self.spread)
+        return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out)
 
 
 class NumbaStages:

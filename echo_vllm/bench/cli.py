@@ -3,6 +3,9 @@
 * ``kernels``: one GPU; every stage kernel for P virtual ranks at sizes up
   to 1 GiB, achieved bytes/s against a measured copy, and a labelled
   projection of the all-reduce speedup on stated links.
+* ``fused``: one GPU; the fused kernel's phases, its P ranks emulated in
+  one launch, and the stage kernels against their memory roofline and a
+  speed-of-light kernel of the same byte mix.
 * ``allreduce``: 16-bit vs naive 4-bit vs Echo; NCCL under torchrun on N
   GPUs, gloo processes on CPU (``--backend gloo --world-size 4``); on one
   GPU without torchrun it prints the kernel table.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce_bench, kernels_bench
+from . import allreduce_bench, fused_bench, kernels_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     kernels_bench.add_arguments(sub.add_parser("kernels", help="per-kernel times on one GPU + projection"))
+    fused_bench.add_arguments(sub.add_parser("fused", help="the fused kernel vs its roofline on one GPU"))
     allreduce_bench.add_arguments(sub.add_parser("allreduce", help="all-reduce: NCCL (torchrun) or gloo (CPU)"))
     return ap
 
@@ -30,4 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.what == "kernels":
         return kernels_bench.run(args)
+    if args.what == "fused":
+        return fused_bench.run(args)
     return allreduce_bench.run(args)

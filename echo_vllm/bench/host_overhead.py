@@ -94,9 +94,9 @@ def compile_only():
         direct_launch.current_device, direct_launch.current_stream = old_dev, old_stream
 
 
-def _calls(numel: int, world_size: int, spread: bool = True):
+def _calls(numel: int, world_size: int):
     """One rank's four wrapper calls with caller-supplied buffers (as the
-    benchmark and a CUDA-graph caller make them), in thread layout ``spread``."""
+    benchmark and a CUDA-graph caller make them)."""
     from .. import kernels
     from ..quant import WireLayout
 
@@ -108,10 +108,10 @@ def _calls(numel: int, world_size: int, spread: bool = True):
     y = torch.empty(lay.numel, dtype=torch.bfloat16)
     xo = torch.empty_like(x)
     return {
-        "stage1": lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=True, out=wire, spread=spread),
-        "stage2": lambda: kernels.stage2(wire, fb, [0], lay, qmax=7, out=q2, spread=spread),
-        "output": lambda: kernels.output(wire[0], lay, torch.bfloat16, hadamard=True, out=y, spread=spread),
-        "consume": lambda: kernels.consume(x, fb, lay, hadamard=True, out=xo, spread=spread),
+        "stage1": lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=True, out=wire),
+        "stage2": lambda: kernels.stage2(wire, fb, [0], lay, qmax=7, out=q2),
+        "output": lambda: kernels.output(wire[0], lay, torch.bfloat16, hadamard=True, out=y),
+        "consume": lambda: kernels.consume(x, fb, lay, hadamard=True, out=xo),
     }
 
 

@@ -66,14 +66,14 @@ NAIVE_KERNELS = ("naive_stage1", "naive_stage2", "naive_output")
 # -- the operations under test ------------------------------------------------
 
 
-def _backend(device: torch.device, layout: str = "spread"):
-    """The stages under test: the Triton kernels (in thread ``layout``) on
-    CUDA; on CPU (smoke runs) the references."""
+def _backend(device: torch.device):
+    """The stages under test: the Triton kernels on CUDA; on CPU (smoke
+    runs) the references."""
     from ..backends.stages import ReferenceStages, TritonStages
 
     if device.type == "cuda":
         try:
-            return TritonStages(layout)
+            return TritonStages()
         except RuntimeError as e:
             raise SystemExit(f"bench kernels: {e}") from None
     return ReferenceStages()
@@ -292,30 +292,6 @@ def eager_table(results: list[SizeResult]) -> str:
     )
 
 
-def compare_layouts(backend, device, cfg: EchoConfig, world_size: int, sizes: list[int], iters: int,
-                    mode: str = "auto", hidden: int = 0):
-    """Time every kernel under each thread layout (same bits, different
-    memory/shuffle trade-off). Returns [(layout, SizeResult)]."""
-    from ..kernels.launch import LAYOUTS
-
-    out = []
-    for layout in LAYOUTS:
-        stages = _backend(device, layout)
-        out += [(layout, measure_size(stages, device, cfg, world_size, z, iters, mode, hidden)) for z in sizes]
-    return out
-
-
-def layout_table(rows, copy_gbps: float) -> str:
-    names = ECHO_KERNELS + ("consume",)
-    head = f"{'layout':>7} {'P':>2} {'size':>9} |" + "".join(f" {n + ' %cp':>12} |" for n in names) + f" {'echo us':>9}"
-    lines = [head, "-" * len(head)]
-    for layout, r in rows:
-        line = f"{layout:>7} {r.world_size:>2} {report.human_bytes(r.size_bytes):>9} |"
-        line += "".join(f" {100 * r.kernels[n].gbps / copy_gbps:12.1f} |" for n in names)
-        lines.append(line + f" {r.total_s(ECHO_KERNELS) * 1e6:9.1f}")
-    return "\n".join(lines)
-
-
 def compile_report() -> list[dict]:
     """Registers / spills / shared memory of every compiled kernel variant
     (Triton's cache after the run); empty if this Triton exposes no cache."""
@@ -400,8 +376,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_DTYPES))
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
-    ap.add_argument("--no-layout-compare", action="store_true",
-                    help="skip timing both thread layouts at 64 MiB / 1 GiB")
     ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")
     ap.add_argument("--model-only", action="store_true",
                     help="measure nothing: predict kernel times from bytes moved (no GPU needed)")
@@ -440,19 +414,12 @@ def run(args: argparse.Namespace) -> int:
         sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
     else:
         sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
-    compare = device.type == "cuda" and not args.no_layout_compare
     if not args.skip_verify:
-        bad = []
-        from ..kernels.launch import LAYOUTS
-
-        for layout in LAYOUTS if compare else (backend.name if device.type != "cuda" else backend.layout,):
-            stages = _backend(device, layout) if device.type == "cuda" else backend
-            bad += [f"{layout} P={p}: {b}" for p in worlds
-                    for b in verify(stages, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
-            if args.hidden:  # the row layout too: whole rows of the model's width
-                rows = max(1, min(3 << 20, max(sizes)) // args.hidden)
-                bad += [f"{layout} P={p} rows of {args.hidden}: {b}" for p in worlds
-                        for b in verify(stages, device, cfg, p, numel=rows * args.hidden, hidden=args.hidden)]
+        bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+        if args.hidden:  # the row layout too: whole rows of the model's width
+            rows = max(1, min(3 << 20, max(sizes)) // args.hidden)
+            bad += [f"P={p} rows of {args.hidden}: {b}" for p in worlds
+                    for b in verify(backend, device, cfg, p, numel=rows * args.hidden, hidden=args.hidden)]
         if bad:
             print("bench kernels: kernels differ from the references, refusing to time them: " + ", ".join(bad),
                   file=sys.stderr)
@@ -483,12 +450,6 @@ def run(args: argparse.Namespace) -> int:
     projs = projections(results, copy_gbps)
     print()
     print(projection_table(projs))
-    layouts = []
-    if compare:
-        cmp_sizes = [z for z in sizes if z in (64 << 20, 1 << 30)] or [max(sizes)]
-        layouts = compare_layouts(backend, device, cfg, max(worlds), cmp_sizes, args.iters, args.timing, args.hidden)
-        print("\nthread layouts (same bits): % of copy bandwidth per kernel")
-        print(layout_table(layouts, copy_gbps))
     compiled = compile_report() if device.type == "cuda" else []
     if compiled:
         print("\ncompiled variants (registers per thread, spilled bytes, shared memory):")
@@ -511,10 +472,6 @@ def run(args: argparse.Namespace) -> int:
             ],
             "projection_model": projection.__doc__,
             "compiled": compiled,
-            "layouts": [{"layout": lay, "world_size": r.world_size, "size_bytes": r.size_bytes,
-                         "kernels": {k: {"time_s": v.time_s, "eager_s": v.eager_s,
-                                         "fraction_of_copy": v.gbps / copy_gbps}
-                                     for k, v in r.kernels.items()}} for lay, r in layouts],
             "projections": [pr.to_dict() for pr in projs],
         }
         path = report.write_json(args.out, "kernels.json", payload)

@@ -1,6 +1,6 @@
 """What the compiler makes of each Echo kernel, without a GPU.
 
-``python -m echo_vllm.bench.sass_report [--layouts spread,thread]`` compiles
+``python -m echo_vllm.bench.sass_report`` compiles
 stage 1, stage 2, output and consume for sm_90 (bf16 input, fp32 feedback,
 g = 32, Hadamard on, P = 8, sizes with the 1 GiB benchmark's
 specialization) under ``host_overhead.compile_only`` and prints, per
@@ -69,33 +69,53 @@ def kernel_report(compiled) -> dict:
     }
 
 
-def report(layouts=("spread", "thread")) -> list[dict]:
+def _fused_phase(phase: int, world_size: int = 8):
+    """The fused kernel compiled for one phase alone (64 MiB of rows of 8192)."""
+    from ..kernels import fused_kernel as fk
+    from ..quant import WireLayout
+
+    lay = WireLayout(4096 * 8192, world_size, 32, 8192)
+    x, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.empty(1, lay.numel, dtype=torch.bfloat16)
+    fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
+    plan = fk.plan_for(lay, 132)
+    lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase)
+    return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
+                               (0, 10**9, x.stride(0), fb.stride(0), lay.numel, *lp.ints), lp.constexprs)
+
+
+def report() -> list[dict]:
+    """One row per kernel: the stage kernels (no loops: the SASS count is
+    what a thread executes, for ``TILE_VALUES / threads`` values) and the
+    fused kernel's three phases compiled alone (static counts of a loop
+    over tiles: phases 1 and 3 handle a thread's 8 values of each of the
+    P = 8 chunks per tile, 64 values; phase 2 its 8 values of the own chunk,
+    each summed over 8 ranks and stored to 8 peers)."""
     from ..kernels import consume_kernel, launch, output_kernel, stage1_kernel, stage2_kernel
 
     modules = {"stage1": stage1_kernel, "stage2": stage2_kernel, "output": output_kernel, "consume": consume_kernel}
-    values_per_thread = launch.GROUPS_PER_PROGRAM * 32 // (32 * launch.NUM_WARPS)
+    values_per_thread = launch.TILE_VALUES // (32 * launch.NUM_WARPS)
     rows = []
     with compile_only():
-        for layout in layouts:
-            for name, call in _calls(1 << 22, 8, launch.is_spread(layout)).items():
-                call()
-                compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
-                r = kernel_report(compiled)
-                rows.append({"layout": layout, "kernel": name, **r,
-                             "sass_per_value": r["sass"] / values_per_thread})
+        for name, call in _calls(1 << 22, 8).items():
+            call()
+            compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
+            r = kernel_report(compiled)
+            rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / values_per_thread})
+        for phase in (1, 2, 3):
+            r = kernel_report(_fused_phase(phase))
+            rows.append({"kernel": f"fused phase {phase}", **r, "sass_per_value": r["sass"] / (8 if phase == 2 else 64)})
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.sass_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default="spread,thread")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'layout':<7} {'kernel':<8} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
-    for r in report(tuple(args.layouts.split(","))):
+    print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
+    for r in report():
         mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
-        print(f"{r['layout']:<7} {r['kernel']:<8} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
+        print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
               f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
     return 0
 

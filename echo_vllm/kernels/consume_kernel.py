@@ -13,43 +13,33 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import (
-    WIDE_VEC, as_access, as_groups, group_mask, message_offsets, to_f32, to_output, unrotate, value_offsets,
-)
+from .bodies import consume_tile
 
 
 @triton.jit
 def _consume_kernel(
     x_ptr, fb_ptr, out_ptr,
     x_row_stride, fb_row_stride, out_row_stride, row_groups, cols, msg_groups, chunk_numel,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     # program (block of groups, chunk j, local rank r): the error is in wire order
     j = tl.program_id(1).to(tl.int64)
     r = tl.program_id(2).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    xi, xm = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD, WIDE_VEC)
-    ei = value_offsets(j * chunk_numel, lg, G, SPREAD, WIDE_VEC)
-    m = group_mask(lg < msg_groups, SPREAD)
-    e = to_f32(as_groups(tl.load(fb_ptr + r * fb_row_stride + ei, mask=m, other=0.0), BG, G))
-    if HADAMARD:
-        e = unrotate(e, BG, G, SPREAD)
-    x = to_f32(as_groups(tl.load(x_ptr + r * x_row_stride + xi, mask=xm, other=0.0), BG, G))
-    tl.store(out_ptr + r * out_row_stride + xi, as_access(to_output(x + e, x_ptr.dtype.element_ty), BG, G, SPREAD),
-             mask=xm)
+    consume_tile(x_ptr + r * x_row_stride, fb_ptr + r * fb_row_stride, out_ptr + r * out_row_stride, j, lg,
+                 row_groups, cols, msg_groups, chunk_numel, G, HADAMARD)
 
 
 _LAUNCH = Launcher(_consume_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, hadamard: bool, spread: bool) -> launch.Plan:
+def _plan(layout: WireLayout, rows: int, hadamard: bool) -> launch.Plan:
     """``ints``: :func:`launch.message_ints`, chunk_numel (the rows' strides are per call)."""
     return launch.Plan(
-        grid=(launch.programs(layout.chunk_groups), layout.world_size, rows),
+        grid=(launch.programs(layout), layout.world_size, rows),
         ints=(*launch.message_ints(layout), layout.chunk_numel),
-        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
-                                      SPREAD=spread),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard),
         wire_shape=(),
     )
 
@@ -61,7 +51,6 @@ def consume(
     *,
     hadamard: bool,
     out: torch.Tensor | None = None,
-    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.consume_reference``: ``x [R, numel]`` -> ``[R, numel]``."""
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -74,7 +63,7 @@ def consume(
     else:
         launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
     launch.check_device(x, feedback, out)
-    plan = _plan(layout, rows, bool(hadamard), bool(spread))
+    plan = _plan(layout, rows, bool(hadamard))
     _LAUNCH(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
             plan.constexprs)
     return out

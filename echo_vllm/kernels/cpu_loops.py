@@ -7,7 +7,8 @@ one group at a time in a small scratch array, with the same fp32 operations
 in the same order -- so they return the references' bits (tested in
 ``tests/kernels/test_kernels.py``). LLVM gets no fast-math flags from numba, so it
 neither contracts ``a - b * c`` into an FMA nor simplifies the magic-number
-rounding away.
+rounding away; where the spec fuses an exact product into its sum, the
+loops form it in float64 as the reference does.
 
 Used by the ``numba`` backend (``echo_vllm.backends``): the gloo benchmark and
 CPU deployments opt in; the default CPU path stays the references.
@@ -121,28 +122,33 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
         y = min(max(y, -qmax), qmax)
         r = (y + MAGIC) - MAGIC
         codes[k] = np.int32(r) + 8
-        err[k] = u[k] - r * s
+        err[k] = _F(np.float64(u[k]) - np.float64(r) * np.float64(s))  # one rounding (the product is exact)
     return s_bits
 
 
 @_njit
-def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate):
+def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate, scale=True):
     """Dequantize group ``lg`` of the chunk at byte ``chunk_first`` into
-    ``dst`` (``dst += value`` if ``accumulate``)."""
+    ``dst`` (``dst += value`` if ``accumulate``; ``code - 8`` alone if not
+    ``scale``); returns the group's scale."""
     so = chunk_first + pb + 2 * lg
     one_bits[0] = (np.uint32(wire[so]) | (np.uint32(wire[so + 1]) << np.uint32(8))) << np.uint32(16)
     s = one[0]
     po = chunk_first + lg * (g // 2)
     for k in range(g // 2):
         byte = wire[po + k]
-        v0 = (_F(byte & 0x0F) - CODE_BIAS) * s
-        v1 = (_F(byte >> 4) - CODE_BIAS) * s
-        if accumulate:
-            dst[2 * k] = dst[2 * k] + v0
-            dst[2 * k + 1] = dst[2 * k + 1] + v1
+        q0 = _F(byte & 0x0F) - CODE_BIAS
+        q1 = _F(byte >> 4) - CODE_BIAS
+        if accumulate:  # dst + q * s rounded once (the product is exact)
+            dst[2 * k] = _F(np.float64(dst[2 * k]) + np.float64(q0) * np.float64(s))
+            dst[2 * k + 1] = _F(np.float64(dst[2 * k + 1]) + np.float64(q1) * np.float64(s))
+        elif scale:
+            dst[2 * k] = q0 * s
+            dst[2 * k + 1] = q1 * s
         else:
-            dst[2 * k] = v0
-            dst[2 * k + 1] = v1
+            dst[2 * k] = q0
+            dst[2 * k + 1] = q1
+    return s
 
 
 @_njit
@@ -266,11 +272,14 @@ def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard):
     inv_g = _F(1.0) / _F(g)
     for j in range(p):
         for lg in range(c // g):
-            _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False)
-            if hadamard:
+            if hadamard:  # rot(q) * (scale / g): quant.output_reference
+                s = _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False, False)
                 _fwht(v, g)
+                sg = s * inv_g
                 for k in range(g):
-                    v[k] = v[k] * inv_g
+                    v[k] = v[k] * sg
+            else:
+                _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False)
             dst, valid = _message_group(j, lg, msg[0], msg[1], msg[2], g)
             _store_group(out, out_bf16, dst, valid, v, vb, g)
 
@@ -315,8 +324,7 @@ def _require(*tensors: torch.Tensor | None) -> None:
 
 
 def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
-    c = launch.qmax_constants(qmax)
-    return _F(c["QMAX"]), _F(c["INV_QMAX"])
+    return _F(qmax), _F(launch.qmax_constants(qmax)["INV_QMAX"])
 
 
 def _feedback_rows(feedback: torch.Tensor | None):

@@ -120,6 +120,17 @@ class Launcher:
         """Specializations launched directly so far (for tests and reports)."""
         return len(self._compiled)
 
+    def compile(self, grid: Sequence[int], tensors: Sequence[torch.Tensor], ints: Sequence[int],
+                constexprs: tuple) -> Any:
+        """The compiled kernel (a ``CompiledKernel``, loaded: ``n_regs``,
+        ``n_spills``, ``metadata.shared``) that these arguments launch, compiled
+        if needed and cached where the launch will find it; launches nothing."""
+        kernel = self.fn.warmup(*tensors, *ints, *constexprs, grid=tuple(grid), **self.options)
+        if hasattr(kernel, "result"):  # asynchronous compilation
+            kernel = kernel.result()
+        kernel._init_handles()
+        return kernel
+
     def __call__(
         self, grid: Sequence[int], tensors: Sequence[torch.Tensor], ints: Sequence[int], constexprs: tuple
     ) -> None:

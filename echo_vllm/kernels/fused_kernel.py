@@ -18,14 +18,16 @@ grid on the same message layout):
    cast, store y.
 
 The bits are those of ``quant.stage1_reference`` -> exchange ->
-``stage2_reference`` -> ``output_reference``: the same device functions
-(:mod:`.tile`) as the stage kernels, compiled without FMA contraction.
+``stage2_reference`` -> ``output_reference``: the same tile bodies
+(:mod:`.bodies`) as the stage kernels, compiled without FMA contraction.
+Phases 1 and 3 issue the loads of a program's next tile before the
+arithmetic of the current one.
 
 Memory
 ------
 ``table`` is an int64 tensor ``[2, P]`` *as seen by this rank*: row 0 the
-base address of each rank's symmetric buffer, row 1 of each rank's signal
-pad. A buffer holds ``recv`` at byte 0 (P slots of ``chunk_bytes``: slot i
+base address of each rank's symmetric buffer, row 1 of each rank's flag
+area (``signal_slots`` int32, zeroed once). A buffer holds ``recv`` at byte 0 (P slots of ``chunk_bytes``: slot i
 written by rank i in phase 1) and ``gathered`` at byte ``gathered_offset``
 (P slots: slot j written by rank j in phase 2). Those 4-bit areas are the
 only HBM intermediates.
@@ -45,7 +47,7 @@ The buffers therefore must be used by one stream at a time.
 
 Barriers
 --------
-Flags are int32 slots ``[program][peer]`` in each rank's signal pad, and
+Flags are int32 slots ``[program][peer]`` in each rank's flag area, and
 they reset themselves, so no host-side round counter exists (one would be
 frozen into a CUDA graph): the sender CASes 0 -> 1 on the peer's slot
 ``[program][rank]`` (release, system scope; it spins while the slot still
@@ -65,16 +67,20 @@ processes they kill on a deadline.
 
 Grid
 ----
-Persistent: ``programs`` <= the SMs available per rank, each program loops
-over tiles ``pid, pid + programs, ...``, so no spinning program waits for
-a program that cannot be scheduled while it spins (which a grid larger than
-the device could cause). :data:`TILE_TABLE` picks the tile size and warps
-from the chunk size.
+Persistent: each program loops over tiles ``pid, pid + programs, ...``,
+and every program of the launch must be resident at once, so that no
+spinning program waits for one that cannot be scheduled while it spins.
+:data:`TILE_TABLE` picks the tile, the warps and the programs per SM from
+the chunk size; the kernel is compiled with a register cap
+(``maxnreg``) that lets that many programs fit an SM, and before the first
+launch of a plan :func:`check_resident` reads the compiled kernel's
+registers and shared memory and refuses a grid that could not be resident.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -85,10 +91,8 @@ from triton import knobs
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import (
-    WIDE_VEC, as_access, as_groups, from_f32, fwht, group_mask, load_chunk_groups, message_offsets, quantize,
-    store_chunk_groups, to_f32, to_output, unrotate, value_offsets,
-)
+from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
+from .tile import group_rows, store_chunk_groups
 
 #: Compiled kernels bound their barrier waits with ``%globaltimer`` and
 #: ``trap`` (inline PTX); Triton's interpreter has neither.
@@ -165,99 +169,96 @@ def _peer_buffer(table_ptr, i):
 @triton.jit
 def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
-            P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
-            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, SPREAD: tl.constexpr):
+            P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
-    its owner's ``recv`` slot ``rank`` (``stage1_kernel``'s body)."""
+    its owner's ``recv`` slot ``rank``; the next chunk's loads are issued
+    before this chunk's arithmetic."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
-        gmask = lg < chunk_groups
-        m3 = group_mask(gmask, SPREAD)
-        for k in range(P):
-            # rank r starts with chunk r + 1: at any moment the ranks write to
-            # different peers instead of all to the same one
-            j = tl.cast((rank + 1 + k) % P, tl.int64)
-            xi, xm = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD)
-            u = to_f32(as_groups(tl.load(x_ptr + xi, mask=xm, other=0.0), BG, G))
-            if HADAMARD:
-                u = fwht(u, BG, G, SPREAD)
-            idx = value_offsets(j * chunk_numel, lg, G, SPREAD)  # wire order: feedback
-            if HAS_FB and HAS_INCOMING:
-                u = u + to_f32(as_groups(tl.load(fb_ptr + idx, mask=m3, other=0.0), BG, G))
-            codes, s_bits, err = quantize(u, INV_QMAX, QMAX)
-            if HAS_FB:
-                tl.store(fb_ptr + idx, as_access(from_f32(err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
-            store_chunk_groups(_peer_buffer(table_ptr, j), rank * chunk_bytes, payload_bytes, lg, gmask,
-                               codes, s_bits, BG, G, SPREAD)
+        rows = group_rows(lg, row_groups)
+        # rank r starts with chunk r + 1: at any moment the ranks write to
+        # different peers instead of all to the same one
+        j = tl.cast((rank + 1) % P, tl.int64)
+        x, e = stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
+                           G, HAS_FB, HAS_INCOMING)
+        for k in tl.static_range(P):
+            if k + 1 < P:
+                j_n = tl.cast((rank + 2 + k) % P, tl.int64)
+                x_n, e_n = stage1_load(x_ptr, fb_ptr, j_n, lg, rows, row_groups, cols, msg_groups, chunk_numel,
+                                       chunk_groups, G, HAS_FB, HAS_INCOMING)
+            stage1_finish(x, e, fb_ptr, _peer_buffer(table_ptr, j), rank * chunk_bytes, payload_bytes, j, lg,
+                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
+            if k + 1 < P:
+                x, e, j = x_n, e_n, j_n
 
 
 @triton.jit
 def _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-            n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr,
-            INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr, SPREAD: tl.constexpr):
+            n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+            HAS_FB: tl.constexpr):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
-    ``gathered`` slot ``rank`` (``stage2_kernel``'s body)."""
+    ``gathered`` slot ``rank``."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
+        words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
+                                    lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
         gmask = lg < chunk_groups
-        m3 = group_mask(gmask, SPREAD)
-        acc = tl.zeros((BG, G), dtype=tl.float32)
-        for i in tl.static_range(P):  # rank order: the reference's sum
-            acc = acc + load_chunk_groups(mine, i * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
-        codes, s_bits, err = quantize(acc, INV_QMAX, QMAX)
-        if HAS_FB:
-            ptrs = fb_ptr + value_offsets(tl.cast(rank, tl.int64) * chunk_numel, lg, G, SPREAD)
-            e = to_f32(as_groups(tl.load(ptrs, mask=m3, other=0.0), BG, G))
-            tl.store(ptrs, as_access(from_f32(e + err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
-        for k in range(P):
+        for k in tl.static_range(P):
             j = (rank + 1 + k) % P
-            store_chunk_groups(_peer_buffer(table_ptr, j), gathered_offset + rank * chunk_bytes, payload_bytes,
-                               lg, gmask, codes, s_bits, BG, G, SPREAD)
+            store_chunk_groups(_peer_buffer(table_ptr, j), gathered_offset + rank * chunk_bytes, payload_bytes, lg,
+                               gmask, words, s_bits, G)
 
 
 @triton.jit
 def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-            payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr,
-            SPREAD: tl.constexpr):
-    """Decode every chunk's tiles from the local ``gathered`` area into y
-    (``output_kernel``'s body)."""
+            payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr):
+    """Decode every chunk's tiles from the local ``gathered`` area into y,
+    the next chunk's loads issued before this chunk's arithmetic."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
-        gmask = lg < chunk_groups
-        for jj in range(P):
-            j = tl.cast(jj, tl.int64)
-            v = load_chunk_groups(mine, gathered_offset + j * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
-            if HADAMARD:
-                v = unrotate(v, BG, G, SPREAD)
-            idx, m = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD, WIDE_VEC)
-            tl.store(y_ptr + idx, as_access(to_output(v, y_ptr.dtype.element_ty), BG, G, SPREAD), mask=m)
+        rows = group_rows(lg, row_groups)
+        words, s = output_load(mine, gathered_offset, payload_bytes, lg, chunk_groups, G)
+        for j in tl.static_range(P):
+            if j + 1 < P:
+                words_n, s_n = output_load(mine, gathered_offset + (j + 1) * chunk_bytes, payload_bytes, lg,
+                                           chunk_groups, G)
+            output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G, HADAMARD)
+            if j + 1 < P:
+                words, s = words_n, s_n
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "n_tiles"])
 def _fused_kernel(
     x_ptr, fb_ptr, y_ptr, table_ptr,
-    rank, timeout_ns, gathered_offset, row_groups, cols, msg_groups,
+    rank, timeout_ns, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
-    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, SPREAD: tl.constexpr,
-    PHASE: tl.constexpr,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
 ):
+    # one rank per launch (grid [programs, 1]), or every rank of one address
+    # space in one launch (grid [programs, P], rank = program_id(1), the
+    # ranks' tensors ``*_rank_stride`` elements apart: the emulation)
+    emulated = tl.program_id(1)
+    rank = rank + emulated
+    x_ptr += emulated * x_rank_stride
+    fb_ptr += emulated * fb_rank_stride
+    y_ptr += emulated * y_rank_stride
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, QMAX, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING,
-                SPREAD)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, P)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-                n_tiles, P, G, BG, QMAX, INV_QMAX, HAS_FB, SPREAD)
+                n_tiles, P, G, BG, INV_QMAX, HAS_FB)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, P)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, G, BG, P, HADAMARD, SPREAD)
+                payload_bytes, n_tiles, G, BG, P, HADAMARD)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -266,61 +267,107 @@ def _fused_kernel(
 class TileRow(NamedTuple):
     """One row of :data:`TILE_TABLE`: chunks of up to ``max_chunk_numel``
     values run tiles of ``tile_values`` values (``tile_values // g`` groups)
-    with ``num_warps`` warps."""
+    with ``num_warps`` warps, ``per_sm`` programs resident on every SM."""
 
     max_chunk_numel: int
     tile_values: int
     num_warps: int
+    per_sm: int
 
 
-#: Chunk size -> tile size and warps, first row that fits. Small chunks
-#: (decode) take small tiles, so that even they spread over several programs
-#: (programs barrier independently: more of them, more stores in flight);
-#: large ones take 2048-value tiles with eight warps: with one program per
-#: SM (the co-residency bound of the barriers), the best of the tile x warps
-#: sweep at prefill sizes (``scripts/experiments/fused_tuning.py``,
-#: BENCHMARKS.md section 9). Tile sizes are powers of two of at least
-#: ``max(SUPPORTED_GROUP_SIZES)`` values, so every group size gives a
-#: power-of-two number of whole groups.
+#: Chunk size -> tile, warps and programs per SM, first row that fits.
+#: Small chunks (decode) take small tiles, so that even they spread over
+#: several programs; large ones fill every SM with ``per_sm`` programs
+#: (measured: BENCHMARKS.md section 11). Tile sizes are powers of two of
+#: at least 256 values (32 lanes of 8), so every group size gives a
+#: power-of-two number of whole groups and a warp holds whole groups.
 TILE_TABLE: tuple[TileRow, ...] = (
-    TileRow(max_chunk_numel=1 << 12, tile_values=1 << 8, num_warps=1),
-    TileRow(max_chunk_numel=1 << 16, tile_values=1 << 10, num_warps=2),
-    TileRow(max_chunk_numel=1 << 20, tile_values=1 << 11, num_warps=4),
-    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 11, num_warps=8),
+    TileRow(max_chunk_numel=1 << 12, tile_values=1 << 8, num_warps=1, per_sm=4),
+    TileRow(max_chunk_numel=1 << 16, tile_values=1 << 10, num_warps=4, per_sm=4),
+    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 11, num_warps=8, per_sm=4),
 )
+
+
+def max_per_sm() -> int:
+    """The most programs per SM any :data:`TILE_TABLE` row asks for (sizes the flag areas)."""
+    return max(r.per_sm for r in TILE_TABLE)
 
 
 class FusedPlan(NamedTuple):
     """How one fused launch covers a message: ``groups_per_tile`` groups a
-    tile, ``num_warps`` warps a program, ``programs`` programs (persistent:
-    each loops over tiles)."""
+    tile, ``num_warps`` warps a program, ``programs`` programs per rank
+    (persistent: each loops over tiles), compiled for at most ``registers``
+    registers per thread so that ``per_sm`` of them fit on an SM."""
 
     groups_per_tile: int
     num_warps: int
     programs: int
+    registers: int = 255
 
     def tiles(self, layout: WireLayout) -> int:
         return -(-layout.chunk_groups // self.groups_per_tile)
 
 
-def plan_for(layout: WireLayout, max_programs: int) -> FusedPlan:
-    """The plan for ``layout`` with at most ``max_programs`` programs (the SMs
-    one rank may fill at once; at least 1): the :data:`TILE_TABLE` row of its
-    chunk size, and one program per tile up to ``max_programs``."""
-    if max_programs < 1:
-        raise ValueError(f"max_programs={max_programs}: need at least one program")
+@dataclass(frozen=True)
+class SMLimits:
+    """What one streaming multiprocessor holds (Hopper's numbers by default;
+    :func:`sm_limits` reads the device's)."""
+
+    registers: int = 65536
+    max_warps: int = 64
+    max_programs: int = 32
+    shared_bytes: int = 233472
+    shared_reserved_bytes: int = 1024
+    """Shared memory the driver reserves per resident program."""
+    register_unit: int = 256
+    """Registers are allocated per warp in multiples of this."""
+
+
+def sm_limits(device: torch.device | int | None = None) -> SMLimits:
+    """The limits of ``device``'s SMs (torch's device properties)."""
+    props = torch.cuda.get_device_properties(device)
+    d = SMLimits()
+    return SMLimits(
+        registers=getattr(props, "regs_per_multiprocessor", d.registers),
+        max_warps=getattr(props, "max_threads_per_multi_processor", 32 * d.max_warps) // 32,
+        shared_bytes=getattr(props, "shared_memory_per_multiprocessor", d.shared_bytes),
+    )
+
+
+def resident_programs(registers: int, shared_bytes: int, num_warps: int, sm: SMLimits = SMLimits()) -> int:
+    """Programs of ``num_warps`` warps using ``registers`` registers per
+    thread and ``shared_bytes`` of shared memory that one SM holds at once."""
+    unit = sm.register_unit
+    per_warp = -(-max(registers, 1) * 32 // unit) * unit
+    return min(sm.registers // (per_warp * num_warps), sm.max_warps // num_warps, sm.max_programs,
+               sm.shared_bytes // (shared_bytes + sm.shared_reserved_bytes))
+
+
+def register_cap(per_sm: int, num_warps: int, sm: SMLimits = SMLimits()) -> int:
+    """The most registers per thread (a multiple of 8, at most 255) with
+    which ``per_sm`` programs of ``num_warps`` warps fit an SM's registers."""
+    return min(255, sm.registers // (per_sm * num_warps * 32) // 8 * 8)
+
+
+def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPlan:
+    """The plan for ``layout`` on ``sms`` SMs (those one rank may fill; at
+    least 1): the :data:`TILE_TABLE` row of its chunk size, one program per
+    tile up to ``per_sm`` programs on each of the ``sms``, compiled for the
+    registers that let them all be resident at once."""
+    if sms < 1:
+        raise ValueError(f"sms={sms}: need at least one SM")
     row = next(r for r in TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
     groups = row.tile_values // layout.group_size
     tiles = -(-layout.chunk_groups // groups)
-    return FusedPlan(groups, row.num_warps, min(tiles, max_programs))
+    return FusedPlan(groups, row.num_warps, min(tiles, sms * row.per_sm), register_cap(row.per_sm, row.num_warps, sm))
 
 
 # -- launch ------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher(num_warps: int) -> Launcher:
-    return Launcher(_fused_kernel, {**launch.LAUNCH_OPTIONS, "num_warps": num_warps})
+def _launcher(num_warps: int, registers: int) -> Launcher:
+    return Launcher(_fused_kernel, {**launch.LAUNCH_OPTIONS, "num_warps": num_warps, "maxnreg": registers})
 
 
 class _Plan(NamedTuple):
@@ -331,20 +378,50 @@ class _Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _launch_plan(layout: WireLayout, plan: FusedPlan, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, spread: bool, phase: int) -> _Plan:
-    """``ints`` after ``rank, timeout_ns``: gathered_offset, :func:`launch.message_ints`,
-    :func:`launch.chunk_ints`, tiles."""
-    la = _launcher(plan.num_warps)
+def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
+                 has_fb: bool, has_incoming: bool, phase: int) -> _Plan:
+    """``ints`` after ``rank, timeout_ns`` and the three rank strides:
+    gathered_offset, :func:`launch.message_ints`, :func:`launch.chunk_ints`, tiles."""
+    la = _launcher(plan.num_warps, plan.registers)
     return _Plan(
         launcher=la,
-        grid=(plan.programs, 1, 1),
+        grid=(plan.programs, ranks, 1),
         ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, BG=plan.groups_per_tile, **launch.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, SPREAD=spread, PHASE=phase,
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase,
         ),
     )
+
+
+class ResidencyError(RuntimeError):
+    """A grid whose spinning programs could not all be resident at once."""
+
+
+#: Launch plans whose grid was checked against the compiled kernel's resources.
+_RESIDENT: dict[_Plan, tuple[int, int, int]] = {}
+
+
+def compiled_resources(lp: _Plan, tensors, ints) -> tuple[int, int, int]:
+    """``(registers, spilled bytes, shared bytes)`` of the kernel ``lp`` launches
+    on ``tensors`` (compiling it if needed; nothing is launched)."""
+    k = lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
+    return k.n_regs, k.n_spills, k.metadata.shared
+
+
+def check_resident(lp: _Plan, tensors, ints, sms: int, sm: SMLimits) -> None:
+    """Refuse (:class:`ResidencyError`) a grid with barriers that ``sms`` SMs
+    cannot hold at once: every program of every rank in the launch spins
+    until its peers arrive, so one that waits for an SM deadlocks them."""
+    if lp not in _RESIDENT:
+        _RESIDENT[lp] = compiled_resources(lp, tensors, ints)
+    regs, _, shared = _RESIDENT[lp]
+    per_sm = resident_programs(regs, shared, lp.launcher.options["num_warps"], sm)
+    need = lp.grid[0] * lp.grid[1]
+    if need > per_sm * sms:
+        raise ResidencyError(f"the fused kernel's grid of {need} programs ({lp.grid[1]} rank(s) x {lp.grid[0]}) cannot "
+                             f"be resident on {sms} SMs: {per_sm} per SM at {regs} registers/thread, {shared} bytes "
+                             f"of shared memory, {lp.launcher.options['num_warps']} warps")
 
 
 def buffer_bytes(chunk_bytes: int, world_size: int) -> int:
@@ -354,7 +431,7 @@ def buffer_bytes(chunk_bytes: int, world_size: int) -> int:
 
 
 def signal_slots(programs: int, world_size: int) -> int:
-    """int32 flags one rank's signal pad needs for ``programs`` programs."""
+    """int32 flags one rank's flag area needs for ``programs`` programs."""
     return programs * world_size
 
 
@@ -373,25 +450,35 @@ def fused_all_reduce(
     timeout_ns: int,
     out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
-    spread: bool = True,
+    sms: int | None = None,
 ) -> torch.Tensor:
     """One Echo all-reduce of this rank's ``x [1, numel]`` -> ``[numel]`` of
     ``x.dtype``, through the symmetric buffers ``table`` describes (see the
     module docstring); ``feedback [1, >= padded_numel]`` as in
     ``quant.stage1_reference`` / ``stage2_reference``.
 
+    ``x [P, numel]`` (with ``rank=0``, ``feedback [P, ...]``, ``out [P,
+    numel]``) runs every rank of one address space in this one launch
+    (``table`` the same for all): the emulation of P GPUs on one.
+
     Every rank must call it with the same layout, options and plan (the
     barriers pair program p of every rank), and ``gathered_offset >= P *
     layout.chunk_bytes``. ``phase`` 1, 2 or 3 runs that phase alone, without
-    barriers, and returns ``out`` (filled only by phase 3). Checks shapes,
-    dtypes and devices on the host; does not check that the buffers hold
-    ``gathered_offset * 2`` bytes (the caller sized them)."""
+    barriers, and returns ``out`` (filled only by phase 3). With barriers,
+    the grid must be resident at once on ``sms`` SMs (default: the device's;
+    checked against the compiled kernel, :func:`check_resident`). Checks
+    shapes, dtypes and devices on the host; does not check that the buffers
+    hold ``gathered_offset * 2`` bytes (the caller sized them)."""
     p = layout.world_size
-    launch.check_rows("x", x, 1, layout.numel, launch.INPUT_DTYPES)
+    ranks = x.shape[0] if x.dim() == 2 else 0
+    if ranks not in (1, p) or (ranks == p > 1 and rank != 0):
+        raise ValueError(f"x: expected [1, {layout.numel}] (one rank) or [{p}, {layout.numel}] (every rank, "
+                         f"rank=0), got {tuple(x.shape)} with rank={rank}")
+    launch.check_rows("x", x, ranks, layout.numel, launch.INPUT_DTYPES)
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values, layout says {layout.numel}")
     if feedback is not None:
-        launch.check_rows("feedback", feedback, 1, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        launch.check_rows("feedback", feedback, ranks, layout.padded_numel, launch.FEEDBACK_DTYPES)
     if tuple(table.shape) != (2, p) or table.dtype != torch.int64 or not table.is_contiguous():
         raise ValueError(f"table: expected contiguous int64 [2, {p}], got {table.dtype} {tuple(table.shape)}")
     if not 0 <= rank < p:
@@ -402,19 +489,25 @@ def fused_all_reduce(
     if phase not in PHASES:
         raise ValueError(f"phase={phase}: one of {PHASES}")
     if out is None:
-        out = torch.empty(layout.numel, dtype=x.dtype, device=x.device)
-    elif out.dtype != x.dtype or out.numel() != layout.numel or not out.is_contiguous():
-        raise ValueError(f"out: expected {layout.numel} contiguous {x.dtype} values, got {out.dtype} "
+        out = torch.empty(ranks, layout.numel, dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype or out.numel() != ranks * layout.numel or not out.is_contiguous():
+        raise ValueError(f"out: expected {ranks * layout.numel} contiguous {x.dtype} values, got {out.dtype} "
                          f"{tuple(out.shape)}")
     launch.check_device(x, feedback, table, out)
-    lp = _launch_plan(layout, plan, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), bool(spread), phase)
+    lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+                      bool(has_incoming), phase)
     fb = feedback if feedback is not None else x
-    lp.launcher(lp.grid, (x, fb, out, table), (rank, timeout_ns, *lp.ints), lp.constexprs)
-    return out.view(layout.numel)
+    tensors = (x, fb, out, table)
+    ints = (rank, timeout_ns, x.stride(0), fb.stride(0), layout.numel, *lp.ints)
+    if phase == ALL_PHASES and x.is_cuda:
+        check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
+                       sm_limits(x.device))
+    lp.launcher(lp.grid, tensors, ints, lp.constexprs)
+    return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
 
 
 __all__ = [
-    "ALL_PHASES", "FusedPlan", "PHASES", "TILE_TABLE", "TileRow", "buffer_bytes", "fused_all_reduce", "plan_for",
-    "signal_slots",
+    "ALL_PHASES", "FusedPlan", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow", "buffer_bytes",
+    "check_resident", "compiled_resources", "fused_all_reduce", "max_per_sm", "plan_for", "register_cap", "resident_programs",
+    "signal_slots", "sm_limits",
 ]

@@ -1,9 +1,10 @@
 """How the Echo kernels are launched: tile sizes, compiler options, checks.
 
-Every kernel processes ``GROUPS_PER_PROGRAM`` quantization groups per program
-(in one of two thread layouts, :data:`LAYOUTS`), and
-is compiled with FMA contraction off: the references in ``echo_vllm.quant`` round every product and sum
-separately, and the kernels must produce the same bits.
+Every stage kernel processes :data:`TILE_VALUES` values per program (whole
+quantization groups, in the lane layout of ``tile``), and is compiled with
+FMA contraction off: the references in ``echo_vllm.quant`` round every product
+and sum separately (except where a product is exact and the kernels fuse
+it on purpose), and the kernels must produce the same bits.
 
 The wrappers check shapes, dtypes and strides on the host (plain Python on
 tensor metadata: no device synchronisation, nothing allocated when the
@@ -26,27 +27,24 @@ import torch
 
 from ..quant import WIRE_DTYPE, WireLayout, inv_qmax_f32
 
-#: 32 * NUM_WARPS threads per program and as many groups (``thread`` layout:
-#: one group each; ``spread``: each group across several lanes).
+#: Warps per program of the stage kernels.
 NUM_WARPS = 4
-GROUPS_PER_PROGRAM = 32 * NUM_WARPS
+#: Values per program of the stage kernels: 16 per thread, whatever the group size.
+TILE_VALUES = 2048
 
 #: Launch options shared by every kernel. ``enable_fp_fusion=False`` keeps
 #: ``a - b * c`` from becoming one fused multiply-add.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
-#: The kernels' thread layouts (see ``tile``): ``spread`` (a group across
-#: lanes, coalesced, the default: faster on the H200, BENCHMARKS.md section 2)
-#: and ``thread`` (a group per thread). The same bits either way; wrappers
-#: take ``spread=`` and :class:`echo_vllm.backends.stages.TritonStages` passes it.
-LAYOUTS = ("spread", "thread")
+
+def groups_per_program(layout: WireLayout) -> int:
+    """Groups per program of the stage kernels for ``layout``'s group size."""
+    return TILE_VALUES // layout.group_size
 
 
-def is_spread(layout: str) -> bool:
-    """``spread=`` for a layout name of :data:`LAYOUTS`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"kernel layout {layout!r}: choose one of {LAYOUTS}")
-    return layout == "spread"
+def programs(layout: WireLayout) -> int:
+    """Programs along the group axis for one chunk of ``layout``."""
+    return -(-layout.chunk_groups // groups_per_program(layout))
 
 
 #: Largest qmax whose codes (q + 8) fit a nibble.
@@ -56,19 +54,15 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FEEDBACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def programs(n_groups: int) -> int:
-    """Programs along the group axis for ``n_groups`` groups."""
-    return -(-n_groups // GROUPS_PER_PROGRAM)
-
-
 @functools.lru_cache(maxsize=None, typed=True)
 def qmax_constants(qmax: int) -> types.MappingProxyType:
-    """The constexprs of the quantizer: qmax and fp32(1/qmax) (exactly the
-    value the reference multiplies by). Cached: building the fp32 value
-    costs a tensor, which is not something to do per call."""
+    """The constexpr of the quantizer: fp32(1/qmax), exactly the value the
+    reference multiplies by (the kernels need no clamp to qmax, ``tile.quantize``).
+    Cached: building the fp32 value costs a tensor, which is not something
+    to do per call."""
     if not isinstance(qmax, int) or isinstance(qmax, bool) or not 1 <= qmax <= MAX_QMAX:
         raise ValueError(f"qmax={qmax!r}: the 4-bit kernels support 1..{MAX_QMAX}")
-    return types.MappingProxyType({"QMAX": float(qmax), "INV_QMAX": float(inv_qmax_f32(qmax))})
+    return types.MappingProxyType({"INV_QMAX": float(inv_qmax_f32(qmax))})
 
 
 class Plan(NamedTuple):

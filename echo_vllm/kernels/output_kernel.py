@@ -15,36 +15,32 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import WIDE_VEC, as_access, load_chunk_groups, message_offsets, to_output, unrotate
+from .bodies import output_finish, output_load
+from .tile import group_rows
 
 
 @triton.jit
 def _output_kernel(
     gathered_ptr, out_ptr, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, SPREAD: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     j = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    gmask = lg < chunk_groups
-    v = load_chunk_groups(gathered_ptr, j * chunk_bytes, payload_bytes, lg, gmask, BG, G, SPREAD)
-    if HADAMARD:
-        v = unrotate(v, BG, G, SPREAD)
-    idx, m = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD, WIDE_VEC)
-    tl.store(out_ptr + idx, as_access(to_output(v, out_ptr.dtype.element_ty), BG, G, SPREAD), mask=m)
+    words, s = output_load(gathered_ptr, j * chunk_bytes, payload_bytes, lg, chunk_groups, G)
+    output_finish(words, s, out_ptr, j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G, HADAMARD)
 
 
 _LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, hadamard: bool, spread: bool) -> launch.Plan:
+def _plan(layout: WireLayout, hadamard: bool) -> launch.Plan:
     """``ints``: :func:`launch.message_ints`, then :func:`launch.chunk_ints`."""
     return launch.Plan(
-        grid=(launch.programs(layout.chunk_groups), layout.world_size, 1),
+        grid=(launch.programs(layout), layout.world_size, 1),
         ints=(*launch.message_ints(layout), *launch.chunk_ints(layout)),
-        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, HADAMARD=hadamard,
-                                      SPREAD=spread),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -56,11 +52,10 @@ def output(
     *,
     hadamard: bool,
     out: torch.Tensor | None = None,
-    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.output_reference``: ``gathered [P, chunk_bytes]``
     -> ``[numel]`` of ``out_dtype``."""
-    plan = _plan(layout, bool(hadamard), bool(spread))
+    plan = _plan(layout, bool(hadamard))
     launch.check_wire("gathered", gathered, plan.wire_shape)
     if out_dtype not in launch.INPUT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")

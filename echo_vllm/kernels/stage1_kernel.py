@@ -16,10 +16,8 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import (
-    as_access, as_groups, from_f32, fwht, group_mask, message_offsets, quantize, store_chunk_groups, to_f32,
-    value_offsets,
-)
+from .bodies import stage1_finish, stage1_load
+from .tile import group_rows
 
 
 @triton.jit
@@ -27,45 +25,33 @@ def _stage1_kernel(
     x_ptr, fb_ptr, wire_ptr,
     x_row_stride, fb_row_stride, wire_row_stride, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, SPREAD: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr,
 ):
     # program (block of groups, destination chunk j, local rank r)
     j = tl.program_id(1).to(tl.int64)
     r = tl.program_id(2).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    gmask = lg < chunk_groups
-    m3 = group_mask(gmask, SPREAD)
-    xi, xm = message_offsets(j, lg, row_groups, cols, msg_groups, G, SPREAD)
-    idx = value_offsets(j * chunk_numel, lg, G, SPREAD)  # wire order: feedback
-    x = tl.load(x_ptr + r * x_row_stride + xi, mask=xm, other=0.0)
-    u = to_f32(as_groups(x, BG, G))
-    if HADAMARD:
-        u = fwht(u, BG, G, SPREAD)
     fb_row = fb_ptr + r * fb_row_stride
-    if HAS_FB and HAS_INCOMING:
-        u = u + to_f32(as_groups(tl.load(fb_row + idx, mask=m3, other=0.0), BG, G))
-    codes, s_bits, err = quantize(u, INV_QMAX, QMAX)
-    if HAS_FB:
-        tl.store(fb_row + idx, as_access(from_f32(err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
-    store_chunk_groups(wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, lg, gmask,
-                       codes, s_bits, BG, G, SPREAD)
+    x, e = stage1_load(x_ptr + r * x_row_stride, fb_row, j, lg, group_rows(lg, row_groups), row_groups, cols,
+                       msg_groups, chunk_numel, chunk_groups, G, HAS_FB, HAS_INCOMING)
+    stage1_finish(x, e, fb_row, wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, j, lg, chunk_numel,
+                  chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
 
 
 _LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
-          spread: bool) -> launch.Plan:
+def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool) -> launch.Plan:
     """``ints``: wire_row_stride, :func:`launch.message_ints`, :func:`launch.chunk_ints`."""
     p = layout.world_size
     return launch.Plan(
-        grid=(launch.programs(layout.chunk_groups), p, rows),
+        grid=(launch.programs(layout), p, rows),
         ints=(p * layout.chunk_bytes, *launch.message_ints(layout), *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, SPREAD=spread,
+            G=layout.group_size, BG=launch.groups_per_program(layout), **launch.qmax_constants(qmax),
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
         ),
         wire_shape=(rows, p, layout.chunk_bytes),
     )
@@ -80,7 +66,6 @@ def stage1(
     hadamard: bool,
     has_incoming: bool,
     out: torch.Tensor | None = None,
-    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage1_reference``: ``x [R, numel]`` ->
     wire ``[R, P, chunk_bytes]``; rewrites ``feedback[:, :padded_numel]``."""
@@ -91,8 +76,7 @@ def stage1(
     if feedback is not None:
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(x, feedback, out)
-    plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
-                 bool(spread))
+    plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming))
     wire = launch.wire_or_new(out, plan.wire_shape, x)
     fb = feedback if feedback is not None else x
     _LAUNCH(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)

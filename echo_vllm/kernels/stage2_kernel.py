@@ -18,10 +18,8 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .tile import (
-    as_access, as_groups, from_f32, group_mask, load_chunk_groups, quantize, store_chunk_groups, to_f32,
-    value_offsets,
-)
+from .bodies import stage2_tile
+from .tile import store_chunk_groups
 
 
 @triton.jit
@@ -29,24 +27,14 @@ def _stage2_kernel(
     recv_ptr, fb_ptr, out_ptr,
     recv_row_stride, fb_row_stride, out_row_stride, own_base, own_stride,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, QMAX: tl.constexpr,
-    INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr, SPREAD: tl.constexpr,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr,
 ):
     r = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    gmask = lg < chunk_groups
-    m3 = group_mask(gmask, SPREAD)
-    acc = tl.zeros((BG, G), dtype=tl.float32)
-    for i in tl.static_range(P):
-        acc = acc + load_chunk_groups(recv_ptr, r * recv_row_stride + i * chunk_bytes, payload_bytes,
-                                      lg, gmask, BG, G, SPREAD)
-    codes, s_bits, err = quantize(acc, INV_QMAX, QMAX)
-    if HAS_FB:
-        own = own_base + own_stride * r
-        ptrs = fb_ptr + r * fb_row_stride + value_offsets(own * chunk_numel, lg, G, SPREAD)
-        e = to_f32(as_groups(tl.load(ptrs, mask=m3, other=0.0), BG, G))
-        tl.store(ptrs, as_access(from_f32(e + err, fb_ptr.dtype.element_ty), BG, G, SPREAD), mask=m3)
-    store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, gmask, codes, s_bits, BG, G, SPREAD)
+    own = own_base + own_stride * r
+    words, s_bits = stage2_tile(recv_ptr, r * recv_row_stride, chunk_bytes, payload_bytes, fb_ptr + r * fb_row_stride,
+                                own * chunk_numel, lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
+    store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, lg < chunk_groups, words, s_bits, G)
 
 
 def own_chunk_progression(own_chunks: list[int], world_size: int) -> tuple[int, int]:
@@ -74,15 +62,15 @@ _LAUNCH = Launcher(_stage2_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool, spread: bool) -> launch.Plan:
+def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool) -> launch.Plan:
     """``ints``: recv_row_stride, out_row_stride, then :func:`launch.chunk_ints`."""
     p = layout.world_size
     return launch.Plan(
-        grid=(launch.programs(layout.chunk_groups), rows, 1),
+        grid=(launch.programs(layout), rows, 1),
         ints=(p * layout.chunk_bytes, layout.chunk_bytes, *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            P=p, G=layout.group_size, BG=launch.GROUPS_PER_PROGRAM, **launch.qmax_constants(qmax),
-            HAS_FB=has_fb, SPREAD=spread,
+            P=p, G=layout.group_size, BG=launch.groups_per_program(layout), **launch.qmax_constants(qmax),
+            HAS_FB=has_fb,
         ),
         wire_shape=(rows, layout.chunk_bytes),
     )
@@ -96,7 +84,6 @@ def stage2(
     *,
     qmax: int,
     out: torch.Tensor | None = None,
-    spread: bool = True,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage2_reference``: ``recv [R, P, chunk_bytes]``
     -> wire ``[R, chunk_bytes]``; adds the error into ``feedback``'s own chunk."""
@@ -109,7 +96,7 @@ def stage2(
     if feedback is not None:
         launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
     launch.check_device(recv, feedback, out)
-    plan = _plan(layout, rows, qmax, feedback is not None, bool(spread))
+    plan = _plan(layout, rows, qmax, feedback is not None)
     wire = launch.wire_or_new(out, plan.wire_shape, recv)
     fb = feedback if feedback is not None else recv
     recv_stride, out_stride, *chunk = plan.ints

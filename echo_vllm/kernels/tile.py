@@ -1,34 +1,40 @@
-"""Device functions on one tile of quantization groups, shared by the stage kernels.
+"""Device functions on one tile of quantization groups, shared by every Echo kernel.
 
-A tile is ``[BG, G]``: ``BG`` groups of ``G`` values. Every function here is
-the Triton twin of a piece of ``echo_vllm.quant`` and performs the same fp32
-operations in the same order, so that the kernels match the references bit
-for bit:
+Layout
+------
+A tile is ``[BG, L, V]``: ``BG`` groups of ``G = L * V`` values, each group
+spread over ``L`` lanes holding ``V`` (:data:`V`, 8) contiguous values each.
+Triton gives such a tensor the blocked layout ``sizePerThread [1, 1, V]``,
+``threadsPerWarp [32 / L, L, 1]``: a lane reads and writes 16 contiguous
+bytes of 16-bit values (a warp covers ``32 / L`` whole groups of contiguous
+memory), its 8 codes are one 32-bit word on the wire, the three butterfly
+stages of stride 1, 2, 4 and the first steps of the amax stay in registers,
+and only the ``log2 L`` stages of stride ``V * m`` cross lanes -- as
+``shfl.bfly`` with lane mask ``m`` (:func:`lane_partner`), the value at the
+same register of lane ``lane ^ m``. Every kernel keeps every tensor of a
+tile in this shape from its loads to its stores, so the compiler inserts no
+layout conversion; ``tests/kernels/test_layouts.py`` compiles the kernels
+for sm_90 and checks that (the shuffle assumes it).
 
-* fp32 <-> bf16 conversions are done on the bit patterns (round to nearest
-  even, NaN -> 0x7FC0, as ``c10::BFloat16`` does). Hardware conversions
-  give the same numbers on the GPU, but Triton's interpreter truncates and
-  rounds ties away from zero, and CI checks the kernels in the interpreter;
-  the bit version is exact in both and costs ~6 integer ops per value.
-  Outputs (not feedback buffers) use the hardware when compiled
-  (:func:`to_output`): same values, a hardware NaN payload.
-* the only division is one correctly rounded ``1 / scale`` per group
-  (``div_rn``); rounding to integers uses the magic-number add/sub.
-* the Walsh-Hadamard butterflies run in the order of
-  ``echo_vllm.rotation.fwht`` (stride 1, 2, 4, ...; outputs ``(a+b, a-b)``).
+Arithmetic
+----------
+Every function is the Triton twin of a piece of ``echo_vllm.quant`` and
+gives the same bits:
 
-Thread layouts (``SPREAD``, the wrappers' ``spread=`` argument; the bits
-are the same either way):
-
-* ``SPREAD`` (default): 2-D offsets ``[BG, G]``, a group across lanes, so a
-  warp reads contiguous memory; the amax and the cross-lane butterfly
-  stages become shuffles. Faster on the H200 (BENCHMARKS.md, section 2).
-* one group per thread (``spread=False``): tiles are loaded
-  through 3-D offsets ``[BG, G // VEC, VEC]`` (``VEC`` values = 16 bytes of
-  fp32 per vector access), with which Triton gives each thread whole
-  groups, so the amax and every butterfly stay in registers: no shared
-  memory, no shuffles. Lanes read 8-16 contiguous bytes each, a group
-  apart; slower on the H200 (BENCHMARKS.md, section 2).
+* fp32 -> bf16 rounds to nearest even: in hardware when compiled
+  (``cvt.rn.bf16.f32``), on the bit patterns in Triton's interpreter (which
+  truncates). The two agree on every value but NaN's payload; the feedback
+  buffers never hold NaN (a non-finite group's error is 0) and outputs are
+  compared with any NaN equal to any NaN.
+* products that are exact (a 4-bit code times a bf16 scale) are fused into
+  their sum (``tl.fma``): one rounding, as the reference (which forms them
+  in float64) has.
+* the only division is one correctly rounded ``1 / scale`` per group;
+  rounding to integers uses the magic-number add/sub, whose low mantissa
+  bits then hold the code.
+* butterflies run in the order of ``echo_vllm.rotation.fwht`` (stride 1, 2,
+  4, ...; outputs ``(a + b, a - b)``); a cross-lane one is
+  ``fma(+-1, mine, partner)``, exactly ``a + b`` or ``a - b``.
 """
 
 from __future__ import annotations
@@ -37,27 +43,21 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-#: Compiled kernels (not Triton's interpreter) round fp32 results to bf16 in
-#: hardware (``cvt.rn.bf16x2.f32``: round to nearest even, one instruction
-#: per two values) where only the values matter; see :func:`to_output`.
-HW_BF16_OUTPUT: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
+#: Compiled (not Triton's interpreter): hardware conversions and lane shuffles.
+COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
-#: Values per vector access: 16 bytes of fp32.
-VEC: tl.constexpr = tl.constexpr(4)
-#: Contiguous values per lane in the ``SPREAD`` layout of kernels whose
-#: per-value traffic is bf16/fp16 (output, consume): 16-byte accesses of
-#: 16-bit values, four lanes per group of 32. (Stage 1 keeps ``VEC``: with 8
-#: its fp32 feedback store, capped at 16 bytes per lane by Triton, goes
-#: through a shared-memory conversion; see BENCHMARKS.md, 2.8.)
-WIDE_VEC: tl.constexpr = tl.constexpr(8)
+#: Contiguous values per lane (16 bytes of bf16/fp16; one 32-bit word of codes).
+V: tl.constexpr = tl.constexpr(8)
 #: (y + RNE_MAGIC) - RNE_MAGIC rounds y to an integer, ties to even (|y| <= 2**22).
 RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 #: Smallest normal fp32: scales are clamped to it so 1/scale stays finite.
 FLT_MIN: tl.constexpr = tl.constexpr(2.0**-126)
-#: Code of a value: q + CODE_OFFSET, q in [-qmax, qmax].
-CODE_OFFSET: tl.constexpr = tl.constexpr(8.0)
 #: bf16 NaN written for the scale of a non-finite group (torch's NaN bits).
 BF16_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC0)
+#: Eight codes of value 0 (code 8 each): a non-finite group's word.
+ZERO_WORD: tl.constexpr = tl.constexpr(0x88888888)
+#: float(0x4B000000 | code) == 2**23 + code; minus this gives code - 8.
+CODE_MAGIC: tl.constexpr = tl.constexpr(8388616.0)
 
 
 # -- conversions -------------------------------------------------------------
@@ -71,10 +71,14 @@ def bf16_bits_to_f32(bits):
 
 @triton.jit
 def f32_to_bf16_bits(v):
-    """fp32 -> uint16 bf16 bits, round to nearest even; NaN -> 0x7FC0."""
-    b = v.to(tl.uint32, bitcast=True)
-    rounded = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-    return tl.where(v != v, BF16_NAN_BITS, rounded).to(tl.uint16)
+    """fp32 -> uint16 bf16 bits, round to nearest even (NaN -> 0x7FC0 in the
+    interpreter, a hardware NaN when compiled)."""
+    if COMPILED:
+        return v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True)
+    else:
+        b = v.to(tl.uint32, bitcast=True)
+        rounded = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+        return tl.where(v != v, BF16_NAN_BITS, rounded).to(tl.uint16)
 
 
 @triton.jit
@@ -97,218 +101,291 @@ def from_f32(v, dtype: tl.constexpr):
         return v
 
 
-@triton.jit
-def to_output(v, dtype: tl.constexpr):
-    """fp32 -> ``dtype`` for a value the caller receives (the all-reduce
-    result, consume's input): round to nearest even, as :func:`from_f32`,
-    but in hardware when compiled. The two agree bit for bit on every
-    finite and infinite value; a NaN stays a NaN with the hardware's payload
-    (0x7FFF) instead of torch's (0x7FC0), which no consumer can tell apart
-    (the tests compare outputs with any NaN equal to any NaN). Feedback
-    buffers, compared exactly, keep :func:`from_f32`. Saves ~6 integer
-    instructions per value of the output kernel's ~25."""
-    if dtype == tl.bfloat16 and HW_BF16_OUTPUT:
-        return v.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    else:
-        return from_f32(v, dtype)
-
-
 # -- addressing --------------------------------------------------------------
+#
+# Values are loaded and stored as [BG, G] (contiguous groups: Triton gives a
+# lane 16 bytes, consecutive lanes the rest of the group) and reshaped to
+# [BG, L, V] in registers, which moves no data. Words and scales are
+# addressed as [BG, L] -- one word per lane, a group's scale read by each of
+# its lanes and written by the first -- with their contiguity hidden
+# (``max_contiguous`` 1): told the truth, Triton would give one lane a
+# group's four words, which the registers do not hold there, and convert
+# the tile through shared memory to get them.
 
 
 @triton.jit
-def value_offsets(first, lg, G: tl.constexpr, SPREAD: tl.constexpr, SPREAD_VEC: tl.constexpr = VEC):
-    """int64 offsets of the values of groups ``lg`` (group indices relative
-    to ``first``, the offset of group 0): ``[BG, G // VEC, VEC]`` (one group
-    per thread) or, if ``SPREAD``, ``[BG, G]`` with lanes along the group
-    (coalesced; ``SPREAD_VEC`` contiguous values per lane: ``VEC`` gives
-    every dtype the same layout, :data:`WIDE_VEC` 16-byte 16-bit accesses)."""
-    if SPREAD:
-        e = tl.max_contiguous(tl.arange(0, G), SPREAD_VEC)
-        return first + lg.to(tl.int64)[:, None] * G + e[None, :]
-    else:
-        k = tl.arange(0, G // VEC)[None, :, None]
-        v = tl.arange(0, VEC)[None, None, :]
-        return first + lg.to(tl.int64)[:, None, None] * G + (k * VEC + v)
+def value_offsets(first, lg, G: tl.constexpr):
+    """int64 offsets ``[BG, G]`` of the values of groups ``lg`` of a buffer
+    in wire order whose group 0 starts at ``first``."""
+    return first + lg.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
 
 
 @triton.jit
-def message_offsets(j, lg, row_groups, cols, msg_groups, G: tl.constexpr, SPREAD: tl.constexpr,
-                    SPREAD_VEC: tl.constexpr = VEC):
-    """Offsets into the message ``[rows, cols]`` of groups ``lg`` of chunk
-    ``j``, and their mask (the position-owned layout of ``quant``): group
-    ``m`` is row ``m // row_groups``, first column ``(j * row_groups +
-    m % row_groups) * G``. Masked: padding groups (``m >= msg_groups``) and
-    the zero columns past ``cols``. Shapes as :func:`value_offsets`."""
+def group_rows(lg, row_groups):
+    """``(row, block)``: group ``m`` of every chunk lies in message row
+    ``m // row_groups``, ``m % row_groups`` groups into the chunk's column
+    block (the position-owned layout of ``quant``); the same for every chunk,
+    so a kernel divides once per tile."""
     t = lg // row_groups
-    col0 = (j * row_groups + (lg - t * row_groups)) * G
-    first = t * cols + col0
-    live = lg < msg_groups
-    if SPREAD:
-        e = tl.max_contiguous(tl.arange(0, G), SPREAD_VEC)[None, :]
-        return first[:, None] + e, live[:, None] & (col0[:, None] + e < cols)
-    else:
-        e = tl.arange(0, G // VEC)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
-        return first[:, None, None] + e, live[:, None, None] & (col0[:, None, None] + e < cols)
+    return t, lg - t * row_groups
 
 
 @triton.jit
-def byte_offsets(first, lg, NB: tl.constexpr, SPREAD: tl.constexpr):
-    """int64 offsets of ``NB`` bytes per group: ``[BG, NB // W, W]`` (W <= 16)
-    or, if ``SPREAD``, ``[BG, NB]``."""
-    if SPREAD:
-        return first + lg.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :]
-    else:
-        W: tl.constexpr = NB if NB < 16 else 16
-        k = tl.arange(0, NB // W)[None, :, None]
-        v = tl.arange(0, W)[None, None, :]
-        return first + lg.to(tl.int64)[:, None, None] * NB + (k * W + v)
+def message_offsets(j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr):
+    """Offsets ``[BG, G]`` into the message ``[rows, cols]`` of groups ``lg``
+    of chunk ``j`` (``rows`` = :func:`group_rows` of ``lg``), and their mask:
+    the first column of group ``m`` is ``(j * row_groups + m % row_groups) * G``.
+    Masked: padding groups (``m >= msg_groups``) and the zero columns past ``cols``."""
+    t, b = rows
+    col0 = (j * row_groups + b) * G
+    e = tl.arange(0, G)[None, :]
+    live = (lg < msg_groups)[:, None] & (col0[:, None] + e < cols)
+    return (t * cols + col0)[:, None] + e, live
 
 
 @triton.jit
-def group_mask(gmask, SPREAD: tl.constexpr):
-    """The per-group mask ``[BG]`` broadcastable to the access shape."""
-    if SPREAD:
-        return gmask[:, None]
-    else:
-        return gmask[:, None, None]
+def as_lanes(t, G: tl.constexpr):
+    """``[BG, G]`` -> ``[BG, L, V]`` (no data moves)."""
+    return tl.reshape(t, (t.shape[0], G // V, V))
 
 
 @triton.jit
-def as_groups(t, BG: tl.constexpr, G: tl.constexpr):
-    """Access tile -> ``[BG, G]``."""
-    return tl.reshape(t, (BG, G))
+def as_groups(t):
+    """``[BG, L, V]`` -> ``[BG, G]`` (no data moves)."""
+    return tl.reshape(t, (t.shape[0], t.shape[1] * t.shape[2]))
 
 
 @triton.jit
-def as_access(t, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
-    """``[BG, G]`` -> the shape of :func:`value_offsets`."""
-    if SPREAD:
-        return t
-    else:
-        return tl.reshape(t, (BG, G // VEC, VEC))
+def load_values(ptr, offs, mask, G: tl.constexpr):
+    """``[BG, L, V]`` values at ``offs [BG, G]`` (0 where masked)."""
+    return as_lanes(tl.load(ptr + offs, mask=mask, other=0.0), G)
 
 
 @triton.jit
-def as_bytes_access(t, BG: tl.constexpr, NB: tl.constexpr, SPREAD: tl.constexpr):
-    """``[BG, NB]`` bytes -> the shape of :func:`byte_offsets`."""
-    if SPREAD:
-        return t
-    else:
-        W: tl.constexpr = NB if NB < 16 else 16
-        return tl.reshape(t, (BG, NB // W, W))
+def store_values(ptr, offs, mask, v):
+    """Store ``v [BG, L, V]`` at ``offs [BG, G]``."""
+    tl.store(ptr + offs, as_groups(v), mask=mask)
+
+
+@triton.jit
+def _opaque(offs):
+    """``offs`` with its contiguity and constancy hidden from Triton (see above)."""
+    return tl.max_constancy(tl.max_contiguous(offs, (1, 1)), (1, 1))
+
+
+@triton.jit
+def _lane_grid(lg, G: tl.constexpr):
+    """``(word offsets [BG, L], scale offsets [BG, L], lane [BG, L])`` of
+    groups ``lg`` (in words and in scales), their regularity hidden."""
+    L: tl.constexpr = G // V
+    lane = tl.arange(0, L)[None, :] + tl.zeros(lg.shape, tl.int32)[:, None]
+    wi = _opaque(lg.to(tl.int64)[:, None] * L + lane)
+    return wi, wi // L, lane
+
+
+@triton.jit
+def chunk_words(buf_ptr, chunk_first):
+    """The payload of the chunk at byte ``chunk_first`` of ``buf_ptr`` as
+    32-bit words (chunks start at multiples of 16 bytes)."""
+    return tl.multiple_of((buf_ptr + chunk_first).to(tl.pointer_type(tl.uint32)), 4)
+
+
+@triton.jit
+def chunk_scales(buf_ptr, chunk_first, payload_bytes):
+    """The bf16 scales (as uint16 bits) of the chunk at byte ``chunk_first``."""
+    return (buf_ptr + chunk_first + payload_bytes).to(tl.pointer_type(tl.uint16))
 
 
 # -- rotation ----------------------------------------------------------------
 
 
 @triton.jit
-def fwht(v, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
-    """Unnormalized Walsh-Hadamard transform of each row of ``v [BG, G]``,
-    butterfly for butterfly as ``echo_vllm.rotation.fwht``.
-
-    One group per thread: split/join in registers. ``SPREAD`` (a group
-    across lanes): each stage as two 2-element reductions, ``a + b`` and
-    ``a + (-b)`` (= ``a - b`` exactly), which Triton lowers to shuffles
-    instead of round trips through shared memory."""
-    for i in tl.static_range(8):
-        if (2 << i) <= G:
-            w = tl.reshape(v, (BG, G >> (i + 1), 2, 1 << i))
-            if SPREAD:
-                first = (tl.arange(0, 2) == 0)[None, None, :, None]
-                s = tl.sum(w, axis=2)
-                d = tl.sum(w * tl.where(first, 1.0, -1.0), axis=2)
-                w = tl.where(first, s[:, :, None, :], d[:, :, None, :])
-            else:
-                a, b = tl.split(tl.permute(w, (0, 1, 3, 2)))
-                w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-            v = tl.reshape(w, (BG, G))
-    return v
+def lane_partner(v, M: tl.constexpr, L: tl.constexpr):
+    """The value at the same position of lane ``lane ^ M`` of the group: one
+    ``shfl.sync.bfly`` when compiled (the tile layout puts a group's lanes
+    on consecutive lanes of a warp), a flip of that lane pair's values in
+    the interpreter."""
+    if COMPILED:
+        bits = v.to(tl.int32, bitcast=True)
+        if M == 1:
+            p = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        elif M == 2:
+            p = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", "=r,r", [bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        elif M == 4:
+            p = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, -1;", "=r,r", [bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            tl.static_assert(M == 8, "groups span at most 16 lanes")
+            p = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 8, 0x1f, -1;", "=r,r", [bits],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        return p.to(tl.float32, bitcast=True)
+    else:
+        BG: tl.constexpr = v.shape[0]
+        w = tl.flip(tl.reshape(v, (BG, L // (2 * M), 2, M, V)), 2)
+        return tl.reshape(w, (BG, L, V))
 
 
 @triton.jit
-def unrotate(v, BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
-    """Inverse rotation: ``fwht(v) * (1/G)`` (1/G is a power of two)."""
-    return fwht(v, BG, G, SPREAD) * (1.0 / G)
+def fwht(v, G: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each group of ``v [BG, L, V]``,
+    butterfly for butterfly as ``echo_vllm.rotation.fwht``: strides below
+    ``V`` in registers (split/join), the others across lanes."""
+    BG: tl.constexpr = v.shape[0]
+    L: tl.constexpr = G // V
+    for i in tl.static_range(3):  # strides h = 1, 2, 4 (V = 8)
+        w = tl.permute(tl.reshape(v, (BG, L, V // (2 << i), 2, 1 << i)), (0, 1, 2, 4, 3))
+        a, b = tl.split(w)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BG, L, V))
+    lane = tl.arange(0, L)[None, :, None]
+    for i in tl.static_range(4):  # strides 8, 16, 32, 64: lane masks 1, 2, 4, 8
+        if (1 << i) < L:
+            # the lower lane of a pair holds a (a + b = mine + partner), the
+            # upper b (a - b = partner - mine); +-1 * mine is exact
+            v = tl.fma(tl.where((lane & (1 << i)) == 0, 1.0, -1.0), v, lane_partner(v, 1 << i, L))
+    return v
 
 
 # -- quantization ------------------------------------------------------------
 
 
 @triton.jit
-def quantize(u, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
-    """Group-quantize fp32 ``u [BG, G]`` as ``quant.quantize_groups``.
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
-    Returns ``(codes uint8 [BG, G], scale bits uint16 [BG], err fp32 [BG, G])``.
+
+@triton.jit
+def group_amax(u):
+    """``[BG]`` max of ``|u|`` over each group; NaN if the group holds a NaN."""
+    return tl.reduce(tl.reduce(tl.abs(u), 2, _nan_max), 1, _nan_max)
+
+
+@triton.jit
+def quantize(u, INV_QMAX: tl.constexpr):
+    """Group-quantize fp32 ``u [BG, L, V]`` as ``quant.quantize_groups``
+    (round to nearest).
+
+    Returns ``(words uint32 [BG, L], scale bits uint16 [BG], err fp32 [BG, L, V])``:
+    a lane's ``V`` codes packed in one word (value ``k`` in bits ``4k..4k+3``).
+    The reference's clamp of ``u / scale`` to ``[-qmax, qmax]`` is left out:
+    ``scale >= amax / qmax * (1 - 2**-9)`` bounds it by ``qmax + 0.03``,
+    which rounds to ``qmax`` anyway.
     """
-    a = tl.abs(u)
-    finite = a < float("inf")
-    amax = tl.max(tl.where(finite, a, 0.0), axis=1)
-    bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+    amax = group_amax(u)
+    good = amax < float("inf")  # false for inf and NaN
     s_bits = f32_to_bf16_bits(tl.maximum(amax * INV_QMAX, FLT_MIN))
     s = bf16_bits_to_f32(s_bits)
     inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    y = u * inv[:, None]
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    t = y + RNE_MAGIC
-    r = tl.where(bad[:, None], 0.0, t - RNE_MAGIC)
-    # t = 1.5 * 2**23 + r exactly, so its low mantissa bits hold r: the code
-    # r + 8 comes out with integer ops instead of a (quarter-rate) F2I.
-    codes = ((t.to(tl.uint32, bitcast=True) + 8) & 0xF).to(tl.uint8)
-    codes = tl.where(bad[:, None], 8, codes).to(tl.uint8)
-    err = u - r * s[:, None]
-    err = tl.where(bad[:, None], 0.0, err)
-    s_bits = tl.where(bad, BF16_NAN_BITS, s_bits).to(tl.uint16)
-    return codes, s_bits, err
+    t = u * inv[:, None, None] + RNE_MAGIC
+    r = t - RNE_MAGIC
+    err = tl.where(good[:, None, None], tl.fma(r, -s[:, None, None], u), 0.0)
+    # t = 1.5 * 2**23 + r exactly: its low 4 bits are r mod 16, and
+    # (r mod 16) ^ 8 = r + 8, the code
+    words = tl.where(good[:, None], pack_codes(t.to(tl.uint32, bitcast=True) & 0xF) ^ ZERO_WORD, ZERO_WORD)
+    return words, tl.where(good, s_bits, BF16_NAN_BITS).to(tl.uint16), err
 
 
 @triton.jit
-def dequantize(codes, s_bits):
-    """fp32 ``(code - 8) * scale`` as ``quant.dequantize_groups``.
-
-    ``code - 8`` is formed exactly as ``float(2**23 + code) - (2**23 + 8)``
-    from the bits ``0x4B000000 | code`` (integer or + one add, instead of a
-    quarter-rate I2F)."""
-    q = (codes.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + CODE_OFFSET)
-    return q * bf16_bits_to_f32(s_bits)[:, None]
-
-
-@triton.jit
-def pack(codes, BG: tl.constexpr, G: tl.constexpr):
-    """uint8 codes ``[BG, G]`` -> bytes ``[BG, G // 2]``, element 2i low."""
-    lo, hi = tl.split(tl.reshape(codes, (BG, G // 2, 2)))
-    return lo | (hi << 4)
+def pack_codes(nib):
+    """``[BG, L, V]`` uint32 nibbles -> ``[BG, L]`` words (value ``k`` in
+    bits ``4k..4k+3``), in registers (no layout of its own: split, not a
+    tensor of shift amounts)."""
+    BG: tl.constexpr = nib.shape[0]
+    L: tl.constexpr = nib.shape[1]
+    lo, hi = tl.split(tl.reshape(nib, (BG, L, 4, 2)))
+    lo, hi = tl.split(tl.reshape(lo | (hi << 4), (BG, L, 2, 2)))
+    lo, hi = tl.split(lo | (hi << 8))
+    return lo | (hi << 16)
 
 
 @triton.jit
-def unpack(packed, BG: tl.constexpr, G: tl.constexpr):
-    """Inverse of :func:`pack`."""
-    return tl.reshape(tl.join(packed & 0x0F, packed >> 4), (BG, G))
+def _code(words, K: tl.constexpr):
+    """``code - 8`` of value ``K`` of each word, fp32 (exact): float(2**23 + code) - (2**23 + 8)."""
+    return (((words >> (4 * K)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - CODE_MAGIC
+
+
+@triton.jit
+def codes_of(words):
+    """``[BG, L]`` words -> ``[BG, L, V]`` fp32 ``code - 8`` (exact; no
+    multiply). Built by joins, which add register dimensions to the words'
+    layout: nested as below, the flattened order is values 0..7 (a tensor
+    of shift amounts would bring a layout of its own)."""
+    a = tl.join(tl.join(_code(words, 0), _code(words, 4)), tl.join(_code(words, 2), _code(words, 6)))
+    b = tl.join(tl.join(_code(words, 1), _code(words, 5)), tl.join(_code(words, 3), _code(words, 7)))
+    return tl.reshape(tl.join(a, b), (words.shape[0], words.shape[1], V))
 
 
 # -- the wire ----------------------------------------------------------------
 
 
 @triton.jit
-def store_chunk_groups(wire_ptr, chunk_first, PB, lg, gmask, codes, s_bits,
-                       BG: tl.constexpr, G: tl.constexpr, SPREAD: tl.constexpr):
-    """Write groups ``lg`` of the chunk starting at byte ``chunk_first``:
-    packed codes at ``lg * G/2``, scales at ``PB + 2 * lg``."""
-    NB: tl.constexpr = G // 2
-    offs = byte_offsets(chunk_first, lg, NB, SPREAD)
-    tl.store(wire_ptr + offs, as_bytes_access(pack(codes, BG, G), BG, NB, SPREAD),
-             mask=group_mask(gmask, SPREAD))
-    scale_ptr = (wire_ptr + chunk_first + PB).to(tl.pointer_type(tl.uint16))
-    tl.store(scale_ptr + lg, s_bits, mask=gmask)
+def _store_u16(ptrs, values, mask):
+    """``tl.store`` of 16-bit values in the layout they are in: compiled, one
+    predicated ``st.global.b16`` per element, so Triton picks no layout of
+    its own for the scales (which would cost a conversion through shared
+    memory and a barrier per tile)."""
+    if COMPILED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.u32 $0, 0; }", "=r,l,h,r",
+            [ptrs.to(tl.uint64, bitcast=True), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
 
 
 @triton.jit
-def load_chunk_groups(wire_ptr, chunk_first, PB, lg, gmask, BG: tl.constexpr, G: tl.constexpr,
-                      SPREAD: tl.constexpr):
-    """Read and dequantize groups ``lg`` of the chunk at byte ``chunk_first``."""
-    NB: tl.constexpr = G // 2
-    offs = byte_offsets(chunk_first, lg, NB, SPREAD)
-    packed = tl.reshape(tl.load(wire_ptr + offs, mask=group_mask(gmask, SPREAD), other=0), (BG, NB))
-    scale_ptr = (wire_ptr + chunk_first + PB).to(tl.pointer_type(tl.uint16))
-    s_bits = tl.load(scale_ptr + lg, mask=gmask, other=0)
-    return dequantize(unpack(packed, BG, G), s_bits)
+def _load_u16(ptrs, mask):
+    """``tl.load`` of 16-bit values (0 where masked) in the layout of ``ptrs``
+    (see :func:`_store_u16`); a plain weak load, ordered by the barriers' fences."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u16 $0, 0; @p ld.global.b16 $0, [$1]; }", "=h,l,r",
+            [ptrs.to(tl.uint64, bitcast=True), mask.to(tl.int32)], dtype=tl.uint16, is_pure=False, pack=1)
+    else:
+        return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def store_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, words, s_bits, G: tl.constexpr):
+    """Write groups ``lg`` of the chunk at byte ``chunk_first``: their words
+    (``[BG, L]``), then their scales (``[BG]``; the first lane of a group
+    writes it) at ``payload_bytes + 2 * lg``."""
+    wi, si, lane = _lane_grid(lg, G)
+    m = gmask[:, None]
+    tl.store(chunk_words(buf_ptr, chunk_first) + wi, words, mask=m)
+    _store_u16(chunk_scales(buf_ptr, chunk_first, payload_bytes) + si, tl.broadcast_to(s_bits[:, None], wi.shape),
+               m & (lane == 0))
+
+
+@triton.jit
+def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
+    """Read groups ``lg`` of the chunk at byte ``chunk_first``: ``(words [BG, L],
+    scales fp32 [BG, L])`` (a group's scale on each of its lanes)."""
+    wi, si, _ = _lane_grid(lg, G)
+    m = gmask[:, None]
+    words = tl.load(chunk_words(buf_ptr, chunk_first) + wi, mask=m, other=0)
+    s_bits = _load_u16(chunk_scales(buf_ptr, chunk_first, payload_bytes) + si, m)
+    return words, bf16_bits_to_f32(s_bits)
+
+
+@triton.jit
+def accumulate_chunk(acc, buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
+    """``acc + dequant(chunk groups)`` with one rounding per value (the
+    product of a code and a scale is exact)."""
+    words, s = load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G)
+    return tl.fma(codes_of(words), s[:, :, None], acc)
+
+
+@triton.jit
+def decode_output(words, s, G: tl.constexpr, HADAMARD: tl.constexpr):
+    """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
+    :func:`load_chunk_groups` returns them) as ``quant.output_reference``:
+    ``fwht(q) * (scale / G)`` with rotation, else ``q * scale`` (each exact
+    until this one product)."""
+    q = codes_of(words)
+    if HADAMARD:
+        return fwht(q, G) * (s * (1.0 / G))[:, :, None]
+    else:
+        return q * s[:, :, None]
+
+

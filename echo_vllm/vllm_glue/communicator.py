@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .. import crossover, envs
+from .. import crossover
 from ..backends import ComposedBackend, EchoBackend, TritonStages
 from ..backends.fused import FusedSymmMemBackend, fused_support
 from ..communicator import EchoCommunicator
@@ -150,10 +150,8 @@ def fused_backend(config: EchoConfig, coordinator: Any, transport: Transport,
             raise EchoConfigError(f"echo_backend=fused cannot run on group {coordinator.unique_name}: {reason}")
         logger.info("echo: composed backend on %s (fused unavailable: %s)", coordinator.unique_name, reason)
         return None
-    env = envs.read()
-    fallback = ComposedBackend(config, transport, TritonStages(env.kernel_layout))
-    backend = FusedSymmMemBackend(config, group_transport, max_numel=max_numel, kernel_layout=env.kernel_layout,
-                                  fallback=fallback)
+    fallback = ComposedBackend(config, transport, TritonStages())
+    backend = FusedSymmMemBackend(config, group_transport, max_numel=max_numel, fallback=fallback)
     logger.info("echo: fused backend on %s (%s; buffers for %s values per rank)", coordinator.unique_name, reason,
                 max_numel)
     return backend

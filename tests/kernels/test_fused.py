@@ -63,7 +63,7 @@ def reference_chain(xs, fb, layout, *, hadamard, incoming):
 
 
 def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, incoming, tile_groups, programs,
-                            special=False, spread=True):
+                            special=False):
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(numel, world, group, cols)
@@ -90,7 +90,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
         for r in range(world):
             fk.fused_all_reduce(x[r:r + 1], fbs[r], table, lay, rank=r, gathered_offset=world * cb, qmax=QMAX,
                                 hadamard=hadamard, has_incoming=incoming, plan=plan, timeout_ns=0, out=ys[r],
-                                phase=phase, spread=spread)
+                                phase=phase)
         for r in range(world):
             if phase == 1:
                 recv = bufs[r][:n].view(world, lay.chunk_bytes)
@@ -122,12 +122,11 @@ def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, inc
                       programs)
 
 
-@pytest.mark.parametrize("spread", [True, False])
-def test_phases_special_values_match_reference(spread):
+def test_phases_special_values_match_reference():
     """NaN/Inf groups decode to NaN on every rank; huge, tiny and zero groups
-    as the reference; both thread layouts."""
+    as the reference."""
     in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", "fp32", True, True, 8, 2,
-                      special=True, spread=spread)  # 3 tiles on 2 programs
+                      special=True)  # 3 tiles on 2 programs
 
 
 # -- the whole kernel, barriers included, over processes sharing memory ---------------
@@ -202,29 +201,41 @@ def test_whole_kernel_with_barriers_over_processes():
 # -- compiled for sm_90 (no GPU needed) -------------------------------------------------
 
 
-def _compiled_ptx() -> str:
+def _compiled_ptx(fp_fusion: bool = False) -> str:
+    """The fused kernel's PTX as the backend compiles it (``fp_fusion`` off),
+    or with multiply-add contraction allowed, for comparison."""
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(4 * 4096, 4, 32, 4096)
+    x, fb, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     with compile_only():
         plan = fk.plan_for(lay, 132)
-        fk.fused_all_reduce(torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel),
-                            torch.zeros(2, 4, dtype=torch.int64), lay, rank=1, gathered_offset=4 * lay.chunk_bytes,
-                            qmax=QMAX, hadamard=True, has_incoming=True, plan=plan, timeout_ns=5 * 10**9)
-        kernels, *_ = fk._fused_kernel.device_caches[-1]  # device -1: the compile-only driver's
-        return list(kernels.values())[-1].asm["ptx"]
+        lp = fk._launch_plan(lay, plan, 1, 4 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES)
+        options = lp.launcher.options
+        try:
+            lp.launcher.options = {**options, "enable_fp_fusion": fp_fusion}
+            k = lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, 4, dtype=torch.int64)),
+                                    (1, 5 * 10**9, x.stride(0), fb.stride(0), lay.numel, *lp.ints), lp.constexprs)
+        finally:
+            lp.launcher.options = options
+        return k.asm["ptx"]
 
 
 def test_compiled_kernel_has_system_scope_barriers_and_a_timeout():
     """Compiled for sm_90 on the CPU: the flags are CASed with release
     (signal) and acquire (wait) semantics at system scope, the waits read
-    ``%globaltimer`` and can ``trap``, and no multiply-add was contracted."""
-    ptx = _compiler_pool().submit(_reporting, _compiled_ptx).result(timeout=600)
+    ``%globaltimer`` and can ``trap``; the kernel keeps its explicit fused
+    multiply-adds (exact products) and contracts no other: allowing
+    contraction adds some."""
+    pool = _compiler_pool()
+    ptx = pool.submit(_reporting, _compiled_ptx).result(timeout=600)
     assert len(re.findall(r"atom\.global\.release\.sys\.cas\.b32", ptx)) == 2
     assert len(re.findall(r"atom\.global\.acquire\.sys\.cas\.b32", ptx)) == 2
     assert "%globaltimer" in ptx and re.search(r"@%p\w* trap;", ptx)
-    assert not re.search(r"\bfma\.", ptx)
+    explicit = len(re.findall(r"\bfma\.rn\.f32", ptx))
+    contracted = len(re.findall(r"\bfma\.rn\.f32", pool.submit(_reporting, _compiled_ptx, True).result(timeout=600)))
+    assert 0 < explicit < contracted, (explicit, contracted)
 
 
 # -- the grid table ---------------------------------------------------------------------
@@ -243,12 +254,16 @@ def test_tile_table_and_plans():
         for p in (2, 3, 8):
             for g in SUPPORTED_GROUP_SIZES:
                 lay = WireLayout(numel, p, g, cols)
-                for cap in (1, 7, 132):
-                    plan = fk.plan_for(lay, cap)
-                    assert 1 <= plan.programs <= cap and plan.programs == min(cap, plan.tiles(lay))
-                    assert plan.groups_per_tile * g in {r.tile_values for r in rows}
+                for sms in (1, 7, 132):
+                    plan = fk.plan_for(lay, sms)
+                    row = next(r for r in rows if lay.chunk_numel <= r.max_chunk_numel)
+                    assert plan.programs == min(sms * row.per_sm, plan.tiles(lay)) >= 1
+                    assert plan.groups_per_tile * g == row.tile_values and plan.num_warps == row.num_warps
                     assert plan.tiles(lay) * plan.groups_per_tile >= lay.chunk_groups
-    with pytest.raises(ValueError, match="max_programs"):
+                    # the register cap lets per_sm programs share an SM, and no more fit by registers
+                    assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= row.per_sm
+                    assert plan.registers == 255 or fk.resident_programs(plan.registers + 8, 0, plan.num_warps) < row.per_sm
+    with pytest.raises(ValueError, match="sms"):
         fk.plan_for(WireLayout(64, 2, 32), 0)
 
 
@@ -299,11 +314,11 @@ def test_fused_availability(facts, ok, reason):
     assert got is ok and reason in why
 
 
-def test_max_programs_share_the_smallest_gpu():
-    assert fused_mod.max_programs_for(_facts(sm_counts=(132, 78))) == 78
-    assert fused_mod.max_programs_for(_facts(devices=(0, 0, 0, 1), sm_counts=(132,) * 4,
-                                             hosts=("h",) * 4)) == 44  # three ranks share GPU 0
-    assert fused_mod.max_programs_for(_facts(sm_counts=(1, 1), devices=(0, 0))) == 1
+def test_sms_share_the_smallest_gpu():
+    assert fused_mod.sms_for(_facts(sm_counts=(132, 78))) == 78
+    assert fused_mod.sms_for(_facts(devices=(0, 0, 0, 1), sm_counts=(132,) * 4,
+                                    hosts=("h",) * 4)) == 44  # three ranks share GPU 0
+    assert fused_mod.sms_for(_facts(sm_counts=(1, 1), devices=(0, 0))) == 1
 
 
 def test_choose_backend_picks_fused_only_with_peer_access():
@@ -358,10 +373,10 @@ def test_messages_that_do_not_fit_take_the_fallback_or_raise():
 
     cfg = EchoConfig(group_size=32)
     small = WireLayout(4096, 2, 32)
-    table, bufs, pads = fused_mod.local_buffers(2, small.chunk_bytes, fk.signal_slots(4, 2), "cpu")
+    table, bufs, pads = fused_mod.local_buffers(2, small.chunk_bytes, fk.signal_slots(4 * fk.max_per_sm(), 2), "cpu")
     buffers = fused_mod.SymmBuffers(bufs[0], None, table, 0, small.chunk_bytes, pads[0].numel())
     rec = _Recorder()
-    b = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=4, fallback=rec, facts=_facts(),
+    b = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=4, fallback=rec, facts=_facts(),
                                       buffers=buffers)
     big = WireLayout(4096 + 32 * 2 * 8, 2, 32)
     assert b.fits(small) and not b.fits(big) and not b.fits(WireLayout(4096, 3, 32))
@@ -369,11 +384,11 @@ def test_messages_that_do_not_fit_take_the_fallback_or_raise():
     x = torch.zeros(1, big.numel, dtype=torch.bfloat16)
     assert b.all_reduce(x, big, None, has_incoming=False) == "fallback" and rec.calls == [big]
     assert b.capturable
-    bare = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=4, facts=_facts(), buffers=buffers)
+    bare = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=4, facts=_facts(), buffers=buffers)
     with pytest.raises(fused_mod.MessageTooLarge, match="fused buffers hold"):
         bare.all_reduce(x, big, None, has_incoming=False)
     with pytest.raises(ValueError, match="flags"):
-        fused_mod.FusedSymmMemBackend(cfg, _OneRank(), max_programs=8, facts=_facts(), buffers=buffers)
+        fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=8, facts=_facts(), buffers=buffers)
     with pytest.raises(RuntimeError, match="cannot run here: in-process"):
         fused_mod.FusedSymmMemBackend(cfg, _OneRank(), facts=_facts(transport="virtual"), buffers=buffers)
     with pytest.raises(ValueError, match="nearest"):

@@ -58,11 +58,11 @@ def kernels(impl: str = "triton"):
     return importlib.import_module("echo_vllm.kernels")
 
 
-def stages(impl: str = "triton", layout: str = "spread"):
+def stages(impl: str = "triton"):
     """The backend stage object under test (``echo_vllm.backends.stages``)."""
     from echo_vllm.backends.stages import NumbaStages, TritonStages
 
-    return NumbaStages() if impl == "cpu" else TritonStages(layout)
+    return NumbaStages() if impl == "cpu" else TritonStages()
 
 
 def _numba_available() -> bool:
@@ -188,18 +188,16 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 
 
 def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
-                    layout="spread", cols=0):
+                    cols=0):
     """One Echo call for ``world`` virtual ranks: every kernel against its
-    reference on identical inputs, each stage fed the reference's output.
-    ``layout``: the kernels' thread layout (``spread``, the default, or
-    ``thread``)."""
+    reference on identical inputs, each stage fed the reference's output."""
     device = "cpu" if impl == "cpu" else DEVICE
-    K = stages(impl, layout)
+    K = stages(impl)
     lay = WireLayout(numel, world, group, cols)
     x = _values((world, numel), seed, special=special).to(dtype).to(device)
     fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
-    tag = f"{impl}/{layout} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+    tag = f"{impl} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
 
     wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
@@ -287,30 +285,6 @@ def _special_values_match_reference(dt, hadamard):
         40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
         fb_dtype=torch.float32, seed=3, special=True,
     )
-
-
-@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset",
-                         [CASES[2], CASES[5], CASES[8], CASES[11]])
-def test_thread_layout_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
-    """The other thread layout (one group per thread) gives the same bits."""
-    in_kernel_process(
-        run_and_compare,
-        max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, layout="thread",
-    )
-
-
-def test_layout_default_is_spread_and_thread_selectable():
-    from echo_vllm import envs
-    from echo_vllm.kernels import launch
-
-    assert launch.is_spread("spread") and not launch.is_spread("thread")
-    with pytest.raises(ValueError, match="warp"):
-        launch.is_spread("warp")
-    assert envs.read({}).kernel_layout == "spread"
-    assert envs.read({"ECHO_KERNEL_LAYOUT": "thread"}).kernel_layout == "thread"
-    with pytest.raises(envs.EchoEnvError, match="ECHO_KERNEL_LAYOUT"):
-        envs.read({"ECHO_KERNEL_LAYOUT": "warp"})
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
@@ -620,14 +594,6 @@ def test_large_row_messages_on_gpu(rows, cols, world, group):
     """The position-owned layout at prefill sizes, compiled kernels vs references."""
     run_and_compare(rows * cols, world, group, torch.bfloat16, hadamard=True, incoming=True,
                     fb_dtype=torch.bfloat16, seed=rows + cols, special=True, cols=cols)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fb", ["fp32", "bf16"])
-def test_large_shapes_on_gpu_thread_layout(fb):
-    run_and_compare((1 << 24) + 123, 4, 32, torch.bfloat16, hadamard=True, incoming=True,
-                    fb_dtype=DTYPES[fb], seed=5, special=True, layout="thread")
 
 
 @pytest.mark.gpu

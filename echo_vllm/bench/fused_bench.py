@@ -1,0 +1,313 @@
+"""The fused kernel against its memory roofline, on one GPU.
+
+``echo-vllm bench fused [--world-sizes 2,4,8] [--sizes 64M,1G] [--out DIR]``
+
+For each P and message size (bf16 rows of ``--hidden`` values per rank):
+
+* **roofline**: the bytes each phase must move through HBM (every input
+  read once, every output written once: :func:`phase_bytes`) over the copy
+  bandwidth measured in the same run (a device-to-device copy; read +
+  write). ``%roof`` = that time / the measured time.
+* **speed of light**: a plain Triton kernel that moves the same bytes in
+  the same read:write mix with trivial arithmetic (:func:`_sol_kernel`), the
+  yardstick of what this HBM gives for the mix.
+* **phases alone**: phase 1, 2 and 3 of one rank, each launched alone (no
+  barriers) with every peer's buffer local, on ``--buffer-sets`` rotating
+  sets of inputs and buffers (so that L2 does not flatter them), timed by
+  CUDA-graph replay.
+* **emulated ranks**: all P ranks of the whole kernel (barriers on) in one
+  launch on the one GPU (``fused_all_reduce`` with ``x [P, numel]``); the
+  time per rank is the launch's time over P. It measures the kernel's own
+  costs -- barriers, the interleaving of phases across programs, P ranks'
+  HBM pressure -- but not NVLink: every "remote" store lands in local HBM,
+  so it cannot predict the latency or bandwidth of real peer stores, nor
+  the skew between GPUs.
+* **composed stage kernels** on the same layout, with their roofline.
+
+Before timing, every kernel is checked against the references bit for bit
+(the emulated whole kernel over a chain of calls, the phases, the stage
+kernels); a mismatch stops the run. Prints tables, writes ``fused.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..quant import WireLayout
+from . import report, timing
+
+
+# -- bytes each kernel must move (per rank) ----------------------------------------
+
+
+def phase_bytes(layout: WireLayout, fb_bytes: int = 2, elem_bytes: int = 2) -> dict[str, int]:
+    """Bytes one rank's phases (= the composed stages) must move through its
+    HBM: inputs read once, outputs written once; the 4-bit wire counts
+    where it is written (phase 1 and 2 stores to the peers' buffers) and
+    where it is read (phases 2, 3). ``fb_bytes`` per feedback value."""
+    p, n, npad = layout.world_size, layout.numel, layout.padded_numel
+    chunk = layout.chunk_bytes
+    return {
+        "phase1": n * elem_bytes + 2 * npad * fb_bytes + p * chunk,  # x, fb in/out, P chunks out
+        "phase2": p * chunk + 2 * layout.chunk_numel * fb_bytes + p * chunk,  # P chunks in, own fb, P copies out
+        "phase3": p * chunk + n * elem_bytes,  # P gathered chunks in, y out
+    }
+
+
+# -- speed of light: the same bytes, trivial arithmetic -----------------------------
+
+
+def _sol_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sol(src_ptr, dst_ptr, n_in, n_out, BLOCK: tl.constexpr):
+        # each program reads its share of n_in words and writes its share of
+        # n_out words (uint32, 16-byte vectors): the mix of a phase
+        pid, npg = tl.program_id(0), tl.num_programs(0)
+        acc = tl.zeros((BLOCK,), tl.uint32)
+        for start in range(pid * BLOCK, n_in, npg * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc ^= tl.load(src_ptr + offs, mask=offs < n_in, other=0)
+        for start in range(pid * BLOCK, n_out, npg * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(dst_ptr + offs, acc + offs.to(tl.uint32), mask=offs < n_out)
+
+    return sol
+
+
+def sol_seconds(read_bytes: int, write_bytes: int, sets: int = 3) -> float:
+    """Seconds per launch of the speed-of-light kernel reading ``read_bytes``
+    and writing ``write_bytes`` (rotating ``sets`` buffer pairs)."""
+    sol = _sol_kernel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bufs = [(torch.ones(max(read_bytes // 4, 1), dtype=torch.int32, device="cuda"),
+             torch.empty(max(write_bytes // 4, 1), dtype=torch.int32, device="cuda")) for _ in range(sets)]
+
+    def run(i):
+        s, d = bufs[i % sets]
+        sol[(sms * 8,)](s, d, read_bytes // 4, write_bytes // 4, BLOCK=1024, num_warps=4)
+
+    return timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s
+
+
+def copy_gbps(nbytes: int, sets: int = 3) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                 device="cuda")) for _ in range(sets)]
+    t = timing.cuda_graph_time(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]), iters=10,
+                               calls_per_graph=sets).median_s
+    return 2 * nbytes / t / 1e9
+
+
+def sm_clock_mhz() -> str:
+    """The SM clock as nvidia-smi reports it now (current / max), or why not."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return out or "unknown"
+    except Exception as e:  # pragma: no cover - depends on the host
+        return f"unknown ({type(e).__name__})"
+
+
+# -- the measured cases --------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    world_size: int
+    size_bytes: int
+    hidden: int
+    plan: dict
+    bytes: dict
+    times_us: dict = field(default_factory=dict)
+    sol_us: dict = field(default_factory=dict)
+
+    def roof(self, key: str, gbps: float) -> float:
+        """Fraction of the roofline ``key`` reaches (bytes at copy speed / time)."""
+        b = self.bytes.get(key)
+        return b / (gbps * 1e3) / self.times_us[key] if b and self.times_us.get(key) else float("nan")
+
+
+def _buffers(lay: WireLayout, sets: int, fb_dtype: torch.dtype):
+    from ..backends.fused import local_buffers
+    from ..kernels import fused_kernel as fk
+
+    p = lay.world_size
+    out = []
+    for s in range(sets):
+        x = torch.randn(p, lay.numel, device="cuda").to(torch.bfloat16)
+        fb = (1e-2 * torch.randn(p, lay.padded_numel, device="cuda")).to(fb_dtype)
+        y = torch.empty(p, lay.numel, dtype=torch.bfloat16, device="cuda")
+        plan = fk.plan_for(lay, torch.cuda.get_device_properties(0).multi_processor_count // p)
+        table, bufs, pads = local_buffers(p, lay.chunk_bytes, fk.signal_slots(plan.programs, p), "cuda")
+        out.append((x, fb, y, table, bufs, pads))
+    return out
+
+
+def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
+    """The emulated whole kernel (barriers on), three chained calls, against
+    the composed references: output bits on every rank, feedback bits, and
+    every flag back at 0. Returns the mismatches."""
+    from .. import quant
+    from ..kernels import fused_kernel as fk
+
+    lay = WireLayout(37 * hidden, world, 32, hidden)
+    (x, fb, y, table, bufs, pads), = _buffers(lay, 1, fb_dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = fk.plan_for(lay, sms // world)
+    fb_ref = fb.cpu().clone()
+    bad = []
+    for call in range(3):
+        xs = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16) * (10.0 ** (call - 1))
+        fk.fused_all_reduce(xs, fb, table, lay, rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7,
+                            hadamard=True, has_incoming=call > 0, plan=plan, timeout_ns=10 * 10**9, out=y)
+        wire = quant.stage1_reference(xs.cpu(), fb_ref, lay, qmax=7, hadamard=True, has_incoming=call > 0)
+        q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb_ref, list(range(world)), lay, qmax=7)
+        want = quant.output_reference(q2, lay, torch.bfloat16, hadamard=True)
+        for r in range(world):
+            if not torch.equal(y[r].cpu().view(torch.int16), want.view(torch.int16)):
+                bad.append(f"P={world} call {call} rank {r}: output bits differ")
+    if not torch.equal(fb.cpu().view(torch.int16), fb_ref.to(fb.dtype).view(torch.int16)):
+        bad.append(f"P={world}: feedback bits differ")
+    if any(int(p.abs().sum()) for p in pads):
+        bad.append(f"P={world}: flags not back at 0")
+    return bad
+
+
+def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch.dtype, gbps: float,
+            stages: bool = True) -> Case:
+    from ..backends.stages import TritonStages
+    from ..kernels import fused_kernel as fk
+
+    numel = size_bytes // 2
+    lay = WireLayout(numel, world, 32, hidden)
+    sets_ = _buffers(lay, sets, fb_dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    one = fk.plan_for(lay, sms)  # one rank per GPU
+    emul = fk.plan_for(lay, sms // world)  # P ranks share this GPU
+    case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype.itemsize))
+    kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
+              timeout_ns=10 * 10**9)
+
+    for ph in (1, 2, 3):
+        def run(i, ph=ph):
+            x, fb, y, table, _, _ = sets_[i % sets]
+            fk.fused_all_reduce(x[:1], fb[:1], table, lay, rank=0, plan=one, out=y[0], phase=ph, **kw)
+        case.times_us[f"phase{ph}"] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
+    case.times_us["phases"] = sum(case.times_us[f"phase{ph}"] for ph in (1, 2, 3))
+
+    def whole(i):
+        x, fb, y, table, _, _ = sets_[i % sets]
+        fk.fused_all_reduce(x, fb, table, lay, rank=0, plan=emul, out=y, **kw)
+    case.times_us["emulated_per_rank"] = timing.cuda_graph_time(whole, iters=5, calls_per_graph=sets).median_s * 1e6 / world
+
+    for ph in (1, 2, 3):
+        b = phase_bytes(lay, fb_dtype.itemsize)[f"phase{ph}"]
+        reads = {1: numel * 2 + lay.padded_numel * fb_dtype.itemsize,
+                 2: world * lay.chunk_bytes + lay.chunk_numel * fb_dtype.itemsize,
+                 3: world * lay.chunk_bytes}[ph]
+        case.sol_us[f"phase{ph}"] = sol_seconds(reads, b - reads, sets) * 1e6
+
+    if stages:
+        st = TritonStages()
+        x, fb, y, _, _, _ = sets_[0]
+        wire = torch.empty(1, world, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+        recv = torch.empty_like(wire)
+        q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+        gathered = torch.empty(world, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+        runs = {
+            "stage1": lambda i: st.stage1(sets_[i % sets][0][:1], sets_[i % sets][1][:1], lay, qmax=7, hadamard=True,
+                                          has_incoming=True, out=wire),
+            "stage2": lambda i: st.stage2(recv, sets_[i % sets][1][:1], [0], lay, qmax=7, out=q2),
+            "output": lambda i: st.output(gathered, lay, torch.bfloat16, hadamard=True, out=sets_[i % sets][2][0]),
+        }
+        for name, run in runs.items():
+            case.times_us[name] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
+        for name, ph in (("stage1", "phase1"), ("stage2", "phase2"), ("output", "phase3")):
+            case.bytes[name] = case.bytes[ph]
+    return case
+
+
+def table(cases: list[Case], gbps: float) -> str:
+    keys = ["phase1", "phase2", "phase3", "stage1", "stage2", "output"]
+    head = (f"{'P':>2} {'size':>8} | " + " | ".join(f"{k:>15}" for k in keys)
+            + f" | {'phases':>7} | {'emul/rank':>9}")
+    lines = [head, f"{'':>11} | " + " | ".join(f"{'us (%roof)':>15}" for _ in keys) + f" | {'us':>7} | {'us':>9}",
+             "-" * len(head)]
+    for c in cases:
+        cells = []
+        for k in keys:
+            t = c.times_us.get(k)
+            cells.append(f"{t:8.1f} ({100 * c.roof(k, gbps):3.0f}%)" if t else f"{'-':>15}")
+        lines.append(f"{c.world_size:>2} {report.human_bytes(c.size_bytes):>8} | " + " | ".join(cells)
+                     + f" | {c.times_us['phases']:7.1f} | {c.times_us['emulated_per_rank']:9.1f}")
+    lines.append("")
+    lines.append("speed of light (same bytes, same read:write mix, trivial arithmetic), us (%roof):")
+    for c in cases:
+        sol = "  ".join(f"{k} {c.sol_us[k]:7.1f} ({100 * c.bytes[k] / (gbps * 1e3) / c.sol_us[k]:3.0f}%)"
+                        for k in ("phase1", "phase2", "phase3"))
+        lines.append(f"  P={c.world_size} {report.human_bytes(c.size_bytes):>8}: {sol}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--world-sizes", default="2,4,8")
+    ap.add_argument("--sizes", default="64M,1G", help="message bytes per rank (bf16)")
+    ap.add_argument("--hidden", type=int, default=8192, help="values per row")
+    ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
+    ap.add_argument("--feedback-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--no-stages", action="store_true", help="skip the composed stage kernels")
+    ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--out", default="")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench fused: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    fb_dtype = getattr(torch, args.feedback_dtype)
+    worlds = [int(w) for w in args.world_sizes.split(",") if w]
+    sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
+    if not args.skip_verify:
+        bad = [b for p in worlds for b in verify(p, args.hidden, fb_dtype)]
+        if bad:
+            print("bench fused: the kernel differs from the references, refusing to time it: " + "; ".join(bad),
+                  file=sys.stderr)
+            return 1
+        print(f"verified: emulated whole kernel == references bit for bit, flags reset (P={worlds})", flush=True)
+    gbps = copy_gbps(1 << 30, args.buffer_sets)
+    name = torch.cuda.get_device_name(0)
+    print(f"device: {name}; SM clock (current, max): {sm_clock_mhz()}; copy {gbps:.0f} GB/s (read + write)",
+          flush=True)
+    cases = []
+    for p in worlds:
+        for z in sizes:
+            cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages))
+            print(json.dumps(asdict(cases[-1])), flush=True)
+    print(table(cases, gbps))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fused.json").write_text(json.dumps(
+            {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "feedback_dtype": args.feedback_dtype,
+             "cases": [asdict(c) for c in cases]}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="echo-vllm bench fused", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""One tile of each Echo stage: the device code the composed stage kernels
+and the fused kernel's phases share (so both give the same bits by construction).
+
+A tile is ``BG`` groups ``lg`` of one chunk (see :mod:`.tile` for the layout).
+Stage 1 and output are split into a load and a finish so that the fused
+kernel's loops can issue the next tile's loads before finishing this one.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tile import (
+    accumulate_chunk, codes_of, decode_output, from_f32, fwht, group_rows, load_chunk_groups, load_values,
+    message_offsets, quantize,
+    store_chunk_groups, store_values, to_f32, value_offsets,
+)
+
+
+@triton.jit
+def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
+                G: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr):
+    """``(x, e)``: the message values of groups ``lg`` of chunk ``j`` (``rows``:
+    ``tile.group_rows(lg)``) and their carried error (``x`` itself, unused,
+    when there is none)."""
+    xi, xm = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
+    x = load_values(x_ptr, xi, xm, G)
+    if HAS_FB and HAS_INCOMING:
+        e = load_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), (lg < chunk_groups)[:, None], G)
+    else:
+        e = x
+    return x, e
+
+
+@triton.jit
+def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
+                  G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
+                  HAS_INCOMING: tl.constexpr):
+    """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
+    (wire order), the codes and scales into the chunk at byte ``wire_first``."""
+    u = to_f32(x)
+    if HADAMARD:
+        u = fwht(u, G)
+    if HAS_FB and HAS_INCOMING:
+        u = u + to_f32(e)
+    words, s_bits, err = quantize(u, INV_QMAX)
+    gmask = lg < chunk_groups
+    if HAS_FB:
+        store_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), gmask[:, None],
+                     from_f32(err, fb_ptr.dtype.element_ty))
+    store_chunk_groups(wire_ptr, wire_first, payload_bytes, lg, gmask, words, s_bits, G)
+
+
+@triton.jit
+def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_first, lg, chunk_groups,
+                P: tl.constexpr, G: tl.constexpr, INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr):
+    """Sum the ``P`` received chunks (at ``recv_first + i * chunk_bytes``) of
+    groups ``lg`` in fp32 in rank order, requantize, add the error into the
+    feedback buffer's own chunk (its value 0 at ``own_first``). Returns
+    ``(words, scale bits)``."""
+    gmask = lg < chunk_groups
+    # the reference's 0 + dequant(chunk 0) is dequant(chunk 0) (never -0)
+    words, s = load_chunk_groups(recv_ptr, recv_first, payload_bytes, lg, gmask, G)
+    acc = codes_of(words) * s[:, :, None]
+    for i in tl.static_range(1, P):  # rank order: the reference's sum
+        acc = accumulate_chunk(acc, recv_ptr, recv_first + i * chunk_bytes, payload_bytes, lg, gmask, G)
+    words, s_bits, err = quantize(acc, INV_QMAX)
+    if HAS_FB:
+        offs = value_offsets(own_first, lg, G)
+        e = to_f32(load_values(fb_ptr, offs, gmask[:, None], G))
+        store_values(fb_ptr, offs, gmask[:, None], from_f32(e + err, fb_ptr.dtype.element_ty))
+    return words, s_bits
+
+
+@triton.jit
+def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.constexpr):
+    """``(words, scales)`` of groups ``lg`` of the gathered chunk at byte ``chunk_first``."""
+    return load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, lg < chunk_groups, G)
+
+
+@triton.jit
+def output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr,
+                  HADAMARD: tl.constexpr):
+    """Decode, unrotate and store groups ``lg`` of chunk ``j`` into the message ``y``."""
+    v = decode_output(words, s, G, HADAMARD)
+    yi, ym = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
+    store_values(y_ptr, yi, ym, from_f32(v, y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, chunk_numel, G: tl.constexpr,
+                 HADAMARD: tl.constexpr):
+    """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order)."""
+    xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
+    e = to_f32(load_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), (lg < msg_groups)[:, None], G))
+    if HADAMARD:
+        e = fwht(e, G) * (1.0 / G)
+    x = to_f32(load_values(x_ptr, xi, xm, G))
+    store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))
