@@ -47,17 +47,21 @@ from . import report, timing
 # -- bytes each kernel must move (per rank) ----------------------------------------
 
 
-def phase_bytes(layout: WireLayout, fb_bytes: int = 2, elem_bytes: int = 2) -> dict[str, int]:
-    """Bytes one rank's phases (= the composed stages) must move through its
-    HBM: inputs read once, outputs written once; the 4-bit wire counts
-    where it is written (phase 1 and 2 stores to the peers' buffers) and
-    where it is read (phases 2, 3). ``fb_bytes`` per feedback value."""
+def phase_bytes(layout: WireLayout, fb_bytes: int = 2, elem_bytes: int = 2) -> dict[str, tuple[int, int]]:
+    """``(read, written)`` bytes one rank's phases and stage kernels must
+    move through its HBM: inputs read once, outputs written once; the 4-bit
+    wire counts where it is written (stores into the peers' buffers) and
+    where it is read. ``fb_bytes`` per feedback value. Stage 2 writes its
+    chunk once (the all-gather copies it), phase 2 once per peer."""
     p, n, npad = layout.world_size, layout.numel, layout.padded_numel
-    chunk = layout.chunk_bytes
+    chunk, own_fb = layout.chunk_bytes, layout.chunk_numel * fb_bytes
     return {
-        "phase1": n * elem_bytes + 2 * npad * fb_bytes + p * chunk,  # x, fb in/out, P chunks out
-        "phase2": p * chunk + 2 * layout.chunk_numel * fb_bytes + p * chunk,  # P chunks in, own fb, P copies out
-        "phase3": p * chunk + n * elem_bytes,  # P gathered chunks in, y out
+        "phase1": (n * elem_bytes + npad * fb_bytes, npad * fb_bytes + p * chunk),  # x, fb -> fb, P chunks
+        "phase2": (p * chunk + own_fb, own_fb + p * chunk),  # P chunks, own fb -> own fb, P copies
+        "phase3": (p * chunk, n * elem_bytes),  # P gathered chunks -> y
+        "stage1": (n * elem_bytes + npad * fb_bytes, npad * fb_bytes + p * chunk),
+        "stage2": (p * chunk + own_fb, own_fb + chunk),
+        "output": (p * chunk, n * elem_bytes),
     }
 
 
@@ -69,42 +73,47 @@ def _sol_kernel():
     import triton.language as tl
 
     @triton.jit
-    def sol(src_ptr, dst_ptr, n_in, n_out, BLOCK: tl.constexpr):
-        # each program reads its share of n_in words and writes its share of
-        # n_out words (uint32, 16-byte vectors): the mix of a phase
-        pid, npg = tl.program_id(0), tl.num_programs(0)
-        acc = tl.zeros((BLOCK,), tl.uint32)
-        for start in range(pid * BLOCK, n_in, npg * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            acc ^= tl.load(src_ptr + offs, mask=offs < n_in, other=0)
-        for start in range(pid * BLOCK, n_out, npg * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            tl.store(dst_ptr + offs, acc + offs.to(tl.uint32), mask=offs < n_out)
+    def sol(src_ptr, dst_ptr, r_words, w_words, RB: tl.constexpr, WB: tl.constexpr):
+        # program b reads its block of r_words words and writes its block of
+        # w_words words (uint32, 16-byte vectors) in the same pass: one
+        # phase's read:write mix, with a sum for arithmetic
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, RB)
+        v = tl.load(src_ptr + b * r_words + r, mask=r < r_words, other=0)
+        w = tl.arange(0, WB)
+        tl.store(dst_ptr + b * w_words + w, tl.sum(v, axis=0) + w.to(tl.uint32), mask=w < w_words)
 
     return sol
 
 
-def sol_seconds(read_bytes: int, write_bytes: int, sets: int = 3) -> float:
+def sol_seconds(read_bytes: int, write_bytes: int, sets: int = 3, block_words: int = 2048) -> float:
     """Seconds per launch of the speed-of-light kernel reading ``read_bytes``
-    and writing ``write_bytes`` (rotating ``sets`` buffer pairs)."""
+    and writing ``write_bytes`` (blocks of ``block_words`` words on the
+    larger side, rotating ``sets`` buffer pairs)."""
+    import triton
+
     sol = _sol_kernel()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bufs = [(torch.ones(max(read_bytes // 4, 1), dtype=torch.int32, device="cuda"),
-             torch.empty(max(write_bytes // 4, 1), dtype=torch.int32, device="cuda")) for _ in range(sets)]
+    blocks = -(-max(read_bytes, write_bytes) // (4 * block_words))
+    r_words, w_words = -(-read_bytes // (4 * blocks)), -(-write_bytes // (4 * blocks))
+    bufs = [(torch.ones(blocks * r_words, dtype=torch.int32, device="cuda"),
+             torch.empty(blocks * w_words, dtype=torch.int32, device="cuda")) for _ in range(sets)]
 
     def run(i):
         s, d = bufs[i % sets]
-        sol[(sms * 8,)](s, d, read_bytes // 4, write_bytes // 4, BLOCK=1024, num_warps=4)
+        sol[(blocks,)](s, d, r_words, w_words, RB=triton.next_power_of_2(r_words), WB=triton.next_power_of_2(w_words),
+                       num_warps=8)
 
     return timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s
 
 
 def copy_gbps(nbytes: int, sets: int = 3) -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    """Device-to-device copy bandwidth (read + write bytes per second) of
+    ``nbytes`` copies, timed eagerly: captured into a CUDA graph, a 1 GiB
+    copy runs on the copy engines (~2.7 TB/s on the H200), eagerly on the
+    SMs, which is the ceiling a kernel competes with."""
     bufs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
                                                                                  device="cuda")) for _ in range(sets)]
-    t = timing.cuda_graph_time(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]), iters=10,
-                               calls_per_graph=sets).median_s
+    t = timing.cuda_time(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]), iters=10).median_s
     return 2 * nbytes / t / 1e9
 
 
@@ -134,7 +143,7 @@ class Case:
     def roof(self, key: str, gbps: float) -> float:
         """Fraction of the roofline ``key`` reaches (bytes at copy speed / time)."""
         b = self.bytes.get(key)
-        return b / (gbps * 1e3) / self.times_us[key] if b and self.times_us.get(key) else float("nan")
+        return sum(b) / (gbps * 1e3) / self.times_us[key] if b and self.times_us.get(key) else float("nan")
 
 
 def _buffers(lay: WireLayout, sets: int, fb_dtype: torch.dtype):
@@ -183,8 +192,19 @@ def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
     return bad
 
 
+def parse_plan(spec: str, layout: WireLayout, sms: int):
+    """``tile_values:num_warps:per_sm`` -> the ``FusedPlan`` it names for
+    ``layout`` on ``sms`` SMs (a tuning override of ``TILE_TABLE``)."""
+    from ..kernels import fused_kernel as fk
+
+    tile, warps, per_sm = (int(v) for v in spec.split(":"))
+    groups = tile // layout.group_size
+    tiles = -(-layout.chunk_groups // groups)
+    return fk.FusedPlan(groups, warps, min(tiles, sms * per_sm), fk.register_cap(per_sm, warps))
+
+
 def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch.dtype, gbps: float,
-            stages: bool = True) -> Case:
+            stages: bool = True, plan: str = "") -> Case:
     from ..backends.stages import TritonStages
     from ..kernels import fused_kernel as fk
 
@@ -192,8 +212,8 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
     lay = WireLayout(numel, world, 32, hidden)
     sets_ = _buffers(lay, sets, fb_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    one = fk.plan_for(lay, sms)  # one rank per GPU
-    emul = fk.plan_for(lay, sms // world)  # P ranks share this GPU
+    one = parse_plan(plan, lay, sms) if plan else fk.plan_for(lay, sms)  # one rank per GPU
+    emul = parse_plan(plan, lay, sms // world) if plan else fk.plan_for(lay, sms // world)  # P ranks share it
     case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype.itemsize))
     kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
               timeout_ns=10 * 10**9)
@@ -210,12 +230,8 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
         fk.fused_all_reduce(x, fb, table, lay, rank=0, plan=emul, out=y, **kw)
     case.times_us["emulated_per_rank"] = timing.cuda_graph_time(whole, iters=5, calls_per_graph=sets).median_s * 1e6 / world
 
-    for ph in (1, 2, 3):
-        b = phase_bytes(lay, fb_dtype.itemsize)[f"phase{ph}"]
-        reads = {1: numel * 2 + lay.padded_numel * fb_dtype.itemsize,
-                 2: world * lay.chunk_bytes + lay.chunk_numel * fb_dtype.itemsize,
-                 3: world * lay.chunk_bytes}[ph]
-        case.sol_us[f"phase{ph}"] = sol_seconds(reads, b - reads, sets) * 1e6
+    for ph in ("phase1", "phase2", "phase3"):
+        case.sol_us[ph] = sol_seconds(*case.bytes[ph], sets) * 1e6
 
     if stages:
         st = TritonStages()
@@ -232,8 +248,6 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
         }
         for name, run in runs.items():
             case.times_us[name] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
-        for name, ph in (("stage1", "phase1"), ("stage2", "phase2"), ("output", "phase3")):
-            case.bytes[name] = case.bytes[ph]
     return case
 
 
@@ -253,9 +267,9 @@ def table(cases: list[Case], gbps: float) -> str:
     lines.append("")
     lines.append("speed of light (same bytes, same read:write mix, trivial arithmetic), us (%roof):")
     for c in cases:
-        sol = "  ".join(f"{k} {c.sol_us[k]:7.1f} ({100 * c.bytes[k] / (gbps * 1e3) / c.sol_us[k]:3.0f}%)"
+        sol = "  ".join(f"{k} {c.sol_us[k]:7.1f} ({100 * sum(c.bytes[k]) / (gbps * 1e3) / c.sol_us[k]:3.0f}%)"
                         for k in ("phase1", "phase2", "phase3"))
-        lines.append(f"  P={c.world_size} {report.human_bytes(c.size_bytes):>8}: {sol}")
+        lines.append(f"  P={c.world_size} {report.human_bytes(c.size_bytes):>8} {c.plan}: {sol}")
     return "\n".join(lines)
 
 
@@ -266,6 +280,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
     ap.add_argument("--feedback-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--no-stages", action="store_true", help="skip the composed stage kernels")
+    ap.add_argument("--plans", default="", help="tuning: tile_values:num_warps:per_sm plans to time instead of "
+                                                "TILE_TABLE's (comma-separated; e.g. 2048:8:3,1024:4:8)")
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--out", default="")
 
@@ -291,8 +307,9 @@ def run(args: argparse.Namespace) -> int:
     cases = []
     for p in worlds:
         for z in sizes:
-            cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages))
-            print(json.dumps(asdict(cases[-1])), flush=True)
+            for plan in args.plans.split(",") if args.plans else [""]:
+                cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages, plan))
+                print(json.dumps(asdict(cases[-1])), flush=True)
     print(table(cases, gbps))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

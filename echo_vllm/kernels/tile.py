@@ -300,20 +300,46 @@ def pack_codes(nib):
 
 
 @triton.jit
-def _code(words, K: tl.constexpr):
-    """``code - 8`` of value ``K`` of each word, fp32 (exact): float(2**23 + code) - (2**23 + 8)."""
-    return (((words >> (4 * K)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - CODE_MAGIC
+def _values8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight ``[BG, L]`` tensors -> ``[BG, L, 8]`` (value k from ``vk``).
+    Joins only add register dimensions to the operands' layout; nested as
+    here, the flattened order is v0..v7 (a tensor of per-value constants
+    would bring a layout of its own and a conversion)."""
+    a = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    b = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(a, b), (v0.shape[0], v0.shape[1], V))
+
+
+@triton.jit
+def _nibble_fields(words):
+    """``(lo, hi)``: the word's low and high 16 bits as the mantissa of
+    2**23 (exponent bits set): one AND then isolates a code in place."""
+    return (words & 0xFFFF) | 0x4B000000, (words >> 16) | 0x4B000000
+
+
+@triton.jit
+def _code_shifted(fields, K: tl.constexpr):
+    """``(code - 8) * 16**(K % 4)`` of value ``K`` of each word (exact):
+    float(2**23 + code * 16**k) - (2**23 + 8 * 16**k), the code masked in
+    place in its 16-bit half (:func:`_nibble_fields`): one AND, no shift."""
+    lo, hi = fields
+    w = lo if K < 4 else hi
+    k: tl.constexpr = K % 4
+    return (w & (0x4B000000 | (0xF << (4 * k)))).to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (16 ** k))
+
+
+@triton.jit
+def _code(fields, K: tl.constexpr):
+    """``code - 8`` of value ``K`` (exact): :func:`_code_shifted` times 16**-k."""
+    return _code_shifted(fields, K) * (1.0 / (16 ** (K % 4)))
 
 
 @triton.jit
 def codes_of(words):
-    """``[BG, L]`` words -> ``[BG, L, V]`` fp32 ``code - 8`` (exact; no
-    multiply). Built by joins, which add register dimensions to the words'
-    layout: nested as below, the flattened order is values 0..7 (a tensor
-    of shift amounts would bring a layout of its own)."""
-    a = tl.join(tl.join(_code(words, 0), _code(words, 4)), tl.join(_code(words, 2), _code(words, 6)))
-    b = tl.join(tl.join(_code(words, 1), _code(words, 5)), tl.join(_code(words, 3), _code(words, 7)))
-    return tl.reshape(tl.join(a, b), (words.shape[0], words.shape[1], V))
+    """``[BG, L]`` words -> ``[BG, L, V]`` fp32 ``code - 8`` (exact)."""
+    f = _nibble_fields(words)
+    return _values8(_code(f, 0), _code(f, 1), _code(f, 2), _code(f, 3), _code(f, 4), _code(f, 5), _code(f, 6),
+                    _code(f, 7))
 
 
 # -- the wire ----------------------------------------------------------------
@@ -371,9 +397,16 @@ def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.cons
 @triton.jit
 def accumulate_chunk(acc, buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
     """``acc + dequant(chunk groups)`` with one rounding per value (the
-    product of a code and a scale is exact)."""
+    product of a code and a scale is exact). Value k's code comes scaled by
+    16**(k % 4) (:func:`_code_shifted`) and meets the scale times
+    16**-(k % 4) (exact: a power of two, kept subnormal if need be): the
+    same product, one instruction fewer per value."""
     words, s = load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G)
-    return tl.fma(codes_of(words), s[:, :, None], acc)
+    s1, s2, s3 = s * 0.0625, s * 0.00390625, s * 0.000244140625
+    f = _nibble_fields(words)
+    q = _values8(_code_shifted(f, 0), _code_shifted(f, 1), _code_shifted(f, 2), _code_shifted(f, 3),
+                 _code_shifted(f, 4), _code_shifted(f, 5), _code_shifted(f, 6), _code_shifted(f, 7))
+    return tl.fma(q, _values8(s, s1, s2, s3, s, s1, s2, s3), acc)
 
 
 @triton.jit
