@@ -156,8 +156,9 @@ def _buffers(lay: WireLayout, sets: int, fb_dtype: torch.dtype):
         x = torch.randn(p, lay.numel, device="cuda").to(torch.bfloat16)
         fb = (1e-2 * torch.randn(p, lay.padded_numel, device="cuda")).to(fb_dtype)
         y = torch.empty(p, lay.numel, dtype=torch.bfloat16, device="cuda")
-        plan = fk.plan_for(lay, torch.cuda.get_device_properties(0).multi_processor_count // p)
-        table, bufs, pads = local_buffers(p, lay.chunk_bytes, fk.signal_slots(plan.programs, p), "cuda")
+        # flags for the largest grid any plan may launch (--plans included)
+        slots = fk.signal_slots(torch.cuda.get_device_properties(0).multi_processor_count * fk.SMLimits.max_programs, p)
+        table, bufs, pads = local_buffers(p, lay.chunk_bytes, slots, "cuda")
         out.append((x, fb, y, table, bufs, pads))
     return out
 

@@ -215,19 +215,24 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups,
 def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr):
     """Decode every chunk's tiles from the local ``gathered`` area into y,
-    the next chunk's loads issued before this chunk's arithmetic."""
+    the loads of the chunk after next issued before this chunk's arithmetic
+    (a chunk's codes are only 6 bytes per lane: one ahead leaves too few
+    bytes in flight to cover the latency)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
         rows = group_rows(lg, row_groups)
-        words, s = output_load(mine, gathered_offset, payload_bytes, lg, chunk_groups, G)
+        w0, s0 = output_load(mine, gathered_offset, payload_bytes, lg, chunk_groups, G)
+        w1, s1 = output_load(mine, gathered_offset + chunk_bytes, payload_bytes, lg, chunk_groups, G)
         for j in tl.static_range(P):
+            if j + 2 < P:
+                w2, s2 = output_load(mine, gathered_offset + (j + 2) * chunk_bytes, payload_bytes, lg,
+                                     chunk_groups, G)
+            output_finish(w0, s0, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G, HADAMARD)
             if j + 1 < P:
-                words_n, s_n = output_load(mine, gathered_offset + (j + 1) * chunk_bytes, payload_bytes, lg,
-                                           chunk_groups, G)
-            output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G, HADAMARD)
-            if j + 1 < P:
-                words, s = words_n, s_n
+                w0, s0 = w1, s1
+            if j + 2 < P:
+                w1, s1 = w2, s2
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "n_tiles"])
@@ -284,7 +289,7 @@ class TileRow(NamedTuple):
 TILE_TABLE: tuple[TileRow, ...] = (
     TileRow(max_chunk_numel=1 << 12, tile_values=1 << 8, num_warps=1, per_sm=4),
     TileRow(max_chunk_numel=1 << 16, tile_values=1 << 10, num_warps=4, per_sm=4),
-    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 11, num_warps=8, per_sm=4),
+    TileRow(max_chunk_numel=1 << 62, tile_values=1 << 11, num_warps=8, per_sm=3),
 )
 
 
@@ -359,7 +364,8 @@ def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPl
     row = next(r for r in TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
     groups = row.tile_values // layout.group_size
     tiles = -(-layout.chunk_groups // groups)
-    return FusedPlan(groups, row.num_warps, min(tiles, sms * row.per_sm), register_cap(row.per_sm, row.num_warps, sm))
+    rounds = -(-tiles // (sms * row.per_sm))  # tiles per program; then as few programs as give every one that many
+    return FusedPlan(groups, row.num_warps, -(-tiles // rounds), register_cap(row.per_sm, row.num_warps, sm))
 
 
 # -- launch ------------------------------------------------------------------------

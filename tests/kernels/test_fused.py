@@ -257,7 +257,10 @@ def test_tile_table_and_plans():
                 for sms in (1, 7, 132):
                     plan = fk.plan_for(lay, sms)
                     row = next(r for r in rows if lay.chunk_numel <= r.max_chunk_numel)
-                    assert plan.programs == min(sms * row.per_sm, plan.tiles(lay)) >= 1
+                    # every program gets the same number of tiles, give or take one, in as few rounds as fit
+                    rounds = -(-plan.tiles(lay) // plan.programs)
+                    assert 1 <= plan.programs <= sms * row.per_sm and rounds == -(-plan.tiles(lay) // (sms * row.per_sm))
+                    assert plan.programs * rounds - plan.tiles(lay) < rounds
                     assert plan.groups_per_tile * g == row.tile_values and plan.num_warps == row.num_warps
                     assert plan.tiles(lay) * plan.groups_per_tile >= lay.chunk_groups
                     # the register cap lets per_sm programs share an SM, and no more fit by registers
