@@ -9,7 +9,7 @@
 #   plugin   vLLM's own plugin loader finds echo_vllm and its hook installs
 #   demo     `echo-vllm demo` (four gloo processes, ~30 s) runs in a container
 # One PASS/FAIL line per check, then the image size; exit 1 if any failed.
-# ~30 min on 2 cores the first time (the vLLM base), ~3 min after.
+# 10 min here (2 cores) with no image yet, mostly the vLLM base; 1 min after.
 set -euo pipefail
 
 usage() {

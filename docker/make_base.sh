@@ -6,7 +6,7 @@
 #   2. VLLM_IMAGE: that + vLLM $VLLM_VERSION (and its torch) from PyPI in
 #      /opt/venv, built from docker/vllm-base.Dockerfile. It stands in for
 #      vllm/vllm-openai as the top-level Dockerfile's BASE.
-# Needs root, debootstrap and a running dockerd. ~25 min and ~10 GB on 2 cores.
+# Needs root, debootstrap and a running dockerd. ~9 min and 8.6 GB here (2 cores).
 set -euo pipefail
 
 usage() {
