@@ -232,8 +232,16 @@ TRUE_TEXT = frozenset({"1", "true", "t", "yes", "y", "on"})
 FALSE_TEXT = frozenset({"0", "false", "f", "no", "n", "off"})
 
 
+#: Integer fields that are byte counts: only these take size suffixes
+#: (``256k``, ``4MiB``, :func:`parse_bytes`); every other integer is plain
+#: (``first_exact_calls=5k`` is an error, not 5120).
+BYTE_SIZE_FIELDS = frozenset({"min_bytes", "max_bytes"})
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Turn strings from the environment or a CLI into the field's type."""
+    """Turn strings from the environment or a CLI into the field's type:
+    a byte count for :data:`BYTE_SIZE_FIELDS`, a plain integer for other
+    int fields, a boolean from :data:`TRUE_TEXT` / :data:`FALSE_TEXT`."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
     if kind == "bool":
         if isinstance(value, bool):
@@ -251,10 +259,17 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         if key == "min_bytes" and str(value).strip().lower() == "auto":
             return AUTO_BYTES
+        if key in BYTE_SIZE_FIELDS:
+            try:
+                return parse_bytes(str(value))
+            except ValueError:
+                raise EchoConfigError(f"{key}={value!r}: expected an integer byte count (262144, 256k, 4MiB)") from None
         try:
-            return parse_bytes(str(value))
+            return int(str(value).strip())
         except ValueError:
-            raise EchoConfigError(f"{key}={value!r}: expected an integer") from None
+            # a count, not a size: a size suffix here is a mistake, never 1024x
+            raise EchoConfigError(f"{key}={value!r}: expected an integer (size suffixes such as k "
+                                  f"are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)") from None
     return str(value) if not isinstance(value, str) else value
 
 
@@ -280,6 +295,7 @@ def parse_bytes(text: str) -> int:
 
 __all__ = [
     "AUTO_BYTES",
+    "BYTE_SIZE_FIELDS",
     "DEFAULT_MIN_BYTES",
     "EchoConfig",
     "EchoConfigError",

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
-from ..postnorm import POSTNORM_MARKERS, postnorm_config
+from ..postnorm import PostnormDecision, decide_postnorm, postnorm_config
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,11 @@ def find_backbone(model: nn.Module) -> nn.Module:
     )
 
 
-def is_postnorm(model: nn.Module) -> bool:
-    """True for sandwich-norm decoders (Gemma-2/3), where each all-reduce
-    output is normalised before the residual add."""
-    layers = find_backbone(model).layers
-    return any(hasattr(layers[0], name) for name in POSTNORM_MARKERS)
+def postnorm_decision(model: nn.Module) -> PostnormDecision:
+    """:func:`~echo_vllm.postnorm.decide_postnorm` for a transformers model:
+    its config's architectures, then its decoder's structure."""
+    config = getattr(model, "config", None)
+    return decide_postnorm(getattr(config, "architectures", None), config, find_backbone(model))
 
 
 @dataclass
@@ -93,13 +93,14 @@ class HFEmulation:
         self.backbone = find_backbone(self.model)
         self.layers = self.backbone.layers
         self.num_layers = len(self.layers)
-        self.postnorm = is_postnorm(self.model)
+        decision = postnorm_decision(self.model)
+        self.postnorm = decision.postnorm
         mode, config = self.mode, self.config
         if self.postnorm and mode == "echo":
             mode, config = postnorm_config(config, self.postnorm_policy)
             log.warning(
-                "post-norm model (%s): Echo policy %r -> mode=%s feedback=%s",
-                type(self.model).__name__, self.postnorm_policy, mode, config.feedback,
+                "post-norm model (%s: %s): Echo policy %r -> mode=%s feedback=%s",
+                type(self.model).__name__, decision.reason, self.postnorm_policy, mode, config.feedback,
             )
         self.effective_mode, self.effective_config = mode, config
         self.tp = EmulatedTP(

@@ -20,7 +20,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import AUTO_BYTES, BACKEND_CHOICES, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, EchoConfig
+from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS,
+                      SUPPORTED_GROUP_SIZES, EchoConfig)
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
@@ -142,7 +143,8 @@ def format_help(width: int = 100) -> str:
     for flag in echo_flags():
         spell = flag.option if flag.kind != "bool" else f"{flag.option}, {flag.negative}"
         if flag.kind == "int":
-            spell += " N"
+            # byte sizes take suffixes (256k); counts are plain integers
+            spell += " SIZE" if flag.field in BYTE_SIZE_FIELDS else " N"
         elif flag.kind == "choice":
             spell += " {" + ",".join(str(c) for c in flag.choices) + "}"
         elif flag.kind == "str":

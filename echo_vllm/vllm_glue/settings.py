@@ -39,7 +39,7 @@ from ..config import EchoConfig, EchoConfigError, _coerce
 from ..postnorm import (
     DEFAULT_POSTNORM_POLICY,
     POSTNORM_POLICIES,
-    is_postnorm_architecture,
+    decide_postnorm,
     postnorm_config,
 )
 
@@ -137,26 +137,32 @@ class TpCommSettings:
             postnorm=str(raw.get(POSTNORM_KEY, DEFAULT_POSTNORM_POLICY)).strip().lower(),
         )
 
-    def for_model(self, architectures: list[str], hf_config: Any = None) -> tuple["TpCommSettings", str | None]:
+    def for_model(self, architectures: list[str], hf_config: Any = None,
+                  modules: Any = None) -> tuple["TpCommSettings", str | None]:
         """These settings adjusted for the served model, and why (None when
         unchanged): on a post-norm model Echo's feedback would add errors
-        back at the wrong scale, so :attr:`postnorm` decides. ``hf_config``
-        settles the architectures whose post-norm is a config option."""
-        if self.mode != "echo" or not is_postnorm_architecture(architectures, hf_config):
+        back at the wrong scale, so :attr:`postnorm` decides. Post-norm is
+        :func:`~echo_vllm.postnorm.decide_postnorm`'s answer for
+        ``architectures``, ``hf_config`` and the module tree ``modules``."""
+        if self.mode != "echo":
+            return self, None
+        decision = decide_postnorm(architectures, hf_config, modules)
+        if not decision.postnorm:
             return self, None
         mode, echo = postnorm_config(self.echo, self.postnorm)
+        model = f"{architectures} ({decision.reason})"
         if mode == "exact":
             return replace(self, mode="nccl"), (
-                f"post-norm model {architectures}: Echo is off, every all-reduce in 16-bit "
+                f"post-norm model {model}: Echo is off, every all-reduce in 16-bit "
                 "(tp_comm_postnorm=exact, the default: 4-bit costs such models accuracy even without "
                 "error feedback; tp_comm_postnorm=no-feedback opts in)")
         if echo == self.echo:
             if self.echo.feedback:
-                return self, (f"post-norm model {architectures}: tp_comm_postnorm=feedback, Echo keeps "
+                return self, (f"post-norm model {model}: tp_comm_postnorm=feedback, Echo keeps "
                               "its error feedback although it does not cancel here (measurement only)")
             return self, None
         return replace(self, echo=echo), (
-            f"post-norm model {architectures}: Echo runs with feedback off (its carried error would "
+            f"post-norm model {model}: Echo runs with feedback off (its carried error would "
             "be rescaled by each call's output norm instead of cancelling); tp_comm_postnorm=exact "
             "turns Echo off, =feedback keeps it")
 

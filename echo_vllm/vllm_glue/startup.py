@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..postnorm import module_tree
 from . import compat, emulation, session
 from .guards import check_engine_config
 from .settings import TpCommSettings
@@ -41,9 +42,12 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     if not settings.active:
         return
     # the model first: a post-norm model that keeps vLLM's 16-bit all-reduce
-    # needs none of Echo's guard rails
-    settings, note = settings.for_model(compat.model_architectures(vllm_config),
-                                        compat.model_hf_config(vllm_config))
+    # needs none of Echo's guard rails. It is not loaded yet: its structure
+    # is the decoder transformers builds from its config, on the meta device
+    hf_config = compat.model_hf_config(vllm_config)
+    trust = bool(getattr(getattr(vllm_config, "model_config", None), "trust_remote_code", False))
+    modules = module_tree(hf_config, trust_remote_code=trust) if settings.mode == "echo" else None
+    settings, note = settings.for_model(compat.model_architectures(vllm_config), hf_config, modules)
     if note:
         logger.warning("echo: %s", note)
     if not settings.active:

@@ -137,3 +137,18 @@ def test_bad_byte_counts_are_refused(text):
         parse_bytes(text)
     with pytest.raises(EchoConfigError, match="min_bytes"):
         EchoConfig.from_mapping({"min_bytes": text})
+
+
+def test_counts_are_plain_integers_and_sizes_take_suffixes():
+    """Only the byte-size fields read ``256k``; a count with a suffix is an
+    error wherever it comes from (additional_config, variants, the plugin's
+    tp_comm_emulate), never 1024 times the number."""
+    from echo_vllm.vllm_glue.settings import TpCommSettings
+
+    for raw in ({"first_exact_calls": "5k"}, {"seed": "1k"}, {"first_exact_calls": "0x10"}):
+        with pytest.raises(EchoConfigError, match="expected an integer"):
+            EchoConfig.from_mapping(raw)
+    with pytest.raises(EchoConfigError, match="tp_comm_emulate='4k': expected an integer"):
+        TpCommSettings.from_additional_config({"tp_comm": "echo", "tp_comm_emulate": "4k"})
+    config = EchoConfig.from_mapping({"min_bytes": "256k", "max_bytes": "4MiB", "first_exact_calls": " 7 "})
+    assert (config.min_bytes, config.max_bytes, config.first_exact_calls) == (256 << 10, 4 << 20, 7)

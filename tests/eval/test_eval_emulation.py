@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from echo_vllm.config import EchoConfig, EchoConfigError
-from echo_vllm.eval.hf_emulation import HFEmulation, find_backbone, is_postnorm
+from echo_vllm.eval.hf_emulation import HFEmulation, find_backbone, postnorm_decision
 from echo_vllm.eval.variants import PRESETS, parse_variant, parse_variants
 from echo_vllm.rotation import fwht
 
@@ -316,7 +316,7 @@ def test_batch_composition_and_quantization():
 
 def test_gemma3_postnorm_detected_and_feedback_off_by_default():
     model = tiny_gemma3()
-    assert is_postnorm(model) and not is_postnorm(tiny_llama())
+    assert postnorm_decision(model).postnorm and not postnorm_decision(tiny_llama()).postnorm
     emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0))
     assert emu.effective_mode == "echo" and emu.effective_config.feedback is False
     assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="exact").effective_mode == "exact"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_vllm.config import SUPPORTED_BITS, EchoConfig
+from echo_vllm.config import BYTE_SIZE_FIELDS, SUPPORTED_BITS, EchoConfig
 from echo_vllm.server.flags import echo_flags, format_help
 from echo_vllm.server.rewrite import (
     BYPASS_PASSES_0_26,
@@ -364,6 +364,27 @@ def test_verify_parsed_reports_what_vllm_saw_differently():
                         "compilation_config.pass_config.fuse_gemm_comms=True, expected False"]
     nccl = rewrite(["m"])[1]
     assert verify_parsed(bad, nccl) == []
+
+
+#: Echo's integer flags that are counts, not byte sizes.
+COUNT_FLAGS = [f.option for f in echo_flags() if f.kind == "int" and f.field and f.field not in BYTE_SIZE_FIELDS]
+
+
+@pytest.mark.parametrize("option", COUNT_FLAGS)
+def test_integer_flags_refuse_size_suffixes(option):
+    """``--echo-first-exact-calls 5k`` is a typo, not 5120 calls."""
+    assert "--echo-first-exact-calls" in COUNT_FLAGS and "--echo-seed" in COUNT_FLAGS
+    for spelled in ([option, "5k"], [f"{option}=2K"]):
+        with pytest.raises(ServeArgsError, match=r"expected an integer \(size suffixes such as k are for "
+                                                 r"max_bytes and min_bytes only\)"):
+            rewrite(["m", "-tp", "2", "--tp-comm", "echo", *spelled])
+
+
+def test_byte_size_flags_keep_their_suffixes():
+    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--echo-min-bytes", "256k",
+                           "--echo-max-bytes=4MiB", "--echo-first-exact-calls", "7"])
+    assert (settings.echo.min_bytes, settings.echo.max_bytes, settings.echo.first_exact_calls) == (256 << 10, 4 << 20, 7)
+    assert "--echo-min-bytes SIZE" in format_help() and "--echo-first-exact-calls N" in format_help()
 
 
 def test_help_lists_every_flag_with_its_default():

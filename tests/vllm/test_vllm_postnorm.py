@@ -1,6 +1,7 @@
 """Post-norm models through the real hook: a Gemma-3 config keeps the 16-bit
 all-reduce (logged, with the reason on the session), a Qwen3 config runs
-Echo as configured, and ``tp_comm_postnorm`` overrides. Real vLLM 0.26 ``ModelConfig``
+Echo as configured, ``tp_comm_postnorm`` overrides, and a Gemma-3 under an
+out-of-tree name no list knows is recognised by its structure. Real vLLM 0.26 ``ModelConfig``
 / ``VllmConfig`` objects (config.json only: no weights are loaded), in a
 child process because the emulation patches vLLM's layer classes."""
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+#: An out-of-tree model's name: Gemma-3's layers registered under it.
+RENAMED = "SandwichLMForCausalLM"
 
 #: A Gemma-3 text config small enough to parse fast (no weights needed).
 GEMMA3_CONFIG = {
@@ -25,7 +29,9 @@ def _worker(rank, world):
     from support.vllm_cpu import use_cpu_platform
 
     use_cpu_platform()
+    from vllm import ModelRegistry
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 
     from support.tiny_model import make_tiny_qwen3
     from echo_vllm.vllm_glue import compat, startup
@@ -37,6 +43,12 @@ def _worker(rank, world):
     gemma.mkdir()
     (gemma / "config.json").write_text(json.dumps(GEMMA3_CONFIG))
     models = {"qwen3": ModelConfig(model=str(qwen)), "gemma3": ModelConfig(model=str(gemma), tokenizer=str(qwen))}
+    # an out-of-tree plugin's model: vLLM's Gemma-3 class under a new name
+    ModelRegistry.register_model(RENAMED, type("SandwichLM", (Gemma3ForCausalLM,), {}))
+    renamed = root / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text(json.dumps({**GEMMA3_CONFIG, "architectures": [RENAMED]}))
+    models["renamed-gemma3"] = ModelConfig(model=str(renamed), tokenizer=str(qwen))
     # openPangu: post-norm only when its config turns the sandwich norm on
     for sandwich in (True, False):
         pangu = root / f"pangu-{sandwich}"
@@ -49,7 +61,7 @@ def _worker(rank, world):
     out = {}
     for name, extra in (("qwen3", {}), ("gemma3", {}), ("gemma3", {"tp_comm_postnorm": "no-feedback"}),
                         ("gemma3", {"tp_comm_postnorm": "feedback"}), ("pangu-sandwich=True", {}),
-                        ("pangu-sandwich=False", {})):
+                        ("pangu-sandwich=False", {}), ("renamed-gemma3", {})):
         cfg = VllmConfig(model_config=models[name],
                          additional_config={"tp_comm": "echo", "tp_comm_emulate": 2, **extra})
         with set_current_vllm_config(cfg):
@@ -96,3 +108,11 @@ def test_openpangu_follows_its_sandwich_norm_flag(sessions):
     assert on["archs"] == off["archs"] == ["PanguEmbeddedForCausalLM"]
     assert on["mode"] == "nccl" and "Echo is off" in on["note"]
     assert (off["mode"], off["feedback"], off["note"]) == ("echo", True, None)
+
+
+@pytest.mark.vllm
+def test_renamed_post_norm_model_is_recognised_by_structure(sessions):
+    s = sessions["renamed-gemma3"]
+    assert s["archs"] == [RENAMED]
+    assert s["mode"] == "nccl" and "Echo is off" in s["note"]
+    assert "by structure: layers.0.post_feedforward_layernorm (Gemma3RMSNorm)" in s["note"]
