@@ -58,14 +58,14 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
         logger.info("echo: emulating tensor parallelism %d on one device (%s reduce) %s",
                     settings.emulate_world_size, settings.mode, settings.echo)
     elif world > 1:
-        active = session.activate(session.TpSession(coordinator, settings, vllm_config))
+        active = session.activate(session.TpSession(coordinator, settings, vllm_config,
+                                                    functools.partial(vllm_all_reduce, coordinator)))
         comm = active.communicator
-        comm.bind(functools.partial(vllm_all_reduce, coordinator))
         coordinator._echo_comm = comm
         logger.info("echo: Echo all-reduce on group %s (world size %d, transport %s) %s",
                     coordinator.unique_name, world, type(comm.transport).__name__, settings.echo)
         # every rank of the group is here, in the same order: the calibration's collectives are safe
-        measured = comm.calibrate(active.hidden_size, active.max_num_tokens, active.dtype)
+        measured = comm.calibrate(active.dtype)
         if measured is not None:
             logger.info("echo: crossover measured on this group: min_bytes=%s max_bytes=%s (%s)",
                         measured.min_bytes, measured.max_bytes, measured.reason)

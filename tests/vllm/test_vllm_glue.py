@@ -1,12 +1,15 @@
 """The vLLM glue's pure parts (no vLLM import): settings parsing, the guard
 rules, call numbering and counters under (simulated) CUDA-graph replay."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from echo_vllm.quant import WireLayout
 from echo_vllm.stats import CallRecord
+from support.fake_group import FakeRank
 
 from echo_vllm import EchoConfig, EchoConfigError
 from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
@@ -412,28 +415,72 @@ def test_launch_problem_sees_vllm_plugins_leaving_the_plugin_out(monkeypatch):
     assert "VLLM_PLUGINS='other' does not list 'echo_vllm'" in plugin.launch_problem()
 
 
-# -- the fused backend's choice for a TP group -------------------------------------
+# -- the TP group's communicator: its backend chosen once, from the group's facts --
 
 
-def test_fused_backend_is_chosen_from_the_groups_facts(monkeypatch):
-    from types import SimpleNamespace
+class _ProcessGroup(FakeRank):
+    """Stands in for ProcessGroupTransport(group) of the glue."""
 
-    from echo_vllm import EchoConfig, EchoConfigError
+
+@pytest.fixture
+def tp_group(monkeypatch):
+    """A CUDA TP group of 2 (a stand-in coordinator) whose bytes move over
+    pynccl; the fused backend's probe and builder record what they get."""
+    from echo_vllm import backends
     from echo_vllm.vllm_glue import communicator as glue
 
-    probed = []
-    monkeypatch.setattr(glue, "ProcessGroupTransport", lambda group: ("pg", group))
-    monkeypatch.setattr(glue, "fused_support", lambda t: probed.append(t) or (False, "GPU 0 cannot access GPU 1"))
-    gpu = SimpleNamespace(device=torch.device("cuda", 0), device_group="nccl-group", unique_name="tp:0")
-    # auto: the composed path, with the reason logged; nothing raised
-    assert glue.fused_backend(EchoConfig(), gpu, transport=None, max_numel=None) is None
-    assert probed == [("pg", "nccl-group")]
-    # asked for explicitly: an error that says why
-    with pytest.raises(EchoConfigError, match="cannot access GPU 1"):
-        glue.fused_backend(EchoConfig(backend="fused"), gpu, transport=None, max_numel=None)
-    # never probed: CPU groups, another backend asked for, stochastic rounding
-    cpu = SimpleNamespace(device=torch.device("cpu"), device_group="gloo", unique_name="tp:0")
-    for cfg, coord in ((EchoConfig(), cpu), (EchoConfig(backend="triton"), gpu),
-                       (EchoConfig(rounding="stochastic"), gpu)):
-        assert glue.fused_backend(cfg, coord, transport=None, max_numel=None) is None
-    assert len(probed) == 2
+    group = SimpleNamespace(unique_name="tp:0", world_size=2, rank_in_group=0, device=torch.device("cuda", 0),
+                            device_group="nccl-group", cpu_group="gloo-group", device_communicator=None,
+                            probed=[], built=[])
+    monkeypatch.setattr(glue, "make_transport", lambda coordinator: FakeRank("pynccl"))
+    monkeypatch.setattr(glue, "ProcessGroupTransport", _ProcessGroup)
+    monkeypatch.setattr(backends, "fused_support", lambda peers, device: group.probed.append(peers) or (True, "P2P"))
+
+    def build(cfg, transport, env, **facts):
+        group.built.append((transport, facts))
+        return SimpleNamespace(name="fused", close=lambda: None)
+
+    monkeypatch.setitem(backends.BACKENDS, "fused", dataclasses.replace(backends.BACKENDS["fused"], build=build))
+    monkeypatch.delenv("ECHO_KERNELS", raising=False)
+    return group
+
+
+def _communicator(group, **echo):
+    from echo_vllm.vllm_glue.communicator import TpEchoCommunicator
+
+    return TpEchoCommunicator(group, EchoConfig(**echo), ForwardTracker(StepStats()), lambda x: x,
+                              hidden_size=256, max_num_tokens=512)
+
+
+def test_the_tp_group_gets_the_backend_make_backend_picks_from_its_facts(tp_group, monkeypatch):
+    comm = _communicator(tp_group)
+    assert comm.backend.name == "fused" and comm.comm.echo.backend(torch.device("cuda")) is comm.backend
+    (peers,) = tp_group.probed  # probed over the NCCL process group (pynccl maps no peer memory)
+    assert isinstance(peers, _ProcessGroup) and peers.name == "nccl-group"
+    (transport, facts), = tp_group.built
+    assert transport.name == "pynccl" and facts["peers"] is peers
+    assert facts["max_numel"] == 512 * WireLayout(256, 2, 32).padded_cols  # the largest batch's rows
+    # ECHO_KERNELS overrides the choice in vLLM too: the group is not even probed
+    monkeypatch.setenv("ECHO_KERNELS", "triton")
+    assert _communicator(tp_group).backend.name == "triton"
+    assert len(tp_group.probed) == 1 and len(tp_group.built) == 1
+
+
+def test_fused_with_stochastic_rounding_is_refused_when_the_tp_group_is_created(tp_group, monkeypatch):
+    from echo_vllm.vllm_glue import session, startup
+
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
+    monkeypatch.setattr(compat, "current_vllm_config", lambda: engine)
+    monkeypatch.setattr(compat, "batch_invariant_enabled", lambda: False)
+    engine.additional_config = {"tp_comm": "echo", "echo_rounding": "stochastic", "echo_backend": "fused"}
+    with pytest.raises(EchoConfigError, match="rounding='stochastic' runs on the reference backend, not 'fused'"):
+        startup.on_group_created(tp_group, lambda group, x: x)
+    assert session.current() is None and not tp_group.probed
+    # the control: stochastic rounding on the references starts, with its backend built
+    engine.additional_config["echo_backend"] = "reference"
+    startup.on_group_created(tp_group, lambda group, x: x)
+    try:
+        assert session.current().communicator.backend.name == "reference"
+        assert tp_group._echo_comm is session.current().communicator
+    finally:
+        session.deactivate()
