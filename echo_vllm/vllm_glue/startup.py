@@ -51,7 +51,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     settings, invariance = settings.for_batch_invariance(compat.batch_invariant_enabled())
     if invariance:
         logger.warning("echo: %s", invariance)
-    check_engine_config(vllm_config, settings)
+    # refused conflicts raise here; the others leave vLLM's all-reduce in place, said loudly
+    for problem in check_engine_config(vllm_config, settings):
+        logger.warning("echo: %s", problem)
     world = int(coordinator.world_size)
     if settings.emulated:
         active = session.activate(emulation.start(settings, vllm_config))
@@ -70,10 +72,7 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
             logger.info("echo: crossover measured on this group: min_bytes=%s max_bytes=%s (%s)",
                         measured.min_bytes, measured.max_bytes, measured.reason)
     else:
-        # nothing to reduce: vLLM runs unchanged; said loudly, since a
-        # comparison against it would otherwise look like a perfect result
-        logger.warning("echo: tp_comm=echo at tensor-parallel size 1 has no all-reduce to replace: "
-                       "vLLM runs unchanged (tp_comm_emulate=P emulates TP=P on one device)")
+        # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
     active.model_note = note
 

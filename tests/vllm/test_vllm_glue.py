@@ -12,7 +12,7 @@ from echo_vllm.stats import CallRecord
 from support.fake_group import FakeRank
 
 from echo_vllm import EchoConfig, EchoConfigError
-from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
+from echo_vllm.vllm_glue import EngineFacts, TpCommSettings, check_engine_config, conflicts
 from echo_vllm.vllm_glue import compat, tracking
 from echo_vllm.vllm_glue.compat import check_version, version_tuple
 from echo_vllm.vllm_glue.guards import EchoEngineConfigError
@@ -97,7 +97,8 @@ def test_pre_norm_models_and_echo_off_are_left_alone(archs):
     assert nofb.for_model(GEMMA3) == (nofb, None)
 
 
-# -- guard rules (the same function runs on real VllmConfigs in test_vllm_emulation)
+# -- the rule book (the same function runs on real VllmConfigs in test_vllm_emulation,
+# and behind echo-vllm serve in tests/server)
 
 
 def _config(tp=2, dbo=False, ubatch=0, **passes):
@@ -107,12 +108,17 @@ def _config(tp=2, dbo=False, ubatch=0, **passes):
     )
 
 
+def _problems(vllm_config, settings, refused=True):
+    return [c.message for c in conflicts(settings, EngineFacts.from_vllm_config(vllm_config))
+            if c.refused is refused]
+
+
 ECHO = TpCommSettings(mode="echo")
 
 
 def test_guards_pass_a_clean_config_and_ignore_echo_off():
-    assert conflicts(_config(fuse_allreduce_rms=False, enable_sp=False), ECHO) == []
-    assert conflicts(_config(fuse_allreduce_rms=True, enable_dbo=True), TpCommSettings()) == []
+    assert conflicts(ECHO, EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=False, enable_sp=False))) == []
+    assert conflicts(TpCommSettings(), EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=True, dbo=True))) == []
 
 
 def test_guards_name_every_flag():
@@ -122,21 +128,38 @@ def test_guards_name_every_flag():
     text = str(e.value)
     for flag in ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms"):
         assert f"-cc.pass_config.{flag}=false" in text
-    assert "--enable-dbo" in text
+    assert "--enable-dbo" in text and text.count("\n  - ") == 4
 
 
 def test_guards_without_fields_of_newer_vllm():
     # vLLM 0.33 has no enable_sp / fuse_gemm_comms: absent fields are fine
-    assert conflicts(_config(fuse_allreduce_rms=False), ECHO) == []
-    assert len(conflicts(_config(ubatch=2), ECHO)) == 1
+    assert _problems(_config(fuse_allreduce_rms=False), ECHO) == []
+    (msg,) = _problems(_config(ubatch=2), ECHO)
+    assert "tp_comm=echo cannot run with --ubatch-size 2" in msg
 
 
 def test_guards_for_emulation():
     emu = TpCommSettings(mode="echo", emulate_world_size=4)
     # fusion passes do not matter at TP=1 (no all-reduce node to remove)
-    assert conflicts(_config(tp=1, fuse_allreduce_rms=True), emu) == []
-    (msg,) = conflicts(_config(tp=2), emu)
+    assert conflicts(emu, EngineFacts.from_vllm_config(_config(tp=1, fuse_allreduce_rms=True))) == []
+    (msg,) = _problems(_config(tp=2), emu)
     assert "--tensor-parallel-size 1" in msg
+    (msg,) = _problems(_config(tp=1, dbo=True), TpCommSettings(emulate_world_size=4))  # the exact baseline too
+    assert msg.startswith("tp_comm_emulate=4 cannot run with --enable-dbo")
+
+
+def test_what_the_engine_runs_through_is_a_warning_not_a_refusal():
+    """Echo at TP=1 without the emulation, and a post-norm policy without
+    Echo, leave vLLM's own all-reduce: the engine starts and says so
+    (echo-vllm serve refuses both, tests/server)."""
+    (msg,) = check_engine_config(_config(tp=1), ECHO)
+    assert "needs --tensor-parallel-size > 1" in msg and "vLLM runs unchanged" in msg
+    baseline = TpCommSettings(mode="nccl", emulate_world_size=2, postnorm="exact")
+    assert check_engine_config(_config(tp=1), baseline) == [
+        "tp_comm_postnorm=exact needs tp_comm=echo (it decides what Echo does on post-norm models)"]
+    # a post-norm model whose policy turned Echo off has spent the policy: nothing to say
+    spent, _ = TpCommSettings(mode="echo", emulate_world_size=2, postnorm="exact").for_model(GEMMA3)
+    assert spent.mode == "nccl" and check_engine_config(_config(tp=1), spent) == []
 
 
 @pytest.mark.vllm
@@ -155,11 +178,11 @@ def test_guards_refuse_stochastic_rounding_under_cuda_graphs():
     stochastic = TpCommSettings(mode="echo", echo=EchoConfig(rounding="stochastic"))
     graphs = _config()
     graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
-    (msg,) = conflicts(graphs, stochastic)
+    (msg,) = _problems(graphs, stochastic)
     assert "--enforce-eager" in msg and "echo_rounding=nearest" in msg
-    assert conflicts(graphs, ECHO) == []  # nearest rounding replays fine
+    assert _problems(graphs, ECHO) == []  # nearest rounding replays fine
     graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="NONE")
-    assert conflicts(graphs, stochastic) == []
+    assert _problems(graphs, stochastic) == []
 
 
 # -- versions ------------------------------------------------------------------
