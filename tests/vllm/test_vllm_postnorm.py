@@ -27,7 +27,7 @@ def _worker(rank, world):
     use_cpu_platform()
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
-    from support.tiny_model import make_tiny_qwen3
+    from echo_vllm.testing_models import make_tiny_qwen3
     from echo_vllm.vllm_glue import compat, startup
     from echo_vllm.vllm_glue.emulation import current_session
 
