@@ -9,6 +9,7 @@ Core objects (no vLLM needed)::
 """
 
 from .allreduce import EchoAllReduce
+from .backends import BACKENDS, EchoBackend, choose_backend, make_backend
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .feedback import FeedbackChain

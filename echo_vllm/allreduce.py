@@ -63,8 +63,8 @@ class EchoAllReduce:
             return self._backend
         b = self._backends.get(device.type)
         if b is None:
-            b = self._backends[device.type] = make_backend(
-                self.config, self.transport, device_type=device.type, env=self.env)
+            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env)
+            self._backends[device.type] = b
         return b
 
     def close(self) -> None:

@@ -22,10 +22,12 @@ SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 #: Only 4-bit payloads exist today; the field is kept so configs say it.
 SUPPORTED_BITS = (4,)
 
-#: Below this a quantized two-shot all-reduce cannot beat a 16-bit one-shot
-#: all-reduce on NVLink: quantized kernels have a latency floor above vLLM's
-#: custom all-reduce at decode sizes (peers' measurements: DESIGN.md, "Peers").
-#: Prefill messages (tokens x hidden x 2 bytes) are far above it.
+#: Below this a quantized two-shot all-reduce is not expected to beat a 16-bit
+#: one-shot all-reduce on NVLink: its kernels have a latency floor above vLLM's
+#: custom all-reduce at decode sizes. An estimate, not a measurement: where a
+#: real link exists, ``min_bytes="auto"`` measures the crossover instead
+#: (``echo_vllm.crossover``). Prefill messages (tokens x hidden x 2 bytes) are
+#: far above it.
 DEFAULT_MIN_BYTES = 256 * 1024
 
 #: ``min_bytes="auto"``: the crossover is measured at engine start
@@ -106,8 +108,11 @@ class EchoConfig:
 
     backend: str = "auto"
     """Which implementation runs a call (``echo_vllm.backends``): ``auto``
-    picks from the device and ``ECHO_KERNELS``; ``reference``, ``triton``
-    or ``numba`` force one (same bits)."""
+    picks from the device, ``ECHO_KERNELS`` and the group (``fused``, one
+    kernel over symmetric memory, where the group's GPUs are P2P on one
+    host; else the Triton stage kernels for CUDA tensors, the references on
+    CPU); ``fused``, ``triton``, ``reference`` or ``numba`` force one (same
+    bits)."""
 
     first_exact_calls: int = 5
     """Run the first k calls of every forward pass in 16-bit. The default 5

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .backends import fast_on_cpu
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
+from .numbering import CallCounter, CallSlot
 from .transport import VirtualTransport
 
 #: vLLM pads the vocabulary to a multiple of this before sharding it.
@@ -77,9 +78,10 @@ class EmulatedTP:
     """P virtual ranks reduced by Echo, with the per-forward call counter.
 
     Call :meth:`begin_forward` at the start of every forward pass (the
-    counter restarts and the chain starts clean); :meth:`reduce` each
-    partial stack in model order. ``calls_per_forward`` (learned from the
-    first forward if not given) marks the last call for ``exact_last_call``.
+    counter restarts and the chain starts clean) and :meth:`end_forward`
+    at its end; :meth:`reduce` each partial stack in model order.
+    ``calls_per_forward`` (declared; else the counter learns it from the
+    first forward) marks the last call for ``exact_last_call``.
     ``mode="exact"`` reduces every call in 16-bit (the baseline). With
     ``config.backend="auto"`` CPU tensors run the fastest CPU backend
     (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
@@ -96,26 +98,24 @@ class EmulatedTP:
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
         self.comm = EchoCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
                                      device=self.device)
-        self.call_index = 0
-        self._in_forward = False
+        self.counter = CallCounter(self.calls_per_forward)
+        """Numbers the calls of each forward pass (holds the learned count)."""
 
     def begin_forward(self) -> None:
-        if self._in_forward and self.calls_per_forward is None and self.call_index:
-            self.calls_per_forward = self.call_index
-        self.call_index = 0
-        self._in_forward = True
+        self.counter.start()
 
     def end_forward(self) -> None:
-        if self.calls_per_forward is None and self.call_index:
-            self.calls_per_forward = self.call_index
-        self._in_forward = False
+        self.counter.end()
 
-    def reduce(self, partials: torch.Tensor) -> torch.Tensor:
-        """Sum partials [P, ...] as the configured all-reduce would."""
-        idx = self.call_index if self._in_forward else None
-        if self._in_forward:
-            self.call_index += 1
+    def next_call(self) -> CallSlot:
+        """The next call's place in the forward pass (:meth:`reduce` takes it
+        itself unless given one)."""
+        return self.counter.next()
+
+    def reduce(self, partials: torch.Tensor, slot: CallSlot | None = None) -> torch.Tensor:
+        """Sum partials [P, ...] as the configured all-reduce would, as the
+        call at ``slot`` (default: the next one)."""
+        slot = self.counter.next() if slot is None else slot
         if self.mode == "exact":
             return self.comm.transport.all_reduce_exact(partials)
-        last = self.calls_per_forward is not None and idx == self.calls_per_forward - 1
-        return self.comm.all_reduce(partials, idx, last_call=last)
+        return self.comm.all_reduce(partials, slot.index, last_call=slot.last_call)

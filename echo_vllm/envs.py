@@ -26,11 +26,14 @@ class EchoEnv:
     """Echo's environment, parsed."""
 
     kernels: str = "auto"
-    """``ECHO_KERNELS``: which implementation runs the stages when the
-    configuration says ``backend="auto"``: ``auto`` (Triton kernels for CUDA
-    tensors, torch references elsewhere), ``reference``, ``triton`` (also on
-    CPU tensors under ``TRITON_INTERPRET=1``) or ``numba`` (fused CPU loops;
-    ``cpu`` is read as ``numba``)."""
+    """``ECHO_KERNELS``: which implementation runs a call when the
+    configuration says ``backend="auto"`` (in vLLM too): ``auto`` (for CUDA
+    tensors the ``fused`` kernel where the group's GPUs are P2P on one host,
+    else the Triton stage kernels; torch references elsewhere),
+    ``reference``, ``triton`` (also on CPU tensors under
+    ``TRITON_INTERPRET=1``) or ``numba`` (fused CPU loops, CPU tensors only;
+    ``cpu`` is read as ``numba``). ``fused`` is not a value here: it is
+    ``auto``'s choice, or ``EchoConfig.backend``'s."""
 
     direct_launch: bool = True
     """``ECHO_KERNEL_DIRECT_LAUNCH``: ``0`` launches every kernel through

@@ -20,7 +20,8 @@ Backends:
   TP=P, evaluation). A transpose and a no-op; Echo's numerics are
   bit-identical to the multi-process run on the same inputs because every
   stage is elementwise per rank and the stage-2 sum runs in rank order.
-* vLLM's pynccl communicator, wrapped by the plugin (``echo_vllm.vllm_glue.plugin``).
+* vLLM's pynccl communicator of a tensor-parallel group, wrapped by the vLLM
+  glue (:class:`echo_vllm.vllm_glue.pynccl_transport.PyncclTransport`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@
 #                                             # default 540), then collect: a host with only
 #                                             # background work counts as idle and goes back in 30 s
 # Results (Markdown, JSON, PNG) go to $OUT/results when OUT is set.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE="${ECHO_GPU_STATE:-/tmp/echo-gpu}"

@@ -8,6 +8,7 @@
 # Writes logs, JSON and PNGs under $OUT and prints a short summary last.
 # Budget: at most ~10 minutes on one H200 (step timeouts 220 + 240 + 150 s; the one-GPU run
 # skips the multi-GPU step).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d /tmp/echo-gpu-XXXX)}"

@@ -12,12 +12,13 @@
 # Needs torch + Triton (no vLLM). Real-TP TTFT and the real-model TP=2 vs
 # emulation run need vLLM: `REAL_TP=2 MODEL=qwen2.5-coder-1.5b eval/gpu_eval.sh ttft`
 # after its setup steps (eval/gpu_eval.sh). Budget: ~9 minutes.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d /tmp/echo-multi-XXXX)}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${NGPU:-0}" -lt 2 ]; then echo "gpu_multi: $NGPU GPU(s) visible; this needs at least 2" >&2; exit 2; fi
 STEP_TAIL=25

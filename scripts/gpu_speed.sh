@@ -8,13 +8,14 @@
 #   OUT=/tmp/s bash scripts/gpu_speed.sh            # OLD=.bench_old: a checkout of the old package
 #
 # Budget: ~9 minutes on one H200 (step limits below). Installs nothing.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d /tmp/echo-speed-XXXX)}"
 PY="${PYTHON:-python3}"
 OLD="${OLD:-.bench_old}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET ECHO_KERNELS
 STEP_TAIL=30
 source scripts/step.sh

@@ -24,6 +24,7 @@
 # train_timing_solo.md (each mode alone: tokens/s, step time split into
 # compute and the all-reduces' kernels), train_results.json (all runs with
 # their curves), train_loss.png, train_{exact,naive,echo}.log, train_env.txt.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -41,9 +41,8 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "tests"):  # the package, and the tests' support helpers
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(REPO) not in sys.path:  # the package, from a checkout (the GPU host installs nothing)
+    sys.path.insert(0, str(REPO))
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
@@ -138,7 +137,6 @@ def run_phase(args) -> None:
     status = register()  # the engine runs in this process: no entry point needed
     from vllm import LLM, SamplingParams
 
-    from echo_vllm import ops
     from echo_vllm.vllm_glue import current_stats
     from echo_vllm.vllm_glue.emulation import current_session
 
@@ -178,7 +176,8 @@ def run_phase(args) -> None:
     session = current_session()
     if session is None:
         raise RuntimeError("the emulation did not start: is the echo_vllm plugin installed?")
-    result["kernels"] = ops._kernels() is not None
+    comm = session.calls.comm if session.calls is not None else None  # built by the profiling run
+    result["backend"] = comm.echo.backend(comm.chain.device).name if comm is not None else None
     result["skipped_layers"] = dict(session.skipped_layers)
     save()
 
@@ -316,7 +315,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    from support.tiny_model import make_tiny_qwen3
+    from echo_vllm.testing_models import make_tiny_qwen3
 
     model = make_tiny_qwen3(
         out / "tiny-qwen3", num_layers=args.layers, hidden_size=args.hidden,
@@ -327,7 +326,7 @@ def main(argv=None) -> int:
 
     vocab_limit = Tokenizer.from_file(str(model / "tokenizer.json")).get_vocab_size()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO), str(REPO / "tests")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
     env["ECHO_CHECK_VOCAB_LIMIT"] = str(vocab_limit)
     report: dict = {"args": vars(args), "model": str(model), "phases": {}}
     results: dict = {}
@@ -350,7 +349,7 @@ def main(argv=None) -> int:
         if result.exists():
             results[phase] = json.loads(result.read_text())
             report["phases"][phase].update(
-                {k: results[phase].get(k) for k in ("plugin", "kernels", "skipped_layers", "timings_s", "ok")}
+                {k: results[phase].get(k) for k in ("plugin", "backend", "skipped_layers", "timings_s", "ok")}
             )
         print(f"[{time.time() - t_start:6.0f} s] phase {phase}: {report['phases'][phase]}", flush=True)
     report["comparison"] = compare(out, results)

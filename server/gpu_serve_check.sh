@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-host check of `echo-vllm serve --tp-comm echo` (issue 5), ~5-8 minutes
 # on one H200:
-#   1. build a tiny random-weight Qwen3 (tests/support/tiny_model.py),
+#   1. build a tiny random-weight Qwen3 (echo_vllm.testing_models),
 #   2. start `echo-vllm serve` with Echo on in one-GPU emulation of TP=4,
 #   3. /v1/completions, /v1/chat/completions, malformed requests (4xx, and
 #      the server keeps serving), /metrics before/after,
@@ -19,6 +19,7 @@
 #       also fills the error metrics (the emulation measures in eager mode only).
 # Everything it produces lands in $OUT (server.log, probe.json, bench.json,
 # metrics_*.txt, summary.json/.txt). Exit status 0 = every check passed.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -53,7 +54,7 @@ trap 'stop_server; rm -rf "$WORK"' EXIT
 
 # -- 0. echo-vllm importable from this checkout, and visible to vLLM as a
 #       plugin (entry point) without pip or network: a dist-info next to it.
-export PYTHONPATH="$REPO:$REPO/tests:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$REPO:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - "$WORK/site" <<'EOF' || { echo "cannot register the echo-vllm entry points"; exit 1; }
 import importlib.metadata as md, pathlib, sys, tomllib
 if any(e.name == "echo_vllm" and e.value.startswith("echo_vllm.")
@@ -79,7 +80,7 @@ log "env: $(tr '\n' ' ' < "$OUT/env.txt")"
 # -- 1. tiny model (random weights, local tokenizer with a chat template)
 MODEL_DIR=$WORK/tiny-qwen3
 if ! "$PY" -c "
-from support.tiny_model import make_tiny_qwen3
+from echo_vllm.testing_models import make_tiny_qwen3
 print(make_tiny_qwen3('$MODEL_DIR'))" > "$OUT/tiny_model.log" 2>&1; then
   log "FAIL: building the tiny model"; tail -20 "$OUT/tiny_model.log"; exit 1
 fi

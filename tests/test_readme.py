@@ -41,3 +41,19 @@ def test_demo_table_in_readme_is_what_the_demo_prints(tmp_path, capsys):
         assert row in printed
     growth = next(line for line in block.splitlines() if line.startswith("growth"))
     assert growth in printed
+
+
+def test_module_table_matches_the_tree():
+    """Every module and package of echo_vllm has its row in README's table,
+    and every path the table names exists."""
+    root = README.parent
+    table = re.search(r"^\| path \| what it holds \|\n(.*?)\n\n", README.read_text(), flags=re.M | re.S).group(1)
+    rows = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    listed = {row.rstrip("/") for row in rows}
+    assert {"echo_vllm/config.py", "tests"} <= listed
+    for row in rows:
+        assert (root / row).exists(), f"README's module table names {row}, which does not exist"
+    package = root / "echo_vllm"
+    tree = {f"echo_vllm/{p.name}" for p in package.glob("*.py") if p.name != "__init__.py"}
+    tree |= {f"echo_vllm/{p.name}" for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(tree - listed) == [], "modules missing from README's table"

@@ -10,8 +10,11 @@
 ``EchoConfig.backend`` names one, or ``auto``: :func:`choose_backend` (one
 pure function, returning its reason) picks from the device, the rounding
 mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`) and whether the group's GPUs
-can run the fused kernel (:func:`.fused.fused_support`). A new backend
-registers a :class:`BackendSpec`.
+can run the fused kernel (:func:`.fused.fused_support`).
+:func:`make_backend` asks it and builds the answer: every backend Echo runs
+is made there (``EchoAllReduce`` on first use, the vLLM glue once per
+tensor-parallel group, with the group's facts). A new backend registers a
+:class:`BackendSpec`.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ class BackendSpec:
     """A registered backend."""
 
     name: str
-    build: Callable[[EchoConfig, Transport, EchoEnv], EchoBackend]
-    """Makes the backend for one configuration and transport."""
+    build: Callable[..., EchoBackend]
+    """``build(config, transport, env, *, peers, max_numel)``: the backend for
+    one configuration and transport (``peers``, ``max_numel``: see
+    :func:`make_backend`; backends that need neither ignore them)."""
     devices: tuple[str, ...]
     """Device types (``torch.device.type``) whose tensors it reduces."""
     doc: str
@@ -51,23 +56,24 @@ def register_backend(spec: BackendSpec) -> None:
 
 
 register_backend(BackendSpec(
-    "reference", lambda cfg, tr, env: ComposedBackend(cfg, tr, ReferenceStages()), ("cpu", "cuda"),
+    "reference", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, ReferenceStages()), ("cpu", "cuda"),
     "torch references of every stage (the specification) around the transport",
 ))
 register_backend(BackendSpec(
-    "triton", lambda cfg, tr, env: ComposedBackend(cfg, tr, TritonStages()), ("cuda", "cpu"),
+    "triton", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, TritonStages()), ("cuda", "cpu"),
     "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
 ))
 register_backend(BackendSpec(
-    "numba", lambda cfg, tr, env: ComposedBackend(cfg, tr, NumbaStages()), ("cpu",),
+    "numba", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, NumbaStages()), ("cpu",),
     "fused numba CPU loops around the transport",
 ))
 
 
-def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv) -> EchoBackend:
-    # messages larger than its buffers take the composed Triton path: same bits
+def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv, *, peers: Transport,
+                 max_numel: int | None) -> EchoBackend:
+    # messages larger than its buffers take the composed Triton path over the transport: same bits
     fallback = ComposedBackend(cfg, tr, TritonStages())
-    return FusedSymmMemBackend(cfg, tr, fallback=fallback)
+    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback)
 
 
 register_backend(BackendSpec(
@@ -80,7 +86,7 @@ assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and 
 
 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
-                   p2p: bool = False) -> tuple[str, str]:
+                   p2p: bool = False, p2p_reason: str = "") -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
@@ -88,7 +94,10 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     ``reference``; else ``ECHO_KERNELS`` if set (``numba`` for CPU tensors
     only); else, for CUDA tensors, ``fused`` if ``p2p`` (the group can run
     it: :func:`.fused.fused_support`) and ``triton`` if not; ``reference``
-    elsewhere.
+    elsewhere. ``p2p_reason``: what probing the group said (empty: not
+    probed); an explicit ``fused`` on a group probed unable to run it is
+    refused with it. Raises :class:`EchoConfigError` for a request that
+    cannot run.
     """
     if requested != "auto":
         if requested not in BACKENDS:
@@ -97,6 +106,8 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
             raise EchoConfigError(f"rounding='stochastic' runs on the reference backend, not {requested!r}")
         if device_type not in BACKENDS[requested].devices:
             raise EchoConfigError(f"backend={requested!r} does not run on {device_type} tensors")
+        if requested == "fused" and not p2p and p2p_reason:
+            raise EchoConfigError(f"backend='fused' cannot run on this group: {p2p_reason}")
         return requested, "configured"
     if stochastic:
         return "reference", "stochastic rounding (torch noise)"
@@ -105,9 +116,9 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     if env_kernels in ("reference", "triton"):
         return env_kernels, f"ECHO_KERNELS={env_kernels}"
     if device_type == "cuda" and p2p:
-        return "fused", "CUDA tensors, peer-to-peer GPUs"
+        return "fused", f"CUDA tensors, peer-to-peer GPUs{f' ({p2p_reason})' if p2p_reason else ''}"
     if device_type == "cuda":
-        return "triton", "CUDA tensors"
+        return "triton", f"CUDA tensors{f' (fused unavailable: {p2p_reason})' if p2p_reason else ''}"
     return "reference", f"{device_type} tensors"
 
 
@@ -131,17 +142,31 @@ def fast_on_cpu(config: EchoConfig, device: torch.device | str) -> EchoConfig:
     return config
 
 
-def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv) -> EchoBackend:
-    """Build the backend :func:`choose_backend` picks for ``config``. When
-    ``auto`` could pick ``fused``, the group is probed first (a collective on
-    a process group: every rank builds its backend at the same call)."""
+def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv,
+                 peers: Transport | None = None, max_numel: int | None = None) -> tuple[EchoBackend, str]:
+    """Build the backend :func:`choose_backend` picks for ``config``;
+    returns it and the reason.
+
+    When the answer depends on whether the group can run the fused kernel,
+    ``peers`` is probed first (:func:`.fused.fused_support`: a collective on
+    a process group, so every rank builds its backend at the same call).
+    ``peers``: the ``torch.distributed`` transport of the same ranks that
+    the fused backend maps peer memory over (default ``transport``; vLLM's
+    TP group moves the composed path's bytes with pynccl, and maps peer
+    memory over the group's NCCL process group). ``max_numel``: the largest
+    message in values per rank, which sizes the fused backend's buffers
+    (None: from ``max_bytes``, or its default).
+    """
+    peers = transport if peers is None else peers
     stochastic = config.rounding == "stochastic"
-    p2p = False
-    if config.backend == "auto" and device_type == "cuda" and not stochastic and env.kernels == "auto":
-        p2p, _ = fused_support(transport, device_type)
-    name, _ = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
-                             env_kernels=env.kernels, p2p=p2p)
-    return BACKENDS[name].build(config, transport, env)
+    p2p, why = False, ""
+    # probe only where the answer could be fused (the pure choice says, before any collective)
+    if choose_backend(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
+                      p2p=True)[0] == "fused":
+        p2p, why = fused_support(peers, device_type)
+    name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
+                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why)
+    return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 
 __all__ = [

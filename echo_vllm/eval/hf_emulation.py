@@ -152,15 +152,14 @@ class HFEmulation:
                 "(load it in bfloat16, or pass comm_dtype=torch.bfloat16)"
             )
         tp = self.tp
-        idx = tp.call_index
-        if tp._in_forward and idx in self.exact_calls:
-            tp.call_index += 1
+        slot = tp.next_call()
+        if slot.index in self.exact_calls:
             # counted like every other call, so bits/value includes it
-            y = tp.comm.exact(partials, idx, reason="forced_exact_calls")
+            y = tp.comm.exact(partials, slot.index, reason="forced_exact_calls")
         else:
-            y = tp.reduce(partials)
+            y = tp.reduce(partials, slot)
         if self.record:
-            self.records.append(CallRecord(idx, site, partials.detach().clone(), y.detach().clone()))
+            self.records.append(CallRecord(slot.index, site, partials.detach().clone(), y.detach().clone()))
         return y.to(out_dtype)
 
     # -- patched forwards ---------------------------------------------------------

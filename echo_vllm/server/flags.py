@@ -3,9 +3,10 @@
 Every EchoConfig field becomes one flag (``group_size`` -> ``--echo-group-size``;
 booleans also get ``--no-echo-...``), with the field's default and its
 docstring as help, so the command line can never drift from the config.
-Three flags are not EchoConfig fields: ``--tp-comm`` (which all-reduce vLLM
-uses), ``--echo-emulate-tp`` (one-GPU emulation of TP=P) and
-``--echo-emulate-measure``.
+Four flags are not EchoConfig fields: ``--tp-comm`` (which all-reduce vLLM
+uses), ``--echo-emulate-tp`` (one-GPU emulation of TP=P),
+``--echo-emulate-measure`` and ``--echo-postnorm`` (what Echo does on a
+post-norm model).
 
 Each flag knows the vLLM ``additional_config`` key the plugin reads it from.
 """
@@ -25,7 +26,6 @@ from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DT
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
-from ..vllm_glue.settings import KNOWN_KEYS as TP_COMM_KEYS
 from ..vllm_glue.settings import MODES as TP_COMM_CHOICES
 
 ECHO_KEY_PREFIX = "echo_"

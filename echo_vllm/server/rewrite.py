@@ -7,6 +7,16 @@ switches off the compilation passes that would replace the all-reduce Echo
 hooks, rejects combinations that cannot work, and passes every other token to
 vLLM unchanged and in order.
 
+What Echo's settings may hold and what they cannot run with are the
+plugin's rules, asked here before vLLM starts: the ``additional_config``
+the rewrite hands vLLM is parsed by the plugin's own
+:meth:`~echo_vllm.vllm_glue.settings.TpCommSettings.from_additional_config`,
+and the rule book :func:`echo_vllm.vllm_glue.guards.conflicts` judges it
+against what the command line says of the engine; their errors become
+argument errors. Checked here alone is how the command line is written
+(a flag and a key that contradict each other, an Echo flag without
+``--tp-comm echo``, an explicit request for a pass the rewrite turns off).
+
 Merging: vLLM itself keeps only the dotted form when a JSON and a dotted
 ``--additional-config`` are both given (the dotted dict is parsed last and
 replaces the JSON one). With ``--tp-comm echo`` we merge them instead, in
@@ -14,8 +24,9 @@ command-line order (later keys win), and hand vLLM one JSON object per
 option; with ``--tp-comm nccl`` (stock vLLM) the argv is left as vLLM sees it.
 
 It reads nothing but ``argv`` (and the ``--config`` file, through an
-injectable reader), imports neither vLLM nor torch's CUDA, and raises
-:class:`ServeArgsError` with a one-line message on bad input.
+injectable reader; the installed vLLM's version, from its metadata, when
+``bypass_passes`` is not given), imports neither vLLM nor torch's CUDA,
+and raises :class:`ServeArgsError` with a one-line message on bad input.
 """
 
 from __future__ import annotations
@@ -23,22 +34,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any, Callable, Mapping
 
 from ..config import FALSE_TEXT, TRUE_TEXT, EchoConfig, EchoConfigError
-from ..postnorm import POSTNORM_POLICIES
 from ..vllm_glue import compat
-from ..vllm_glue.guards import BYPASS_PASSES
-from ..vllm_glue.settings import normalize_keys
+from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts
+from ..vllm_glue.settings import TpCommSettings, normalize_keys
 from .flags import (
     ECHO_KEY_PREFIX,
     EMULATE_KEY,
     MEASURE_KEY,
     POSTNORM_KEY,
-    TP_COMM_CHOICES,
     TP_COMM_KEY,
-    TP_COMM_KEYS,
     Flag,
     flags_by_option,
 )
@@ -100,13 +107,6 @@ def bypass_passes_for(vllm_version: str | None) -> tuple[str, ...]:
     except ValueError:
         removed = False
     return BYPASS_PASSES_0_33 if removed else BYPASS_PASSES_0_26
-
-
-def installed_vllm_version() -> str | None:
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 # -- values as vLLM parses them ------------------------------------------------
@@ -375,18 +375,9 @@ def _coerce_field(key: str, value: Any, source: str) -> Any:
     return getattr(config, key[len(ECHO_KEY_PREFIX):])
 
 
-def _check_tp_comm_keys(additional: dict) -> None:
-    """The plugin refuses unknown ``tp_comm*`` keys; say so before vLLM starts."""
-    unknown = sorted(k for k in additional if k.startswith(TP_COMM_KEY) and k not in TP_COMM_KEYS)
-    if unknown:
-        raise ServeArgsError(f"unknown option(s) {', '.join(unknown)} in --additional-config; "
-                             f"known: {', '.join(TP_COMM_KEYS)}")
-
-
-def _tp_comm_value(name: str, raw: Any) -> str:
-    if raw not in TP_COMM_CHOICES:
-        raise ServeArgsError(f"{name} {raw!r}: choose one of {', '.join(TP_COMM_CHOICES)}")
-    return raw
+def _text(name: str, raw: Any) -> str:
+    """A choice as the plugin reads it (validated by the plugin's settings)."""
+    return str(raw).strip().lower()
 
 
 def _bool_value(name: str, raw: Any) -> bool:
@@ -424,18 +415,12 @@ def _echo_values(scan: _Scan, additional: dict) -> dict[str, Any]:
     return values
 
 
-def _postnorm_value(name: str, raw: Any) -> str:
-    value = str(raw).strip().lower()
-    if value not in POSTNORM_POLICIES:
-        raise ServeArgsError(f"{name} {raw!r}: choose one of {', '.join(POSTNORM_POLICIES)}")
-    return value
-
-
-def _emulate_tp(scan: _Scan, additional: dict) -> int:
-    value = _flag_or_key(scan, additional, EMULATE_KEY, _int) or 0
-    if value < 0 or value == 1:
-        raise ServeArgsError(f"--echo-emulate-tp {value}: emulate TP=P with P >= 2 (0 = off)")
-    return value
+def _plugin_settings(additional: dict) -> TpCommSettings:
+    """``additional`` as the plugin will read it; its errors as argument errors."""
+    try:
+        return TpCommSettings.from_additional_config(additional)
+    except EchoConfigError as e:
+        raise ServeArgsError(str(e)) from None
 
 
 def _echo_compilation_config(scan: _Scan, passes: tuple[str, ...]) -> dict:
@@ -471,35 +456,28 @@ def rewrite_args(
     if isinstance(additional.get("echo"), Mapping):
         raise ServeArgsError("--additional-config: a nested \"echo\" object is not read; write "
                              "echo_<field> keys (e.g. echo_group_size) or --echo-<field> flags")
-    _check_tp_comm_keys(additional)
-    tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _tp_comm_value) or "nccl"
     tp = scan.tensor_parallel_size
     if tp < 1:
         raise ServeArgsError(f"--tensor-parallel-size {tp}: must be >= 1")
-    emulate = _emulate_tp(scan, additional)
+    tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _text) or "nccl"
+    emulate = _flag_or_key(scan, additional, EMULATE_KEY, _int) or 0
     measure = _flag_or_key(scan, additional, MEASURE_KEY, _bool_value)
-    if measure and not emulate:
-        raise ServeArgsError("--echo-emulate-measure needs --echo-emulate-tp P (it measures the emulation)")
-    if emulate and tp != 1:
-        raise ServeArgsError(
-            f"--echo-emulate-tp {emulate} emulates TP={emulate} on one GPU and needs "
-            f"--tensor-parallel-size 1 (got {tp})")
-    if (tp_comm == "echo" or emulate) and (scan.enable_dbo or scan.ubatch_size > 1):
-        mode = "--tp-comm echo" if tp_comm == "echo" else "--echo-emulate-tp"
-        given = "--enable-dbo" if scan.enable_dbo else f"--ubatch-size {scan.ubatch_size}"
-        raise ServeArgsError(
-            f"{mode} cannot run with {given}: dual-batch overlap interleaves two micro-batches' "
-            "all-reduces and would mix their error-feedback chains")
-    emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
-    postnorm = _flag_or_key(scan, additional, POSTNORM_KEY, _postnorm_value)
-    if postnorm is not None and tp_comm != "echo":
-        raise ServeArgsError("--echo-postnorm needs --tp-comm echo (it decides what Echo does on post-norm models)")
-    emulation.update({POSTNORM_KEY: postnorm} if postnorm is not None else {})
-
-    if tp_comm == "nccl":
+    postnorm = _flag_or_key(scan, additional, POSTNORM_KEY, _text)
+    given = {key: value for key, value in ((MEASURE_KEY, measure), (POSTNORM_KEY, postnorm)) if value is not None}
+    echo_values = _echo_values(scan, additional) if tp_comm == "echo" else {}
+    plugin = _plugin_settings({**additional, TP_COMM_KEY: tp_comm, EMULATE_KEY: emulate, **given, **echo_values})
+    if plugin.mode == "nccl":
         echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)
         if echo_only:
             raise ServeArgsError(f"{' '.join(echo_only)} needs --tp-comm echo (nccl is vLLM's own all-reduce)")
+    # no bypassing pass is on: the rewrite turns them off, and refuses an explicit request for one
+    engine = EngineFacts(tensor_parallel_size=tp, enable_dbo=scan.enable_dbo, ubatch_size=scan.ubatch_size)
+    for problem in conflicts(plugin, engine):
+        raise ServeArgsError(problem.message)
+    emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
+    emulation.update({POSTNORM_KEY: postnorm} if postnorm is not None else {})
+
+    if plugin.mode == "nccl":
         if not emulate:  # stock vLLM: argv untouched
             return _argv(scan), ServeSettings("nccl", tp, additional_config=additional)
         # the emulation's exact baseline: the same P partials summed in 16-bit
@@ -507,23 +485,14 @@ def rewrite_args(
         vllm_argv = _argv(scan, drop=(ADDITIONAL_CONFIG,)) + [ADDITIONAL_CONFIG, json.dumps(additional)]
         return vllm_argv, ServeSettings("nccl", tp, emulate, additional_config=additional)
 
-    echo_values = _echo_values(scan, additional)
-    if not emulate and tp == 1:
-        raise ServeArgsError(
-            "--tp-comm echo needs --tensor-parallel-size > 1 (or --echo-emulate-tp P "
-            "to emulate TP=P on one GPU): with TP=1 there is no all-reduce")
-
-    passes = bypass_passes_for(installed_vllm_version()) if bypass_passes is None else bypass_passes
+    passes = bypass_passes_for(compat.vllm_version()) if bypass_passes is None else bypass_passes
     compilation = _echo_compilation_config(scan, passes)
     additional.update({TP_COMM_KEY: "echo", **echo_values, **emulation})
-    echo = EchoConfig.from_mapping(echo_values, prefix=ECHO_KEY_PREFIX)
-
     vllm_argv = _argv(scan, drop=(ADDITIONAL_CONFIG, COMPILATION_CONFIG)) + [
         ADDITIONAL_CONFIG, json.dumps(additional),
         COMPILATION_CONFIG, json.dumps(compilation),
     ]
-    settings = ServeSettings("echo", tp, emulate, echo, additional, compilation, tuple(passes))
-    return vllm_argv, settings
+    return vllm_argv, ServeSettings("echo", tp, emulate, plugin.echo, additional, compilation, tuple(passes))
 
 
 def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:

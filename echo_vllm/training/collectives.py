@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..backends import fast_on_cpu
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
+from ..numbering import CallCounter
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
 
 MODES = ("exact", "naive", "echo")
@@ -215,7 +216,8 @@ class CommTime:
 class ChainedAllReduce:
     """The residual all-reduces of one direction: an EchoCommunicator (and its
     feedback chain) plus the call counter that gives each call its index in
-    the pass and tells the policy which call is the last."""
+    the pass and tells the policy which call is the last (each pass declares
+    its count: :meth:`start_pass`)."""
 
     def __init__(self, direction: str, config: TPCommConfig, group: TPGroup):
         self.direction = direction
@@ -227,10 +229,10 @@ class ChainedAllReduce:
         # Echo modes fall back to, so the three modes share the 16-bit numerics
         self.comm = EchoCommunicator(fast_on_cpu(echo_cfg or EchoConfig(min_bytes=0), group.device),
                                      group.transport, device=group.device)
-        self.index = 0
-        """Index the next call gets."""
-        self.calls_per_pass: int | None = None
-        """Calls one pass makes (known before the pass's last call)."""
+        self.counter = CallCounter()
+        """Numbers this direction's calls; ``calls_per_pass`` is declared per
+        pass (known before the pass's last call)."""
+        self.counter.start()
         self.recorder: list[CallRecord] | None = None
         """Set to a list to keep every call's message and output (tests)."""
         self.time = CommTime()
@@ -239,19 +241,18 @@ class ChainedAllReduce:
     def chain(self):
         return self.comm.chain
 
-    def start_pass(self, calls: int | None) -> None:
-        """A new pass: indices restart at 0 and the chain forgets any error."""
-        self.index = 0
-        self.calls_per_pass = calls
+    def start_pass(self, calls: int) -> None:
+        """A new pass of ``calls`` calls: indices restart at 0 and the chain
+        forgets any error."""
+        self.counter.start(calls)
         self.comm.chain.reset()
 
     def __call__(self, partials: torch.Tensor) -> torch.Tensor:
         """Sum per-rank ``partials`` [R, ...] over the group; returns [...] in
         the comm dtype."""
         xs = partials.to(self.comm_dtype)
-        t = self.index
-        self.index += 1
-        last = self.calls_per_pass is not None and t == self.calls_per_pass - 1
+        slot = self.counter.next()
+        t, last = slot.index, slot.last_call
         arg = xs if self.group.is_virtual else xs[0]
         start = self._tick()
         if self.exact_only:
@@ -309,10 +310,11 @@ class TPComm:
         self.backward.start_pass(0)
 
     def end_forward(self) -> None:
-        if self.forward.index != self.forward.calls_per_pass:
+        counter = self.forward.counter
+        if counter.count != counter.calls_per_pass:
             raise RuntimeError(
-                f"the forward pass made {self.forward.index} residual all-reduces, "
-                f"the model declared {self.forward.calls_per_pass}"
+                f"the forward pass made {counter.count} residual all-reduces, "
+                f"the model declared {counter.calls_per_pass}"
             )
 
     def set_recorder(self, recorder: list[CallRecord] | None) -> None:
@@ -345,7 +347,7 @@ class _CopyToTP(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
         ctx.comm = comm
         ctx.dtype = x.dtype
-        comm.backward.calls_per_pass += 1
+        comm.backward.counter.calls_per_pass += 1
         return x.unsqueeze(0).expand((comm.group.local_size,) + tuple(x.shape))
 
     @staticmethod

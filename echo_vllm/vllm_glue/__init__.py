@@ -5,8 +5,9 @@
 * :mod:`.startup`      -- what happens when vLLM creates the TP group
 * :mod:`.session`      -- the process's one Echo session, and its registry
 * :mod:`.communicator` -- ``TpEchoCommunicator``: Echo for one TP group, in vLLM's shape
+* :mod:`.calls`        -- the per-call sequence real TP and the emulation share
 * :mod:`.settings`     -- what ``--additional-config`` asks for (``tp_comm``, ``echo_*``)
-* :mod:`.guards`       -- engine settings Echo refuses at start-up, by flag name
+* :mod:`.guards`       -- the rule book: what the settings cannot run with (plugin and ``serve``)
 * :mod:`.tracking`     -- call index per forward pass, counters under CUDA graphs
 * :mod:`.metrics`      -- Prometheus export of the counters
 * :mod:`.pynccl_transport` -- Echo's collectives over vLLM's pynccl communicator
@@ -17,7 +18,7 @@ Importing this package does not import vLLM; the plugin
 (:func:`echo_vllm.vllm_glue.plugin.register`) installs the hook.
 """
 
-from .guards import EchoEngineConfigError, check_engine_config, conflicts
+from .guards import Conflict, EchoEngineConfigError, EngineFacts, check_engine_config, conflicts
 from .settings import TpCommSettings
 
 
@@ -30,7 +31,9 @@ def current_stats():
 
 
 __all__ = [
+    "Conflict",
     "EchoEngineConfigError",
+    "EngineFacts",
     "TpCommSettings",
     "check_engine_config",
     "conflicts",

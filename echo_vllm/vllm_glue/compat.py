@@ -188,6 +188,35 @@ def cudagraphs_enabled(vllm_config: Any) -> bool:
     return str(getattr(mode, "name", mode)).upper() != "NONE"
 
 
+def linear_classes() -> tuple[type, type]:
+    """``(RowParallelLinear, UnquantizedLinearMethod)``: the layer the
+    emulation splits, and the weights it can split."""
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+
+    return RowParallelLinear, UnquantizedLinearMethod
+
+
+def vocab_embedding_classes() -> tuple[type, type, type]:
+    """``(VocabParallelEmbedding, ParallelLMHead, UnquantizedEmbeddingMethod)``."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    return VocabParallelEmbedding, ParallelLMHead, UnquantizedEmbeddingMethod
+
+
+def custom_op_registrar() -> Callable | None:
+    """vLLM's ``direct_register_custom_op`` (registers under the current
+    platform's dispatch key), or None where this vLLM has none."""
+    try:
+        from vllm.utils.torch_utils import direct_register_custom_op
+    except ImportError:
+        return None
+    return direct_register_custom_op
+
+
 def batch_invariant_enabled() -> bool:
     """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT``, read through
     ``vllm.envs`` as vLLM reads it); False where this vLLM has no such mode."""

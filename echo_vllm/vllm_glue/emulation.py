@@ -38,12 +38,13 @@ from ..capture import capturing
 from ..communicator import EchoCommunicator
 from ..config import EchoConfigError
 from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
-from ..policy import Reason
+from ..numbering import CallSlot
 from ..transport import VirtualTransport
+from . import compat
 from . import session as sessions
+from .calls import CallSequence
 from .session import EchoSession
 from .settings import TpCommSettings
-from .tracking import CallSlot
 
 logger = logging.getLogger("echo_vllm")
 
@@ -65,7 +66,9 @@ class EmulationSession(EchoSession):
     def __init__(self, settings: TpCommSettings, vllm_config: Any):
         super().__init__(settings, vllm_config, rank=0)
         self.world_size = settings.emulate_world_size
-        self.comm: Optional[EchoCommunicator] = None
+        self.calls: Optional[CallSequence] = None
+        """The per-call sequence over P virtual ranks (built on the first call,
+        on the partials' device; again after :meth:`set_variant`)."""
         self.skipped_layers: Counter = Counter()
         self.captured = False
         self._acc: Optional[list] = None  # [err_sum, ref_sum, worst, last]
@@ -74,34 +77,26 @@ class EmulationSession(EchoSession):
 
     def reduce(self, partials: torch.Tensor) -> torch.Tensor:
         """Sum partials [P, tokens, hidden] as the configured all-reduce would."""
-        per_rank = partials[0]
-        slot = self.next_call(per_rank)
         if capturing():
             self.captured = True
-        comm = self._communicator(partials.device)
-        residual = self.is_residual(per_rank)
-        if residual:
-            self.reserve_once(comm, per_rank)
-        if self.settings.mode == "echo":
-            y = comm.all_reduce(partials, slot.index, last_call=slot.last_call, residual=residual)
-        else:
-            y = comm.exact(partials, slot.index, reason=Reason.DISABLED)
+        y, slot, residual = self._sequence(partials.device)(partials)
         if self.settings.emulate_measure:
             self._measure(partials, y, slot, residual)
         return y
 
-    def _communicator(self, device: torch.device) -> EchoCommunicator:
-        if self.comm is None or self.comm.chain.device != device:
-            # sized once by reserve_once, never under capture
-            self.comm = EchoCommunicator(self.settings.echo, VirtualTransport(self.world_size), device=device,
-                                         fixed_capacity=True, stats=self.stats, sink=self.record)
-            self._reserved = False
-        return self.comm
+    def _sequence(self, device: torch.device) -> CallSequence:
+        if self.calls is None or self.calls.comm.chain.device != device:
+            # the buffer is sized once, by the sequence's first residual call, never under capture
+            comm = EchoCommunicator(self.settings.echo, VirtualTransport(self.world_size), device=device,
+                                    fixed_capacity=True, stats=self.stats, sink=self.tracker.on_record)
+            self.calls = CallSequence(comm, self.tracker, hidden_size=self.hidden_size,
+                                      max_num_tokens=self.max_num_tokens, echo=self.settings.mode == "echo")
+        return self.calls
 
     def close(self) -> None:
-        if self.comm is not None:
-            self.comm.close()
-            self.comm = None
+        if self.calls is not None:
+            self.calls.comm.close()
+            self.calls = None
 
     # -- residual-error measurement (tp_comm_emulate_measure) --------------------
 
@@ -225,9 +220,8 @@ def register_ops() -> None:
 def _register_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
     """vLLM's helper (dispatch key of the current platform); plain
     torch.library where a vLLM version lacks it."""
-    try:
-        from vllm.utils.torch_utils import direct_register_custom_op
-    except ImportError:
+    direct_register_custom_op = compat.custom_op_registrar()
+    if direct_register_custom_op is None:
         lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
         lib.impl(name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
@@ -241,8 +235,7 @@ def _register_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
 
 
 def row_parallel_skip_reason(layer: Any, world_size: int) -> Optional[str]:
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
+    _, UnquantizedLinearMethod = compat.linear_classes()
     if getattr(layer, "tp_size", 1) != 1:
         return "layer is already tensor-parallel"
     if not getattr(layer, "reduce_results", True):
@@ -255,11 +248,7 @@ def row_parallel_skip_reason(layer: Any, world_size: int) -> Optional[str]:
 
 
 def vocab_embedding_skip_reason(layer: Any, world_size: int) -> Optional[str]:
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-    )
-
+    _, ParallelLMHead, UnquantizedEmbeddingMethod = compat.vocab_embedding_classes()
     if isinstance(layer, ParallelLMHead):
         return NOT_APPLICABLE
     if getattr(layer, "tp_size", 1) != 1:
@@ -293,9 +282,8 @@ def patch_layers() -> None:
     global _PATCHED
     if _PATCHED:
         return
-    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
+    RowParallelLinear, UnquantizedLinearMethod = compat.linear_classes()
+    VocabParallelEmbedding, _, _ = compat.vocab_embedding_classes()
     row_init, row_forward = RowParallelLinear.__init__, RowParallelLinear.forward
     emb_init, emb_forward = VocabParallelEmbedding.__init__, VocabParallelEmbedding.forward
     pwal = UnquantizedLinearMethod.process_weights_after_loading

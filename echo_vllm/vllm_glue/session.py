@@ -3,30 +3,28 @@
 When vLLM creates the tensor-parallel group of an engine that asks for Echo,
 :mod:`.startup` builds a session and makes it this process's *current*
 session (one registry: :func:`current`, :func:`activate`, :func:`deactivate`).
-A session owns the engine's Echo settings, the counters, the call numbering
-of forward passes (:class:`~.tracking.ForwardTracker`), and the sink every
-communicator hands its call records to. Two kinds:
+A session owns the engine's Echo settings, the counters and the call
+numbering of forward passes (:class:`~.tracking.ForwardTracker`, the sink
+of every call record), and the model facts the per-call sequence needs
+(:class:`~.calls.CallSequence`). Two kinds:
 
 * :class:`TpSession` -- real tensor parallelism: the TP group's
-  :class:`~.communicator.TpEchoCommunicator`;
+  :class:`~.communicator.TpEchoCommunicator`, built with what it needs
+  (the session itself is not handed down);
 * :class:`~.emulation.EmulationSession` -- TP=P emulated on one device.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..capture import capturing
-from ..communicator import EchoCommunicator
-from ..policy import ECHO_DTYPES
-from ..stats import CallRecord
 from . import compat
 from .communicator import TpEchoCommunicator
 from .settings import TpCommSettings
-from .tracking import CallSlot, ForwardTracker, StepStats, metrics_publisher
+from .tracking import ForwardTracker, StepStats, metrics_publisher
 
 logger = logging.getLogger("echo_vllm")
 
@@ -46,34 +44,6 @@ class EchoSession:
         """Model hidden size: residual-stream messages are [tokens, hidden]."""
         self.max_num_tokens = compat.max_num_batched_tokens(vllm_config)
         """Largest batch a forward pass carries: sizes the feedback buffer."""
-        self._reserved = False
-
-    # -- calls ---------------------------------------------------------------------
-
-    def next_call(self, per_rank: torch.Tensor) -> CallSlot:
-        """The place of the next all-reduce in its forward pass."""
-        return self.tracker.next_call(compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0)
-
-    def record(self, rec: CallRecord) -> None:
-        """The sink of this session's communicators."""
-        self.tracker.on_record(rec)
-
-    def is_residual(self, per_rank: torch.Tensor) -> bool:
-        return per_rank.dim() == 2 and (
-            self.hidden_size is None or per_rank.shape[-1] == self.hidden_size
-        )
-
-    def reserve_once(self, comm: EchoCommunicator, per_rank: torch.Tensor) -> None:
-        """Allocate the feedback buffer at its largest size -- the largest
-        batch times the hidden size -- on the first residual call outside
-        graph capture (vLLM's profiling run, so its memory profiler sees the
-        buffer). Until then Echo falls back (counted): the communicator never
-        grows the buffer on demand."""
-        if self._reserved or per_rank.dtype not in ECHO_DTYPES or capturing():
-            return
-        tokens = max(self.max_num_tokens or 0, per_rank.shape[0])
-        comm.reserve(tokens, per_rank.shape[-1])
-        self._reserved = True
 
     # -- counters ------------------------------------------------------------------
 
@@ -96,12 +66,15 @@ class EchoSession:
 
 
 class TpSession(EchoSession):
-    """Echo for one process's tensor-parallel group."""
+    """Echo for one process's tensor-parallel group. ``vllm_all_reduce``:
+    vLLM's own all-reduce of that group (the exact path)."""
 
-    def __init__(self, coordinator: Any, settings: TpCommSettings, vllm_config: Any):
+    def __init__(self, coordinator: Any, settings: TpCommSettings, vllm_config: Any,
+                 vllm_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(settings, vllm_config, rank=int(getattr(coordinator, "rank_in_group", 0)))
         self.dtype = compat.model_dtype(vllm_config)
-        self.communicator = TpEchoCommunicator(coordinator, self)
+        self.communicator = TpEchoCommunicator(coordinator, settings.echo, self.tracker, vllm_all_reduce,
+                                               hidden_size=self.hidden_size, max_num_tokens=self.max_num_tokens)
 
     def close(self) -> None:
         self.communicator.close()

@@ -85,8 +85,9 @@ class TpCommSettings:
     echo: EchoConfig = field(default_factory=EchoConfig)
     """Echo's own options (the ``echo_*`` keys)."""
 
-    postnorm: str = DEFAULT_POSTNORM_POLICY
-    """Policy for post-norm models (``tp_comm_postnorm``)."""
+    postnorm: str | None = None
+    """Policy for post-norm models (``tp_comm_postnorm``); None: not given
+    (:data:`~echo_vllm.postnorm.DEFAULT_POSTNORM_POLICY` applies)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -96,7 +97,7 @@ class TpCommSettings:
             raise EchoConfigError(
                 f"tp_comm_emulate={p!r}: must be at least 2 (or 0 / absent for no emulation)"
             )
-        if self.postnorm not in POSTNORM_POLICIES:
+        if self.postnorm is not None and self.postnorm not in POSTNORM_POLICIES:
             raise EchoConfigError(
                 f"tp_comm_postnorm={self.postnorm!r}: choose one of {POSTNORM_POLICIES}"
             )
@@ -134,7 +135,7 @@ class TpCommSettings:
             emulate_world_size=emulate,
             emulate_measure=measure,
             echo=EchoConfig.from_mapping(raw, prefix="echo_"),
-            postnorm=str(raw.get(POSTNORM_KEY, DEFAULT_POSTNORM_POLICY)).strip().lower(),
+            postnorm=str(raw[POSTNORM_KEY]).strip().lower() if POSTNORM_KEY in raw else None,
         )
 
     def for_model(self, architectures: list[str], hf_config: Any = None,
@@ -149,10 +150,11 @@ class TpCommSettings:
         decision = decide_postnorm(architectures, hf_config, modules)
         if not decision.postnorm:
             return self, None
-        mode, echo = postnorm_config(self.echo, self.postnorm)
+        mode, echo = postnorm_config(self.echo, self.postnorm or DEFAULT_POSTNORM_POLICY)
         model = f"{architectures} ({decision.reason})"
         if mode == "exact":
-            return replace(self, mode="nccl"), (
+            # the policy is spent: Echo is off, nothing is left for it to decide
+            return replace(self, mode="nccl", postnorm=None), (
                 f"post-norm model {model}: Echo is off, every all-reduce in 16-bit "
                 "(tp_comm_postnorm=exact, the default: 4-bit costs such models accuracy even without "
                 "error feedback; tp_comm_postnorm=no-feedback opts in)")

@@ -55,29 +55,28 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     settings, invariance = settings.for_batch_invariance(compat.batch_invariant_enabled())
     if invariance:
         logger.warning("echo: %s", invariance)
-    check_engine_config(vllm_config, settings)
+    # refused conflicts raise here; the others leave vLLM's all-reduce in place, said loudly
+    for problem in check_engine_config(vllm_config, settings):
+        logger.warning("echo: %s", problem)
     world = int(coordinator.world_size)
     if settings.emulated:
         active = session.activate(emulation.start(settings, vllm_config))
         logger.info("echo: emulating tensor parallelism %d on one device (%s reduce) %s",
                     settings.emulate_world_size, settings.mode, settings.echo)
     elif world > 1:
-        active = session.activate(session.TpSession(coordinator, settings, vllm_config))
+        active = session.activate(session.TpSession(coordinator, settings, vllm_config,
+                                                    functools.partial(vllm_all_reduce, coordinator)))
         comm = active.communicator
-        comm.bind(functools.partial(vllm_all_reduce, coordinator))
         coordinator._echo_comm = comm
         logger.info("echo: Echo all-reduce on group %s (world size %d, transport %s) %s",
                     coordinator.unique_name, world, type(comm.transport).__name__, settings.echo)
         # every rank of the group is here, in the same order: the calibration's collectives are safe
-        measured = comm.calibrate(active.hidden_size, active.max_num_tokens, active.dtype)
+        measured = comm.calibrate(active.dtype)
         if measured is not None:
             logger.info("echo: crossover measured on this group: min_bytes=%s max_bytes=%s (%s)",
                         measured.min_bytes, measured.max_bytes, measured.reason)
     else:
-        # nothing to reduce: vLLM runs unchanged; said loudly, since a
-        # comparison against it would otherwise look like a perfect result
-        logger.warning("echo: tp_comm=echo at tensor-parallel size 1 has no all-reduce to replace: "
-                       "vLLM runs unchanged (tp_comm_emulate=P emulates TP=P on one device)")
+        # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
     active.model_note = note
 

@@ -2,12 +2,13 @@
 
 Call index
     Echo's feedback chain runs along the all-reduces of one forward pass, so
-    each call needs its position in that pass. vLLM creates a fresh
-    ``ForwardContext.additional_kwargs`` dict for every ``set_forward_context``;
-    a counter stored there restarts with every forward pass and, under CUDA
-    graphs, is read only while a graph is captured -- the index baked into a
-    graph is the one eager execution would use (vLLM's MoE layers use the
-    same pattern).
+    each call needs its position in that pass (:class:`~echo_vllm.numbering.CallCounter`).
+    vLLM creates a fresh ``ForwardContext.additional_kwargs`` dict for every
+    ``set_forward_context``: a new dict starts a new pass, and the count so
+    far is kept in it, so the index restarts with every forward pass and,
+    under CUDA graphs, is read only while a graph is captured -- the index
+    baked into a graph is the one eager execution would use (vLLM's MoE
+    layers use the same pattern).
 
 Calls per forward
     ``exact_last_call`` needs to know which call is the last one. The first
@@ -51,8 +52,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from ..capture import capturing
+from ..numbering import NO_PASS, CallCounter, CallSlot
 from ..stats import CallRecord, EchoStats
 
 logger = logging.getLogger("echo_vllm")
@@ -130,27 +131,14 @@ class StepStats(EchoStats):
         return snap
 
 
-@dataclass(frozen=True)
-class CallSlot:
-    """One all-reduce's place in its forward pass."""
-
-    index: int | None
-    """0-based position; None outside any forward pass."""
-    last_call: bool = False
-    """The last call of the pass (known once calls_per_forward is learned)."""
-    first_of_forward: bool = False
-
-
-NO_FORWARD = CallSlot(None)
-
-
 class ForwardTracker:
     """Numbers the calls of each forward pass and accounts graph replays.
 
-    One per Echo session (process). ``next_call`` is called by the hook for
-    every all-reduce of its group; ``on_forward_start`` by the per-forward
-    host hook; ``on_graph_replay`` where vLLM replays a FULL graph outside
-    any forward context; ``settle`` by whoever reads the counters.
+    One per Echo session (process). ``next_call`` and ``on_record`` are
+    called for every all-reduce Echo sees (:class:`~.calls.CallSequence`);
+    ``on_forward_start`` by the per-forward host hook; ``on_graph_replay``
+    where vLLM replays a FULL graph outside any forward context; ``settle``
+    by whoever reads the counters.
     """
 
     def __init__(self, stats: StepStats, *, rank: int = 0, publish: Callable | None = None):
@@ -158,6 +146,8 @@ class ForwardTracker:
         self.rank = rank
         self._publish = publish
         self._last_publish = 0.0
+        self.counter = CallCounter(stats.calls_per_forward)
+        """Numbers the calls of the pass being observed."""
         self._observing: dict | None = None
         self._in_forward = False
         self._plan: list[CallRecord] = []
@@ -167,48 +157,35 @@ class ForwardTracker:
         self._captured: set[int | None] = set()
         self._started: dict | None = None
 
-    @property
-    def calls_per_forward(self) -> int | None:
-        return self.stats.calls_per_forward
-
     # -- the hook's side --------------------------------------------------------
 
     def next_call(self, kwargs: dict | None, num_tokens: int) -> CallSlot:
-        """Index of the next all-reduce of the pass whose context holds
+        """The slot of the next all-reduce of the pass whose context holds
         ``kwargs`` (None: no forward context)."""
         if kwargs is None:
             self._in_forward = False
-            return NO_FORWARD
+            return NO_PASS
         self._in_forward = True
-        first = kwargs is not self._observing
-        if first:
+        if kwargs is not self._observing:
             self._finish_observed()
             self._observing = kwargs
             self._plan = []
             self._plan_tokens = kwargs.get(TOKENS_KEY, num_tokens)
             self._plan_captured = False
+            self.counter.start(at=kwargs.get(CALL_INDEX_KEY, 0))
         if not self._plan_captured and capturing():
             self._plan_captured = True
-        index = kwargs.get(CALL_INDEX_KEY, 0)
-        kwargs[CALL_INDEX_KEY] = index + 1
-        n = self.calls_per_forward
-        return CallSlot(index, n is not None and index == n - 1, first)
-
-    def peek(self, kwargs: dict | None) -> CallSlot:
-        """The slot :meth:`next_call` would return now, without taking it."""
-        if kwargs is None:
-            return NO_FORWARD
-        index = kwargs.get(CALL_INDEX_KEY, 0)
-        n = self.calls_per_forward
-        return CallSlot(index, n is not None and index == n - 1, kwargs is not self._observing)
+        slot = self.counter.next()
+        kwargs[CALL_INDEX_KEY] = self.counter.count
+        return slot
 
     def _finish_observed(self) -> None:
         """Close the pass observed so far: learn its call count, keep its plan."""
-        kw = self._observing
-        if kw is None:
+        if self._observing is None:
             return
         self._observing = None
-        calls = kw.get(CALL_INDEX_KEY, 0)
+        known = self.counter.calls_per_pass
+        calls = self.counter.end()
         key = self._plan_tokens
         if self._plan_captured:  # what the graph of this size will replay
             self._plans[key] = self._plan
@@ -218,21 +195,19 @@ class ForwardTracker:
         stats = self.stats
         with stats._lock:
             stats.forwards_observed += 1
-            if stats.calls_per_forward is None:
+            learned = known is None
+            mismatch = not learned and calls != known
+            if learned:
                 stats.calls_per_forward = calls
-                learned = True
-            else:
-                learned = False
-                mismatch = calls != stats.calls_per_forward
-                if mismatch:
-                    stats.forwards_mismatched += 1
+            elif mismatch:
+                stats.forwards_mismatched += 1
         if learned:
             logger.info("echo: learned %d all-reduces per forward pass", calls)
         elif mismatch and stats.forwards_mismatched == 1:
             logger.warning(
                 "echo: a forward pass made %d all-reduces, expected %d (drafter model or "
                 "partial pass?); exact_last_call marks call %d; counted in forwards_mismatched",
-                calls, stats.calls_per_forward, stats.calls_per_forward - 1,
+                calls, known, known - 1,
             )
 
     def on_record(self, rec: CallRecord) -> None:

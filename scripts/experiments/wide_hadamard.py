@@ -29,12 +29,12 @@ def _rotate(x):
     return hadamard_orthonormal(x.float().reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)).reshape(shape)
 
 
-def _reduce_rotated(self, partials):
+def _reduce_rotated(self, partials, slot=None):
     if self.mode != "echo" or self.config.hadamard:
-        return _reduce(self, partials)
+        return _reduce(self, partials, slot)
     if partials.shape[-1] % BLOCK:  # never skip silently: the run would measure Echo without rotation
         raise SystemExit(f"XROT={BLOCK} does not divide the hidden size {partials.shape[-1]}")
-    y = _reduce(self, _rotate(partials).to(partials.dtype))
+    y = _reduce(self, _rotate(partials).to(partials.dtype), slot)
     return _rotate(y).to(y.dtype)  # the orthonormal Hadamard is its own inverse
 
 

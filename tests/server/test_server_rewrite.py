@@ -19,6 +19,7 @@ from echo_vllm.server.rewrite import (
     rewrite_args,
     verify_parsed,
 )
+from echo_vllm.vllm_glue.guards import EngineFacts, conflicts
 from echo_vllm.vllm_glue.settings import TpCommSettings
 
 OFF = {k: False for k in BYPASS_PASSES_0_26}
@@ -150,10 +151,12 @@ def test_postnorm_policy_lands_in_additional_config(policy):
 
 
 def test_postnorm_policy_rejects_unknown_values_and_nccl():
-    with pytest.raises(ServeArgsError, match="--echo-postnorm 'skip': choose one of no-feedback, exact, feedback"):
+    with pytest.raises(ServeArgsError, match=r"tp_comm_postnorm='skip': choose one of \('no-feedback', 'exact', 'feedback'\)"):
         rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--echo-postnorm", "skip"])
-    with pytest.raises(ServeArgsError, match="--echo-postnorm needs --tp-comm echo"):
-        rewrite(["m", "-tp", "2", "--echo-postnorm", "exact"])
+    # the engine would only warn (its rule book's conflict, not refused there): serve refuses it
+    for argv in (["m", "-tp", "2", "--echo-postnorm", "exact"], ["m", "--echo-emulate-tp", "2", "--echo-postnorm=exact"]):
+        with pytest.raises(ServeArgsError, match="tp_comm_postnorm=exact needs tp_comm=echo"):
+            rewrite(argv)
 
 
 def test_emulation_on_one_gpu():
@@ -249,8 +252,8 @@ REJECTS = [
     (["m", "-tp", "1", "--tp-comm", "echo"], "needs --tensor-parallel-size > 1"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--enable-dbo"], "cannot run with --enable-dbo"),
     (["m", "-tp", "2", "--enable_dbo", "--tp-comm", "echo"], "cannot run with --enable-dbo"),
-    (["m", "-tp", "2", "--tp-comm", "echo", "--ubatch-size=2"], "--tp-comm echo cannot run with --ubatch-size 2"),
-    (["m", "--echo-emulate-tp", "2", "--enable-dbo"], "--echo-emulate-tp cannot run with --enable-dbo"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--ubatch-size=2"], "tp_comm=echo cannot run with --ubatch-size 2"),
+    (["m", "--echo-emulate-tp", "2", "--enable-dbo"], "tp_comm_emulate=2 cannot run with --enable-dbo"),
     (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config.fuse_allreduce_rms", "true"],
      "cannot run with -cc.pass_config.fuse_allreduce_rms=true"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--compilation-config.pass_config.fuse_allreduce_rms=True"],
@@ -261,11 +264,11 @@ REJECTS = [
      "cannot run with -cc.pass_config.fuse_gemm_comms=1"),
     (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config", "3"], "pass_config must be an object"),
     (["m", "-tp", "4", "--tp-comm", "echo", "--echo-emulate-tp", "4"], "needs --tensor-parallel-size 1 (got 4)"),
-    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1"], "P >= 2"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1"], "tp_comm_emulate=1: must be at least 2"),
     (["m", "--tp-comm", "echo", "--echo-emulate-tp", "four"], "is not an integer"),
     (["m", "--echo-group-size", "64"], "--echo-group-size needs --tp-comm echo"),
     (["m", "--tp-comm", "nccl", "--no-echo-feedback"], "--no-echo-feedback needs --tp-comm echo"),
-    (["m", "--tp-comm", "gloo"], "--tp-comm 'gloo': choose one of nccl, echo"),
+    (["m", "--tp-comm", "gloo"], "tp_comm='gloo': choose one of ('nccl', 'echo')"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group", "64"], "unknown Echo option --echo-group;"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group-size", "48"], "--echo-group-size: group_size=48"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-feedback=maybe"], "expected true or false"),
@@ -278,10 +281,10 @@ REJECTS = [
     (["m", "-tp", "two", "--tp-comm", "echo"], "-tp 'two' is not an integer"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.tp_comm", "nccl"],
      "--tp-comm echo contradicts --additional-config tp_comm='nccl'"),
-    (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "--additional-config tp_comm 'ring': choose one of"),
+    (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "tp_comm='ring': choose one of"),
     (["m", "-tp", "2", "--additional-config.tp_comm_emulat", "2"],
-     "unknown option(s) tp_comm_emulat in --additional-config; known: tp_comm, tp_comm_emulate"),
-    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-emulate-measure"], "--echo-emulate-measure needs --echo-emulate-tp"),
+     "unknown option(s) ['tp_comm_emulat'] in additional_config; known: ['tp_comm', 'tp_comm_emulate',"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-emulate-measure"], "tp_comm_emulate_measure needs tp_comm_emulate"),
     (["m", "-tp", "2", "--echo-emulate-tp", "2"], "needs --tensor-parallel-size 1 (got 2)"),
     (["m", "--echo-emulate-tp", "2", "--echo-seed", "3"], "--echo-seed needs --tp-comm echo"),
     (["m", "--echo-emulate-tp", "2", "--additional-config.tp_comm_emulate_measure", "perhaps"],
@@ -301,6 +304,22 @@ def test_rejected(argv, message):
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("argv,settings,engine", [
+    (["m", "--tp-comm", "echo"], TpCommSettings(mode="echo"), EngineFacts()),
+    (["m", "-tp", "4", "--tp-comm", "echo", "--echo-emulate-tp", "4"],
+     TpCommSettings(mode="echo", emulate_world_size=4), EngineFacts(tensor_parallel_size=4)),
+    (["m", "--echo-emulate-tp", "2", "--ubatch-size", "2"],
+     TpCommSettings(emulate_world_size=2), EngineFacts(ubatch_size=2)),
+])
+def test_serve_refuses_what_the_plugins_rule_book_finds(argv, settings, engine):
+    """One rule book: serve only turns the plugin's conflicts into argument
+    errors (TP=1 Echo included, which the engine would run unchanged)."""
+    (found,) = conflicts(settings, engine)
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(argv)
+    assert str(info.value) == found.message
 
 
 def test_rejected_from_config_file():

@@ -1,5 +1,7 @@
-"""Helpers for tests and GPU check scripts (not part of the wheel): a tiny
-local Qwen3 model folder (:mod:`.tiny_model`), real vLLM layers on CPU
-(:mod:`.vllm_cpu`) and CUDA-graph accounting through vLLM's calls
-(:mod:`.vllm_graphs`). ``pytest`` puts ``tests/`` on the path
-(pyproject's ``pythonpath``); scripts add it themselves."""
+"""Helpers for tests (not part of the wheel): real vLLM layers on CPU
+(:mod:`.vllm_cpu`), CUDA-graph accounting through vLLM's calls
+(:mod:`.vllm_graphs`), batch-invariance checks (:mod:`.invariance`) and a
+stand-in rank of a process group (:mod:`.fake_group`). ``pytest`` puts
+``tests/`` on the path (pyproject's ``pythonpath``). Scripts never import
+from here: what they share with the tests lives in the package
+(:mod:`echo_vllm.testing_models`)."""

@@ -84,9 +84,9 @@ def test_backward_chain_restarts_every_step():
     # across steps (no restart) gives other gradients
     class NoRestart(TPComm):
         def begin_forward(self, forward_calls):
-            index = self.backward.index
+            index = self.backward.counter.count
             super().begin_forward(forward_calls)
-            self.backward.index = index
+            self.backward.counter.count = index
 
     broken = _model("echo", cfg, cfg)
     broken.load_state_dict(model.state_dict())

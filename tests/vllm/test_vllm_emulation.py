@@ -75,7 +75,7 @@ def _worker(rank, world):
     )
 
     # 2. guard rails on real (finalized) configs
-    from echo_vllm.vllm_glue import TpCommSettings, conflicts
+    from echo_vllm.vllm_glue import EngineFacts, TpCommSettings, conflicts
 
     passes = dict(
         fuse_allreduce_rms=True, enable_sp=True, fuse_gemm_comms=True,
@@ -87,7 +87,7 @@ def _worker(rank, world):
     emulate_tp2 = vllm_config(tp=2, additional_config={"tp_comm": "echo", "tp_comm_emulate": 2})
     off = vllm_config(tp=2, pass_config=passes)
     out["guards"] = {
-        name: conflicts(c, TpCommSettings.from_vllm_config(c))
+        name: [p.message for p in conflicts(TpCommSettings.from_vllm_config(c), EngineFacts.from_vllm_config(c))]
         for name, c in (("fused", fused), ("dbo", dbo), ("emulate_tp2", emulate_tp2), ("off", off))
     }
 

@@ -1,15 +1,18 @@
 """The vLLM glue's pure parts (no vLLM import): settings parsing, the guard
 rules, call numbering and counters under (simulated) CUDA-graph replay."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from echo_vllm.quant import WireLayout
 from echo_vllm.stats import CallRecord
+from support.fake_group import FakeRank
 
 from echo_vllm import EchoConfig, EchoConfigError
-from echo_vllm.vllm_glue import TpCommSettings, check_engine_config, conflicts
+from echo_vllm.vllm_glue import EngineFacts, TpCommSettings, check_engine_config, conflicts
 from echo_vllm.vllm_glue import compat, tracking
 from echo_vllm.vllm_glue.compat import check_version, version_tuple
 from echo_vllm.vllm_glue.guards import EchoEngineConfigError
@@ -94,7 +97,8 @@ def test_pre_norm_models_and_echo_off_are_left_alone(archs):
     assert nofb.for_model(GEMMA3) == (nofb, None)
 
 
-# -- guard rules (the same function runs on real VllmConfigs in test_vllm_emulation)
+# -- the rule book (the same function runs on real VllmConfigs in test_vllm_emulation,
+# and behind echo-vllm serve in tests/server)
 
 
 def _config(tp=2, dbo=False, ubatch=0, **passes):
@@ -104,12 +108,17 @@ def _config(tp=2, dbo=False, ubatch=0, **passes):
     )
 
 
+def _problems(vllm_config, settings, refused=True):
+    return [c.message for c in conflicts(settings, EngineFacts.from_vllm_config(vllm_config))
+            if c.refused is refused]
+
+
 ECHO = TpCommSettings(mode="echo")
 
 
 def test_guards_pass_a_clean_config_and_ignore_echo_off():
-    assert conflicts(_config(fuse_allreduce_rms=False, enable_sp=False), ECHO) == []
-    assert conflicts(_config(fuse_allreduce_rms=True, enable_dbo=True), TpCommSettings()) == []
+    assert conflicts(ECHO, EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=False, enable_sp=False))) == []
+    assert conflicts(TpCommSettings(), EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=True, dbo=True))) == []
 
 
 def test_guards_name_every_flag():
@@ -119,21 +128,38 @@ def test_guards_name_every_flag():
     text = str(e.value)
     for flag in ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms"):
         assert f"-cc.pass_config.{flag}=false" in text
-    assert "--enable-dbo" in text
+    assert "--enable-dbo" in text and text.count("\n  - ") == 4
 
 
 def test_guards_without_fields_of_newer_vllm():
     # vLLM 0.33 has no enable_sp / fuse_gemm_comms: absent fields are fine
-    assert conflicts(_config(fuse_allreduce_rms=False), ECHO) == []
-    assert len(conflicts(_config(ubatch=2), ECHO)) == 1
+    assert _problems(_config(fuse_allreduce_rms=False), ECHO) == []
+    (msg,) = _problems(_config(ubatch=2), ECHO)
+    assert "tp_comm=echo cannot run with --ubatch-size 2" in msg
 
 
 def test_guards_for_emulation():
     emu = TpCommSettings(mode="echo", emulate_world_size=4)
     # fusion passes do not matter at TP=1 (no all-reduce node to remove)
-    assert conflicts(_config(tp=1, fuse_allreduce_rms=True), emu) == []
-    (msg,) = conflicts(_config(tp=2), emu)
+    assert conflicts(emu, EngineFacts.from_vllm_config(_config(tp=1, fuse_allreduce_rms=True))) == []
+    (msg,) = _problems(_config(tp=2), emu)
     assert "--tensor-parallel-size 1" in msg
+    (msg,) = _problems(_config(tp=1, dbo=True), TpCommSettings(emulate_world_size=4))  # the exact baseline too
+    assert msg.startswith("tp_comm_emulate=4 cannot run with --enable-dbo")
+
+
+def test_what_the_engine_runs_through_is_a_warning_not_a_refusal():
+    """Echo at TP=1 without the emulation, and a post-norm policy without
+    Echo, leave vLLM's own all-reduce: the engine starts and says so
+    (echo-vllm serve refuses both, tests/server)."""
+    (msg,) = check_engine_config(_config(tp=1), ECHO)
+    assert "needs --tensor-parallel-size > 1" in msg and "vLLM runs unchanged" in msg
+    baseline = TpCommSettings(mode="nccl", emulate_world_size=2, postnorm="exact")
+    assert check_engine_config(_config(tp=1), baseline) == [
+        "tp_comm_postnorm=exact needs tp_comm=echo (it decides what Echo does on post-norm models)"]
+    # a post-norm model whose policy turned Echo off has spent the policy: nothing to say
+    spent, _ = TpCommSettings(mode="echo", emulate_world_size=2, postnorm="exact").for_model(GEMMA3)
+    assert spent.mode == "nccl" and check_engine_config(_config(tp=1), spent) == []
 
 
 @pytest.mark.vllm
@@ -152,11 +178,11 @@ def test_guards_refuse_stochastic_rounding_under_cuda_graphs():
     stochastic = TpCommSettings(mode="echo", echo=EchoConfig(rounding="stochastic"))
     graphs = _config()
     graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
-    (msg,) = conflicts(graphs, stochastic)
+    (msg,) = _problems(graphs, stochastic)
     assert "--enforce-eager" in msg and "echo_rounding=nearest" in msg
-    assert conflicts(graphs, ECHO) == []  # nearest rounding replays fine
+    assert _problems(graphs, ECHO) == []  # nearest rounding replays fine
     graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="NONE")
-    assert conflicts(graphs, stochastic) == []
+    assert _problems(graphs, stochastic) == []
 
 
 # -- versions ------------------------------------------------------------------
@@ -412,28 +438,72 @@ def test_launch_problem_sees_vllm_plugins_leaving_the_plugin_out(monkeypatch):
     assert "VLLM_PLUGINS='other' does not list 'echo_vllm'" in plugin.launch_problem()
 
 
-# -- the fused backend's choice for a TP group -------------------------------------
+# -- the TP group's communicator: its backend chosen once, from the group's facts --
 
 
-def test_fused_backend_is_chosen_from_the_groups_facts(monkeypatch):
-    from types import SimpleNamespace
+class _ProcessGroup(FakeRank):
+    """Stands in for ProcessGroupTransport(group) of the glue."""
 
-    from echo_vllm import EchoConfig, EchoConfigError
+
+@pytest.fixture
+def tp_group(monkeypatch):
+    """A CUDA TP group of 2 (a stand-in coordinator) whose bytes move over
+    pynccl; the fused backend's probe and builder record what they get."""
+    from echo_vllm import backends
     from echo_vllm.vllm_glue import communicator as glue
 
-    probed = []
-    monkeypatch.setattr(glue, "ProcessGroupTransport", lambda group: ("pg", group))
-    monkeypatch.setattr(glue, "fused_support", lambda t: probed.append(t) or (False, "GPU 0 cannot access GPU 1"))
-    gpu = SimpleNamespace(device=torch.device("cuda", 0), device_group="nccl-group", unique_name="tp:0")
-    # auto: the composed path, with the reason logged; nothing raised
-    assert glue.fused_backend(EchoConfig(), gpu, transport=None, max_numel=None) is None
-    assert probed == [("pg", "nccl-group")]
-    # asked for explicitly: an error that says why
-    with pytest.raises(EchoConfigError, match="cannot access GPU 1"):
-        glue.fused_backend(EchoConfig(backend="fused"), gpu, transport=None, max_numel=None)
-    # never probed: CPU groups, another backend asked for, stochastic rounding
-    cpu = SimpleNamespace(device=torch.device("cpu"), device_group="gloo", unique_name="tp:0")
-    for cfg, coord in ((EchoConfig(), cpu), (EchoConfig(backend="triton"), gpu),
-                       (EchoConfig(rounding="stochastic"), gpu)):
-        assert glue.fused_backend(cfg, coord, transport=None, max_numel=None) is None
-    assert len(probed) == 2
+    group = SimpleNamespace(unique_name="tp:0", world_size=2, rank_in_group=0, device=torch.device("cuda", 0),
+                            device_group="nccl-group", cpu_group="gloo-group", device_communicator=None,
+                            probed=[], built=[])
+    monkeypatch.setattr(glue, "make_transport", lambda coordinator: FakeRank("pynccl"))
+    monkeypatch.setattr(glue, "ProcessGroupTransport", _ProcessGroup)
+    monkeypatch.setattr(backends, "fused_support", lambda peers, device: group.probed.append(peers) or (True, "P2P"))
+
+    def build(cfg, transport, env, **facts):
+        group.built.append((transport, facts))
+        return SimpleNamespace(name="fused", close=lambda: None)
+
+    monkeypatch.setitem(backends.BACKENDS, "fused", dataclasses.replace(backends.BACKENDS["fused"], build=build))
+    monkeypatch.delenv("ECHO_KERNELS", raising=False)
+    return group
+
+
+def _communicator(group, **echo):
+    from echo_vllm.vllm_glue.communicator import TpEchoCommunicator
+
+    return TpEchoCommunicator(group, EchoConfig(**echo), ForwardTracker(StepStats()), lambda x: x,
+                              hidden_size=256, max_num_tokens=512)
+
+
+def test_the_tp_group_gets_the_backend_make_backend_picks_from_its_facts(tp_group, monkeypatch):
+    comm = _communicator(tp_group)
+    assert comm.backend.name == "fused" and comm.comm.echo.backend(torch.device("cuda")) is comm.backend
+    (peers,) = tp_group.probed  # probed over the NCCL process group (pynccl maps no peer memory)
+    assert isinstance(peers, _ProcessGroup) and peers.name == "nccl-group"
+    (transport, facts), = tp_group.built
+    assert transport.name == "pynccl" and facts["peers"] is peers
+    assert facts["max_numel"] == 512 * WireLayout(256, 2, 32).padded_cols  # the largest batch's rows
+    # ECHO_KERNELS overrides the choice in vLLM too: the group is not even probed
+    monkeypatch.setenv("ECHO_KERNELS", "triton")
+    assert _communicator(tp_group).backend.name == "triton"
+    assert len(tp_group.probed) == 1 and len(tp_group.built) == 1
+
+
+def test_fused_with_stochastic_rounding_is_refused_when_the_tp_group_is_created(tp_group, monkeypatch):
+    from echo_vllm.vllm_glue import session, startup
+
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
+    monkeypatch.setattr(compat, "current_vllm_config", lambda: engine)
+    monkeypatch.setattr(compat, "batch_invariant_enabled", lambda: False)
+    engine.additional_config = {"tp_comm": "echo", "echo_rounding": "stochastic", "echo_backend": "fused"}
+    with pytest.raises(EchoConfigError, match="rounding='stochastic' runs on the reference backend, not 'fused'"):
+        startup.on_group_created(tp_group, lambda group, x: x)
+    assert session.current() is None and not tp_group.probed
+    # the control: stochastic rounding on the references starts, with its backend built
+    engine.additional_config["echo_backend"] = "reference"
+    startup.on_group_created(tp_group, lambda group, x: x)
+    try:
+        assert session.current().communicator.backend.name == "reference"
+        assert tp_group._echo_comm is session.current().communicator
+    finally:
+        session.deactivate()

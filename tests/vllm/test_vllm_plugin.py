@@ -47,7 +47,7 @@ def _worker(rank, world, model_dir):
 def proc(tmp_path_factory):
     pytest.importorskip("vllm")
     from echo_vllm.spawn import run_processes
-    from support.tiny_model import make_tiny_qwen3
+    from echo_vllm.testing_models import make_tiny_qwen3
 
     model_dir = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", num_layers=1, vocab_size=512)
     return run_processes(_worker, 1, str(model_dir))[0]

@@ -33,7 +33,7 @@ def _worker(rank, world):
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 
-    from support.tiny_model import make_tiny_qwen3
+    from echo_vllm.testing_models import make_tiny_qwen3
     from echo_vllm.vllm_glue import compat, startup
     from echo_vllm.vllm_glue.emulation import current_session
 

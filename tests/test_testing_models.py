@@ -1,4 +1,4 @@
-"""The tiny Qwen3 folder loads with transformers (what vLLM reads it with):
+"""echo_vllm.testing_models: the tiny Qwen3 folder loads with transformers (what vLLM reads it with):
 config, weights with the exact parameter names, a byte-level tokenizer that
 round-trips any text, and a ChatML chat template."""
 
@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from support.tiny_model import IM_END, IM_START, make_tiny_qwen3  # noqa: E402
+from echo_vllm.testing_models import IM_END, IM_START, make_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,14 @@
-"""A tiny Qwen3-architecture model folder, built locally (no hub access).
+"""Model folders for tests and GPU checks: a tiny Qwen3, built locally (no hub access).
 
 vLLM, transformers and the OpenAI-compatible server need a real model
 folder: ``config.json``, safetensors weights, and a tokenizer with a chat
-template. This writes one with random bf16 weights and a byte-level BPE
-tokenizer trained (with the ``tokenizers`` library) on a small built-in
-text, so any string encodes (no unknown tokens) and ``/v1/chat/completions``
-works. Same arguments and seed -> same files.
+template. :func:`make_tiny_qwen3` writes one with random bf16 weights and a
+byte-level BPE tokenizer trained (with the ``tokenizers`` library) on a
+small built-in text, so any string encodes (no unknown tokens) and
+``/v1/chat/completions`` works. Same arguments and seed -> same files.
+The test suite and the GPU scripts (``scripts/gpu_vllm_check.py``,
+``server/gpu_serve_check.sh``) build their models here. Needs
+``tokenizers`` and ``safetensors`` (both come with vLLM and transformers).
 
     path = make_tiny_qwen3("/tmp/tiny-qwen3", num_layers=4)
     LLM(model=str(path))
@@ -202,3 +205,6 @@ def make_tiny_qwen3(
 
 def _write_json(path: pathlib.Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+__all__ = ["CHAT_TEMPLATE", "IM_END", "IM_START", "PAD_TOKEN", "SPECIAL_TOKENS", "make_tiny_qwen3"]

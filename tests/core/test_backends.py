@@ -1,0 +1,83 @@
+"""The one backend chooser (echo_vllm.backends): make_backend asks the pure
+choose_backend and builds its answer, probing the group only where the
+answer depends on it. The fused backend itself needs GPUs (tests/kernels);
+here its builder and the probe are stand-ins that record what they get."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from echo_vllm import backends
+from echo_vllm.config import EchoConfig, EchoConfigError
+from echo_vllm.envs import EchoEnv
+from support.fake_group import FakeRank
+
+
+@pytest.fixture
+def group(monkeypatch):
+    """The fused backend's probe and builder, recording their calls; the
+    probe answers ``group.p2p``."""
+    state = SimpleNamespace(probed=[], built=[], p2p=(True, "2 GPUs with P2P"))
+
+    def probe(peers, device_type):
+        state.probed.append(peers)
+        return state.p2p
+
+    def build(cfg, transport, env, **facts):
+        state.built.append((transport, facts))
+        return "the fused backend"
+
+    monkeypatch.setattr(backends, "fused_support", probe)
+    monkeypatch.setitem(backends.BACKENDS, "fused", dataclasses.replace(backends.BACKENDS["fused"], build=build))
+    return state
+
+
+def test_fused_is_built_with_the_groups_facts(group):
+    pynccl, nccl = FakeRank("pynccl"), FakeRank("nccl")
+    backend, reason = backends.make_backend(EchoConfig(), pynccl, device_type="cuda", env=EchoEnv(),
+                                            peers=nccl, max_numel=4096)
+    assert backend == "the fused backend" and "peer-to-peer" in reason and "2 GPUs with P2P" in reason
+    assert group.probed == [nccl]  # the probe runs on the process group, not on pynccl
+    assert group.built == [(pynccl, {"peers": nccl, "max_numel": 4096})]
+
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+def test_echo_kernels_wins_over_fused(group, kernels):
+    backend, reason = backends.make_backend(EchoConfig(), FakeRank(), device_type="cuda",
+                                            env=EchoEnv(kernels=kernels), peers=FakeRank("nccl"))
+    assert backend.name == kernels and reason == f"ECHO_KERNELS={kernels}"
+    assert group.probed == [] and group.built == []  # the answer did not depend on the GPUs
+
+
+def test_without_p2p_auto_takes_triton_and_says_why(group):
+    group.p2p = (False, "GPU 0 cannot access GPU 1")
+    backend, reason = backends.make_backend(EchoConfig(), FakeRank(), device_type="cuda", env=EchoEnv())
+    assert backend.name == "triton" and reason == "CUDA tensors (fused unavailable: GPU 0 cannot access GPU 1)"
+    with pytest.raises(EchoConfigError, match="cannot access GPU 1"):
+        backends.make_backend(EchoConfig(backend="fused"), FakeRank(), device_type="cuda", env=EchoEnv())
+    assert len(group.probed) == 2 and group.built == []
+
+
+def test_fused_with_stochastic_rounding_is_refused_before_anything_runs(group):
+    cfg = EchoConfig(backend="fused", rounding="stochastic")
+    with pytest.raises(EchoConfigError, match="rounding='stochastic' runs on the reference backend, not 'fused'"):
+        backends.make_backend(cfg, FakeRank(), device_type="cuda", env=EchoEnv())
+    assert group.probed == [] and group.built == []
+    # stochastic rounding where the choice is free: the references, unprobed
+    backend, reason = backends.make_backend(EchoConfig(rounding="stochastic"), FakeRank(), device_type="cuda",
+                                            env=EchoEnv())
+    assert backend.name == "reference" and "stochastic" in reason and group.probed == []
+
+
+def test_cpu_groups_are_never_probed(group):
+    backend, reason = backends.make_backend(EchoConfig(), FakeRank(), device_type="cpu", env=EchoEnv())
+    assert backend.name == "reference" and reason == "cpu tensors" and group.probed == []
+
+
+def test_the_backend_echo_all_reduce_builds_is_make_backends():
+    from echo_vllm import EchoAllReduce, VirtualTransport
+
+    ar = EchoAllReduce(EchoConfig(), VirtualTransport(2), env=EchoEnv(kernels="numba"))
+    assert ar.backend(torch.device("cpu")).name == "numba"

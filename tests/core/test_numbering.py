@@ -1,0 +1,41 @@
+"""Call numbering (echo_vllm.numbering): the one counter the vLLM tracker,
+the emulation and training's chains share."""
+
+from echo_vllm.numbering import NO_PASS, CallCounter
+
+
+def _pass(counter, n, **start):
+    counter.start(**start)
+    return [counter.next() for _ in range(n)]
+
+
+def test_indices_restart_per_pass_and_the_count_is_learned():
+    c = CallCounter()
+    first = _pass(c, 3)
+    assert [s.index for s in first] == [0, 1, 2] and not any(s.last_call for s in first)
+    assert [s.first_of_forward for s in first] == [True, False, False]
+    assert c.start() == 3 and c.calls_per_pass == 3  # learned when the pass closed
+    second = [c.next() for _ in range(3)]
+    assert [s.last_call for s in second] == [False, False, True]
+    # a later pass with another count does not replace the learned one
+    _pass(c, 5)
+    assert c.end() == 5 and c.calls_per_pass == 3
+
+
+def test_declared_counts_and_calls_outside_a_pass():
+    c = CallCounter(calls_per_pass=2)
+    assert c.next() is NO_PASS  # before any pass: no index, nothing counted
+    assert [s.last_call for s in _pass(c, 2)] == [False, True]
+    assert c.end() == 2 and c.next() is NO_PASS and c.end() is None
+    # a pass that declares its own count (training's chains)
+    assert [s.last_call for s in _pass(c, 4, calls=4)] == [False, False, False, True]
+    c.calls_per_pass += 1  # a count that grows while the pass runs (the backward chain)
+    assert c.next().last_call
+    # a resumed pass continues its numbering
+    assert [s.index for s in _pass(c, 2, at=7)] == [7, 8]
+
+
+def test_an_empty_pass_teaches_nothing():
+    c = CallCounter()
+    c.start()
+    assert c.end() == 0 and c.calls_per_pass is None

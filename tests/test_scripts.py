@@ -1,0 +1,127 @@
+"""Scripts that cannot rot: every script under scripts/, server/, eval/ and
+docker/ (the GPU host's, which CI cannot run) still starts here.
+
+* Python scripts answer ``--help`` (importing them, with only the package on
+  the path), and every ``echo_vllm`` name they import anywhere -- inside
+  functions too, where ``--help`` does not reach -- exists.
+* Shell scripts parse (``bash -n``), answer ``--help`` without running
+  anything (a sourced helper, without a shebang, only parses), and the
+  ``echo_vllm`` modules and names their commands use exist.
+* None reaches into ``tests/``: what scripts share with the tests lives in
+  the package (``echo_vllm.testing_models``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("scripts", "server", "eval", "docker")
+
+
+def _scripts(suffix: str) -> list[Path]:
+    return sorted(p for folder in FOLDERS if (ROOT / folder).is_dir() for p in (ROOT / folder).rglob(f"*{suffix}"))
+
+
+PYTHON = _scripts(".py")
+SHELL = _scripts(".sh")
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _env() -> dict:
+    # the package from this checkout, and nothing of tests/
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_every_folder_has_scripts():
+    assert {p.relative_to(ROOT).parts[0] for p in PYTHON + SHELL} >= {"scripts", "server", "eval"}
+
+
+@pytest.fixture(scope="module")
+def help_runs(tmp_path_factory) -> dict[Path, subprocess.CompletedProcess]:
+    """``--help`` of every script, run side by side (each imports torch)."""
+    cwd = tmp_path_factory.mktemp("cwd")  # scripts must not depend on where they are called from
+    procs = {}
+    for path in PYTHON + [p for p in SHELL if p.read_text().startswith("#!")]:
+        cmd = [sys.executable, str(path), "--help"] if path.suffix == ".py" else ["bash", str(path), "--help"]
+        procs[path] = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    done = {}
+    for path, proc in procs.items():
+        out, _ = proc.communicate(timeout=240)
+        done[path] = subprocess.CompletedProcess(proc.args, proc.returncode, out)
+    return done
+
+
+@pytest.mark.parametrize("path", PYTHON, ids=_id)
+def test_python_script_answers_help(help_runs, path):
+    run = help_runs[path]
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stdout[-2000:]
+
+
+def _echo_imports(text: str) -> list[tuple[str, str | None]]:
+    """(module, name or None) of every ``echo_vllm`` import in Python source."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("echo_vllm"):
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.startswith("echo_vllm")]
+    return found
+
+
+def _unresolved(imports: list[tuple[str, str | None]]) -> list[str]:
+    missing = []
+    for module, name in imports:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            missing.append(f"{module} ({e})")
+            continue
+        if name is not None and not hasattr(mod, name):
+            try:  # a submodule not imported by its package
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+@pytest.mark.parametrize("path", PYTHON, ids=_id)
+def test_python_script_imports_exist(path):
+    text = path.read_text()
+    assert not re.search(r"^\s*(from|import) support\b", text, re.M), "scripts must not import tests/support"
+    assert not re.search(r"sys\.path.*tests|\"tests\"|'tests'", text), "scripts must not put tests/ on the path"
+    imports = _echo_imports(text)
+    assert imports, "a script of this repository that uses nothing of the package?"
+    assert _unresolved(imports) == []
+
+
+def test_the_import_check_can_fail():
+    assert _unresolved(_echo_imports("def f():\n    from echo_vllm import ops\n")) == ["echo_vllm.ops"]
+
+
+@pytest.mark.parametrize("path", SHELL, ids=_id)
+def test_shell_script_parses_and_answers_help(help_runs, path):
+    text = path.read_text()
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    assert not re.search(r"PYTHONPATH=.*tests|(from|import) support\b|tests/support", text), "scripts must not reach into tests/"
+    if not text.startswith("#!"):  # a helper the scripts source
+        return
+    run = help_runs[path]
+    assert run.returncode == 0 and path.name in run.stdout, run.stdout[-2000:]  # its usage, nothing run
+    # what its commands use of the package exists
+    modules = [(m, None) for m in re.findall(r"-m (echo_vllm[\w.]*)", text)]
+    names = [(m, n.strip()) for m, ns in re.findall(r"from (echo_vllm[\w.]*) import ([\w, ]+)", text)
+             for n in ns.split(",")]
+    assert _unresolved(modules + names) == []
