@@ -248,9 +248,12 @@ def _fused_kernel(
     # ranks' tensors ``*_rank_stride`` elements apart: the emulation)
     emulated = tl.program_id(1)
     rank = rank + emulated
-    x_ptr += emulated * x_rank_stride
-    fb_ptr += emulated * fb_rank_stride
-    y_ptr += emulated * y_rank_stride
+    x_ptr += emulated.to(tl.int64) * x_rank_stride  # int64: P ranks of 1 GiB pass 2**31 values
+    fb_ptr += emulated.to(tl.int64) * fb_rank_stride
+    y_ptr += emulated.to(tl.int64) * y_rank_stride
+    # byte offsets of chunks, in int64 whatever the specialization of the ints
+    chunk_bytes = chunk_bytes.to(tl.int64)
+    gathered_offset = gathered_offset.to(tl.int64)
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                 chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
