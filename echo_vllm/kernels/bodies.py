@@ -39,9 +39,11 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
                   HAS_INCOMING: tl.constexpr):
     """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
     (wire order), the codes and scales into the chunk at byte ``wire_first``."""
+    # the shuffles need the lane layout: 16-bit loads and stores only (tile.lane_partner)
+    SHUFFLE: tl.constexpr = x.dtype.primitive_bitwidth == 16 and fb_ptr.dtype.element_ty.primitive_bitwidth == 16
     u = to_f32(x)
     if HADAMARD:
-        u = fwht(u, G)
+        u = fwht(u, G, SHUFFLE)
     if HAS_FB and HAS_INCOMING:
         u = u + to_f32(e)
     words, s_bits, err = quantize(u, INV_QMAX)
@@ -83,7 +85,8 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 def output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr,
                   HADAMARD: tl.constexpr):
     """Decode, unrotate and store groups ``lg`` of chunk ``j`` into the message ``y``."""
-    v = decode_output(words, s, G, HADAMARD)
+    SHUFFLE: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth == 16  # tile.lane_partner
+    v = decode_output(words, s, G, HADAMARD, SHUFFLE)
     yi, ym = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
     store_values(y_ptr, yi, ym, from_f32(v, y_ptr.dtype.element_ty))
 
@@ -94,7 +97,9 @@ def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, ch
     """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order)."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = to_f32(load_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), (lg < msg_groups)[:, None], G))
-    if HADAMARD:
-        e = fwht(e, G) * (1.0 / G)
+    if HADAMARD:  # shuffles only in the lane layout (tile.lane_partner)
+        SHUFFLE: tl.constexpr = (x_ptr.dtype.element_ty.primitive_bitwidth == 16
+                                 and fb_ptr.dtype.element_ty.primitive_bitwidth == 16)
+        e = fwht(e, G, SHUFFLE) * (1.0 / G)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))

@@ -200,12 +200,16 @@ def chunk_scales(buf_ptr, chunk_first, payload_bytes):
 
 
 @triton.jit
-def lane_partner(v, M: tl.constexpr, L: tl.constexpr):
+def lane_partner(v, M: tl.constexpr, L: tl.constexpr, SHUFFLE: tl.constexpr):
     """The value at the same position of lane ``lane ^ M`` of the group: one
-    ``shfl.sync.bfly`` when compiled (the tile layout puts a group's lanes
-    on consecutive lanes of a warp), a flip of that lane pair's values in
-    the interpreter."""
-    if COMPILED:
+    ``shfl.sync.bfly`` when compiled and ``SHUFFLE`` (the tile is in the lane
+    layout: a group's lanes on consecutive lanes of a warp), otherwise a
+    flip of that lane pair's values, which Triton lowers for any layout.
+    Callers pass ``SHUFFLE`` only when every tensor of the tile moves 16-bit
+    values: a 32-bit load gives a lane 4 values, Triton may lay the whole
+    tile out that way, and the lane arithmetic no longer holds (seen on the
+    H200 with fp32 feedback)."""
+    if COMPILED and SHUFFLE:
         bits = v.to(tl.int32, bitcast=True)
         if M == 1:
             p = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [bits],
@@ -228,10 +232,11 @@ def lane_partner(v, M: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
-def fwht(v, G: tl.constexpr):
+def fwht(v, G: tl.constexpr, SHUFFLE: tl.constexpr = False):
     """Unnormalized Walsh-Hadamard transform of each group of ``v [BG, L, V]``,
     butterfly for butterfly as ``echo_vllm.rotation.fwht``: strides below
-    ``V`` in registers (split/join), the others across lanes."""
+    ``V`` in registers (split/join), the others across lanes (shuffles when
+    ``SHUFFLE``, see :func:`lane_partner`)."""
     BG: tl.constexpr = v.shape[0]
     L: tl.constexpr = G // V
     for i in tl.static_range(3):  # strides h = 1, 2, 4 (V = 8)
@@ -243,7 +248,7 @@ def fwht(v, G: tl.constexpr):
         if (1 << i) < L:
             # the lower lane of a pair holds a (a + b = mine + partner), the
             # upper b (a - b = partner - mine); +-1 * mine is exact
-            v = tl.fma(tl.where((lane & (1 << i)) == 0, 1.0, -1.0), v, lane_partner(v, 1 << i, L))
+            v = tl.fma(tl.where((lane & (1 << i)) == 0, 1.0, -1.0), v, lane_partner(v, 1 << i, L, SHUFFLE))
     return v
 
 
@@ -410,14 +415,14 @@ def accumulate_chunk(acc, buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.
 
 
 @triton.jit
-def decode_output(words, s, G: tl.constexpr, HADAMARD: tl.constexpr):
+def decode_output(words, s, G: tl.constexpr, HADAMARD: tl.constexpr, SHUFFLE: tl.constexpr = False):
     """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
     :func:`load_chunk_groups` returns them) as ``quant.output_reference``:
     ``fwht(q) * (scale / G)`` with rotation, else ``q * scale`` (each exact
     until this one product)."""
     q = codes_of(words)
     if HADAMARD:
-        return fwht(q, G) * (s * (1.0 / G))[:, :, None]
+        return fwht(q, G, SHUFFLE) * (s * (1.0 / G))[:, :, None]
     else:
         return q * s[:, :, None]
 
