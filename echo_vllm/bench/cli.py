@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     kernels_bench.add_arguments(sub.add_parser("kernels", help="per-kernel times on one GPU + projection"))
-    fused_bench.add_arguments(sub.add_parser("fused", help="the fused kernel vs its roofline on one GPU"))
+    fused_bench.add_arguments(sub.add_parser("fused", help="the fused kernel vs its roofline on one GPU",
+                                             description=fused_bench.__doc__,
+                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     allreduce_bench.add_arguments(sub.add_parser("allreduce", help="all-reduce: NCCL (torchrun) or gloo (CPU)"))
     return ap
 

@@ -270,6 +270,39 @@ def test_tile_table_and_plans():
         fk.plan_for(WireLayout(64, 2, 32), 0)
 
 
+def test_residency_follows_the_sm_limits():
+    """Hopper: 64 K registers, 64 warps, 228 KiB shared per SM (the CUDA occupancy calculator's numbers)."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    assert fk.resident_programs(64, 0, 8) == 4       # 64 x 256 threads: 16 K registers a program
+    assert fk.resident_programs(80, 0, 8) == 3
+    assert fk.resident_programs(81, 0, 8) == 2       # allocated per warp in units of 256: 88 a thread
+    assert fk.resident_programs(32, 0, 8) == 8       # bound by warps
+    assert fk.resident_programs(16, 0, 1) == 32      # bound by programs per SM
+    assert fk.resident_programs(32, 100 * 1024, 4) == 2  # bound by shared memory (+1 KiB reserved each)
+    assert [fk.register_cap(n, 8) for n in (1, 2, 3, 4)] == [255, 128, 80, 64]
+
+
+def test_a_grid_that_cannot_be_resident_is_refused():
+    """Barriers need every program of the launch resident: the check reads
+    the compiled kernel's resources (stubbed here) and refuses more."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(4096 * 8192, 8, 32, 8192)
+    plan = fk.plan_for(lay, 132)
+    lp = fk._launch_plan(lay, plan, 1, 8 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES)
+    try:
+        fk._RESIDENT[lp] = (plan.registers, 0, 0)
+        fk.check_resident(lp, (), (), 132, fk.SMLimits())  # as planned: fits
+        with pytest.raises(fk.ResidencyError, match="cannot be resident on 100 SMs"):
+            fk.check_resident(lp, (), (), 100, fk.SMLimits())
+        fk._RESIDENT[lp] = (plan.registers + 8, 0, 0)  # a specialization that needed more registers
+        with pytest.raises(fk.ResidencyError, match="registers/thread"):
+            fk.check_resident(lp, (), (), 132, fk.SMLimits())
+    finally:
+        fk._RESIDENT.pop(lp, None)
+
+
 def test_bad_arguments_raise_clear_errors():
     from echo_vllm.kernels import fused_kernel as fk
 
