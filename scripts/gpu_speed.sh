@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Speed on one GPU host, one command: kernel tests (new layout), the kernel
-# table of the new row-aligned layout next to the old flat one, and the
-# all-reduce over a real bandwidth-bound link (P processes on the one GPU,
-# Echo's kernels on the GPU, bytes over gloo/TCP) against the 16-bit
-# all-reduce over the same link.
+# Speed on one GPU host, one command: kernel tests, the fused kernel against
+# its memory roofline (bench fused), the stage-kernel table next to an old
+# package's (OLD), and the all-reduce over a real bandwidth-bound link (P
+# processes on the one GPU, Echo's kernels on the GPU, bytes over gloo/TCP)
+# against the 16-bit all-reduce over the same link.
 #
 #   OUT=/tmp/s bash scripts/gpu_speed.sh            # OLD=.bench_old: a checkout of the old package
 #
@@ -30,8 +30,9 @@ step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels -rs -
 
 # 2. kernel table: new layout (rows of 4096) and the old package (flat), P=8, same sizes
 SIZES=1M,16M,64M,256M,1G
+step fused 150 "$PY" -m echo_vllm.cli bench fused --world-sizes 8,2,4 --sizes 64M,1G --out "$OUT/fused"
 step kernels_new 110 "$PY" -m echo_vllm.cli bench kernels --world-sizes 8 --sizes "$SIZES" --iters 10 \
-  --hidden 4096 --no-layout-compare --out "$OUT/kernels_new"
+  --hidden 4096 --out "$OUT/kernels_new"
 if [ -d "$OLD/echo_vllm" ]; then
   step kernels_old 110 env PYTHONPATH="$PWD/$OLD" "$PY" -m echo_vllm.cli bench kernels --world-sizes 8 \
     --sizes "$SIZES" --iters 10 --no-layout-compare --out "$OUT/kernels_old"
@@ -47,6 +48,7 @@ echo
 echo "=================== summary ($OUT) ==================="
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 2
+echo "--- fused kernel vs roofline:"; grep -E "^ [248] +[0-9]+ [MG]iB \|" "$OUT/fused.log" || true
 for k in new old; do
   echo "--- kernels ($k), P=8, % of copy:"; grep -E "^ 8 +[0-9]+ [MG]iB" "$OUT/kernels_$k.log" | head -n 5 || true
 done
