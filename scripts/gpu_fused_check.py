@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The fused backend on a GPU host: P processes, bits against the references.
 
-    python scripts/gpu_fused_check.py [--worlds 2,4] [--gpus 1] [--json OUT] [--bench]
+    python scripts/gpu_fused_check.py [--worlds 2,4] [--gpus 1] [--json OUT] [--bench] [--soak CALLS]
 
 Runs from the repository root (it puts it on ``sys.path``); needs torch with
 CUDA and Triton, nothing else, no network. For each P in ``--worlds`` it
@@ -22,6 +22,10 @@ on one GPU, symmetric memory over gloo does not), and checks:
   references' bits on every replay;
 * ``auto``: ``EchoAllReduce`` with ``backend="auto"`` picks ``fused`` here
   and returns the references' bits;
+* ``soak`` (``--soak CALLS``): CALLS chained calls of random row counts,
+  eager and replays of three captured graphs interleaved; every output
+  equal across ranks, every 97th call (started from a zero feedback
+  buffer) equal to the references, every flag back at 0 at the end;
 * ``too_large``: a message larger than the buffers raises ``MessageTooLarge``
   (no fallback given);
 * ``absent_peer`` / ``killed_peer``: rank 1 never calls (waits elsewhere, or
@@ -233,6 +237,75 @@ def rank_too_large(rank: int, world: int) -> dict:
     return {"result": result}
 
 
+SOAK_COLS = 2048
+SOAK_GRAPH_ROWS = (1, 16, 64)  # captured sizes, replayed between eager calls of random sizes
+
+
+def _soak_x(call: int, rank: int, rows: int) -> torch.Tensor:
+    """Call ``call``'s input on ``rank``: a function of (call, rank) only, so
+    every rank can rebuild every rank's input for a reference."""
+    return inputs((1, rows * SOAK_COLS), 7919 * call + rank, False).to(torch.bfloat16)
+
+
+def _soak_plan(calls: int, seed: int, check_every: int) -> list[tuple[str, int, bool]]:
+    """``(kind, rows, fresh)`` per call, the same on every rank: ``graph``
+    replays (rows from SOAK_GRAPH_ROWS) between ``eager`` calls of random
+    rows; every ``check_every``-th call starts from a zero feedback buffer
+    (``fresh``) so its output can be checked alone against the references."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = []
+    for c in range(calls):
+        graph = int(torch.randint(0, 3, (1,), generator=gen)) == 0  # a third of the calls
+        rows = (SOAK_GRAPH_ROWS[int(torch.randint(0, 3, (1,), generator=gen))] if graph
+                else int(torch.randint(1, 65, (1,), generator=gen)))
+        plan.append(("graph" if graph else "eager", rows, c % check_every == 0))
+    return plan
+
+
+def rank_soak(rank: int, world: int, calls: int, seed: int, check_every: int) -> dict:
+    """``calls`` chained calls (feedback carried) of random sizes, eager and
+    from three captured CUDA graphs interleaved, on one backend: every
+    output's checksum (to compare across ranks), the outputs of the fresh
+    calls (to compare with the references) and the flags at the end."""
+    from echo_vllm.quant import WireLayout
+
+    lays = {r: WireLayout(r * SOAK_COLS, world, 32, SOAK_COLS) for r in range(1, 65)}
+    b = _backend(world, 32, True, lays[64].padded_numel)
+    fb = torch.zeros(1, lays[64].padded_numel, dtype=torch.bfloat16, device="cuda")
+    static = {r: (torch.empty(1, r * SOAK_COLS, dtype=torch.bfloat16, device="cuda"),
+                  torch.empty(r * SOAK_COLS, dtype=torch.bfloat16, device="cuda")) for r in SOAK_GRAPH_ROWS}
+    graphs = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile every plan the graphs use
+        for r, (x, y) in static.items():
+            x.copy_(_soak_x(-1, rank, r))
+            b.all_reduce(x, lays[r], fb, has_incoming=True, out=y)
+    torch.cuda.current_stream().wait_stream(side)
+    for r, (x, y) in static.items():
+        graphs[r] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[r]):
+            b.all_reduce(x, lays[r], fb, has_incoming=True, out=y)
+    weights = torch.arange(1, 64 * SOAK_COLS + 1, device="cuda", dtype=torch.int64) % 65521
+    sums, fresh = [], {}
+    for c, (kind, rows, is_fresh) in enumerate(_soak_plan(calls, seed, check_every)):
+        if is_fresh:
+            fb.zero_()
+        if kind == "graph":
+            x, y = static[rows]
+            x.copy_(_soak_x(c, rank, rows))
+            graphs[rows].replay()  # incoming error: the graph always adds it (zero when fresh)
+        else:
+            y = b.all_reduce(_soak_x(c, rank, rows).cuda(), lays[rows], fb, has_incoming=True)
+        sums.append((y.view(torch.int16).to(torch.int64) * weights[:y.numel()]).sum())
+        if is_fresh:
+            fresh[c] = y.cpu()
+    torch.cuda.synchronize()
+    _finish()
+    flags = b.buffers.buffer[-4 * b.buffers.signal_slots:].view(torch.int32)
+    return {"sums": torch.stack(sums).cpu(), "fresh": fresh, "flags_nonzero": int((flags != 0).sum())}
+
+
 def rank_lost_peer(rank: int, world: int, how: str) -> dict:
     """Rank 1 builds the backend, then never calls it: it waits on the gloo
     group (``absent``) or exits (``killed``). Rank 0 calls, and must get an
@@ -322,6 +395,41 @@ def run_ranks(fn, world: int, gpus: int, *args, expect=None, deadline_s: float =
 
 
 # -- checks -----------------------------------------------------------------------------------
+
+
+def check_soak(world: int, gpus: int, calls: int, seed: int = 0, check_every: int = 97) -> dict:
+    """Issue 20's soak: :func:`rank_soak` on every rank; outputs equal
+    across ranks call by call, every fresh call equal to the references,
+    every flag back at 0."""
+    from echo_vllm.quant import WireLayout
+
+    t0 = time.monotonic()
+    problems = []
+    try:
+        got = run_ranks(rank_soak, world, gpus, calls, seed, check_every, deadline_s=600)
+        for r in range(1, world):
+            bad = (got[r]["sums"] != got[0]["sums"]).nonzero().view(-1).tolist()
+            if bad:
+                problems.append(f"rank {r} differs from rank 0 in {len(bad)} calls, first {bad[0]}")
+        plan = _soak_plan(calls, seed, check_every)
+        for c, y0 in got[0]["fresh"].items():
+            rows = plan[c][1]
+            xs = torch.cat([_soak_x(c, r, rows) for r in range(world)])
+            want = reference(xs, torch.zeros(world, WireLayout(rows * SOAK_COLS, world, 32, SOAK_COLS).padded_numel,
+                                             dtype=torch.bfloat16), WireLayout(rows * SOAK_COLS, world, 32, SOAK_COLS),
+                             hadamard=True, incoming=True)
+            if d := differs(y0.view(-1), want, nan_any=True):
+                problems.append(f"fresh call {c} ({plan[c][0]}, {rows} rows): {d}")
+        problems += [f"rank {r}: {got[r]['flags_nonzero']} flags not back at 0" for r in range(world)
+                     if got[r]["flags_nonzero"]]
+    except Exception:
+        problems = [traceback.format_exc()]
+    res = {"check": "soak", "world": world, "calls": calls, "ok": not problems, "problems": problems[:8],
+           "seconds": round(time.monotonic() - t0, 1)}
+    print(f"P={world} soak ({calls} calls): {'ok' if not problems else 'FAILED'} ({res['seconds']} s)", flush=True)
+    for p in problems[:8]:
+        print("   ", p[:2000], flush=True)
+    return res
 
 
 def check_world(world: int, gpus: int) -> list[dict]:
@@ -445,6 +553,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--bench", action="store_true", help="add per-phase kernel timings (one process)")
     ap.add_argument("--skip-lost-peer", action="store_true", help="skip the absent/killed peer checks")
+    ap.add_argument("--soak", type=int, default=0, metavar="CALLS",
+                    help="also chain CALLS calls of random sizes with CUDA-graph replays interleaved, per P "
+                         "(issue 20 asks 10000 on several GPUs)")
+    ap.add_argument("--only-soak", action="store_true", help="run the soak alone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -459,8 +571,11 @@ def main(argv=None) -> int:
     summary = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
                "gpus": gpus, "checks": []}
     for world in (int(w) for w in args.worlds.split(",")):
-        summary["checks"] += check_world(world, gpus)
-    if not args.skip_lost_peer:
+        if not args.only_soak:
+            summary["checks"] += check_world(world, gpus)
+        if args.soak:
+            summary["checks"].append(check_soak(world, gpus, args.soak))
+    if not args.skip_lost_peer and not args.only_soak:
         summary["checks"] += [check_lost_peer("absent", gpus), check_lost_peer("killed", gpus)]
     if args.bench:
         summary["bench"] = bench()
