@@ -43,18 +43,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Drop(str, enum.Enum):
-    """Why a pending error was not taken by the call after it (the label
-    of the metric ``echo:feedback_dropped_total``)."""
+    """Why a pending error was not taken by the call after it, in the
+    middle of a pass (the label of the metric ``echo:feedback_dropped_total``).
+    Both are properties of the pass's own calls, so a CUDA graph captured
+    from a pass repeats them; an error left at the end of a pass is not a
+    drop (:attr:`ChainStats.unflushed`: it depends on the pass before, which
+    a replayed graph does not know)."""
 
     INDEX_GAP = "index_gap"
     """The previous call of the chain was not ``call_index - 1``: a call
     numbered in the chain that did not take (a caller's numbering error)."""
     KEY_CHANGED = "shape_changed"
     """The call has another shape, dtype or layout than the one that left it."""
-    PASS_ENDED = "pass_ended"
-    """Call 0 of a new pass found an error pending: the previous pass ended
-    without an exact last call (``exact_last_call`` off, or its call count
-    not known yet or different), so that error stayed in its residual."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ class ChainStats:
     bounded one-call error left in the residual, counted so it is never
     silent."""
     unflushed: int = 0
-    """Passes that ended with an error pending (:attr:`Drop.PASS_ENDED`)."""
+    """Passes that ended with an error pending (seen by the next pass's call
+    0): ``exact_last_call`` off, or the pass's call count not known yet or
+    different from the learned one."""
 
 
 @dataclass
@@ -161,12 +163,11 @@ class FeedbackChain:
     def take(self, call_index: int | None, key: tuple) -> bool:
         """Start call ``call_index``: :meth:`incoming`, counted in ``stats``
         (a pending error the call cannot continue is counted as dropped, or
-        as unflushed at call 0); :meth:`pop_take` tells the caller which."""
+        as unflushed at call 0); :meth:`pop_take` tells the caller what."""
         ok = self.incoming(call_index, key)
         drop = None
         if self._pending_key is not None and not ok and call_index is not None:
             if call_index == 0:
-                drop = Drop.PASS_ENDED
                 self.stats.unflushed += 1
             else:
                 drop = Drop.INDEX_GAP if self._last_index != call_index - 1 else Drop.KEY_CHANGED

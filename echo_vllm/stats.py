@@ -101,11 +101,9 @@ class EchoStats:
             logger.info("echo: all-reduce falls back to the exact path (reason=%s); "
                         "counted in echo stats, logged once per reason", rec.reason)
         if first_drop:
-            # pass_ended is expected once at start (the call count is learned from the first pass)
-            # and every pass with exact_last_call off; the others mean a chain broke
-            level = logging.INFO if rec.dropped == "pass_ended" else logging.WARNING
-            logger.log(level, "echo: a carried error was dropped (reason=%s): one call's 4-bit error stays in "
-                       "the residual stream; counted in feedback_dropped, logged once per reason", rec.dropped)
+            logger.warning("echo: a carried error was dropped (reason=%s): a chain broke, one call's 4-bit error "
+                           "stays in the residual stream; counted in feedback_dropped, logged once per reason",
+                           rec.dropped)
 
     def add_error_sample(self, rel_err: float) -> None:
         with self._lock:

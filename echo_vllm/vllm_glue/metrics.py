@@ -45,8 +45,8 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   the non-finite checks are device ops captured into the graphs):
   ``echo:feedback_carried_total{rank}`` calls that absorbed the error the
   previous call left, ``echo:feedback_dropped_total{rank,reason}`` pending
-  errors no call absorbed (``index_gap``, ``shape_changed``: a chain broke;
-  ``pass_ended``: a pass ended without its exact last call),
+  errors no call absorbed in the middle of a pass (``index_gap``,
+  ``shape_changed``: a chain broke),
   ``echo:health_checked_total{rank}`` sampled Echo calls checked for
   NaN/Inf, ``echo:nonfinite_total{rank,where}`` those whose input / output
   held one (``echo_vllm.health``)
@@ -154,8 +154,8 @@ class EchoMetrics:
                                "Calls that absorbed the quantization error the previous call left.",
                                rank, registry=registry)
         self.dropped = Counter(PREFIX + "feedback_dropped",
-                               "Carried errors no call absorbed, by reason (index_gap, shape_changed: a chain "
-                               "broke; pass_ended: a pass ended without its exact last call).",
+                               "Carried errors no call absorbed in the middle of a pass: a chain broke "
+                               "(reason: index_gap, shape_changed).",
                                rank + ["reason"], registry=registry)
         self.checked = Counter(PREFIX + "health_checked", "Sampled Echo calls checked for NaN/Inf.",
                                rank, registry=registry)

@@ -477,8 +477,7 @@ def test_side_calls_of_real_vllm_layers_leave_the_chain_alone(ranks):
         stats = r["side"]["stats"]
         assert stats["calls"]["exact/unsupported_dtype"] == 2 * LAYERS  # the side calls, with their reason
         assert stats["calls_per_forward"] == 1 + 2 * LAYERS  # the numbering skips them
-        # the learning pass ends without an exact last call; nothing breaks mid-pass
-        assert stats["feedback_dropped"] == {"pass_ended": 1}
+        assert stats["feedback_dropped"] == {}  # no chain broke
 
 
 def test_sampled_health_checks_count_nonfinite_values_under_real_tp(ranks):
