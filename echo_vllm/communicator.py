@@ -4,8 +4,11 @@ This is the dispatcher everything user-facing goes through (the vLLM glue,
 the demo, the benchmarks, training): ``should_echo`` asks the policy
 (:func:`echo_vllm.policy.decide`), ``all_reduce`` runs the chosen path
 (:class:`~echo_vllm.allreduce.EchoAllReduce`, or the exact path that absorbs
-the chain's pending error) and hands one :class:`~echo_vllm.stats.CallRecord`
-to its sink.
+the chain's pending error; a side call's exact path leaves the chain alone)
+and hands one :class:`~echo_vllm.stats.CallRecord` to its sink, saying what
+the chain did (carried, dropped) and whether the call's health was checked
+(:mod:`echo_vllm.health`), so that a CUDA-graph replay of the records
+counts the same.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .capture import capturing
 from .config import EchoConfig
 from .envs import EchoEnv
 from .feedback import FeedbackChain
+from .health import HealthCounters, sampled
 from .policy import CallInfo, Decision, Path, Reason, decide
 from .stats import CallRecord, CallSink, EchoStats
 from .transport import Transport
@@ -34,6 +38,9 @@ class EchoCommunicator:
     grows: a message that does not fit takes the exact path, counted (vLLM
     sizes it once, before CUDA-graph capture, with :meth:`reserve`).
     ``sink``: where each call's record goes (default ``stats.record``).
+    ``health``: where the sampled checks of Echo calls
+    (``config.health_every``) count non-finite values (default: none
+    checked).
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class EchoCommunicator:
         sink: CallSink | None = None,
         backend: EchoBackend | None = None,
         env: EchoEnv | None = None,
+        health: HealthCounters | None = None,
     ):
         self.config = config
         self.transport = transport
@@ -58,6 +66,7 @@ class EchoCommunicator:
         self.stats = stats if stats is not None else EchoStats()
         self.sink: CallSink = sink if sink is not None else self.stats.record
         self.fixed_capacity = capacity_numel > 0 if fixed_capacity is None else fixed_capacity
+        self.health = health
 
     @property
     def disabled(self) -> bool:
@@ -69,9 +78,12 @@ class EchoCommunicator:
         self.config = self.config.replace(min_bytes=min_bytes, max_bytes=max_bytes)
 
     def reserve(self, rows: int, cols: int) -> None:
-        """Size the feedback buffer for messages of up to ``rows`` rows of ``cols``."""
+        """Size the feedback buffer for messages of up to ``rows`` rows of
+        ``cols`` (and allocate the health counter: both before any capture)."""
         if self.config.feedback:
             self.chain.reserve(self.echo.layout(rows * cols, cols).padded_numel)
+        if self.health is not None:
+            self.health.allocate()
 
     def should_echo(
         self,
@@ -116,11 +128,14 @@ class EchoCommunicator:
         decision = self.should_echo(x, call_index, last_call=last_call, residual=residual)
         if decision.path is Path.ECHO:
             y = self.echo.all_reduce(x, self.chain, call_index)
+            checked = (self.health is not None and sampled(call_index, self.config.health_every)
+                       and self.health.observe(x, y))
             lay = self.echo.message_layout(tuple(y.shape))
             self.sink(CallRecord("echo", decision.reason.value, wire_bytes=lay.wire_bytes_per_rank,
-                                 equiv_bytes=lay.ring_bytes_per_rank(y.element_size())))
+                                 equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked,
+                                 **self._chain_outcome()))
             return y
-        return self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn)
+        return self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn, side=decision.side)
 
     def exact(
         self,
@@ -129,12 +144,24 @@ class EchoCommunicator:
         *,
         reason: Reason | str,
         exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        side: bool = False,
     ) -> torch.Tensor:
-        """16-bit path that consumes the chain's pending error, recorded under ``reason``."""
+        """16-bit path, recorded under ``reason``: it consumes the chain's
+        pending error, or, for a ``side`` call (outside the residual
+        stream, :data:`~echo_vllm.policy.SIDE_REASONS`), leaves the chain as
+        it is for the stream's next call."""
         per_rank = x[0] if self.transport.is_virtual else x
+        y = self.echo.exact_all_reduce(x, None if side else self.chain, call_index, exact_fn)
         self.sink(CallRecord("exact", getattr(reason, "value", reason),
-                             nbytes=per_rank.numel() * per_rank.element_size()))
-        return self.echo.exact_all_reduce(x, self.chain, call_index, exact_fn)
+                             nbytes=per_rank.numel() * per_rank.element_size(), **self._chain_outcome()))
+        return y
+
+    def _chain_outcome(self) -> dict:
+        """The record fields of what the chain did in the call just run."""
+        take = self.chain.pop_take()
+        if take is None:
+            return {}
+        return {"carried": take.incoming, "dropped": take.dropped.value if take.dropped else ""}
 
     def close(self) -> None:
         """Release the backend's resources and the feedback buffer."""

@@ -10,6 +10,7 @@ spelling, reads the same), ``echo-vllm serve`` and the tools from their
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -122,6 +123,19 @@ class EchoConfig:
     that the early MLPs amplify (the measured effect: EVAL.md, section 1).
     0 quantizes every call."""
 
+    health_every: int = 16
+    """Check every k-th call of a forward pass (call indices k-1, 2k-1, ...)
+    that takes Echo for NaN/Inf in its input and output: a few tiny device
+    ops added into a counter, no sync, captured into CUDA graphs
+    (``echo:nonfinite_total`` on /metrics; ``echo_vllm.health``). 0 turns
+    the checks off."""
+
+    timeout_s: float = 60.0
+    """Seconds a fused-backend kernel waits for a peer at a barrier before it
+    traps (a CUDA error naming nothing, instead of a hang; the process's CUDA
+    context is lost). Generous by default: ranks legitimately drift apart by
+    a first-call compilation or a host stall."""
+
     def __post_init__(self) -> None:
         g = self.group_size
         if not isinstance(g, int) or g not in SUPPORTED_GROUP_SIZES:
@@ -138,12 +152,15 @@ class EchoConfig:
             raise EchoConfigError(
                 f"feedback_dtype={self.feedback_dtype!r}: choose one of {FEEDBACK_DTYPES}"
             )
-        for name in ("min_bytes", "max_bytes", "first_exact_calls", "seed"):
+        for name in ("min_bytes", "max_bytes", "first_exact_calls", "seed", "health_every"):
             value = getattr(self, name)
             auto = name == "min_bytes" and value == AUTO_BYTES
             if not isinstance(value, int) or isinstance(value, bool) or (value < 0 and not auto):
                 raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer"
                                       + (" or 'auto'" if name == "min_bytes" else ""))
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise EchoConfigError(f"timeout_s={t!r}: must be a positive number of seconds")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
@@ -275,6 +292,15 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             # a count, not a size: a size suffix here is a mistake, never 1024x
             raise EchoConfigError(f"{key}={value!r}: expected an integer (size suffixes such as k "
                                   f"are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)") from None
+    if kind == "float":
+        if isinstance(value, bool):
+            raise EchoConfigError(f"{key}={value!r}: expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return float(str(value).strip())
+        except ValueError:
+            raise EchoConfigError(f"{key}={value!r}: expected a number") from None
     return str(value) if not isinstance(value, str) else value
 
 

@@ -11,7 +11,12 @@ one call's error at any depth. That needs
 * call 0 of every forward pass to start clean (``E_0 = 0``): a token's error
   never crosses into another step;
 * an exact (16-bit) call in the middle to *consume* the carried error (add it
-  to its input) and leave none.
+  to its input) and leave none;
+* a call outside the stream (a *side call*: another shape or dtype, a norm's
+  variance, a gate) to leave the chain alone: it is never numbered in the
+  chain and never takes or records, so the pending error waits for the next
+  call of the stream. Its exact output is added to nothing the chain tracks,
+  and the telescoping holds across it.
 
 One buffer per local rank is enough storage: each error is consumed by the
 very next call, and the stage kernels read and rewrite it in place. The
@@ -27,6 +32,7 @@ own one.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +40,31 @@ import torch
 from .capture import capturing
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Drop(str, enum.Enum):
+    """Why a pending error was not taken by the call after it, in the
+    middle of a pass (the label of the metric ``echo:feedback_dropped_total``).
+    Both are properties of the pass's own calls, so a CUDA graph captured
+    from a pass repeats them; an error left at the end of a pass is not a
+    drop (:attr:`ChainStats.unflushed`: it depends on the pass before, which
+    a replayed graph does not know)."""
+
+    INDEX_GAP = "index_gap"
+    """The previous call of the chain was not ``call_index - 1``: a call
+    numbered in the chain that did not take (a caller's numbering error)."""
+    KEY_CHANGED = "shape_changed"
+    """The call has another shape, dtype or layout than the one that left it."""
+
+
+@dataclass(frozen=True)
+class Take:
+    """What :meth:`FeedbackChain.take` decided for one call."""
+
+    incoming: bool
+    """The call absorbs the pending error."""
+    dropped: Drop | None = None
+    """A pending error the call could not continue, and why (None: none)."""
 
 
 @dataclass
@@ -45,9 +76,14 @@ class ChainStats:
     started_clean: int = 0
     """Calls that began with no incoming error (call 0, after an exact call)."""
     dropped: int = 0
-    """Pending errors thrown away because the next call did not continue the
-    chain (index gap or different shape): a bounded one-call error left in
-    the residual, counted so it is never silent."""
+    """Pending errors thrown away in the middle of a pass because the next
+    call did not continue the chain (index gap or different shape): a
+    bounded one-call error left in the residual, counted so it is never
+    silent."""
+    unflushed: int = 0
+    """Passes that ended with an error pending (seen by the next pass's call
+    0): ``exact_last_call`` off, or the pass's call count not known yet or
+    different from the learned one."""
 
 
 @dataclass
@@ -76,6 +112,7 @@ class FeedbackChain:
         self._buffer: torch.Tensor | None = None
         self._pending_key: tuple | None = None
         self._last_index: int | None = None
+        self._take: Take | None = None
         if self.capacity_numel:
             self.reserve(self.capacity_numel)
 
@@ -125,15 +162,29 @@ class FeedbackChain:
 
     def take(self, call_index: int | None, key: tuple) -> bool:
         """Start call ``call_index``: :meth:`incoming`, counted in ``stats``
-        (a pending error the call cannot continue is counted as dropped)."""
+        (a pending error the call cannot continue is counted as dropped, or
+        as unflushed at call 0); :meth:`pop_take` tells the caller what."""
         ok = self.incoming(call_index, key)
-        if self._pending_key is not None and not ok and call_index not in (None, 0):
-            self.stats.dropped += 1
+        drop = None
+        if self._pending_key is not None and not ok and call_index is not None:
+            if call_index == 0:
+                self.stats.unflushed += 1
+            else:
+                drop = Drop.INDEX_GAP if self._last_index != call_index - 1 else Drop.KEY_CHANGED
+                self.stats.dropped += 1
         if ok:
             self.stats.carried += 1
         else:
             self.stats.started_clean += 1
+        self._take = Take(ok, drop)
         return ok
+
+    def pop_take(self) -> Take | None:
+        """What the last :meth:`take` since the previous ``pop_take``
+        decided, or None when no call took since (a side call, feedback
+        off): the call's record says it."""
+        take, self._take = self._take, None
+        return take
 
     def record(self, call_index: int | None, key: tuple, left_error: bool) -> None:
         """After a call: remember whether it left an error for the next one."""

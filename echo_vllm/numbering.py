@@ -1,7 +1,9 @@
 """Call numbering: each all-reduce's place in its pass.
 
 Echo's feedback chain runs along the all-reduces of one *pass* (a model's
-forward pass, or one direction of a training step): call 0 starts clean,
+forward pass, or one direction of a training step) that carry the residual
+stream -- side calls (a norm's variance, another dtype) are not numbered
+(:meth:`CallCounter.side`): call 0 starts clean,
 each later call absorbs the error the one before it left, and the policy
 keeps the first ``first_exact_calls`` and the last call of a pass
 (``exact_last_call``) on the 16-bit path. So every caller needs, per call,
@@ -77,6 +79,14 @@ class CallCounter:
         first, self._fresh = self._fresh, False
         n = self.calls_per_pass
         return CallSlot(index, n is not None and index == n - 1, first)
+
+    def side(self) -> CallSlot:
+        """The slot of a side call (outside the numbered chain): the pass's
+        current position, not counted, never last (:data:`NO_PASS` outside a
+        pass). Its index only says that a pass is running."""
+        if not self.active:
+            return NO_PASS
+        return CallSlot(self.count)
 
     def end(self) -> int | None:
         """Close the open pass and return its call count (None when no pass

@@ -41,6 +41,13 @@ class Reason(str, enum.Enum):
     LAST_CALL = "exact_last_call"
 
 
+#: Calls outside the residual stream ("side calls": another dtype or shape,
+#: e.g. a norm's fp32 variance, or no forward pass at all). They take the
+#: exact path and leave the feedback chain alone: the pending error is
+#: neither consumed nor cleared, and the stream's next call takes it.
+SIDE_REASONS = frozenset({Reason.DTYPE, Reason.NO_FORWARD_CONTEXT, Reason.NOT_RESIDUAL})
+
+
 @dataclass(frozen=True)
 class CallInfo:
     """What the policy may look at for one all-reduce call."""
@@ -73,6 +80,11 @@ class Decision:
     @property
     def echo(self) -> bool:
         return self.path is Path.ECHO
+
+    @property
+    def side(self) -> bool:
+        """A side call (:data:`SIDE_REASONS`): exact, the chain untouched."""
+        return self.reason in SIDE_REASONS
 
 
 def _exact(reason: Reason) -> Decision:

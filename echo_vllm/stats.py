@@ -17,7 +17,9 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
+
+from .health import WHERE
 
 logger = logging.getLogger("echo_vllm")
 
@@ -36,6 +38,14 @@ class CallRecord:
     """Bytes this rank sent on the wire (Echo calls)."""
     equiv_bytes: int = 0
     """Bytes a bandwidth-optimal 16-bit all-reduce would have sent (Echo calls)."""
+    carried: bool = False
+    """The call absorbed the error the chain's previous call left."""
+    dropped: str = ""
+    """A pending error the call could not continue, and why
+    (``feedback.Drop`` value; empty: none)."""
+    checked: bool = False
+    """The call's input and output were checked for non-finite values
+    (:mod:`echo_vllm.health`)."""
 
 
 #: Where a communicator hands its records.
@@ -56,6 +66,15 @@ class EchoStats:
     rel_err_sum: float = 0.0
     """Sum of sampled relative errors |y - exact| / |exact| (see metrics)."""
     rel_err_samples: int = 0
+    feedback_carried: int = 0
+    """Calls that absorbed the error the previous call of their chain left."""
+    feedback_dropped: Counter = field(default_factory=Counter)
+    """Pending errors no call absorbed, by reason (``feedback.Drop`` values)."""
+    health_checked: int = 0
+    """Calls checked for non-finite values (:mod:`echo_vllm.health`)."""
+    health: Any = field(default=None, repr=False)
+    """The :class:`~echo_vllm.health.HealthCounters` those checks add into
+    (device-side; read by :meth:`snapshot`), or None."""
     _logged: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -68,12 +87,23 @@ class EchoStats:
                 self.equiv_16bit_bytes += rec.equiv_bytes
             else:
                 self.exact_bytes += rec.nbytes
+            self.feedback_carried += rec.carried
+            self.health_checked += rec.checked
+            if rec.dropped:
+                self.feedback_dropped[rec.dropped] += 1
             first = rec.path != "echo" and rec.reason not in self._logged
             if first:
                 self._logged.add(rec.reason)
+            first_drop = bool(rec.dropped) and ("dropped", rec.dropped) not in self._logged
+            if first_drop:
+                self._logged.add(("dropped", rec.dropped))
         if first:
             logger.info("echo: all-reduce falls back to the exact path (reason=%s); "
                         "counted in echo stats, logged once per reason", rec.reason)
+        if first_drop:
+            logger.warning("echo: a carried error was dropped (reason=%s): a chain broke, one call's 4-bit error "
+                           "stays in the residual stream; counted in feedback_dropped, logged once per reason",
+                           rec.dropped)
 
     def add_error_sample(self, rel_err: float) -> None:
         with self._lock:
@@ -81,6 +111,12 @@ class EchoStats:
             self.rel_err_samples += 1
 
     def snapshot(self) -> dict:
+        """Every counter as plain values; ``nonfinite`` is
+        ``{"input": n, "output": n}`` read from :attr:`health` (lagging by
+        one read on CUDA), or None without it."""
+        nonfinite = None
+        if self.health is not None:
+            nonfinite = dict(zip(WHERE, self.health.read()))
         with self._lock:
             return {
                 "calls": {f"{p}/{r}": n for (p, r), n in sorted(self.calls.items())},
@@ -90,4 +126,8 @@ class EchoStats:
                 "rel_err_mean": self.rel_err_sum / self.rel_err_samples if self.rel_err_samples else None,
                 "rel_err_sum": self.rel_err_sum,
                 "rel_err_samples": self.rel_err_samples,
+                "feedback_carried": self.feedback_carried,
+                "feedback_dropped": dict(sorted(self.feedback_dropped.items())),
+                "health_checked": self.health_checked,
+                "nonfinite": nonfinite,
             }

@@ -73,7 +73,7 @@ def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv, *, peers: Transpo
                  max_numel: int | None) -> EchoBackend:
     # messages larger than its buffers take the composed Triton path over the transport: same bits
     fallback = ComposedBackend(cfg, tr, TritonStages())
-    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback)
+    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback, timeout_s=cfg.timeout_s)
 
 
 register_backend(BackendSpec(

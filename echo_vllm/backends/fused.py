@@ -9,20 +9,35 @@ pipeline, no host work per call beyond one launch, capturable into a CUDA
 graph.
 
 It needs peer-mapped memory: CUDA tensors, ranks in a ``torch.distributed``
-process group on one host whose GPUs can all reach each other (P2P), and
-``torch.distributed._symmetric_memory``. :func:`fused_availability` decides
-from :class:`FusedFacts` (a pure function, with its reason);
-:func:`fused_support` gathers the facts (a collective over the group) and
-asks it.
+process group on one host whose GPUs can all reach each other (P2P) with
+native atomics over the link (the barriers are system-scope atomics on
+peer memory), no more than two GPUs unless every pair is on NVLink (the
+rule of vLLM's custom all-reduce: more than two PCIe-only GPUs are
+refused), and ``torch.distributed._symmetric_memory``.
+:func:`fused_availability` decides from :class:`FusedFacts` (a pure
+function, with its reason, which the vLLM glue logs); :func:`fused_support`
+gathers the facts (a collective over the group; links read by
+:mod:`.topology`) and asks it.
 
 Buffers (per rank: P ``recv`` and P ``gathered`` chunk slots, plus the
 flags in the signal pad) are allocated and rendezvoused when the backend is
 built -- a collective, so every rank builds it at the same point and before
 any CUDA-graph capture -- sized for messages of up to ``max_numel`` values,
-and cached per (group, device, size): backends of one group share them, so
-they must run on one stream. A message whose chunks do not fit is never cut
-or overflowed: it goes to the ``fallback`` backend (same bits) when one was
-given, else raises :class:`MessageTooLarge`.
+and shared per (group, device, size) by the backends that use them; the
+last one's :meth:`~FusedSymmMemBackend.close` frees them. They serve one
+CUDA stream at a time: a call from a second stream while the first still
+has work queued is refused (:class:`FusedStreamError`; calls under graph
+capture are not checked: their replays run no host code). A message whose
+chunks do not fit is never cut or overflowed: it goes to the ``fallback``
+backend (same bits) when one was given, else raises
+:class:`MessageTooLarge`.
+
+A peer that never reaches a barrier makes the kernel trap after
+``EchoConfig.timeout_s`` (``--echo-timeout-s``): the host sees CUDA's
+"unspecified launch failure" at its next synchronisation, wherever that
+is, and the process's CUDA context is lost. Which peer and phase timed out
+is not reported yet: that needs the kernel to write a status word before
+it traps.
 """
 
 from __future__ import annotations
@@ -31,13 +46,14 @@ import functools
 import os
 import socket
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..capture import capturing
 from ..config import EchoConfig
+from . import topology
 from ..quant import WIRE_DTYPE, WireLayout
 from ..transport import ProcessGroupTransport, Transport
 from .base import EchoBackend
@@ -53,13 +69,16 @@ OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 DEFAULT_MAX_NUMEL = 1 << 25
 
 #: Seconds a program waits for a peer before the kernel traps (a CUDA error
-#: instead of a hang). Generous: ranks legitimately drift apart by a
-#: first-call compilation or a host stall.
-DEFAULT_TIMEOUT_S = 60.0
+#: instead of a hang): ``EchoConfig.timeout_s``'s default.
+DEFAULT_TIMEOUT_S = EchoConfig.timeout_s
 
 
 class MessageTooLarge(ValueError):
     """A message whose chunks do not fit the fused backend's buffers."""
+
+
+class FusedStreamError(RuntimeError):
+    """A call from a second CUDA stream on buffers another stream still uses."""
 
 
 # -- availability ----------------------------------------------------------------
@@ -85,6 +104,13 @@ class FusedFacts:
     sm_counts: tuple[int, ...] = ()
     allow_overlap: bool = False
     """``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``: ranks may share a GPU."""
+    native_atomics: tuple[tuple[bool | None, ...], ...] = ()
+    """``native_atomics[a][b]``: rank a's GPU performs native atomics on rank
+    b's over the link (CUDA's P2P attribute; None: unknown; True on the
+    diagonal and between ranks that share a GPU)."""
+    nvlink: tuple[tuple[bool | None, ...], ...] = ()
+    """``nvlink[a][b]``: NVML reports an NVLink path between the two ranks'
+    GPUs (None: unknown; True on the diagonal and on a shared GPU)."""
 
 
 def fused_availability(facts: FusedFacts) -> tuple[bool, str]:
@@ -103,11 +129,25 @@ def fused_availability(facts: FusedFacts) -> tuple[bool, str]:
     if len(set(devs)) < len(devs) and not facts.allow_overlap:
         shared = sorted({d for d in devs if devs.count(d) > 1})
         return False, f"ranks share GPU(s) {shared} (allowed only with {OVERLAP_ENV}=1)"
-    for a, da in enumerate(devs):
-        for b, db in enumerate(devs):
-            if da != db and not facts.peer_access[a][b]:
-                return False, f"GPU {da} (rank {a}) cannot access GPU {db} (rank {b}): no P2P"
-    return True, f"{len(devs)} ranks on GPU(s) {list(devs)} with peer access"
+    pairs = [(a, b) for a, da in enumerate(devs) for b, db in enumerate(devs) if da != db]
+    for a, b in pairs:
+        if not facts.peer_access[a][b]:
+            return False, f"GPU {devs[a]} (rank {a}) cannot access GPU {devs[b]} (rank {b}): no P2P"
+    for a, b in pairs:
+        atomics = facts.native_atomics[a][b] if facts.native_atomics else None
+        if not atomics:
+            state = "unknown (the CUDA driver did not say)" if atomics is None else "not supported"
+            return False, (f"native P2P atomics from GPU {devs[a]} (rank {a}) to GPU {devs[b]} (rank {b}) "
+                           f"{state}: the kernel's barriers are atomics on peer memory")
+    gpus = len(set(devs))
+    unlinked = [(a, b) for a, b in pairs if not (facts.nvlink[a][b] if facts.nvlink else None)]
+    if gpus > 2 and unlinked:
+        a, b = unlinked[0]
+        return False, (f"{gpus} GPUs not all on NVLink (GPU {devs[a]} and GPU {devs[b]}: "
+                       f"{'unknown' if not facts.nvlink or facts.nvlink[a][b] is None else 'PCIe only'}): "
+                       "more than two PCIe-only GPUs are refused, as vLLM's custom all-reduce does")
+    links = "NVLink" if pairs and not unlinked else "peer access"
+    return True, f"{len(devs)} ranks on GPU(s) {list(devs)} with {links} and native atomics"
 
 
 def _symm_mem_importable() -> bool:
@@ -145,14 +185,22 @@ def probe(transport: Transport, device_type: str = "cuda") -> FusedFacts:
     if known is not None:
         return known
     dev = torch.cuda.current_device()
-    mine = (socket.gethostname(), dev, torch.cuda.get_device_properties(dev).multi_processor_count)
+    mine = (socket.gethostname(), dev, torch.cuda.get_device_properties(dev).multi_processor_count,
+            topology.pci_bus_id(dev))
     every: list = [None] * transport.world_size
     dist.all_gather_object(every, mine, group=transport.group)
-    devices = tuple(d for _, d, _ in every)
-    access = tuple(tuple(a == b or torch.cuda.can_device_access_peer(a, b) for b in devices) for a in devices)
+    devices = tuple(e[1] for e in every)
+    buses = [e[3] for e in every]
+
+    def matrix(query):  # every pair of ranks; a shared GPU is linked to itself
+        return tuple(tuple(a == b or query(i, j) for j, b in enumerate(devices)) for i, a in enumerate(devices))
+
     facts = FusedFacts(
-        device_type, kind, True, hosts=tuple(h for h, _, _ in every), devices=devices, peer_access=access,
-        sm_counts=tuple(s for _, _, s in every), allow_overlap=os.environ.get(OVERLAP_ENV) == "1",
+        device_type, kind, True, hosts=tuple(e[0] for e in every), devices=devices,
+        peer_access=matrix(lambda i, j: torch.cuda.can_device_access_peer(devices[i], devices[j])),
+        sm_counts=tuple(e[2] for e in every), allow_overlap=os.environ.get(OVERLAP_ENV) == "1",
+        native_atomics=matrix(lambda i, j: topology.native_atomics(devices[i], devices[j])),
+        nvlink=matrix(lambda i, j: topology.nvlink(buses[i], buses[j])),
     )
     _PROBED[transport] = facts
     return facts
@@ -178,6 +226,41 @@ def sms_for(facts: FusedFacts) -> int:
 # -- buffers ----------------------------------------------------------------------
 
 
+class StreamOwner:
+    """The one CUDA stream a set of buffers serves.
+
+    The first call (outside graph capture) claims it; a call from another
+    stream takes it over only once every call queued on the old one has
+    finished (vLLM switches once to its own stream after start-up, when
+    nothing is in flight), and otherwise is refused: two streams with calls
+    in flight would interleave two calls' barriers and slots."""
+
+    def __init__(self) -> None:
+        self.stream = None
+
+    def claim(self, stream) -> None:
+        """Make ``stream`` the owner, or raise :class:`FusedStreamError`."""
+        if stream == self.stream:
+            return
+        if self.stream is not None and not _stream_idle(self.stream):
+            raise FusedStreamError(
+                f"echo fused all-reduce: a call on CUDA stream {stream} while stream {self.stream} still has "
+                "calls in flight on the same symmetric buffers; they serve one stream at a time (each call's "
+                "barriers pair program p of every rank). Run every Echo call of a group on one stream, or "
+                "synchronize the old stream before switching")
+        self.stream = stream
+
+
+def _current_stream(device: torch.device):
+    """The stream a call on ``device`` is queued on (a seam for CPU tests)."""
+    return torch.cuda.current_stream(device)
+
+
+def _stream_idle(stream) -> bool:
+    """Every call queued on ``stream`` has finished (a seam for CPU tests)."""
+    return stream.query()
+
+
 @dataclass(frozen=True)
 class SymmBuffers:
     """One rank's symmetric buffer and the address table the kernel reads."""
@@ -194,28 +277,42 @@ class SymmBuffers:
     """Largest chunk a slot holds."""
     signal_slots: int
     """int32 flags in each rank's flag area."""
+    owner: StreamOwner = field(default_factory=StreamOwner, compare=False)
+    """The stream the buffers serve (shared by every backend using them)."""
 
     @property
     def gathered_offset(self) -> int:
         return self.buffer.numel() // 2 - 2 * self.signal_slots
 
 
-_BUFFERS: dict[tuple, SymmBuffers] = {}
+@dataclass
+class _Shared:
+    buffers: SymmBuffers
+    users: int = 0
+
+
+_BUFFERS: dict[tuple, _Shared] = {}
 
 
 def symm_buffers(group: dist.ProcessGroup, device: torch.device, chunk_bytes: int, signal_slots: int) -> SymmBuffers:
-    """The cached buffers of ``group`` on ``device``, or new ones: allocate,
-    rendezvous, zero this rank's flags, and wait on the group until every
-    rank has (so no flag is raised before its owner cleared it). A
-    collective on first use."""
+    """The shared buffers of ``group`` on ``device`` (one more user), or new
+    ones (:func:`_allocate`, a collective on first use). Give them back with
+    :func:`drop_buffers`."""
+    key = (group.group_name, device, chunk_bytes, signal_slots)
+    shared = _BUFFERS.get(key)
+    if shared is None:
+        shared = _BUFFERS[key] = _Shared(_allocate(group, device, chunk_bytes, signal_slots))
+    shared.users += 1
+    return shared.buffers
+
+
+def _allocate(group: dist.ProcessGroup, device: torch.device, chunk_bytes: int, signal_slots: int) -> SymmBuffers:
+    """Allocate, rendezvous, zero this rank's flags, and wait on the group
+    until every rank has (so no flag is raised before its owner cleared it)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     from ..kernels.fused_kernel import buffer_bytes
 
-    key = (group.group_name, device, chunk_bytes, signal_slots)
-    cached = _BUFFERS.get(key)
-    if cached is not None:
-        return cached
     world = dist.get_world_size(group)
     data = buffer_bytes(chunk_bytes, world)
     # the flags live in the buffer itself: torch's signal pad (9 KiB) holds
@@ -227,8 +324,25 @@ def symm_buffers(group: dist.ProcessGroup, device: torch.device, chunk_bytes: in
                          device=device)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
-    out = _BUFFERS[key] = SymmBuffers(buf, hdl, table, hdl.rank, chunk_bytes, signal_slots)
-    return out
+    return SymmBuffers(buf, hdl, table, hdl.rank, chunk_bytes, signal_slots)
+
+
+def drop_buffers(buffers: SymmBuffers) -> bool:
+    """One user fewer of shared ``buffers``; the last one frees them, once
+    this device's queued work is done (peers write into a rank's buffer only
+    before the barriers its own calls pass, so no peer touches it after its
+    last call; their mappings keep the memory until they free theirs).
+    True if they were freed; buffers that were not shared are left alone."""
+    for key, shared in _BUFFERS.items():
+        if shared.buffers is buffers:
+            shared.users -= 1
+            if shared.users > 0:
+                return False
+            del _BUFFERS[key]
+            if buffers.buffer.is_cuda:
+                torch.cuda.synchronize(buffers.buffer.device)
+            return True
+    return False
 
 
 def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
@@ -248,7 +362,8 @@ def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
 
 
 def release_buffers() -> None:
-    """Drop every cached buffer (tests; backends built later allocate anew)."""
+    """Forget every shared buffer (benchmarks, tests): backends built later
+    allocate anew; those alive keep theirs until they close."""
     _BUFFERS.clear()
 
 
@@ -262,12 +377,14 @@ class FusedSymmMemBackend(EchoBackend):
     (default: ``config.max_bytes // 2`` when set, else
     :data:`DEFAULT_MAX_NUMEL`); a message fits if its chunks are no larger
     than a one-row message of ``max_numel`` values. ``timeout_s``: how long
-    a program waits for a peer before the kernel traps. ``sms``: the SMs
+    a program waits for a peer before the kernel traps (default
+    ``config.timeout_s``, ``--echo-timeout-s``). ``sms``: the SMs
     one rank's persistent grid may fill (default and most: its share of
     the GPU, :func:`sms_for`).
     ``fallback``: runs the messages that do not fit. ``facts``: the probe's
     result, when the caller has it. ``buffers``: what the kernel reduces
-    through (default: :func:`symm_buffers` of the group, a collective).
+    through (default: :func:`symm_buffers` of the group, a collective;
+    given back by :meth:`close`).
     """
 
     name = "fused"
@@ -278,7 +395,7 @@ class FusedSymmMemBackend(EchoBackend):
         transport: Transport,
         *,
         max_numel: int | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         sms: int | None = None,
         fallback: EchoBackend | None = None,
         facts: FusedFacts | None = None,
@@ -291,6 +408,7 @@ class FusedSymmMemBackend(EchoBackend):
         ok, reason = fused_availability(facts)
         if not ok:
             raise RuntimeError(f"the fused backend cannot run here: {reason}")
+        timeout_s = config.timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         from ..kernels import fused_kernel
@@ -307,7 +425,7 @@ class FusedSymmMemBackend(EchoBackend):
         self.sm = fused_kernel.sm_limits() if torch.cuda.is_available() else fused_kernel.SMLimits()
         slots = fused_kernel.signal_slots(self.sms * fused_kernel.max_per_sm(), p)
         if buffers is None:
-            buffers = symm_buffers(_group(transport), torch.device("cuda", torch.cuda.current_device()),
+            buffers = symm_buffers(_group(transport), _local_device(),
                                    WireLayout(max_numel, p, config.group_size).chunk_bytes, slots)
         if buffers.signal_slots < slots:
             raise ValueError(f"buffers: {buffers.signal_slots} flags for {self.sms} SMs of programs of {p} ranks")
@@ -337,6 +455,8 @@ class FusedSymmMemBackend(EchoBackend):
                 f"message of {layout.numel} values ({layout.rows} rows of {layout.cols}, P={layout.world_size}): "
                 f"chunks of {layout.chunk_bytes} bytes, the fused buffers hold {self.buffers.chunk_bytes}")
         cfg, b = self.config, self.buffers
+        if not capturing():  # a captured launch runs where its graph is replayed: no host code there
+            b.owner.claim(_current_stream(b.buffer.device))
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
@@ -347,12 +467,22 @@ class FusedSymmMemBackend(EchoBackend):
         return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
 
     def close(self) -> None:
+        """Give the buffers back (the last user of shared ones frees them)
+        and close the fallback; the backend cannot run afterwards."""
+        if self.buffers is not None:
+            drop_buffers(self.buffers)
+            self.buffers = None
         if self.fallback is not None:
             self.fallback.close()
 
 
+def _local_device() -> torch.device:
+    """This rank's GPU (a seam for CPU tests)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 __all__ = [
-    "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedSymmMemBackend", "MessageTooLarge", "OVERLAP_ENV",
-    "SymmBuffers", "fused_availability", "fused_support", "probe", "release_buffers", "sms_for",
-    "symm_buffers",
+    "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedStreamError", "FusedSymmMemBackend",
+    "MessageTooLarge", "OVERLAP_ENV", "StreamOwner", "SymmBuffers", "drop_buffers", "fused_availability",
+    "fused_support", "probe", "release_buffers", "sms_for", "symm_buffers",
 ]

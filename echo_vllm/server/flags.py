@@ -50,7 +50,7 @@ class Flag:
     key: str
     """additional_config key the value lands in."""
     kind: str
-    """"bool", "int", "str" or "choice"."""
+    """"bool", "int", "float", "str" or "choice"."""
     default: Any
     help: str
     choices: tuple = ()
@@ -145,6 +145,8 @@ def format_help(width: int = 100) -> str:
         if flag.kind == "int":
             # byte sizes take suffixes (256k); counts are plain integers
             spell += " SIZE" if flag.field in BYTE_SIZE_FIELDS else " N"
+        elif flag.kind == "float":
+            spell += " SECONDS" if flag.field and flag.field.endswith("_s") else " X"
         elif flag.kind == "choice":
             spell += " {" + ",".join(str(c) for c in flag.choices) + "}"
         elif flag.kind == "str":

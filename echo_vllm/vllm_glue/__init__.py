@@ -8,6 +8,7 @@
 * :mod:`.calls`        -- the per-call sequence real TP and the emulation share
 * :mod:`.settings`     -- what ``--additional-config`` asks for (``tp_comm``, ``echo_*``)
 * :mod:`.guards`       -- the rule book: what the settings cannot run with (plugin and ``serve``)
+* :mod:`.bypass`       -- model code that sums over the TP group around the hook (refused or reported)
 * :mod:`.tracking`     -- call index per forward pass, counters under CUDA graphs
 * :mod:`.metrics`      -- Prometheus export of the counters
 * :mod:`.pynccl_transport` -- Echo's collectives over vLLM's pynccl communicator

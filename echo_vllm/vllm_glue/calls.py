@@ -4,9 +4,13 @@ Real tensor parallelism (:class:`~.communicator.TpEchoCommunicator`) and
 the one-device emulation (:class:`~.emulation.EmulationSession`) run every
 all-reduce through :class:`CallSequence`, in this order:
 
-1. its slot: the call's index in the forward pass and whether it is the
-   last (the session's :class:`~.tracking.ForwardTracker`);
-2. whether it is a residual-stream message (``[tokens, hidden]``);
+1. whether it is a residual-stream message (``[tokens, hidden]`` in
+   bf16/fp16); anything else is a *side call* (MiniMax-M2's fp32 q/k norm
+   variance, a Mamba2 mixer's ``[T, 1]`` sum of squares, integers), which
+   takes the exact path and leaves the feedback chain alone;
+2. its slot: the call's index among the pass's residual calls (side calls
+   are not numbered) and whether it is the last (the session's
+   :class:`~.tracking.ForwardTracker`);
 3. the feedback buffer, reserved once at its largest size on the first
    residual call outside graph capture (vLLM's profiling run, so vLLM's
    memory profiler sees it); until then Echo falls back (counted): the
@@ -69,16 +73,18 @@ class CallSequence:
         """Reduce ``x`` (this rank's message; stacked ``[P, ...]`` partials
         over virtual ranks)."""
         per_rank = x[0] if self.comm.transport.is_virtual else x
-        slot = self.tracker.next_call(compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0)
+        residual = self.is_residual(per_rank)
+        slot = self.tracker.next_call(compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0,
+                                      residual=residual)
         if not x.is_floating_point():
             self.tracker.on_record(CallRecord("exact", Reason.DTYPE.value,
                                               nbytes=per_rank.numel() * per_rank.element_size()))
             exact = self.exact_fn or self.comm.transport.all_reduce_exact
             return Reduced(exact(x), slot, False)
-        residual = self.is_residual(per_rank)
         if residual:
             self._reserve_once(per_rank)
         if self.echo:
+            # the policy gives side calls their reason (unsupported_dtype, not_residual_shape)
             y = self.comm.all_reduce(x, slot.index, last_call=slot.last_call, residual=residual,
                                      exact_fn=self.exact_fn)
         else:
@@ -86,8 +92,11 @@ class CallSequence:
         return Reduced(y, slot, residual)
 
     def is_residual(self, per_rank: torch.Tensor) -> bool:
-        """A residual-stream message: ``[tokens, hidden]``."""
-        return per_rank.dim() == 2 and (self.hidden_size is None or per_rank.shape[-1] == self.hidden_size)
+        """A residual-stream message: ``[tokens, hidden]``, not empty, in a
+        dtype Echo reduces (an fp32 message is a norm's statistic, not the
+        stream)."""
+        return (per_rank.dtype in ECHO_DTYPES and per_rank.dim() == 2 and per_rank.numel() > 0
+                and (self.hidden_size is None or per_rank.shape[-1] == self.hidden_size))
 
     def _reserve_once(self, per_rank: torch.Tensor) -> None:
         if self._reserved or per_rank.dtype not in ECHO_DTYPES or capturing():

@@ -28,6 +28,7 @@ from ..communicator import EchoCommunicator
 from ..config import EchoConfig
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
+from ..health import HealthCounters
 from ..policy import ECHO_DTYPES
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport, Transport
@@ -66,9 +67,12 @@ class TpEchoCommunicator:
             config, self.transport, device_type=getattr(coordinator.device, "type", "cpu"), env=env,
             peers=_peers(coordinator, self.transport), max_numel=max_numel)
         logger.info("echo: %s backend on %s (%s)", self.backend.name, self.group_name, reason)
+        # sampled NaN/Inf checks count on the device (allocated with the feedback buffer)
+        self.health = HealthCounters(coordinator.device) if config.health_every else None
+        tracker.stats.health = self.health
         self.comm = EchoCommunicator(
             config, self.transport, device=coordinator.device, fixed_capacity=True, stats=tracker.stats,
-            sink=tracker.on_record, backend=self.backend, env=env,
+            sink=tracker.on_record, backend=self.backend, env=env, health=self.health,
         )
         self.calls = CallSequence(self.comm, tracker, hidden_size=hidden_size, max_num_tokens=max_num_tokens,
                                   exact_fn=vllm_all_reduce)

@@ -160,6 +160,52 @@ def model_architectures(vllm_config: Any) -> list[str]:
     return [str(a) for a in (archs or ())]
 
 
+def model_modules(vllm_config: Any) -> tuple[tuple[str, str], ...]:
+    """``(architecture, module)`` for the served model's architectures and
+    its drafter's (speculative decoding): the module vLLM's model registry
+    resolves each to, without importing it (``model_class_overrides``
+    included: reading ``ModelConfig.registry`` registers them). Architectures
+    the registry does not know are left out."""
+    configs = [getattr(vllm_config, "model_config", None)]
+    spec = getattr(vllm_config, "speculative_config", None)
+    configs.append(getattr(spec, "draft_model_config", None))
+    out: list[tuple[str, str]] = []
+    for model in configs:
+        if model is None:
+            continue
+        try:
+            registry = model.registry
+        except Exception:  # a config without a registry property (older vLLM, a stand-in)
+            from vllm.model_executor.models.registry import ModelRegistry as registry
+        archs = getattr(model, "architectures", None) or getattr(getattr(model, "hf_config", None),
+                                                                 "architectures", None) or ()
+        for arch in archs:
+            entry = registry.models.get(arch)
+            module = getattr(entry, "module_name", None) or getattr(getattr(entry, "model_cls", None),
+                                                                    "__module__", None)
+            if module and (arch, module) not in out:
+                out.append((str(arch), str(module)))
+    return tuple(out)
+
+
+def platform_name() -> str:
+    """vLLM's current platform: ``cuda`` (NVIDIA), ``rocm``, ``cpu``, ..."""
+    from vllm.platforms import current_platform
+
+    for name in ("cuda", "rocm", "xpu", "cpu", "tpu"):
+        probe = getattr(current_platform, f"is_{name}", None)
+        if probe is not None and probe():
+            return name
+    return str(getattr(current_platform, "device_type", "unknown") or "unknown")
+
+
+def flashinfer_installed() -> bool:
+    """The ``flashinfer`` package is importable (looked up, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def model_hf_config(vllm_config: Any) -> Any:
     """The served model's HF config (None when there is no model config)."""
     return getattr(getattr(vllm_config, "model_config", None), "hf_config", None)

@@ -38,6 +38,7 @@ from ..capture import capturing
 from ..communicator import EchoCommunicator
 from ..config import EchoConfigError
 from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
+from ..health import HealthCounters
 from ..numbering import CallSlot
 from ..transport import VirtualTransport
 from . import compat
@@ -87,8 +88,11 @@ class EmulationSession(EchoSession):
     def _sequence(self, device: torch.device) -> CallSequence:
         if self.calls is None or self.calls.comm.chain.device != device:
             # the buffer is sized once, by the sequence's first residual call, never under capture
+            health = HealthCounters(device) if self.settings.echo.health_every else None
+            self.stats.health = health
             comm = EchoCommunicator(self.settings.echo, VirtualTransport(self.world_size), device=device,
-                                    fixed_capacity=True, stats=self.stats, sink=self.tracker.on_record)
+                                    fixed_capacity=True, stats=self.stats, sink=self.tracker.on_record,
+                                    health=health)
             self.calls = CallSequence(comm, self.tracker, hidden_size=self.hidden_size,
                                       max_num_tokens=self.max_num_tokens, echo=self.settings.mode == "echo")
         return self.calls

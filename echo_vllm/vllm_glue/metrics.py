@@ -40,6 +40,19 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   ``echo:residual_error_samples_total{rank}``
 - ``echo:threshold_bytes{rank,bound}`` the message sizes Echo takes (min,
   max; measured at engine start with ``min_bytes=auto``)
+- numerical health, right under real TP and CUDA graphs (the chain's
+  outcome rides in each call's record, so replays count it from the plan;
+  the non-finite checks are device ops captured into the graphs):
+  ``echo:feedback_carried_total{rank}`` calls that absorbed the error the
+  previous call left, ``echo:feedback_dropped_total{rank,reason}`` pending
+  errors no call absorbed in the middle of a pass (``index_gap``,
+  ``shape_changed``: a chain broke),
+  ``echo:health_checked_total{rank}`` sampled Echo calls checked for
+  NaN/Inf, ``echo:nonfinite_total{rank,where}`` those whose input / output
+  held one (``echo_vllm.health``)
+- ``echo:model_bypass{rank,path}`` = 1 for each of the model's fused
+  all-reduce paths that do not reach Echo's hook (logged at start;
+  ``vllm_glue.bypass``)
 - ``echo:config_info{...}`` = 1, labels = Echo's settings (API server)
 
 Without the variable (plain ``vllm serve``), each worker keeps its values in
@@ -123,7 +136,8 @@ class EchoMetrics:
                                 "(observed: ran Python; replayed: CUDA-graph replay; mismatched: "
                                 "call count differed from the learned one).",
                                 rank + ["kind"], registry=registry)
-        self.calls_per_forward = Gauge(PREFIX + "calls_per_forward", "All-reduces per forward pass.",
+        self.calls_per_forward = Gauge(PREFIX + "calls_per_forward", "Residual-stream all-reduces per "
+                                       "forward pass (side calls not counted).",
                                        rank, registry=registry, multiprocess_mode="mostrecent")
         self.residual_samples = Counter(PREFIX + "residual_error_samples",
                                         "Forward passes whose residual-stream error was measured.",
@@ -136,6 +150,20 @@ class EchoMetrics:
                                 "Message sizes Echo takes (bound: min, max; 0 = none), as measured at start "
                                 "with min_bytes=auto.", rank + ["bound"], registry=registry,
                                 multiprocess_mode="mostrecent")
+        self.carried = Counter(PREFIX + "feedback_carried",
+                               "Calls that absorbed the quantization error the previous call left.",
+                               rank, registry=registry)
+        self.dropped = Counter(PREFIX + "feedback_dropped",
+                               "Carried errors no call absorbed in the middle of a pass: a chain broke "
+                               "(reason: index_gap, shape_changed).",
+                               rank + ["reason"], registry=registry)
+        self.checked = Counter(PREFIX + "health_checked", "Sampled Echo calls checked for NaN/Inf.",
+                               rank, registry=registry)
+        self.nonfinite = Counter(PREFIX + "nonfinite", "Checked calls whose input (this rank's partial) or "
+                                 "output held NaN/Inf (where: input, output).", rank + ["where"], registry=registry)
+        self.bypass = Gauge(PREFIX + "model_bypass", "The model's fused all-reduce paths that do not reach "
+                            "Echo's hook (1 per path; logged at start).", rank + ["path"], registry=registry,
+                            multiprocess_mode="mostrecent")
         self._last: dict[tuple, Any] = {}
         self._last_snapshot: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -165,6 +193,7 @@ class EchoMetrics:
                     counter.labels(r).inc(delta)
             self._publish_error(snapshot, r)
             self._publish_forwards(snapshot, r)
+            self._publish_health(snapshot, r)
             self._last_snapshot[r] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in snapshot.items()}
 
     def _publish_error(self, snapshot: Mapping[str, Any], r: str) -> None:
@@ -203,6 +232,19 @@ class EchoMetrics:
         for bound in ("min", "max"):
             if snapshot.get(bound + "_bytes") is not None:
                 self.thresholds.labels(r, bound).set(float(snapshot[bound + "_bytes"]))
+
+    def _publish_health(self, snapshot: Mapping[str, Any], r: str) -> None:
+        for name, counter in (("feedback_carried", self.carried), ("health_checked", self.checked)):
+            delta = self._advance((r, name), int(snapshot.get(name) or 0))
+            if delta:
+                counter.labels(r).inc(delta)
+        for family, counter in (("feedback_dropped", self.dropped), ("nonfinite", self.nonfinite)):
+            for label, total in (snapshot.get(family) or {}).items():
+                delta = self._advance((r, family, label), int(total))
+                if delta:
+                    counter.labels(r, str(label)).inc(delta)
+        for path in snapshot.get("bypasses") or ():
+            self.bypass.labels(r, str(path)).set(1)
 
 
 _FORWARD_KINDS = {"forwards_observed": "observed", "forwards_replayed": "replayed",

@@ -54,11 +54,18 @@ class EchoSession:
 
     def reset_stats(self) -> StepStats:
         """Start fresh counters (keeping the learned call count and the
-        captured plans); returns the old ones, settled."""
+        captured plans); returns the old ones, settled (their ``nonfinite``
+        reads None: the device-side health counter now counts for the new
+        ones, from zero)."""
         self.flush()
         old = self.stats
         self.stats = self.tracker.stats = StepStats(calls_per_forward=old.calls_per_forward,
-                                                    min_bytes=old.min_bytes, max_bytes=old.max_bytes)
+                                                    min_bytes=old.min_bytes, max_bytes=old.max_bytes,
+                                                    bypasses=old.bypasses, health=old.health)
+        if old.health is not None:
+            # the device-side counter starts from zero too; the old counters no longer read it
+            old.health.reset()
+            old.health = None
         return old
 
     def close(self) -> None:

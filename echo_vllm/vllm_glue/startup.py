@@ -4,8 +4,10 @@ Called by the hook's ``GroupCoordinator.__init__`` patch for every group;
 acts only on the group named ``tp`` (in the worker, inside
 ``set_current_vllm_config``): reads ``additional_config``
 (:mod:`.settings`), adjusts for the model (post-norm models), refuses
-conflicting engine settings (:mod:`.guards`), and activates the process's
-session (:mod:`.session`): real TP, or the one-device emulation.
+conflicting engine settings (:mod:`.guards`) and model code that goes
+around the hook (:mod:`.bypass`: refused, or logged and exported), and
+activates the process's session (:mod:`.session`): real TP, or the
+one-device emulation.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from ..postnorm import module_tree
 from . import compat, emulation, session
-from .guards import check_engine_config
+from .bypass import ModelFacts, model_bypasses
+from .guards import EchoEngineConfigError, check_engine_config
 from .settings import TpCommSettings
 
 logger = logging.getLogger("echo_vllm")
@@ -58,6 +61,12 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     # refused conflicts raise here; the others leave vLLM's all-reduce in place, said loudly
     for problem in check_engine_config(vllm_config, settings):
         logger.warning("echo: %s", problem)
+    bypasses = model_bypasses(ModelFacts.from_vllm_config(vllm_config)) if settings.mode == "echo" else ()
+    refused = [b.message for b in bypasses if b.refused]
+    if refused:
+        raise EchoEngineConfigError("echo-vllm cannot run this model with tp_comm=echo:\n  - " + "\n  - ".join(refused))
+    for b in bypasses:
+        logger.warning("echo: %s", b.message)
     world = int(coordinator.world_size)
     if settings.emulated:
         active = session.activate(emulation.start(settings, vllm_config))
@@ -79,6 +88,7 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
         # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
     active.model_note = note
+    active.stats.bypasses = tuple(sorted({b.path for b in bypasses}))
 
 
 __all__ = ["TP_GROUP_NAME", "on_group_created"]

@@ -84,7 +84,8 @@ class StepStats(EchoStats):
     forwards_mismatched: int = 0
     """Observed passes whose call count differed from the learned one."""
     calls_per_forward: int | None = None
-    """All-reduces per forward pass, learned from the first full pass."""
+    """Residual-stream all-reduces per forward pass (side calls not
+    counted), learned from the first full pass."""
     residual_err_end_sum: float = 0.0
     """Sum over measured passes of |sum_t (y_t - S_t)| / |sum_t S_t| at the
     end of the pass (emulation's ``tp_comm_emulate_measure``)."""
@@ -94,6 +95,9 @@ class StepStats(EchoStats):
     min_bytes: int | None = None
     """The size threshold in force (measured at start with ``min_bytes="auto"``)."""
     max_bytes: int | None = None
+    bypasses: tuple[str, ...] = ()
+    """The model's fused all-reduce paths that go around Echo's hook
+    (``bypass.Bypass.path``; logged at start)."""
 
     def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
         with self._lock:
@@ -127,6 +131,7 @@ class StepStats(EchoStats):
                 residual_samples=n,
                 min_bytes=self.min_bytes,
                 max_bytes=self.max_bytes,
+                bypasses=list(self.bypasses),
             )
         return snap
 
@@ -159,9 +164,11 @@ class ForwardTracker:
 
     # -- the hook's side --------------------------------------------------------
 
-    def next_call(self, kwargs: dict | None, num_tokens: int) -> CallSlot:
+    def next_call(self, kwargs: dict | None, num_tokens: int, *, residual: bool = True) -> CallSlot:
         """The slot of the next all-reduce of the pass whose context holds
-        ``kwargs`` (None: no forward context)."""
+        ``kwargs`` (None: no forward context). ``residual=False``: a side
+        call, which the pass's numbering skips (``CallCounter.side``); it
+        still belongs to the pass (and its plan)."""
         if kwargs is None:
             self._in_forward = False
             return NO_PASS
@@ -175,7 +182,8 @@ class ForwardTracker:
             self.counter.start(at=kwargs.get(CALL_INDEX_KEY, 0))
         if not self._plan_captured and capturing():
             self._plan_captured = True
-        slot = self.counter.next()
+        slot = self.counter.next() if residual else self.counter.side()
+        # set by side calls too: a pass with any call seen is not a replay
         kwargs[CALL_INDEX_KEY] = self.counter.count
         return slot
 
@@ -195,8 +203,8 @@ class ForwardTracker:
         stats = self.stats
         with stats._lock:
             stats.forwards_observed += 1
-            learned = known is None
-            mismatch = not learned and calls != known
+            learned = known is None and bool(calls)  # a pass of side calls only teaches nothing
+            mismatch = known is not None and calls != known
             if learned:
                 stats.calls_per_forward = calls
             elif mismatch:

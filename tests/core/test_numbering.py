@@ -39,3 +39,18 @@ def test_an_empty_pass_teaches_nothing():
     c = CallCounter()
     c.start()
     assert c.end() == 0 and c.calls_per_pass is None
+
+
+def test_side_calls_take_no_number():
+    """A side call (outside the residual stream) gets the pass's position
+    without taking it: the next residual call has the index it would have
+    had without it, and the pass's count is the residual calls'."""
+    c = CallCounter()
+    assert c.side() is NO_PASS
+    c.start()
+    a, side, b = c.next(), c.side(), c.next()
+    assert (a.index, side.index, b.index) == (0, 1, 1) and not side.last_call and not side.first_of_forward
+    assert c.end() == 2 and c.calls_per_pass == 2
+    c.start()
+    c.next()
+    assert not c.side().last_call and c.next().last_call

@@ -32,6 +32,8 @@ import time
 import traceback
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_kernels import (
@@ -329,9 +331,16 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def _facts(**kw) -> FusedFacts:
-    base = dict(device_type="cuda", transport="process_group", symm_mem=True, hosts=("h", "h"), devices=(0, 1),
-                peer_access=((True, True), (True, True)), sm_counts=(132, 132))
+    n = len(kw.get("devices", (0, 1)))
+    full = tuple((True,) * n for _ in range(n))
+    base = dict(device_type="cuda", transport="process_group", symm_mem=True, hosts=("h",) * n, devices=(0, 1),
+                peer_access=full, sm_counts=(132,) * n, native_atomics=full, nvlink=full)
     return FusedFacts(**{**base, **kw})
+
+
+def _pcie(n: int, linked=frozenset()):
+    """NVLink matrix of ``n`` GPUs where only the pairs in ``linked`` are on NVLink."""
+    return tuple(tuple(a == b or frozenset((a, b)) in linked for b in range(n)) for a in range(n))
 
 
 @pytest.mark.parametrize("facts,ok,reason", [
@@ -344,6 +353,19 @@ def _facts(**kw) -> FusedFacts:
     (_facts(devices=(0, 0)), False, "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1"),
     (_facts(devices=(0, 0), allow_overlap=True), True, "GPU(s) [0, 0]"),
     (_facts(peer_access=((True, False), (True, True))), False, "GPU 0 (rank 0) cannot access GPU 1"),
+    # native atomics over the link: the barriers need them
+    (_facts(native_atomics=((True, True), (False, True))), False, "from GPU 1 (rank 1) to GPU 0 (rank 0) not supported"),
+    (_facts(native_atomics=((True, None), (True, True))), False, "to GPU 1 (rank 1) unknown"),
+    (_facts(native_atomics=()), False, "unknown"),
+    # vLLM's custom all-reduce rule: two PCIe GPUs run, more need NVLink between every pair
+    (_facts(nvlink=_pcie(2)), True, "2 ranks on GPU(s) [0, 1] with peer access and native atomics"),
+    (_facts(devices=(0, 1, 2), nvlink=_pcie(3)), False, "3 GPUs not all on NVLink (GPU 0 and GPU 1: PCIe only)"),
+    (_facts(devices=(0, 1, 2, 3), nvlink=_pcie(4, {frozenset((0, 1)), frozenset((2, 3))})), False,
+     "4 GPUs not all on NVLink (GPU 0 and GPU 2: PCIe only): more than two PCIe-only GPUs are refused"),
+    (_facts(devices=(0, 1, 2), nvlink=()), False, "(GPU 0 and GPU 1: unknown)"),
+    (_facts(devices=(0, 1, 2, 3)), True, "4 ranks on GPU(s) [0, 1, 2, 3] with NVLink and native atomics"),
+    # ranks that share one GPU need no link at all
+    (_facts(devices=(0, 0, 0, 0), allow_overlap=True, native_atomics=(), nvlink=()), True, "GPU(s) [0, 0, 0, 0]"),
 ])
 def test_fused_availability(facts, ok, reason):
     got, why = fused_availability(facts)
@@ -430,6 +452,94 @@ def test_messages_that_do_not_fit_take_the_fallback_or_raise():
     with pytest.raises(ValueError, match="nearest"):
         fused_mod.FusedSymmMemBackend(EchoConfig(rounding="stochastic"), _OneRank(), facts=_facts(),
                                       buffers=buffers)
+
+
+def _cpu_buffers(world=2, chunk_bytes=4096, slots=None):
+    from echo_vllm.kernels import fused_kernel as fk
+
+    slots = slots or fk.signal_slots(4 * fk.max_per_sm(), world)
+    table, bufs, pads = fused_mod.local_buffers(world, chunk_bytes, slots, "cpu")
+    return fused_mod.SymmBuffers(bufs[0], None, table, 0, chunk_bytes, pads[0].numel())
+
+
+def test_close_frees_the_shared_buffers_when_the_last_user_closes(monkeypatch):
+    """Backends of one group share its buffers (one rendezvous); each close
+    gives them back, the last frees them: nothing stays cached, and the
+    memory goes once the backends are gone. (CPU: the rendezvous and this
+    rank's GPU are stood in for.)"""
+    import weakref
+    from types import SimpleNamespace
+
+    made = []
+
+    def allocate(group, device, chunk_bytes, signal_slots):
+        made.append(_cpu_buffers(chunk_bytes=chunk_bytes, slots=signal_slots))
+        return made[-1]
+
+    monkeypatch.setattr(fused_mod, "_allocate", allocate, raising=False)
+    monkeypatch.setattr(fused_mod, "_local_device", lambda: torch.device("cpu"), raising=False)
+    monkeypatch.setattr(fused_mod, "_group", lambda transport: SimpleNamespace(group_name="g"))
+    monkeypatch.setattr(fused_mod, "_BUFFERS", {})
+    cfg = EchoConfig(group_size=32)
+    a = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=4, max_numel=4096, facts=_facts())
+    b = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=4, max_numel=4096, facts=_facts())
+    assert a.buffers is b.buffers and len(made) == 1 and len(fused_mod._BUFFERS) == 1
+    alive = weakref.ref(made.pop().buffer)
+    a.close()
+    assert len(fused_mod._BUFFERS) == 1 and b.buffers is not None  # b still uses them
+    b.close()
+    assert fused_mod._BUFFERS == {} and a.buffers is None and b.buffers is None
+    assert alive() is None  # nothing holds the memory any more
+    c = fused_mod.FusedSymmMemBackend(cfg, _OneRank(), sms=4, max_numel=4096, facts=_facts())
+    assert len(made) == 1 and c.buffers is made[0]  # a new backend allocates anew
+    c.close()
+
+
+def test_a_call_from_a_second_stream_on_the_same_buffers_is_refused(monkeypatch):
+    """The buffers serve one stream: the first call claims it; another
+    stream is refused while the first has calls in flight, and takes over
+    once it is idle; calls under graph capture are not checked. (CPU: the
+    streams and the kernel launch are stood in for.)"""
+    busy = {"A": True, "B": False}
+    on = ["A"]
+    monkeypatch.setattr(fused_mod, "_current_stream", lambda device: on[0], raising=False)
+    monkeypatch.setattr(fused_mod, "_stream_idle", lambda stream: not busy[stream], raising=False)
+    buffers = _cpu_buffers()
+    launches = []
+    backends = [fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32), _OneRank(), sms=4, facts=_facts(),
+                                              buffers=buffers) for _ in range(2)]
+    for b in backends:
+        b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(on[0]) or "y", plan_for=lambda *a: None)
+    lay = WireLayout(256, 2, 32)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert backends[0].all_reduce(x, lay, None, has_incoming=False) == "y"
+    on[0] = "B"
+    for b in backends:  # the same buffers: either backend is refused
+        with pytest.raises(fused_mod.FusedStreamError, match="one stream at a time"):
+            b.all_reduce(x, lay, None, has_incoming=False)
+    monkeypatch.setattr(fused_mod, "capturing", lambda: True)  # capture: a replay runs no host code
+    backends[1].all_reduce(x, lay, None, has_incoming=False)
+    monkeypatch.setattr(fused_mod, "capturing", lambda: False)
+    busy["A"] = False  # A's calls are done: B takes over, and A is now the second stream
+    backends[1].all_reduce(x, lay, None, has_incoming=False)
+    on[0], busy["B"] = "A", True
+    with pytest.raises(fused_mod.FusedStreamError):
+        backends[0].all_reduce(x, lay, None, has_incoming=False)
+    assert launches == ["A", "B", "B"]
+
+
+def test_the_timeout_comes_from_the_config():
+    """``EchoConfig.timeout_s`` (``--echo-timeout-s``) is what the kernel's
+    barriers wait, in nanoseconds; an explicit argument still wins."""
+    buffers = _cpu_buffers()
+    b = fused_mod.FusedSymmMemBackend(EchoConfig(timeout_s=2.5), _OneRank(), sms=4, facts=_facts(), buffers=buffers)
+    assert b.timeout_ns == 2_500_000_000
+    assert fused_mod.FusedSymmMemBackend(EchoConfig(), _OneRank(), sms=4, facts=_facts(), buffers=buffers,
+                                         timeout_s=3).timeout_ns == 3_000_000_000
+    assert EchoConfig().timeout_s == fused_mod.DEFAULT_TIMEOUT_S == 60.0
+    with pytest.raises(EchoConfigError, match="timeout_s"):
+        EchoConfig(timeout_s=0)
+    assert EchoConfig.from_mapping({"echo_timeout_s": "7.5"}, prefix="echo_").timeout_s == 7.5
 
 
 # -- GPU ------------------------------------------------------------------------------

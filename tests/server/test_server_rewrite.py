@@ -76,6 +76,8 @@ SAMPLE = {
     "feedback_dtype": ("float32", "float32"),
     "first_exact_calls": ("2", 2),
     "backend": ("reference", "reference"),
+    "health_every": ("4", 4),
+    "timeout_s": ("2.5", 2.5),
 }
 
 #: Fields with one legal value, which is the default: no non-default sample exists.

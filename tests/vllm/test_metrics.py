@@ -121,6 +121,28 @@ def test_glue_step_stats_extras():
     assert s['echo:residual_rel_error{rank="0",stat="max_mean"}'] == 0.5
 
 
+def test_health_counters_reach_metrics_with_their_labels():
+    """The chain's outcome and the non-finite checks: carried, dropped by
+    reason, checked, non-finite by where, the model's bypasses."""
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    stats = EchoStats()
+    for rec in (CallRecord("echo", "echo", carried=True, checked=True), CallRecord("echo", "echo", dropped="index_gap"),
+                CallRecord("exact", "below_min_bytes", dropped="shape_changed")):
+        stats.record(rec)
+    snap = dict(stats.snapshot(), nonfinite={"input": 0, "output": 2}, bypasses=["flashinfer_allreduce_rmsnorm"])
+    m.publish(snap, rank=1)
+    m.publish(dict(snap, feedback_dropped={"index_gap": 3, "shape_changed": 1}), rank=1)
+    s = scrape(registry)
+    assert s['echo:feedback_carried_total{rank="1"}'] == 1
+    assert s['echo:feedback_dropped_total{rank="1",reason="index_gap"}'] == 3
+    assert s['echo:feedback_dropped_total{rank="1",reason="shape_changed"}'] == 1
+    assert s['echo:health_checked_total{rank="1"}'] == 1
+    assert s['echo:nonfinite_total{rank="1",where="output"}'] == 2
+    assert 'echo:nonfinite_total{rank="1",where="input"}' not in s  # never incremented
+    assert s['echo:model_bypass{path="flashinfer_allreduce_rmsnorm",rank="1"}'] == 1
+
+
 def test_config_info():
     registry = CollectorRegistry()
     publish_config({"tp_comm": "echo", "group_size": 32, "feedback": "true"}, registry=registry)

@@ -223,6 +223,38 @@ def test_indices_restart_per_forward_and_the_count_is_learned():
     assert tr.next_call(None, 8).index is None  # no forward context
 
 
+def test_side_calls_are_not_numbered_but_join_the_pass_and_its_plan(monkeypatch):
+    """A side call (``residual=False``) takes no index: the residual calls
+    around it are numbered 0, 1, 2 ... as if it were absent, the learned
+    count is the residual calls', and its record still joins the pass's
+    plan, so a replay counts it."""
+    stats = StepStats()
+    tr = ForwardTracker(stats)
+    for _ in range(2):
+        kw = {}
+        slots = []
+        for residual in (True, False, True, False, True):
+            slots.append(tr.next_call(kw, 8, residual=residual))
+            tr.on_record(CallRecord("echo" if residual else "exact", "echo" if residual else "not_residual_shape"))
+        assert [s.index for s in slots] == [0, 1, 1, 2, 2]
+    assert stats.calls_per_forward == 3 and stats.forwards_mismatched == 0
+    assert [s.last_call for s in slots] == [False, False, False, False, True]
+    side_only = {}  # a graph-mode pass whose only call seen is a side call: observed, not a replay
+    tr.on_forward_start(side_only, num_tokens=8, cudagraph=True)
+    tr.next_call(side_only, 8, residual=False)
+    tr.settle()
+    assert stats.forwards_replayed == 0 and stats.calls_per_forward == 3
+    _capture(tr, stats, monkeypatch, tokens=4, n=1)
+    monkeypatch.setattr(tracking, "capturing", lambda: True)
+    kw = {}
+    tr.next_call(kw, 4, residual=False)
+    tr.on_record(CallRecord("exact", "not_residual_shape"))
+    monkeypatch.setattr(tracking, "capturing", lambda: False)
+    before = stats.calls[("exact", "not_residual_shape")]
+    tr.on_graph_replay(4)
+    assert stats.calls[("exact", "not_residual_shape")] == before + 1
+
+
 def test_a_pass_with_another_count_is_counted_not_learned():
     stats = StepStats()
     tr = ForwardTracker(stats)
@@ -505,5 +537,28 @@ def test_fused_with_stochastic_rounding_is_refused_when_the_tp_group_is_created(
     try:
         assert session.current().communicator.backend.name == "reference"
         assert tp_group._echo_comm is session.current().communicator
+    finally:
+        session.deactivate()
+
+
+def test_a_reported_bypass_is_logged_and_exported_at_start(tp_group, monkeypatch, caplog):
+    """MiniMax-M3 on NVIDIA with FlashInfer: Echo starts, says why some
+    calls will not reach it, and the session's stats carry the path (the
+    ``echo:model_bypass`` gauge)."""
+    from echo_vllm.vllm_glue import session, startup
+
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2),
+                             additional_config={"tp_comm": "echo", "echo_min_bytes": 0})
+    monkeypatch.setattr(compat, "current_vllm_config", lambda: engine)
+    monkeypatch.setattr(compat, "batch_invariant_enabled", lambda: False)
+    monkeypatch.setattr(compat, "model_modules",
+                        lambda cfg: (("MiniMaxM3SparseForCausalLM", "vllm.models.minimax_m3"),))
+    monkeypatch.setattr(compat, "platform_name", lambda: "cuda")
+    monkeypatch.setattr(compat, "flashinfer_installed", lambda: True)
+    with caplog.at_level("WARNING", logger="echo_vllm"):
+        startup.on_group_created(tp_group, lambda group, x: x)
+    try:
+        assert session.current().stats.snapshot()["bypasses"] == ["flashinfer_allreduce_rmsnorm"]
+        assert any("MiniMaxM3SparseForCausalLM" in r.message and "FlashInfer" in r.message for r in caplog.records)
     finally:
         session.deactivate()

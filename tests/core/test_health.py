@@ -1,0 +1,81 @@
+"""Numerical health (echo_vllm.health): which calls are checked, what a
+check counts, and that the counts reach the records a CUDA-graph replay
+repeats and the stats that /metrics exports."""
+
+import pytest
+import torch
+
+from echo_vllm import EchoCommunicator, EchoConfig, VirtualTransport
+from echo_vllm.health import HealthCounters, sampled
+
+P = 2
+
+
+def test_sampled_positions_depend_on_the_call_index_alone():
+    assert [i for i in range(40) if sampled(i, 16)] == [15, 31]
+    assert [i for i in range(4) if sampled(i, 1)] == [0, 1, 2, 3]
+    assert not any(sampled(i, 0) for i in range(40))  # 0: off
+    assert not sampled(None, 1)  # outside a forward pass
+
+
+def test_a_check_counts_nonfinite_inputs_and_outputs():
+    h = HealthCounters("cpu")
+    assert h.read() == (0, 0)  # nothing allocated yet: nothing counted
+    fine = torch.ones(3, 4, dtype=torch.bfloat16)
+    bad = fine.clone()
+    bad[1, 2] = float("nan")
+    inf = fine.clone()
+    inf[0, 0] = float("inf")
+    assert h.observe(fine, fine) and h.read() == (0, 0)
+    h.observe(bad, fine)
+    h.observe(fine, inf)
+    h.observe(bad, bad)
+    assert h.read() == (2, 2)
+    h.reset()
+    assert h.read() == (0, 0)
+
+
+def test_sampled_echo_calls_are_checked_and_recorded():
+    """Every ``health_every``-th Echo call is checked; its record says so (a
+    replayed plan counts it); a NaN in a partial is counted on input and
+    output; exact calls are not checked."""
+    records = []
+    cfg = EchoConfig(min_bytes=0, first_exact_calls=0, health_every=2)
+    health = HealthCounters("cpu")
+    comm = EchoCommunicator(cfg, VirtualTransport(P), health=health, sink=records.append)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(P, 4, 64, generator=g).bfloat16() for _ in range(5)]
+    xs[3][1, 2, 5] = float("nan")
+    for t, x in enumerate(xs):
+        comm.all_reduce(x, t, last_call=t == 4)
+    assert [r.checked for r in records] == [False, True, False, True, False]  # call 4: exact last call
+    assert health.read() == (1, 1)
+    comm.stats.health = health
+    for r in records:
+        comm.stats.record(r)
+    snap = comm.stats.snapshot()
+    assert snap["health_checked"] == 2 and snap["nonfinite"] == {"input": 1, "output": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checks_captured_in_a_cuda_graph_count_on_every_replay():
+    h = HealthCounters("cuda")
+    h.allocate()
+    x = torch.ones(8, 256, dtype=torch.bfloat16, device="cuda")
+    y = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up, as vLLM does before capture
+        h.observe(x, y)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h.observe(x, y)
+    y[0, 0] = float("nan")
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    h.read()  # starts the copy; the next read sees it (no sync in read itself)
+    torch.cuda.synchronize()
+    assert h.read() == (0, 3)
