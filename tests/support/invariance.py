@@ -28,7 +28,7 @@ def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dty
     cfg = EchoConfig(min_bytes=0, group_size=group, hadamard=hadamard, exact_last_call=False,
                      first_exact_calls=0, backend=backend)
     ar = EchoAllReduce(cfg, VirtualTransport(world))
-    chains = {k: FeedbackChain(world, device, cfg.feedback_dtype) for k in ("A", "AB", "BA")}
+    chains = {k: FeedbackChain.of(cfg, world, device) for k in ("A", "AB", "BA")}
     compared = 0
     for t in range(calls):
         a = _rows(world, tokens_a, hidden, dtype, seed * 1000 + 2 * t).to(device)
