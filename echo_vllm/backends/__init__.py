@@ -190,12 +190,13 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     stochastic = config.rounding == "stochastic"
     p2p, why = False, ""
     # probe only where the answer could be fused (the pure choice says, before any collective)
-    fb = config.feedback_dtype
-    if choose_backend(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
-                      p2p=True, feedback_dtype=fb)[0] == "fused":
+    # (the question is asked before the feedback-format rule, so that a refusal names the real answer)
+    if _choose(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
+               p2p=True, p2p_reason="")[0] == "fused":
         p2p, why = fused_support(peers, device_type)
     name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
-                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why, feedback_dtype=fb)
+                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why,
+                                  feedback_dtype=config.feedback_dtype)
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 
