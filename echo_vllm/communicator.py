@@ -60,9 +60,7 @@ class EchoCommunicator:
         self.config = config
         self.transport = transport
         self.echo = EchoAllReduce(config, transport, backend=backend, env=env)
-        self.chain = FeedbackChain(
-            len(transport.local_ranks), device, config.feedback_dtype, capacity_numel
-        )
+        self.chain = FeedbackChain.of(config, len(transport.local_ranks), device, capacity_numel)
         self.stats = stats if stats is not None else EchoStats()
         self.sink: CallSink = sink if sink is not None else self.stats.record
         self.fixed_capacity = capacity_numel > 0 if fixed_capacity is None else fixed_capacity

@@ -40,7 +40,8 @@ AUTO_BYTES = -1
 ROUNDING_MODES = ("nearest", "stochastic")
 #: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
 BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
-FEEDBACK_DTYPES = ("float32", "bfloat16")
+#: Values of ``EchoConfig.feedback_dtype`` (formats: ``echo_vllm.quant``'s docstring).
+FEEDBACK_DTYPES = ("float32", "bfloat16", "int8")
 
 
 class EchoConfigError(ValueError):
@@ -96,7 +97,11 @@ class EchoConfig:
     value) and rounds each carried error to 8 significant bits, at most a 2^-8
     relative change of an already small term (no measured accuracy cost:
     EVAL.md, section 1). float32 keeps the telescoping exact to fp32
-    rounding."""
+    rounding. int8 stores each group's error as int8 codes with one bf16
+    scale per group (1 + 2/g bytes per value: 1.06 at g=32), moving each
+    value by at most half a step of 1/127 of its group's largest error
+    (``echo_vllm.quant``); only the ``reference`` and ``numba`` backends
+    implement it so far (EVAL.md, section 9)."""
 
     batch_invariant: bool = False
     """Make every path choice independent of the batch: ``min_bytes`` and

@@ -19,7 +19,9 @@ one call's error at any depth. That needs
   and the telescoping holds across it.
 
 One buffer per local rank is enough storage: each error is consumed by the
-very next call, and the stage kernels read and rewrite it in place. The
+very next call, and the stage kernels read and rewrite it in place, in the
+format ``EchoConfig.feedback_dtype`` names (float32, bfloat16, or int8 codes
+with a bf16 scale per group: ``echo_vllm.quant``'s docstring). The
 buffer is allocated once (outside CUDA-graph capture) at its largest size
 and reused at every size; which part of it is valid is Python state decided
 only by call index and shape, so a captured graph bakes in the same decision
@@ -38,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import capturing
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from .config import SUPPORTED_GROUP_SIZES, EchoConfig
+from .quant import FEEDBACK_STORAGE, feedback_row_len
 
 
 class Drop(str, enum.Enum):
@@ -95,19 +97,32 @@ class FeedbackChain:
     before any graph capture; otherwise the buffer grows on demand (eager use).
     ``dtype`` defaults to float32 (the error carried exactly, what the chain's
     unit tests check); :class:`~echo_vllm.communicator.EchoCommunicator`, the
-    plugin and the benchmarks pass ``EchoConfig.feedback_dtype`` (bfloat16 by
-    default) -- do the same when building a chain by hand.
+    plugin and the benchmarks build theirs with :meth:`of`, which takes
+    ``EchoConfig.feedback_dtype`` (bfloat16 by default) and ``group_size`` --
+    do the same when building a chain by hand. ``group_size`` sizes an int8
+    buffer (``1 + 2/g`` bytes per value); the default, the smallest
+    supported group, gives the most bytes per value, so such a buffer holds
+    the same number of values at every larger group size.
     """
 
     local_ranks: int
     device: torch.device | str = "cpu"
     dtype: str = "float32"
     capacity_numel: int = 0
+    group_size: int = min(SUPPORTED_GROUP_SIZES)
     stats: ChainStats = field(default_factory=ChainStats)
 
+    @classmethod
+    def of(cls, config: EchoConfig, local_ranks: int, device: torch.device | str = "cpu",
+           capacity_numel: int = 0) -> "FeedbackChain":
+        """The chain a call under ``config`` needs: its feedback dtype and group size."""
+        return cls(local_ranks, device, config.feedback_dtype, capacity_numel, config.group_size)
+
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"feedback dtype {self.dtype!r}: choose one of {tuple(_DTYPES)}")
+        if self.dtype not in FEEDBACK_STORAGE:
+            raise ValueError(f"feedback dtype {self.dtype!r}: choose one of {tuple(FEEDBACK_STORAGE)}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size={self.group_size!r}: not in {SUPPORTED_GROUP_SIZES}")
         self.device = torch.device(self.device)
         self._buffer: torch.Tensor | None = None
         self._pending_key: tuple | None = None
@@ -118,11 +133,15 @@ class FeedbackChain:
 
     # -- storage ---------------------------------------------------------------
 
+    def _row_len(self, numel: int) -> int:
+        """Buffer elements per rank that hold ``numel`` values (int8: bytes)."""
+        return feedback_row_len(numel, FEEDBACK_STORAGE[self.dtype], self.group_size)
+
     def reserve(self, numel: int) -> None:
         """Make the buffer hold at least ``numel`` values per rank. Allocates
-        (zeroed); never call it under CUDA-graph capture with a larger size
-        than reserved before."""
-        if self._buffer is not None and self._buffer.shape[1] >= numel:
+        (zeroed: every format decodes zeros as 0); never call it under
+        CUDA-graph capture with a larger size than reserved before."""
+        if self.fits(numel):
             return
         if capturing():
             raise RuntimeError(
@@ -130,16 +149,18 @@ class FeedbackChain:
                 "reserve it before capture (EchoCommunicator sizes it on the profiling run)"
             )
         self._buffer = torch.zeros(
-            self.local_ranks, numel, dtype=_DTYPES[self.dtype], device=self.device
+            self.local_ranks, self._row_len(numel), dtype=FEEDBACK_STORAGE[self.dtype], device=self.device
         )
         self.capacity_numel = numel
         self._pending_key = None
 
     def fits(self, numel: int) -> bool:
-        return self._buffer is not None and self._buffer.shape[1] >= numel
+        return self._buffer is not None and self._buffer.shape[1] >= self._row_len(numel)
 
     def buffer(self, numel: int) -> torch.Tensor:
-        """The [local_ranks, capacity] buffer, grown to ``numel`` if needed."""
+        """The [local_ranks, row length] buffer (row length: elements of its
+        dtype, :func:`~echo_vllm.quant.feedback_row_len`), grown to hold
+        ``numel`` values if needed."""
         self.reserve(numel)
         assert self._buffer is not None
         return self._buffer

@@ -34,16 +34,70 @@ reducing rows A alone or inside [A; B] gives the same bits for A.
 
 The 8-group alignment makes every chunk a multiple of 16 bytes long (and the
 scale block 16-byte aligned inside it) for every supported group size, so
-kernels can use 16-byte accesses on the wire buffers. Feedback buffers hold
-the carried error in *wire order* (chunk after chunk, rotated domain), so
-stage 2 adds its error to one contiguous slice.
+kernels can use 16-byte accesses on the wire buffers.
+
+Feedback buffer (what each rank keeps between calls)
+----------------------------------------------------
+One tensor per local rank, ``[R, row length]``, allocated once at its
+largest size and reused at every message size. It holds the carried error
+``e`` in *wire order* (chunk after chunk, rotated domain: value ``i`` of
+the ``padded_numel`` values of a message is value ``i`` of its stage-1
+``u``), so stage 2 updates one contiguous slice, its own chunk. Three
+storage formats (``EchoConfig.feedback_dtype``, :data:`FEEDBACK_STORAGE`):
+
+* ``float32`` / ``bfloat16``: value ``i`` is element ``i``, rounded to the
+  dtype (round to nearest even) when stored; 4 / 2 bytes per value.
+* ``int8``: the buffer is ``torch.int8`` bytes in *blocks* of
+  ``ALIGN_GROUPS`` (8) quantization groups of ``g`` values (the wire's
+  groups: groups never span two rows, blocks never span two chunks, since
+  chunks are whole blocks)::
+
+    block b = groups 8b .. 8b + 7, at bytes b * (8g + 16) onwards:
+      [ codes: 8 * g int8, group after group | scales: 8 bf16, same order ]
+
+  so value ``i`` of group ``m = i // g`` is code byte
+  ``(m // 8) * (8g + 16) + (m % 8) * g + i % g`` and its scale is the bf16
+  at byte ``(m // 8) * (8g + 16) + 8g + 2 * (m % 8)``: a function of ``i``
+  alone, never of the message size; every block is 16-byte aligned
+  (``8g + 16`` is a multiple of 16 for every supported g), and a buffer of
+  ``n`` values takes ``n * (1 + 2 / g)`` bytes (1.0625 bytes per value at
+  g = 32: 3.8x less traffic than float32's 4, 1.9x less than bfloat16's 2).
+  A group's error ``e`` is stored (:func:`encode_feedback`) as scale
+  ``t = bf16(max(amax|e| * fp32(1/127), FLT_MIN))`` and codes
+  ``c = round_half_even(e * fp32(1/t))`` in [-127, 127] -- exactly
+  :func:`quantize_groups`' scale and rounding with qmax = 127 -- and read
+  back (:func:`decode_feedback`) as ``c * t``, an exact product in fp32
+  (7 by 8 significant bits, never below FLT_MIN unless 0). A group holding
+  NaN or Inf gets a NaN scale and codes 0, so it decodes to NaN; an
+  all-zero group (and a zero-filled buffer) decodes to zeros.
+
+  *No clamp is needed*: bf16 rounds ``s32 = amax * fp32(1/127)`` to
+  ``t >= s32 / (1 + 2^-8)``, so ``|e| * fp32(1/t) <= 127 * (1 + 2^-8) *
+  (1 + 3 * 2^-24) < 127.497`` rounds to at most 127 (the same argument
+  gives at most 7 on the wire).
+
+  *Error bound* (the only difference to a float32 buffer besides rounding
+  order): ``|e - decode(encode(e))| <= t * (1/2 + 2^-16)`` per value -- half a
+  step from rounding to the integer grid, plus ``|e / t| * 2^-23 <= 2^-16``
+  steps from the two fp32 roundings in ``e * fp32(1/t)`` -- with ``t <=
+  amax|e| / 127 * (1 + 2^-8)``, i.e. at most 0.40% of the group's largest
+  carried error (bfloat16 storage: at most 2^-8 = 0.39% of each value
+  itself).
+  After stage 1 ``|e| <= s / 2`` (``s`` the group's 4-bit step), so the
+  stored error moves by at most ``s / 506``, 1/253 of the quantization error
+  it carries; unlike that error it does not telescope, and adds up over
+  the calls of a forward pass like independent roundings (measured:
+  EVAL.md, section 9).
 
 Reference functions
 -------------------
 ``stage1_reference``, ``stage2_reference``, ``output_reference`` and
 ``consume_reference`` are the specification of the Triton kernels in
-``echo_vllm.kernels``: same fp32 operations in the same order, so the kernels
-are compared bit for bit. Three details make that possible: division
+``echo_vllm.kernels`` and the numba loops in ``echo_vllm.kernels.cpu_loops``:
+same fp32 operations in the same order, so the kernels are compared bit for
+bit. Every stage reads and writes the feedback buffer only through
+:func:`read_feedback` and :func:`write_feedback` (the formats above).
+Three details make the bit-for-bit comparison possible: division
 appears only as one correctly rounded ``1 / scale`` per group;
 round-to-nearest-even uses the ``(y + 1.5 * 2**23) - 1.5 * 2**23`` identity
 (valid for |y| <= 2**22) instead of a library call; and a product is fused
@@ -59,7 +113,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SUPPORTED_GROUP_SIZES, EchoConfigError
+from .config import FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfigError
 from .rotation import fwht
 
 #: Values per kernel alignment unit, in groups: keeps chunks 16-byte aligned.
@@ -79,6 +133,14 @@ CODE_OFFSET = 8
 #: Wire and scale dtypes.
 SCALE_DTYPE = torch.bfloat16
 WIRE_DTYPE = torch.uint8
+
+#: ``EchoConfig.feedback_dtype`` -> the feedback buffer's torch dtype
+#: (int8: codes and scales in blocks, see the module docstring).
+FEEDBACK_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+assert tuple(FEEDBACK_STORAGE) == FEEDBACK_DTYPES, "config.FEEDBACK_DTYPES and quant disagree"
+
+#: Largest code magnitude of the int8 feedback format.
+FEEDBACK_QMAX = 127
 
 
 def inv_qmax_f32(qmax: int) -> torch.Tensor:
@@ -199,6 +261,30 @@ def quantize_groups(
     round-to-nearest (< scale for stochastic), scale = bf16(amax / qmax).
     """
     assert u.dtype == torch.float32
+    scales, s, inv, bad = group_scales(u, qmax)
+    y = u * inv.unsqueeze(-1)
+    y = torch.clamp(y, -float(qmax), float(qmax))
+    if noise is None:
+        r = round_half_even(y)
+    else:
+        r = torch.clamp(torch.floor(y + noise), -float(qmax), float(qmax))
+    r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
+    codes = (r + CODE_OFFSET).to(WIRE_DTYPE)
+    err = fma_exact_product(-r, s.unsqueeze(-1), u)
+    err = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=err.dtype), err)
+    return codes, scales, err
+
+
+def group_scales(
+    u: torch.Tensor, qmax: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scale of each group of fp32 ``u[..., G, g]`` for codes in
+    [-qmax, qmax]: ``(scales bf16 [..., G], s fp32, inv fp32, bad bool)``.
+
+    ``s = bf16(max(amax * fp32(1/qmax), FLT_MIN))`` over the finite values,
+    ``inv = fp32(1 / s)`` (one correctly rounded division per group),
+    ``bad``: the group holds NaN or Inf; ``scales`` is ``s`` with NaN where
+    ``bad``. Shared by the wire format and the int8 feedback buffer."""
     finite = torch.isfinite(u)
     bad = ~finite.all(dim=-1)
     amax = torch.where(finite, u.abs(), torch.zeros((), dtype=u.dtype)).amax(dim=-1)
@@ -206,18 +292,14 @@ def quantize_groups(
     s16 = s32.to(SCALE_DTYPE)
     s = s16.float()
     inv = 1.0 / s
-    y = u * inv.unsqueeze(-1)
-    y = torch.clamp(y, -float(qmax), float(qmax))
-    if noise is None:
-        r = (y + RNE_MAGIC) - RNE_MAGIC
-    else:
-        r = torch.clamp(torch.floor(y + noise), -float(qmax), float(qmax))
-    r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
-    codes = (r + CODE_OFFSET).to(WIRE_DTYPE)
-    err = fma_exact_product(-r, s.unsqueeze(-1), u)
-    err = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=err.dtype), err)
     scales = torch.where(bad, torch.full((), float("nan"), dtype=SCALE_DTYPE), s16)
-    return codes, scales, err
+    return scales, s, inv, bad
+
+
+def round_half_even(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` rounded to the nearest integer, ties to even, by the
+    magic-number identity (exact for |y| <= 2**22; what the kernels compute)."""
+    return (y + RNE_MAGIC) - RNE_MAGIC
 
 
 def fma_exact_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -249,6 +331,81 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
     return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+# --------------------------------------------------------------------------
+# The feedback buffer (formats: module docstring)
+# --------------------------------------------------------------------------
+
+
+def feedback_block_bytes(group_size: int) -> int:
+    """Bytes of one block of the int8 feedback format: ``ALIGN_GROUPS``
+    groups of codes, then their ``ALIGN_GROUPS`` bf16 scales."""
+    return ALIGN_GROUPS * (group_size + 2)
+
+
+def feedback_row_len(numel: int, dtype: torch.dtype, group_size: int) -> int:
+    """Elements of ``dtype`` one rank's buffer needs to hold wire-order
+    values ``0 .. numel - 1`` (int8: whole blocks of ``ALIGN_GROUPS``
+    groups; a wire layout's ``padded_numel`` is always whole blocks)."""
+    if dtype == torch.int8:
+        return -(-numel // (ALIGN_GROUPS * group_size)) * feedback_block_bytes(group_size)
+    return numel
+
+
+def encode_feedback(e: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 errors ``e [..., n]`` (``n`` whole blocks of ``ALIGN_GROUPS *
+    group_size`` values) -> int8 blocks ``[..., feedback_row_len(n)]``:
+    per group ``t = bf16(max(amax * fp32(1/127), FLT_MIN))`` and codes
+    ``round_half_even(e * fp32(1/t))`` (no clamp: they stay in [-127, 127],
+    module docstring), NaN scale and codes 0 for a non-finite group.
+    ``|e - decode_feedback(encode_feedback(e))| <= t * (1/2 + 2^-16)``."""
+    g, lead, n = group_size, e.shape[:-1], e.shape[-1]
+    assert e.dtype == torch.float32 and n % (ALIGN_GROUPS * g) == 0, (e.dtype, n, g)
+    groups = e.reshape(*lead, n // (ALIGN_GROUPS * g), ALIGN_GROUPS, g)
+    scales, _, inv, bad = group_scales(groups, FEEDBACK_QMAX)
+    r = round_half_even(groups * inv.unsqueeze(-1))
+    r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
+    codes = r.to(torch.int8).flatten(-2)
+    return torch.cat((codes, scales.contiguous().view(torch.int8)), dim=-1).flatten(-2)
+
+
+def decode_feedback(blocks: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int8 blocks ``[..., k * feedback_block_bytes]`` -> fp32 ``code * t``
+    ``[..., k * ALIGN_GROUPS * group_size]`` (exact products)."""
+    g, lead = group_size, blocks.shape[:-1]
+    b = blocks.reshape(*lead, -1, feedback_block_bytes(g))
+    codes = b[..., : ALIGN_GROUPS * g].reshape(*b.shape[:-1], ALIGN_GROUPS, g).float()
+    scales = b[..., ALIGN_GROUPS * g :].contiguous().view(SCALE_DTYPE).float()
+    return (codes * scales.unsqueeze(-1)).reshape(*lead, -1)
+
+
+def _feedback_span(feedback: torch.Tensor, start: int, n: int, g: int) -> slice:
+    """The elements of ``feedback``'s rows that hold values ``start .. start + n``."""
+    if feedback.dtype != torch.int8:
+        return slice(start, start + n)
+    assert start % (ALIGN_GROUPS * g) == 0, (start, g)  # chunks begin on a block
+    first = feedback_row_len(start, torch.int8, g)
+    return slice(first, first + feedback_row_len(n, torch.int8, g))
+
+
+def read_feedback(feedback: torch.Tensor, start: int, n: int, group_size: int) -> torch.Tensor:
+    """Carried errors ``start .. start + n`` (wire order) of every row of
+    ``feedback`` (any format), as fp32 ``[R, n]``."""
+    span = feedback[:, _feedback_span(feedback, start, n, group_size)]
+    if feedback.dtype == torch.int8:
+        return decode_feedback(span, group_size)
+    return span.float()
+
+
+def write_feedback(feedback: torch.Tensor, start: int, e: torch.Tensor, group_size: int) -> None:
+    """Store fp32 errors ``e [R, n]`` as values ``start .. start + n`` of
+    ``feedback``'s rows, in its format (in place)."""
+    span = _feedback_span(feedback, start, e.shape[-1], group_size)
+    if feedback.dtype == torch.int8:
+        feedback[:, span] = encode_feedback(e, group_size)
+    else:
+        feedback[:, span] = e.to(feedback.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -303,24 +460,24 @@ def stage1_reference(
 ) -> torch.Tensor:
     """Quantize each local rank's input plus its carried error.
 
-    ``x``: [R, numel] (any float dtype). ``feedback``: [R, >= padded_numel]
-    buffer or None (no feedback). If ``has_incoming`` the buffer's first
-    ``padded_numel`` values are added to the (rotated) input; the new
-    stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
+    ``x``: [R, numel] (any float dtype). ``feedback``: a buffer holding at
+    least ``padded_numel`` values per row (float32, bfloat16 or int8 blocks:
+    :func:`feedback_row_len`) or None (no feedback). If ``has_incoming`` the
+    buffer's first ``padded_numel`` values are added to the (rotated) input;
+    the new stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
     Order: u = rot(wire_order(x)) [+ e]; quantize; e <- u - dequant(q).
     """
-    r, np_ = x.shape[0], layout.padded_numel
+    r, np_, g = x.shape[0], layout.padded_numel, layout.group_size
     u = to_wire_order(x.float(), layout)
     if hadamard:
-        u = _rotate(u, layout.group_size)
+        u = _rotate(u, g)
     if feedback is not None and has_incoming:
-        u = u + feedback[:, :np_].float()
-    g = layout.group_size
+        u = u + read_feedback(feedback, 0, np_, g)
     codes, scales, err = quantize_groups(
         u.reshape(r, np_ // g, g), qmax, None if noise is None else noise.reshape(r, np_ // g, g)
     )
     if feedback is not None:
-        feedback[:, :np_] = err.reshape(r, np_).to(feedback.dtype)
+        write_feedback(feedback, 0, err.reshape(r, np_), g)
     return encode_chunks(codes.reshape(r, np_), scales.reshape(r, -1), layout)
 
 
@@ -338,7 +495,8 @@ def stage2_reference(
     ``recv``: [R, P, chunk_bytes], ``recv[r, i]`` = rank i's chunk for local
     rank r (whose chunk index is ``own_chunks[r]``). The sum runs in fp32 in
     rank order 0..P-1 (the same order on every rank and in every transport).
-    The requantization error is added to the feedback buffer's own chunk.
+    The requantization error is added (in fp32) to the feedback buffer's own
+    chunk, which is stored again in the buffer's format.
     Returns wire [R, chunk_bytes].
     """
     r, p = recv.shape[0], recv.shape[1]
@@ -350,8 +508,8 @@ def stage2_reference(
     codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g))
     if feedback is not None:
         for k, j in enumerate(own_chunks):
-            own = feedback[k, j * c : (j + 1) * c]
-            own.copy_((own.float() + err[k].reshape(c)).to(feedback.dtype))
+            row = feedback[k : k + 1]
+            write_feedback(row, j * c, read_feedback(row, j * c, c, g) + err[k].reshape(1, c), g)
     return encode_chunks(codes.reshape(r, c), scales.reshape(r, -1), layout)[:, 0]
 
 
@@ -376,7 +534,7 @@ def consume_reference(
 ) -> torch.Tensor:
     """The input of an exact (16-bit) call that absorbs the carried error:
     x + rot^-1(e), rounded to x's dtype. ``x``: [R, numel]."""
-    e = feedback[:, : layout.padded_numel].float()
+    e = read_feedback(feedback, 0, layout.padded_numel, layout.group_size)
     if hadamard:
         e = _rotate(e, layout.group_size) * (1.0 / layout.group_size)
     return (x.float() + from_wire_order(e, layout)).to(x.dtype)

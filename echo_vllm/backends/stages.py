@@ -83,7 +83,10 @@ class ReferenceStages:
 
 
 class TritonStages:
-    """The fused Triton kernels of :mod:`echo_vllm.kernels`."""
+    """The fused Triton kernels of :mod:`echo_vllm.kernels`. They read and
+    write float32 and bfloat16 feedback buffers only (an int8 buffer is a
+    TypeError in their checks; :func:`echo_vllm.backends.choose_backend`
+    refuses the configuration before that)."""
 
     name = "triton"
     stochastic = False

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..allreduce import EchoAllReduce
-from ..config import EchoConfig
+from ..config import FEEDBACK_DTYPES, EchoConfig
 from ..feedback import FeedbackChain
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
@@ -74,7 +74,7 @@ class Contenders:
         self.inputs16 = [t.clone() for t in inputs]
         self.echo = EchoAllReduce(cfg, transport)
         self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport)
-        self.chain = FeedbackChain(1, inputs[0].device, cfg.feedback_dtype, capacity_numel)
+        self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
         self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
         lay = self.echo.message_layout(tuple(inputs[0].shape))
         self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
@@ -305,7 +305,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
-    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=("float32", "bfloat16"))
+    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=FEEDBACK_DTYPES,
+                    help="int8: numba/reference stages only (the Triton kernels refuse it)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="gloo: where each process keeps its tensors and runs Echo's stages "
                          "(cuda: all processes on cuda:0, bytes staged through the host to cross the link)")
@@ -346,6 +347,9 @@ def one_gpu_kernel_args(args: argparse.Namespace) -> argparse.Namespace:
     defaults (so no option can be missing), with this command's values."""
     from . import kernels_bench
 
+    if args.feedback_dtype not in kernels_bench.FEEDBACK_DTYPES:  # int8: no Triton kernel reads it yet
+        raise SystemExit(f"bench kernels times the Triton kernels, which take feedback_dtype in "
+                         f"{tuple(kernels_bench.FEEDBACK_DTYPES)}, not {args.feedback_dtype!r}")
     ap = argparse.ArgumentParser()
     kernels_bench.add_arguments(ap)
     kargs = ap.parse_args([])

@@ -15,7 +15,11 @@ CPU deployments opt in; the default CPU path stays the references.
 Signatures match ``echo_vllm.kernels`` (``AVAILABLE`` says whether numba
 imports). bf16 travels as its uint16 bits; fp16 inputs are widened to fp32
 (exact) by torch before the loops and fp16 outputs narrowed by torch after
-them (round to nearest even, as the reference does).
+them (round to nearest even, as the reference does). Feedback buffers come
+in the three formats of ``quant`` (float32, bfloat16, int8 blocks; the int8
+buffer travels as its uint8 bytes), read and written one group at a time by
+:func:`_load_fb_group` / :func:`_store_fb_group` as ``quant.read_feedback``
+/ ``write_feedback`` do; the Triton kernels know only the first two.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..quant import WireLayout
+from .. import quant
+from ..quant import ALIGN_GROUPS, FEEDBACK_QMAX, WireLayout
 from . import launch
 
 try:
@@ -37,6 +42,12 @@ _F = np.float32
 MAGIC = _F(12582912.0)
 FLT_MIN = _F(2.0**-126)
 CODE_BIAS = _F(8.0)
+#: bf16 bits of the NaN scale of a non-finite group.
+NAN_BF16 = np.uint16(0x7FC0)
+#: fp32(1/127): the int8 feedback format's scale multiplier (quant.group_scales).
+FB_INV_QMAX = _F(float(quant.inv_qmax_f32(FEEDBACK_QMAX)))
+#: Feedback buffer formats, as the loops are told them.
+FB_F32, FB_BF16, FB_INT8 = 0, 1, 2
 
 
 def _njit(fn):
@@ -91,10 +102,11 @@ def _fwht(u, g):
 
 
 @_njit
-def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
-    """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
-    ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group).
-    ``one``/``one_bits`` are a 1-element fp32 array and its uint32 view."""
+def _group_scale(ub, g, inv_qmax, one, one_bits):
+    """bf16 bits of ``quant.group_scales``' scale of the fp32 group whose
+    bits are ``ub[:g]``: ``NAN_BF16`` if it holds NaN or Inf (no finite
+    group rounds to it). ``one``/``one_bits`` are a 1-element fp32 array
+    and its uint32 view."""
     amax_bits = np.uint32(0)
     bad = False
     for k in range(g):
@@ -104,16 +116,25 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
         elif a > amax_bits:
             amax_bits = a
     if bad:
-        for k in range(g):
-            codes[k] = 8
-            err[k] = _F(0.0)
-        return np.uint16(0x7FC0)
+        return NAN_BF16
     one_bits[0] = amax_bits
     s32 = one[0] * inv_qmax
     if s32 < FLT_MIN:
         s32 = FLT_MIN
     one[0] = s32
-    s_bits = _bf16_round(one_bits[0])
+    return _bf16_round(one_bits[0])
+
+
+@_njit
+def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
+    """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
+    ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group)."""
+    s_bits = _group_scale(ub, g, inv_qmax, one, one_bits)
+    if s_bits == NAN_BF16:
+        for k in range(g):
+            codes[k] = 8
+            err[k] = _F(0.0)
+        return s_bits
     one_bits[0] = np.uint32(s_bits) << np.uint32(16)
     s = one[0]
     inv = _F(1.0) / s
@@ -201,6 +222,58 @@ def _store_group(dst, is_bf16, base, valid, v, vb, g):
 
 
 @_njit
+def _fb_int8_offsets(gi, g):
+    """(first code byte, first scale byte) of wire-order group ``gi`` in an
+    int8 feedback buffer: blocks of ALIGN_GROUPS groups' codes, then their
+    bf16 scales (``quant``'s docstring)."""
+    blk = gi // ALIGN_GROUPS
+    k = gi - blk * ALIGN_GROUPS
+    first = blk * ALIGN_GROUPS * (g + 2)
+    return first + k * g, first + ALIGN_GROUPS * g + 2 * k
+
+
+@_njit
+def _load_fb_group(fb, fbq, kind, gi, g, e, eb, one, one_bits):
+    """``e[:g]`` = the carried errors of wire-order group ``gi`` as fp32
+    (``quant.read_feedback``): from ``fb`` (fp32, or bf16 bits) or, for
+    ``kind == FB_INT8``, code * scale from the bytes ``fbq``."""
+    if kind != FB_INT8:
+        _load_group(fb, kind == FB_BF16, gi * g, g, e, eb, g)
+        return
+    co, so = _fb_int8_offsets(gi, g)
+    one_bits[0] = (np.uint32(fbq[so]) | (np.uint32(fbq[so + 1]) << np.uint32(8))) << np.uint32(16)
+    t = one[0]
+    for k in range(g):
+        c = np.int32(fbq[co + k])
+        if c >= 128:  # the byte is an int8 code in two's complement
+            c -= 256
+        e[k] = _F(c) * t  # exact: 7 by 8 significant bits
+
+
+@_njit
+def _store_fb_group(fb, fbq, kind, gi, g, e, eb, one, one_bits):
+    """Store ``e[:g]`` as wire-order group ``gi`` (``quant.write_feedback``):
+    rounded to fp32 / bf16 in ``fb``, or int8-encoded into ``fbq``
+    (``quant.encode_feedback``: qmax 127, no clamp needed)."""
+    if kind != FB_INT8:
+        _store_group(fb, kind == FB_BF16, gi * g, g, e, eb, g)
+        return
+    co, so = _fb_int8_offsets(gi, g)
+    t_bits = _group_scale(eb, g, FB_INV_QMAX, one, one_bits)
+    if t_bits == NAN_BF16:
+        for k in range(g):
+            fbq[co + k] = np.uint8(0)
+    else:
+        one_bits[0] = np.uint32(t_bits) << np.uint32(16)
+        inv = _F(1.0) / one[0]
+        for k in range(g):
+            r = (e[k] * inv + MAGIC) - MAGIC
+            fbq[co + k] = np.uint8(np.int32(r) & 0xFF)
+    fbq[so] = np.uint8(t_bits & 0xFF)
+    fbq[so + 1] = np.uint8(t_bits >> 8)
+
+
+@_njit
 def _message_group(j, m, row_groups, cols, msg_groups, g):
     """(offset, valid values) in the message of group ``m`` of chunk ``j``:
     the position-owned layout of ``quant`` (valid 0 for padding groups)."""
@@ -226,29 +299,28 @@ def _scratch(g):
 
 
 @_njit
-def _stage1_row(x, x_bf16, msg, fb, fb_bf16, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
     for gi in range(n_groups):
-        base = gi * g
         j = gi // groups_per_chunk
         src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
         _load_group(x, x_bf16, src, valid, u, ub, g)
         if hadamard:
             _fwht(u, g)
         if has_fb and incoming:
-            _load_group(fb, fb_bf16, base, g, e, eb, g)
+            _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
             for k in range(g):
                 u[k] = u[k] + e[k]
         s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, e, one, one_bits)
         if has_fb:
-            _store_group(fb, fb_bf16, base, g, e, eb, g)
+            _store_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         _write_group(wire, j * cb, pb, gi - j * groups_per_chunk, g, codes, s_bits)
 
 
 @_njit
-def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
+def _stage2_row(recv, p, fb, fbq, fb_kind, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
     acc, ab, e, eb, codes, one, one_bits = _scratch(g)
     err = np.empty(g, np.float32)
     for lg in range(c // g):
@@ -258,11 +330,11 @@ def _stage2_row(recv, p, fb, fb_bf16, has_fb, own, out, c, cb, pb, g, qmax, inv_
             _decode_group(recv, i * cb, pb, lg, g, acc, one, one_bits, True)
         s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits)
         if has_fb:
-            base = own * c + lg * g
-            _load_group(fb, fb_bf16, base, g, e, eb, g)
+            gi = own * (c // g) + lg
+            _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
             for k in range(g):
                 e[k] = e[k] + err[k]
-            _store_group(fb, fb_bf16, base, g, e, eb, g)
+            _store_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         _write_group(out, 0, pb, lg, g, codes, s_bits)
 
 
@@ -285,8 +357,8 @@ def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard):
 
 
 @_njit
-def _consume_row(x, x_bf16, msg, fb, fb_bf16, out, p, c, g, hadamard):
-    u, ub, e, eb, _, _, _ = _scratch(g)
+def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard):
+    u, ub, e, eb, _, one, one_bits = _scratch(g)
     inv_g = _F(1.0) / _F(g)
     groups_per_chunk = c // g
     for gi in range(p * groups_per_chunk):
@@ -294,7 +366,7 @@ def _consume_row(x, x_bf16, msg, fb, fb_bf16, out, p, c, g, hadamard):
         src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
         if valid == 0:
             continue
-        _load_group(fb, fb_bf16, gi * g, g, e, eb, g)
+        _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         if hadamard:
             _fwht(e, g)
             for k in range(g):
@@ -327,15 +399,31 @@ def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
     return _F(qmax), _F(launch.qmax_constants(qmax)["INV_QMAX"])
 
 
-def _feedback_rows(feedback: torch.Tensor | None):
-    """Per-row numpy views of the feedback buffer that write through."""
+def _check_feedback(feedback: torch.Tensor, rows: int, layout: WireLayout) -> None:
+    """A buffer of ``rows`` rows in one of ``quant``'s formats, long enough
+    for the message's ``padded_numel`` values."""
+    dtypes = tuple(quant.FEEDBACK_STORAGE.values())
+    if feedback.dtype not in dtypes:
+        raise TypeError(f"feedback: dtype {feedback.dtype} not in {dtypes}")
+    launch.check_rows("feedback", feedback, rows,
+                      quant.feedback_row_len(layout.padded_numel, feedback.dtype, layout.group_size), dtypes)
+
+
+def _feedback_rows(feedback: torch.Tensor | None, rows: int):
+    """``(values, bytes, kind)``: numpy views of the feedback buffer that
+    write through -- fp32 or bf16 bits in ``values``, an int8 buffer's bytes
+    in ``bytes`` (the other a one-element dummy per row) -- and its
+    ``FB_*`` format."""
+    dummy_f, dummy_b = np.empty((max(rows, 1), 1), np.float32), np.empty((max(rows, 1), 1), np.uint8)
     if feedback is None:
-        return None, False
+        return dummy_f, dummy_b, FB_F32
     if not feedback.is_contiguous():
         raise ValueError("feedback: the CPU loops need a contiguous buffer")
+    if feedback.dtype == torch.int8:
+        return dummy_f, feedback.view(torch.uint8).numpy(), FB_INT8
     if feedback.dtype == torch.bfloat16:
-        return feedback.view(torch.int16).numpy().view(np.uint16), True
-    return feedback.numpy(), False
+        return feedback.view(torch.int16).numpy().view(np.uint16), dummy_b, FB_BF16
+    return feedback.numpy(), dummy_b, FB_F32
 
 
 def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out=None):
@@ -344,17 +432,16 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     rows = x.shape[0] if x.dim() == 2 else -1
     launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
     if feedback is not None:
-        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        _check_feedback(feedback, rows, layout)
     p = layout.world_size
     wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
-    fb, fb_bf16 = _feedback_rows(feedback)
+    fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     wire_np = wire.numpy()
-    dummy = np.empty(1, np.float32)
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
-        _stage1_row(xr, x_bf16, launch.message_ints(layout), fb[r] if fb is not None else dummy, fb_bf16,
-                    fb is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
+        _stage1_row(xr, x_bf16, launch.message_ints(layout), fb[r], fbq[r], kind,
+                    feedback is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
                     layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard))
     return wire
 
@@ -371,14 +458,13 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
     own_chunk_progression(own_chunks, p)
     if feedback is not None:
-        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        _check_feedback(feedback, rows, layout)
     wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
-    fb, fb_bf16 = _feedback_rows(feedback)
+    fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     recv_np, out_np = recv.numpy(), wire.numpy()
-    dummy = np.empty(1, np.float32)
     for r in range(rows):
-        _stage2_row(recv_np[r].reshape(-1), p, fb[r] if fb is not None else dummy, fb_bf16, fb is not None,
+        _stage2_row(recv_np[r].reshape(-1), p, fb[r], fbq[r], kind, feedback is not None,
                     int(own_chunks[r]), out_np[r], layout.chunk_numel, layout.chunk_bytes,
                     layout.payload_bytes, layout.group_size, q, inv_q)
     return wire
@@ -407,14 +493,14 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
     launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
-    launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
-    fb, fb_bf16 = _feedback_rows(feedback)
+    _check_feedback(feedback, rows, layout)
+    fb, fbq, kind = _feedback_rows(feedback, rows)
     bf16 = x.dtype == torch.bfloat16
     res = torch.empty(rows, layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     res_np = res.numpy().view(np.uint16) if bf16 else res.numpy()
     for r in range(rows):
         xr, _ = _as_loop_input(x[r])
-        _consume_row(xr, bf16, launch.message_ints(layout), fb[r], fb_bf16, res_np[r], layout.world_size,
+        _consume_row(xr, bf16, launch.message_ints(layout), fb[r], fbq[r], kind, res_np[r], layout.world_size,
                       layout.chunk_numel, layout.group_size, bool(hadamard))
     y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
     if out is None:

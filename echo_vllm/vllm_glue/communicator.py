@@ -93,7 +93,7 @@ class TpEchoCommunicator:
         row_bytes = cols * torch.finfo(dtype).bits // 8
         echo = self.comm.echo
         device = self.comm.chain.device
-        chain = FeedbackChain(1, device, cfg.feedback_dtype)
+        chain = FeedbackChain.of(cfg, 1, device)
 
         def run_echo(x: torch.Tensor) -> None:
             # the steady state of a forward pass: call 1 absorbs call 0's error

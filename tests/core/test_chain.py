@@ -17,7 +17,15 @@ from echo_vllm import (
     FeedbackChain,
     VirtualTransport,
 )
-from echo_vllm.quant import decode_chunks, from_wire_order, to_wire_order
+from echo_vllm.quant import (
+    ALIGN_GROUPS,
+    decode_chunks,
+    feedback_block_bytes,
+    feedback_row_len,
+    from_wire_order,
+    read_feedback,
+    to_wire_order,
+)
 
 P, TOKENS, HIDDEN = 4, 32, 512
 G = 32  # EchoConfig's default group size, used by every config below
@@ -126,9 +134,10 @@ def _fp64_slack(ops: int, mag: torch.Tensor) -> torch.Tensor:
 
 
 def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
-    """RMS error of the residual stream after each call (fp64 reference)."""
+    """RMS error of the residual stream after each call (fp64 reference),
+    the chain's buffer in ``cfg.feedback_dtype``."""
     ar = EchoAllReduce(cfg, VirtualTransport(P))
-    chain = FeedbackChain(P)
+    chain = FeedbackChain.of(cfg, P)
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
     errs = []
@@ -309,9 +318,14 @@ def test_feedback_off_is_stateless():
     assert torch.equal(a, b) and not chain.pending
 
 
-def test_bf16_feedback_buffer_still_telescopes():
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_compact_feedback_buffers_still_telescope(dtype):
+    """Storing the carried error in 16 or 8 bits adds a small error per call
+    that does not telescope (bf16: <= 2^-8 of each value; int8: <= half a
+    step of amax / 127 per group): over 32 calls the residual error stays
+    at one call's (an int8 buffer with a broken encode would not)."""
     calls = 32
-    errs = _residual_errors(EchoConfig(feedback_dtype="bfloat16", exact_last_call=False), calls)
+    errs = _residual_errors(EchoConfig(feedback_dtype=dtype, exact_last_call=False), calls)
     assert max(errs) <= 1.5 * errs[0]
 
 
@@ -394,3 +408,58 @@ def test_each_call_records_what_the_chain_did():
     assert snap["feedback_carried"] == 1
     assert snap["feedback_dropped"] == {"index_gap": 1, "shape_changed": 1}
     assert (comm.chain.stats.dropped, comm.chain.stats.unflushed) == (2, 1)
+
+
+#: |e - decode(encode(e))| <= t * STEPS for the int8 buffer (echo_vllm.quant).
+STEPS = 0.5 + 2.0**-16
+
+
+def _int8_steps(buf: torch.Tensor, np_: int) -> torch.Tensor:
+    """The scale t of each of the first ``np_`` values' groups (wire order)
+    of an int8 buffer [R, ...], read from its bytes."""
+    b = buf[:, : feedback_row_len(np_, torch.int8, G)].reshape(buf.shape[0], -1, feedback_block_bytes(G))
+    t = b[..., ALIGN_GROUPS * G :].contiguous().view(torch.bfloat16).double()
+    return t.repeat_interleave(G, dim=-1).reshape(buf.shape[0], np_)
+
+
+def test_int8_feedback_telescopes_up_to_its_storage_bound():
+    """With an int8 buffer, y = S + E_in - E_out + sum_r d1_r + d2 exactly
+    (E decoded; d1_r: stage 1's encode error on rank r's buffer, d2: the
+    owner's re-encode after stage 2; each |d| <= t * STEPS, t the scale the
+    encode wrote), plus the fp32 roundings of _echo_call_slack. So the
+    residual after T calls is sum S - E_T up to the sum of those bounds.
+    (1 + 2^-10) covers the fp32 roundings' own dependence on the d's, at
+    most 3 U_32 |d| per value (|err1| <= |E1| + |d1|, |E1 + err2| <= |E_out|
+    + |d2|, |err2| likewise)."""
+    cfg = EchoConfig(hadamard=False, exact_last_call=False, feedback_dtype="int8")
+    chain = FeedbackChain.of(cfg, P)
+    transport = _Recorder(P, chain)
+    ar = EchoAllReduce(cfg, transport)
+    n = TOKENS * HIDDEN
+    lay = ar.message_layout((TOKENS, HIDDEN))
+    np_, c = lay.padded_numel, lay.chunk_numel
+    owner = (torch.arange(np_) // c).unsqueeze(0)
+    res = torch.zeros(n, dtype=torch.float64)
+    ref, slack, storage, mag = (torch.zeros_like(res) for _ in range(4))
+    for t in range(10):
+        xs = _partials(t, torch.float32)
+        e_in = read_feedback(chain.buffer(n), 0, np_, G)
+        y = ar.all_reduce(xs, chain, t)
+        rec = transport.log[-1]
+        e_out = read_feedback(chain.buffer(n), 0, np_, G)
+        slack += _echo_call_slack(xs, y, dict(rec, fb1=read_feedback(rec["fb1"], 0, np_, G)), e_in, e_out,
+                                  lay, hadamard=False, incoming=t > 0)
+        t1 = _int8_steps(rec["fb1"], np_).sum(0)
+        t2 = _int8_steps(chain.buffer(n), np_).gather(0, owner).squeeze(0)
+        storage += from_wire_order(((t1 + t2) * STEPS).unsqueeze(0), lay)[0] * (1 + 2**-10)
+        res += y.double().reshape(-1)
+        ref += xs.double().sum(0).reshape(-1)
+        carried = from_wire_order(e_out.double(), lay).sum(0)
+        mag += xs.double().abs().sum(0).reshape(-1) + y.double().abs().reshape(-1)
+        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + from_wire_order(e_out.double().abs(), lay).sum(0))
+        err = (res - (ref - carried)).abs()
+        assert bool((err <= slack + storage + fp64).all()), (t, (err - slack - storage - fp64).max().item())
+    # not vacuous: the storage errors are there (fp32 roundings alone do not
+    # cover them) and are small against the carried 4-bit error
+    assert bool((err > slack + fp64).any())
+    assert carried.abs().max() > 10 * storage.max(), (carried.abs().max().item(), storage.max().item())

@@ -32,6 +32,19 @@ def test_numba_backend_keeps_rows_independent(world, hidden, group):
     assert check_rows_independent(world, hidden, group, torch.bfloat16, backend="numba") == 8
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("world,hidden,group", [(3, 333, 32), (4, 96, 16), (8, 1000, 64)])
+def test_int8_feedback_keeps_rows_independent(backend, world, hidden, group):
+    """The int8 buffer's scales are per group (a block of 8 groups shares
+    nothing but its bytes) and groups never span rows, so a row's stored
+    errors, and its bits, still do not depend on its batch neighbours --
+    here blocks do mix rows of A and B (a row owns fewer than 8 groups)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    assert check_rows_independent(world, hidden, group, torch.bfloat16, backend=backend, seed=world + hidden,
+                                  feedback_dtype="int8") == 8
+
+
 def test_without_hadamard_too():
     assert check_rows_independent(4, 333, 32, torch.bfloat16, backend="reference", hadamard=False) == 8
 

@@ -78,6 +78,13 @@ def test_bad_config_raises(kwargs, match):
         EchoConfig(**kwargs)
 
 
+def test_int8_feedback_is_a_config_choice():
+    """From the dataclass and from vLLM's additional_config alike (where it
+    can run is the backend rule's: tests/core/test_backends.py)."""
+    assert EchoConfig(feedback_dtype="int8").feedback_dtype == "int8"
+    assert EchoConfig.from_mapping({"echo_feedback_dtype": "int8"}, prefix="echo_").feedback_dtype == "int8"
+
+
 def test_from_mapping():
     cfg = EchoConfig.from_mapping(
         {"echo_group_size": "64", "echo_feedback": "false", "echo_min_bytes": "4MiB", "tp_comm": "echo"},

@@ -178,8 +178,13 @@ def _values(shape, seed: int, *, special: bool = False) -> torch.Tensor:
 
 def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extra: int = 48,
               device: str = DEVICE) -> torch.Tensor:
-    """A buffer longer than one message (as FeedbackChain's) with small errors."""
+    """A buffer longer than one message (as FeedbackChain's) with small errors
+    (int8: encoded, one block of ALIGN_GROUPS groups past the message)."""
     gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        blk = quant.ALIGN_GROUPS * layout.group_size
+        fb = 1e-2 * torch.randn(rows, layout.padded_numel + blk, generator=gen)
+        return quant.encode_feedback(fb, layout.group_size).to(device)
     fb = 1e-2 * torch.randn(rows, layout.padded_numel + extra, generator=gen)
     return fb.to(dtype).to(device)
 
@@ -415,7 +420,7 @@ def test_bad_arguments_raise_clear_errors():
     in_kernel_process(_bad_arguments_raise_clear_errors)
 
 
-def _echo_calls_through_ops_match_the_reference_path(mode):
+def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32"):
     """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
     carried) gives the same bits on the ``triton`` (or ``numba``) backend as
     on the references: layouts, buffers and backends agree end to end."""
@@ -424,10 +429,11 @@ def _echo_calls_through_ops_match_the_reference_path(mode):
     world, shape, device = 3, (5, 77), _device(mode)
     results = {}
     for m in ("reference", mode):
-        cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m)
+        cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m,
+                         feedback_dtype=feedback_dtype)
         ar = EchoAllReduce(cfg, VirtualTransport(world))
         assert ar.backend(torch.device(device)).name == cfg.backend
-        chain = FeedbackChain(world, device)
+        chain = FeedbackChain.of(cfg, world, device)
         outs = [
             ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
             for t in range(3)
@@ -442,6 +448,168 @@ def _echo_calls_through_ops_match_the_reference_path(mode):
 @pytest.mark.parametrize("mode", ["triton", "cpu"])
 def test_echo_calls_through_ops_match_the_reference_path(mode):
     run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode)
+
+
+@needs_numba
+@pytest.mark.parametrize("feedback_dtype", ["bfloat16", "int8"])
+def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype):
+    """The same end to end on the numba backend with the other buffer formats."""
+    _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype)
+
+
+# -- int8 feedback (numba loops; the Triton kernels refuse it) ---------------------
+
+FB_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, seed, calls=3, cols=0,
+                          special=False, fb=None):
+    """``calls`` Echo calls of one chain, numba loops against references,
+    stage by stage and bit for bit: the feedback buffers carry each call's
+    error into the next call's stage 1 (both sides evolve on their own, so
+    a difference anywhere compounds and shows), then an exact call consumes
+    the last one. ``fb``: a starting buffer (default :func:`_feedback`)."""
+    K = stages("cpu")
+    lay = WireLayout(numel, world, group, cols)
+    fb_ref = fb if fb is not None else _feedback(world, lay, fb_dtype, seed + 1, device="cpu")
+    fb_ker = fb_ref.clone()
+    own = list(range(world))
+    for t in range(calls):
+        tag = f"call {t} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} fb={fb_dtype}"
+        x = _values((world, numel), seed + t, special=special).to(dtype)
+        inc = t > 0 or fb is not None
+        wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
+        wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
+        assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
+        assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
+        recv = wire_ref.transpose(0, 1).contiguous()
+        q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX)
+        q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX)
+        assert_same_bits(q2, q2_ref, f"stage2 wire [{tag}]")
+        assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
+        y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
+        assert_same_bits(K.output(q2_ref, lay, dtype, hadamard=hadamard), y_ref, f"output [{tag}]", nan_any=True)
+    x = _values((world, numel), seed + calls, special=special).to(dtype)
+    c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
+    assert_same_bits(K.consume(x, fb_ker, lay, hadamard=hadamard), c_ref, f"consume [{tag}]", nan_any=True)
+    return fb_ref
+
+
+# groups, P, g, dtype, hadamard, numel offset, cols (0: one row): pairwise
+# over the axes, as CASES, with several rows where the layout pads them
+INT8_CASES = [
+    (1, 2, 32, "bf16", False, 0, 0),
+    (1, 3, 128, "fp16", True, -7, 0),
+    (31, 4, 16, "fp32", True, 5, 0),
+    (31, 2, 64, "bf16", True, 0, 96),
+    (33, 3, 32, "bf16", True, 1, 333),
+    (33, 4, 128, "fp16", False, 0, 576),
+    (1000, 8, 32, "bf16", True, 17, 1000),
+    (1000, 3, 16, "fp32", False, -3, 0),
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,offset,cols", INT8_CASES)
+def test_cpu_loops_match_reference_over_a_chain(groups, world, group, dt, hadamard, offset, cols, fb):
+    numel = max(1, groups * group + offset)
+    if cols:
+        numel = max(1, numel // cols) * cols
+    run_chain_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb],
+                          seed=groups * 7 + world, cols=cols)
+
+
+@needs_numba
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+def test_cpu_loops_int8_feedback_special_values_match_reference(dt, hadamard):
+    """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs,
+    through a chain whose int8 buffer carries them."""
+    run_chain_and_compare(40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=torch.int8, seed=3,
+                          special=True)
+
+
+@needs_numba
+@pytest.mark.parametrize("group", [16, 128])
+def test_cpu_loops_decode_arbitrary_int8_feedback_bytes_as_the_reference(group):
+    """Whatever bytes the int8 buffer holds (scales subnormal, huge, Inf,
+    NaN: groups that decode non-finite and must be re-encoded as NaN), the
+    loops read and rewrite them as the references do."""
+    world = 3
+    lay = WireLayout(20 * group, world, group)
+    gen = torch.Generator().manual_seed(group)
+    n = quant.feedback_row_len(lay.padded_numel, torch.int8, group) + quant.feedback_block_bytes(group)
+    fb = torch.randint(-128, 128, (world, n), generator=gen, dtype=torch.int8)
+    scales = fb[:, 8 * group : 8 * group + 16].view(torch.bfloat16)  # block 0's scales, rank by rank
+    scales[:, :4] = torch.tensor([float("nan"), float("inf"), -1e-40, 3e38])
+    assert bool(quant.decode_feedback(fb, group).isnan().any())
+    out = run_chain_and_compare(lay.numel, world, group, torch.bfloat16, hadamard=True, fb_dtype=torch.int8,
+                                seed=5, calls=1, fb=fb)
+    # a group that came in NaN went out NaN on the wire and left no error
+    assert bool(quant.decode_feedback(out[:, : n - quant.feedback_block_bytes(group)], group).isfinite().all())
+
+
+@needs_numba
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+def test_cpu_loops_int8_codec_matches_reference(group):
+    """The loops' per-group encode and decode (``_store_fb_group`` /
+    ``_load_fb_group``) against ``quant.encode_feedback`` / ``decode_feedback``
+    on groups no stage produces: NaN, Inf, zero, subnormal, near fp32 max."""
+    import numpy as np
+
+    from echo_vllm.kernels import cpu_loops as L
+
+    gen = torch.Generator().manual_seed(group)
+    n = 2 * quant.ALIGN_GROUPS * group
+    e = torch.randn(1, n, generator=gen) * torch.exp(8 * torch.randn(1, n // group, 1, generator=gen)).expand(
+        -1, -1, group).reshape(1, n)
+    special = {0: float("nan"), group + 1: float("inf"), 2 * group + 2: -float("inf"), 3 * group: 3.0e38}
+    for i, v in special.items():
+        e[0, i] = v
+    e[0, 4 * group : 5 * group] = 0.0
+    e[0, 5 * group : 6 * group] = 1e-42
+    want = quant.encode_feedback(e, group)[0]
+    got = torch.zeros_like(want)
+    fbq = got.view(torch.uint8).numpy()
+    one = np.empty(1, np.float32)
+    dummy = np.empty(1, np.float32)
+    for gi in range(n // group):
+        v = e[0, gi * group : (gi + 1) * group].numpy().copy()
+        L._store_fb_group(dummy, fbq, L.FB_INT8, gi, group, v, v.view(np.uint32), one, one.view(np.uint32))
+    assert_same_bits(got, want, "int8 encode")
+    back = np.empty(n, np.float32)
+    for gi in range(n // group):
+        v = np.empty(group, np.float32)
+        L._load_fb_group(dummy, fbq, L.FB_INT8, gi, group, v, v.view(np.uint32), one, one.view(np.uint32))
+        back[gi * group : (gi + 1) * group] = v
+    assert_same_bits(torch.from_numpy(back), quant.decode_feedback(want.unsqueeze(0), group)[0], "int8 decode")
+
+
+@needs_numba
+def test_cpu_loops_check_the_int8_buffer():
+    lay = WireLayout(64 * 3, 3, 32)
+    x = torch.zeros(3, lay.numel, dtype=torch.bfloat16)
+    short = torch.zeros(3, quant.feedback_row_len(lay.padded_numel, torch.int8, 32) - 1, dtype=torch.int8)
+    with pytest.raises(ValueError, match="feedback"):
+        kernels("cpu").stage1(x, short, lay, qmax=QMAX, hadamard=True, has_incoming=True)
+    with pytest.raises(TypeError, match="dtype"):
+        kernels("cpu").stage1(x, torch.zeros(3, lay.padded_numel, dtype=torch.float16), lay, qmax=QMAX,
+                              hadamard=True, has_incoming=True)
+
+
+def _triton_kernels_refuse_int8_feedback():
+    lay = WireLayout(64, 2, 32)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    fb = torch.zeros(2, quant.feedback_row_len(lay.padded_numel, torch.int8, 32), dtype=torch.int8, device=DEVICE)
+    with pytest.raises(TypeError, match="dtype"):
+        kernels().stage1(x, fb, lay, qmax=QMAX, hadamard=False, has_incoming=True)
+
+
+def test_triton_kernels_refuse_int8_feedback():
+    """Below the backend rule (tests/core/test_backends.py), the kernels'
+    own checks refuse an int8 buffer rather than read its bytes as floats."""
+    in_kernel_process(_triton_kernels_refuse_int8_feedback)
 
 
 # -- launching without Triton's per-call dispatch -----------------------------------
