@@ -30,7 +30,8 @@ on one GPU, symmetric memory over gloo does not), and checks:
   (no fallback given);
 * ``absent_peer`` / ``killed_peer``: rank 1 never calls (waits elsewhere, or
   exits): rank 0's call fails with a CUDA error within the timeout instead
-  of hanging.
+  of hanging, and its backend's status word says rank 0 waited at barrier 1
+  for rank 1 (the logged error names Echo, the phase and the peer).
 
 Processes sharing one GPU are time-sliced, so nothing here is timed except
 the timeout. ``--bench`` adds a single-process timing of each phase alone
@@ -329,9 +330,11 @@ def rank_lost_peer(rank: int, world: int, how: str) -> dict:
     except Exception as e:  # the trapped kernel's CUDA error
         error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     waited = time.monotonic() - t0
+    trap = b.trap()  # what the kernel left in pinned host memory before its trap
     if how == "absent":
         dist.barrier()
-    return {"error": error, "waited_s": waited}
+    return {"error": error, "waited_s": waited, "trap": trap._asdict() if trap else None,
+            "report": b.report_trap()}
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -492,6 +495,13 @@ def check_lost_peer(how: str, gpus: int) -> dict:
         lo = 0.5 * ABSENT_TIMEOUT_S if how == "absent" else 0.0
         ok = got["error"] is not None and lo <= got["waited_s"] < ABSENT_TIMEOUT_S + 20
         problems = [] if ok else [f"rank 0 after {got['waited_s']:.1f} s: {got['error']}"]
+        # the status word: rank 0 waited at barrier 1 for rank 1's signal, and the error says so
+        want = {"rank": 0, "peer": 1, "barrier": 1, "signalling": False}
+        trap = got["trap"] or {}
+        if {k: trap.get(k) for k in want} != want:
+            problems.append(f"status word {trap}, expected {want}")
+        if not (got["report"] or "").startswith("echo fused all-reduce timed out") or "rank 1" not in got["report"]:
+            problems.append(f"trap report: {got['report']!r}")
         detail = got
     except Exception:
         problems, detail = [traceback.format_exc()], None

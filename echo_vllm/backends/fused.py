@@ -35,16 +35,22 @@ backend (same bits) when one was given, else raises
 A peer that never reaches a barrier makes the kernel trap after
 ``EchoConfig.timeout_s`` (``--echo-timeout-s``): the host sees CUDA's
 "unspecified launch failure" at its next synchronisation, wherever that
-is, and the process's CUDA context is lost. Which peer and phase timed out
-is not reported yet: that needs the kernel to write a status word before
-it traps.
+is, and the process's CUDA context is lost. Before trapping, the kernel
+writes why into the backend's status word (pinned host memory:
+:class:`~echo_vllm.kernels.fused_kernel.TrapStatus`, rank, barrier and
+the late peer), which a watcher thread logs as an error naming Echo, the
+phase and the peer within :data:`TRAP_POLL_S`, and which every later
+call of the backend raises (:class:`FusedTimeoutError`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
+import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -73,12 +79,22 @@ DEFAULT_MAX_NUMEL = 1 << 25
 DEFAULT_TIMEOUT_S = EchoConfig.timeout_s
 
 
+#: Seconds between the trap watcher's looks at the live backends' status words.
+TRAP_POLL_S = 0.5
+
+logger = logging.getLogger(__name__)
+
+
 class MessageTooLarge(ValueError):
     """A message whose chunks do not fit the fused backend's buffers."""
 
 
 class FusedStreamError(RuntimeError):
     """A call from a second CUDA stream on buffers another stream still uses."""
+
+
+class FusedTimeoutError(RuntimeError):
+    """A fused kernel of this backend trapped: a peer missed a barrier."""
 
 
 # -- availability ----------------------------------------------------------------
@@ -367,6 +383,46 @@ def release_buffers() -> None:
     _BUFFERS.clear()
 
 
+# -- trapped kernels -----------------------------------------------------------------
+
+
+class TrapWatch:
+    """Reports trapped fused kernels as soon as their status word is set.
+
+    The host learns of a trap only as a CUDA error at some later
+    synchronisation, often outside Echo; a daemon thread (started with the
+    first backend watched) looks at every live backend's status word each
+    :data:`TRAP_POLL_S` seconds -- host memory, no CUDA call -- and logs
+    each trap once, as an error naming Echo, the phase and the peer."""
+
+    def __init__(self) -> None:
+        self._backends: weakref.WeakSet = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, backend: "FusedSymmMemBackend") -> None:
+        with self._lock:
+            self._backends.add(backend)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="echo-trap-watch", daemon=True)
+                self._thread.start()
+
+    def poll(self) -> list[str]:
+        """Log (once each) and return the reports of newly trapped backends."""
+        with self._lock:
+            backends = list(self._backends)
+        return [r for r in (b.report_trap() for b in backends) if r is not None]
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(TRAP_POLL_S)
+            self.poll()
+
+
+#: The process's one watcher.
+TRAPS = TrapWatch()
+
+
 # -- the backend ---------------------------------------------------------------------
 
 
@@ -433,6 +489,32 @@ class FusedSymmMemBackend(EchoBackend):
         if self.buffers.rank != self.rank:
             raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
         self._plans = functools.lru_cache(maxsize=1024)(self._plan)
+        self.status = fused_kernel.trap_word()
+        self._status_word = self.status.numpy()  # read per call: a numpy element costs no torch dispatch
+        self._trap_reported = False
+        TRAPS.watch(self)
+
+    def trap(self):
+        """The :class:`~echo_vllm.kernels.fused_kernel.TrapStatus` a trapped
+        kernel of this backend left, or None."""
+        word = int(self._status_word[0])
+        return self._k.decode_trap(word) if word else None
+
+    def report_trap(self) -> str | None:
+        """Log this backend's trap as an error the first time it is seen;
+        return its text then (None otherwise)."""
+        if self._trap_reported or not self._status_word[0]:
+            return None
+        self._trap_reported = True
+        text = self._trap_text()
+        logger.error(text)
+        return text
+
+    def _trap_text(self) -> str:
+        got = self.trap()
+        if got is None:  # a word not written by the kernel
+            return f"echo fused all-reduce: unknown status word {int(self._status_word[0]):#x}"
+        return got.describe(self.timeout_ns / 1e9)
 
     @property
     def capturable(self) -> bool:
@@ -455,12 +537,15 @@ class FusedSymmMemBackend(EchoBackend):
                 f"message of {layout.numel} values ({layout.rows} rows of {layout.cols}, P={layout.world_size}): "
                 f"chunks of {layout.chunk_bytes} bytes, the fused buffers hold {self.buffers.chunk_bytes}")
         cfg, b = self.config, self.buffers
+        if self._status_word[0]:  # an earlier call trapped: the CUDA context is gone
+            self.report_trap()
+            raise FusedTimeoutError(self._trap_text())
         if not capturing():  # a captured launch runs where its graph is replayed: no host code there
             b.owner.claim(_current_stream(b.buffer.device))
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
-            out=out, sms=self.sms,
+            out=out, sms=self.sms, status=self.status,
         )
 
     def consume(self, xs, layout, feedback):
@@ -483,6 +568,7 @@ def _local_device() -> torch.device:
 
 __all__ = [
     "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedStreamError", "FusedSymmMemBackend",
-    "MessageTooLarge", "OVERLAP_ENV", "StreamOwner", "SymmBuffers", "drop_buffers", "fused_availability",
-    "fused_support", "probe", "release_buffers", "sms_for", "symm_buffers",
+    "FusedTimeoutError", "MessageTooLarge", "OVERLAP_ENV", "StreamOwner", "SymmBuffers", "TRAPS", "TRAP_POLL_S",
+    "TrapWatch", "drop_buffers", "fused_availability", "fused_support", "probe", "release_buffers", "sms_for",
+    "symm_buffers",
 ]

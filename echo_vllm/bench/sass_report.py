@@ -80,7 +80,7 @@ def _fused_phase(phase: int, world_size: int = 8):
     plan = fk.plan_for(lay, 132)
     lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase)
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
-                               (0, 10**9, x.stride(0), fb.stride(0), lay.numel, *lp.ints), lp.constexprs)
+                               fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
 def report() -> list[dict]:

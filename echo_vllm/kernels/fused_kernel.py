@@ -61,7 +61,10 @@ a second signal cannot be sent before the first is consumed.
 The wait is bounded: compiled, a program that has spun ``timeout_ns``
 nanoseconds of ``%globaltimer`` executes ``trap``, which aborts the kernel;
 the host sees a CUDA error (sticky: the process's CUDA context is lost) at
-its next synchronisation, never a hang. Under Triton's interpreter (no
+its next synchronisation, never a hang. Before the trap it stores a status
+word (:class:`TrapStatus`: rank, program, barrier, side, the first peer
+still missing) into pinned host memory the caller passed, with a
+system-scope store and fence, which the host reads without CUDA. Under Triton's interpreter (no
 inline assembly) the wait is unbounded; the CPU tests run emulated ranks in
 processes they kill on a deadline.
 
@@ -98,6 +101,22 @@ from .tile import group_rows, store_chunk_groups
 #: ``trap`` (inline PTX); Triton's interpreter has neither.
 TIMED_WAIT: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
+#: The status word a trapping program stores before its ``trap``, in bit
+#: fields from the low end: the late peer (16 bits), this rank (16), the
+#: program (16), the barrier (4: 1 or 2), the side (4: signalling or
+#: waiting), a magic byte; read by :func:`decode_trap`.
+TRAP_PEER_MASK: tl.constexpr = tl.constexpr(0xFFFF)
+TRAP_RANK_SHIFT: tl.constexpr = tl.constexpr(16)
+TRAP_PROGRAM_SHIFT: tl.constexpr = tl.constexpr(32)
+TRAP_BARRIER_SHIFT: tl.constexpr = tl.constexpr(48)
+TRAP_SIDE_SHIFT: tl.constexpr = tl.constexpr(52)
+TRAP_MAGIC_SHIFT: tl.constexpr = tl.constexpr(56)
+TRAP_MAGIC: tl.constexpr = tl.constexpr(0x45)
+#: Sides of a barrier: raising the peer's flag (it still held the previous
+#: signal), or waiting for the peer's signal.
+TRAP_SIGNALLING: tl.constexpr = tl.constexpr(1)
+TRAP_WAITING: tl.constexpr = tl.constexpr(2)
+
 #: ``phase=`` values: every phase with barriers (what the backend runs), or
 #: one phase alone without barriers (tests and per-phase timing drive the
 #: ranks' phases in order themselves).
@@ -116,17 +135,25 @@ def _clock_ns():
 
 
 @triton.jit
-def _trap_if(cond):
-    """Abort the kernel (PTX ``trap``) when ``cond`` holds."""
-    tl.inline_asm_elementwise("{ .reg .pred %p; setp.ne.s32 %p, $1, 0; @%p trap; mov.u32 $0, 0; }",
-                              "=r,r", [cond.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+def _trap(status_addr, code):
+    """Abort the kernel (PTX ``trap``), first storing ``code`` at the host
+    address ``status_addr`` (unless 0) with system scope and a system-wide
+    fence: the CUDA context is lost after a trap, so the host learns why
+    from mapped host memory it reads without CUDA (:func:`decode_trap`)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred %q; setp.ne.s64 %q, $1, 0; @%q st.relaxed.sys.b64 [$1], $2; fence.sc.sys; trap; "
+        "mov.u32 $0, 0; }",
+        "=r,l,l", [status_addr, code], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _cas_each(flags, todo, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.constexpr, timeout_ns):
+def _cas_each(flags, todo, peers, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.constexpr, timeout_ns,
+              status_addr, code, SIDE: tl.constexpr):
     """CAS each flag of ``flags`` (int32 pointers) whose ``todo`` is nonzero
     from ``EXPECT`` to ``NEW`` once, retrying while it holds another value;
-    system scope.
+    system scope. Past ``timeout_ns`` it traps, leaving ``code`` with the
+    barrier side ``SIDE`` and the first peer (of ``peers``) still to do
+    (:func:`_trap`).
 
     A flag not (or no longer) to swap is passed compare value -1, which no
     flag ever holds, so it is left alone (``atomic_cas`` takes no mask)."""
@@ -138,23 +165,84 @@ def _cas_each(flags, todo, EXPECT: tl.constexpr, NEW: tl.constexpr, SEM: tl.cons
         old = tl.atomic_cas(flags, tl.where(live, EXPECT, -1), tl.where(live, NEW, -1), sem=SEM, scope="sys")
         todo = tl.where(old == EXPECT, 0, todo)
         if TIMED_WAIT:
-            _trap_if(_clock_ns() - start > timeout_ns)
+            if _clock_ns() - start > timeout_ns:
+                late = tl.min(tl.where(todo > 0, peers, TRAP_PEER_MASK), axis=0)
+                _trap(status_addr, code | (SIDE << TRAP_SIDE_SHIFT) | late.to(tl.int64))
 
 
 @triton.jit
-def _barrier(table_ptr, rank, timeout_ns, P: tl.constexpr):
-    """Wait until program ``pid`` of every rank has reached this point; its
-    stores before it are visible to theirs after it, and vice versa."""
+def _barrier(table_ptr, rank, timeout_ns, status_addr, P: tl.constexpr, BARRIER: tl.constexpr):
+    """Wait until program ``pid`` of every rank has reached barrier
+    ``BARRIER`` (1 or 2); its stores before it are visible to theirs after
+    it, and vice versa."""
     pid = tl.program_id(0)
     lanes = tl.arange(0, triton.next_power_of_2(P))  # arange needs a power of two
     peers = tl.minimum(lanes, P - 1)  # lanes past P repeat the last peer, with nothing to do
     todo = (lanes < P).to(tl.int32)
     pads = tl.load(table_ptr + P + peers).to(tl.pointer_type(tl.int32))
     mine = tl.load(table_ptr + P + rank).to(tl.pointer_type(tl.int32))
+    code = 0  # the status word if a wait traps (compiled only: the interpreter never does)
+    if TIMED_WAIT:
+        code = (TRAP_MAGIC << TRAP_MAGIC_SHIFT) | (BARRIER << TRAP_BARRIER_SHIFT) \
+            | (pid.to(tl.int64) << TRAP_PROGRAM_SHIFT) | (rank.to(tl.int64) << TRAP_RANK_SHIFT)
     tl.debug_barrier()  # every thread's stores precede the release below
-    _cas_each(pads + pid * P + rank, todo, 0, 1, "release", timeout_ns)
-    _cas_each(mine + pid * P + peers, todo, 1, 0, "acquire", timeout_ns)
+    _cas_each(pads + pid * P + rank, todo, peers, 0, 1, "release", timeout_ns, status_addr, code, TRAP_SIGNALLING)
+    _cas_each(mine + pid * P + peers, todo, peers, 1, 0, "acquire", timeout_ns, status_addr, code, TRAP_WAITING)
     tl.debug_barrier()  # every thread's loads follow the acquire above
+
+
+class TrapStatus(NamedTuple):
+    """Why a fused kernel trapped: program ``program`` of rank ``rank``
+    waited past its timeout at barrier ``barrier`` for rank ``peer``."""
+
+    rank: int
+    peer: int
+    program: int
+    barrier: int
+    signalling: bool
+    """True: raising ``peer``'s flag, which still held the previous call's
+    signal; False: waiting for ``peer``'s signal."""
+
+    def describe(self, timeout_s: float | None = None) -> str:
+        """The error a user sees: Echo, the phase, the peer, what to do."""
+        after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+        if self.signalling:
+            what = (f"signalling rank {self.peer}, whose flag still held the previous call's signal: rank "
+                    f"{self.peer} stopped inside its previous Echo all-reduce")
+        else:
+            what = (f"waiting for rank {self.peer}'s signal: rank {self.peer} did not reach this Echo all-reduce "
+                    "(it is hung, dead, or making other calls: every rank must make the same Echo calls in the "
+                    "same order)")
+        return (f"echo fused all-reduce timed out{after}: rank {self.rank} (program {self.program}) at barrier "
+                f"{self.barrier}, {BARRIER_PHASES.get(self.barrier, 'unknown')}, {what}. The kernel trapped, so "
+                "this process's CUDA context is lost: restart it (--echo-timeout-s sets the wait)")
+
+
+#: Where each barrier sits in a call.
+BARRIER_PHASES = {
+    1: "between phase 1 (stage 1: quantize, send the chunks) and phase 2 (reduce the own chunk)",
+    2: "between phase 2 and phase 3 (decode the gathered result)",
+}
+
+
+def decode_trap(word: int) -> TrapStatus | None:
+    """The :class:`TrapStatus` in a status word, or None if it holds none
+    (0, or not written by :func:`_trap`)."""
+    def field(shift, bits=16):
+        return (word >> shift.value) & ((1 << bits) - 1)
+
+    if field(TRAP_MAGIC_SHIFT, 8) != TRAP_MAGIC.value:
+        return None
+    return TrapStatus(rank=field(TRAP_RANK_SHIFT), peer=word & TRAP_PEER_MASK.value,
+                      program=field(TRAP_PROGRAM_SHIFT), barrier=field(TRAP_BARRIER_SHIFT, 4),
+                      signalling=field(TRAP_SIDE_SHIFT, 4) == TRAP_SIGNALLING.value)
+
+
+def trap_word() -> torch.Tensor:
+    """A zeroed status word for :func:`fused_all_reduce`'s ``status``: int64
+    host memory, pinned (so mapped into every GPU's address space) when CUDA
+    is there."""
+    return torch.zeros(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
 
 
 # -- the three phases ------------------------------------------------------------
@@ -235,10 +323,10 @@ def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_group
                 w1, s1 = w2, s2
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns", "n_tiles"])
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
 def _fused_kernel(
     x_ptr, fb_ptr, y_ptr, table_ptr,
-    rank, timeout_ns, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
+    rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
@@ -258,12 +346,12 @@ def _fused_kernel(
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                 chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
     if PHASE == 0:
-        _barrier(table_ptr, rank, timeout_ns, P)
+        _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
                 n_tiles, P, G, BG, INV_QMAX, HAS_FB)
     if PHASE == 0:
-        _barrier(table_ptr, rank, timeout_ns, P)
+        _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
                 payload_bytes, n_tiles, G, BG, P, HADAMARD)
@@ -389,7 +477,7 @@ class _Plan(NamedTuple):
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
                  has_fb: bool, has_incoming: bool, phase: int) -> _Plan:
-    """``ints`` after ``rank, timeout_ns`` and the three rank strides:
+    """``ints`` after :func:`launch_ints`' per-call ones:
     gathered_offset, :func:`launch.message_ints`, :func:`launch.chunk_ints`, tiles."""
     la = _launcher(plan.num_warps, plan.registers)
     return _Plan(
@@ -401,6 +489,13 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase,
         ),
     )
+
+
+def launch_ints(lp: _Plan, x: torch.Tensor, fb: torch.Tensor, layout: WireLayout, *, rank: int, timeout_ns: int,
+                status_addr: int = 0) -> tuple[int, ...]:
+    """The kernel's integer arguments for one launch of ``lp``: the call's
+    (rank, timeout, status address, the ranks' strides), then the plan's."""
+    return (rank, timeout_ns, status_addr, x.stride(0), fb.stride(0), layout.numel, *lp.ints)
 
 
 class ResidencyError(RuntimeError):
@@ -460,6 +555,7 @@ def fused_all_reduce(
     out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
     sms: int | None = None,
+    status: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Echo all-reduce of this rank's ``x [1, numel]`` -> ``[numel]`` of
     ``x.dtype``, through the symmetric buffers ``table`` describes (see the
@@ -477,7 +573,11 @@ def fused_all_reduce(
     the grid must be resident at once on ``sms`` SMs (default: the device's;
     checked against the compiled kernel, :func:`check_resident`). Checks
     shapes, dtypes and devices on the host; does not check that the buffers
-    hold ``gathered_offset * 2`` bytes (the caller sized them)."""
+    hold ``gathered_offset * 2`` bytes (the caller sized them).
+
+    ``status`` (:func:`trap_word`): where a program that times out at a
+    barrier leaves its :class:`TrapStatus` before it traps (none: 0 there).
+    """
     p = layout.world_size
     ranks = x.shape[0] if x.dim() == 2 else 0
     if ranks not in (1, p) or (ranks == p > 1 and rank != 0):
@@ -503,11 +603,16 @@ def fused_all_reduce(
         raise ValueError(f"out: expected {ranks * layout.numel} contiguous {x.dtype} values, got {out.dtype} "
                          f"{tuple(out.shape)}")
     launch.check_device(x, feedback, table, out)
+    if status is not None and (status.dtype != torch.int64 or status.numel() != 1 or status.is_cuda
+                               or (x.is_cuda and not status.is_pinned())):
+        raise ValueError(f"status: expected one int64 of host memory{', pinned' if x.is_cuda else ''} "
+                         f"(trap_word()), got {status.dtype} {tuple(status.shape)} on {status.device}")
     lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                       bool(has_incoming), phase)
     fb = feedback if feedback is not None else x
     tensors = (x, fb, out, table)
-    ints = (rank, timeout_ns, x.stride(0), fb.stride(0), layout.numel, *lp.ints)
+    ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
+                       status_addr=status.data_ptr() if status is not None else 0)
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
                        sm_limits(x.device))
@@ -516,7 +621,8 @@ def fused_all_reduce(
 
 
 __all__ = [
-    "ALL_PHASES", "FusedPlan", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow", "buffer_bytes",
-    "check_resident", "compiled_resources", "fused_all_reduce", "max_per_sm", "plan_for", "register_cap", "resident_programs",
-    "signal_slots", "sm_limits",
+    "ALL_PHASES", "BARRIER_PHASES", "FusedPlan", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow",
+    "TrapStatus", "buffer_bytes", "check_resident", "compiled_resources", "decode_trap", "fused_all_reduce",
+    "launch_ints", "max_per_sm", "plan_for", "register_cap", "resident_programs", "signal_slots", "sm_limits",
+    "trap_word",
 ]

@@ -218,7 +218,8 @@ def _compiled_ptx(fp_fusion: bool = False) -> str:
         try:
             lp.launcher.options = {**options, "enable_fp_fusion": fp_fusion}
             k = lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, 4, dtype=torch.int64)),
-                                    (1, 5 * 10**9, x.stride(0), fb.stride(0), lay.numel, *lp.ints), lp.constexprs)
+                                    fk.launch_ints(lp, x, fb, lay, rank=1, timeout_ns=5 * 10**9, status_addr=1 << 46),
+                                    lp.constexprs)
         finally:
             lp.launcher.options = options
         return k.asm["ptx"]
@@ -234,10 +235,37 @@ def test_compiled_kernel_has_system_scope_barriers_and_a_timeout():
     ptx = pool.submit(_reporting, _compiled_ptx).result(timeout=600)
     assert len(re.findall(r"atom\.global\.release\.sys\.cas\.b32", ptx)) == 2
     assert len(re.findall(r"atom\.global\.acquire\.sys\.cas\.b32", ptx)) == 2
-    assert "%globaltimer" in ptx and re.search(r"@%p\w* trap;", ptx)
+    assert "%globaltimer" in ptx
+    # each of the 4 waits can trap, first storing its status word to host memory, fenced system-wide
+    assert len(re.findall(r"st\.relaxed\.sys\.b64 \[%rd\d+\], %rd\d+; fence\.sc\.sys; trap;", ptx)) == 4, ptx
     explicit = len(re.findall(r"\bfma\.rn\.f32", ptx))
     contracted = len(re.findall(r"\bfma\.rn\.f32", pool.submit(_reporting, _compiled_ptx, True).result(timeout=600)))
     assert 0 < explicit < contracted, (explicit, contracted)
+
+
+def test_a_trapped_kernel_leaves_a_status_word_that_names_echo_the_barrier_and_the_peer():
+    """The word a timed-out program stores before ``trap`` decodes to its
+    rank, program, barrier and late peer, and reads as an error naming
+    Echo, the phase and the peer; a zero word (no trap) decodes to None.
+    (The bit fields as the kernel builds them; the kernel's store is checked
+    as PTX above and on the GPU by ``scripts/gpu_fused_check.py``.)"""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    def word(rank, program, barrier, side, peer):
+        return ((fk.TRAP_MAGIC.value << fk.TRAP_MAGIC_SHIFT.value) | (barrier << fk.TRAP_BARRIER_SHIFT.value)
+                | (side.value << fk.TRAP_SIDE_SHIFT.value) | (program << fk.TRAP_PROGRAM_SHIFT.value)
+                | (rank << fk.TRAP_RANK_SHIFT.value) | peer)
+
+    got = fk.decode_trap(word(3, 395, 1, fk.TRAP_WAITING, 6))
+    assert got == fk.TrapStatus(rank=3, peer=6, program=395, barrier=1, signalling=False)
+    text = got.describe(2.5)
+    assert text.startswith("echo fused all-reduce timed out after 2.5 s: rank 3 (program 395) at barrier 1")
+    assert "phase 1" in text and "waiting for rank 6's signal" in text and "CUDA context is lost" in text
+    late = fk.decode_trap(word(0, 0, 2, fk.TRAP_SIGNALLING, 1))
+    assert late.signalling and late.barrier == 2 and "phase 3" in late.describe() and "rank 1 stopped" in late.describe()
+    assert fk.decode_trap(0) is None and fk.decode_trap(12345) is None
+    status = fk.trap_word()
+    assert status.dtype == torch.int64 and status.numel() == 1 and int(status[0]) == 0 and not status.is_cuda
 
 
 # -- the grid table ---------------------------------------------------------------------
@@ -540,6 +568,34 @@ def test_the_timeout_comes_from_the_config():
     with pytest.raises(EchoConfigError, match="timeout_s"):
         EchoConfig(timeout_s=0)
     assert EchoConfig.from_mapping({"echo_timeout_s": "7.5"}, prefix="echo_").timeout_s == 7.5
+
+
+def test_a_trap_is_logged_once_and_every_later_call_raises_it(caplog, monkeypatch):
+    """Once a kernel of the backend trapped (its status word set, as the
+    kernel does before ``trap``), the watcher logs an error naming Echo, the
+    barrier and the peer, once, and each later call raises it instead of
+    launching onto a lost CUDA context. (CPU: the word is set by hand.)"""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    monkeypatch.setattr(fused_mod, "_current_stream", lambda device: "A", raising=False)
+    b = fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32, timeout_s=2.0), _OneRank(), sms=4, facts=_facts(),
+                                      buffers=_cpu_buffers())
+    launches = []
+    b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(k["status"]) or "y",
+                           decode_trap=fk.decode_trap, plan_for=lambda *a: None)
+    lay, x = WireLayout(256, 2, 32), torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert b.all_reduce(x, lay, None, has_incoming=False) == "y" and launches == [b.status]
+    assert b.trap() is None and fused_mod.TRAPS.poll() == [] and b in set(fused_mod.TRAPS._backends)
+    b.status[0] = ((fk.TRAP_MAGIC.value << fk.TRAP_MAGIC_SHIFT.value) | (2 << fk.TRAP_BARRIER_SHIFT.value)
+                   | (fk.TRAP_WAITING.value << fk.TRAP_SIDE_SHIFT.value) | (7 << fk.TRAP_PROGRAM_SHIFT.value) | 1)
+    with caplog.at_level("ERROR", logger=fused_mod.__name__):
+        reports = fused_mod.TRAPS.poll()
+        assert fused_mod.TRAPS.poll() == []  # once
+    assert reports == [b.trap().describe(2.0)] and [r.getMessage() for r in caplog.records] == reports
+    assert "after 2 s: rank 0 (program 7) at barrier 2" in reports[0] and "rank 1's signal" in reports[0]
+    with pytest.raises(fused_mod.FusedTimeoutError, match="echo fused all-reduce timed out .* barrier 2, between phase 2"):
+        b.all_reduce(x, lay, None, has_incoming=False)
+    assert len(launches) == 1
 
 
 # -- GPU ------------------------------------------------------------------------------
