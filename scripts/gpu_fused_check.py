@@ -558,7 +558,7 @@ def bench() -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", default="2,4", help="comma-separated P values (default 2,4)")
+    ap.add_argument("--worlds", default="2,4", help="comma-separated P values (default 2,4; '' for none: only the lost-peer checks)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (default 1: all share GPU 0)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--bench", action="store_true", help="add per-phase kernel timings (one process)")
@@ -580,7 +580,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     summary = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
                "gpus": gpus, "checks": []}
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in (int(w) for w in args.worlds.split(",") if w):
         if not args.only_soak:
             summary["checks"] += check_world(world, gpus)
         if args.soak:
