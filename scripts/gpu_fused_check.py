@@ -334,7 +334,7 @@ def rank_lost_peer(rank: int, world: int, how: str) -> dict:
     if how == "absent":
         dist.barrier()
     return {"error": error, "waited_s": waited, "trap": trap._asdict() if trap else None,
-            "report": b.report_trap()}
+            "report": b.trap_error()}
 
 
 # -- processes ------------------------------------------------------------------------------

@@ -500,21 +500,25 @@ class FusedSymmMemBackend(EchoBackend):
         word = int(self._status_word[0])
         return self._k.decode_trap(word) if word else None
 
+    def trap_error(self) -> str | None:
+        """The error text of this backend's trap (Echo, the phase, the peer),
+        or None if none of its kernels trapped."""
+        if not self._status_word[0]:
+            return None
+        got = self.trap()
+        if got is None:  # a word not written by the kernel
+            return f"echo fused all-reduce: unknown status word {int(self._status_word[0]):#x}"
+        return got.describe(self.timeout_ns / 1e9)
+
     def report_trap(self) -> str | None:
         """Log this backend's trap as an error the first time it is seen;
         return its text then (None otherwise)."""
         if self._trap_reported or not self._status_word[0]:
             return None
         self._trap_reported = True
-        text = self._trap_text()
+        text = self.trap_error()
         logger.error(text)
         return text
-
-    def _trap_text(self) -> str:
-        got = self.trap()
-        if got is None:  # a word not written by the kernel
-            return f"echo fused all-reduce: unknown status word {int(self._status_word[0]):#x}"
-        return got.describe(self.timeout_ns / 1e9)
 
     @property
     def capturable(self) -> bool:
@@ -539,7 +543,7 @@ class FusedSymmMemBackend(EchoBackend):
         cfg, b = self.config, self.buffers
         if self._status_word[0]:  # an earlier call trapped: the CUDA context is gone
             self.report_trap()
-            raise FusedTimeoutError(self._trap_text())
+            raise FusedTimeoutError(self.trap_error())
         if not capturing():  # a captured launch runs where its graph is replayed: no host code there
             b.owner.claim(_current_stream(b.buffer.device))
         return self._k.fused_all_reduce(

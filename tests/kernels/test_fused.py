@@ -585,13 +585,15 @@ def test_a_trap_is_logged_once_and_every_later_call_raises_it(caplog, monkeypatc
                            decode_trap=fk.decode_trap, plan_for=lambda *a: None)
     lay, x = WireLayout(256, 2, 32), torch.zeros(1, 256, dtype=torch.bfloat16)
     assert b.all_reduce(x, lay, None, has_incoming=False) == "y" and launches == [b.status]
-    assert b.trap() is None and fused_mod.TRAPS.poll() == [] and b in set(fused_mod.TRAPS._backends)
+    assert b.trap() is None and b.trap_error() is None and fused_mod.TRAPS.poll() == []
+    assert b in set(fused_mod.TRAPS._backends)
     b.status[0] = ((fk.TRAP_MAGIC.value << fk.TRAP_MAGIC_SHIFT.value) | (2 << fk.TRAP_BARRIER_SHIFT.value)
                    | (fk.TRAP_WAITING.value << fk.TRAP_SIDE_SHIFT.value) | (7 << fk.TRAP_PROGRAM_SHIFT.value) | 1)
     with caplog.at_level("ERROR", logger=fused_mod.__name__):
         reports = fused_mod.TRAPS.poll()
         assert fused_mod.TRAPS.poll() == []  # once
-    assert reports == [b.trap().describe(2.0)] and [r.getMessage() for r in caplog.records] == reports
+    assert reports == [b.trap().describe(2.0)] == [b.trap_error()]
+    assert [r.getMessage() for r in caplog.records] == reports
     assert "after 2 s: rank 0 (program 7) at barrier 2" in reports[0] and "rank 1's signal" in reports[0]
     with pytest.raises(fused_mod.FusedTimeoutError, match="echo fused all-reduce timed out .* barrier 2, between phase 2"):
         b.all_reduce(x, lay, None, has_incoming=False)
