@@ -86,9 +86,9 @@ def output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G:
                   HADAMARD: tl.constexpr):
     """Decode, unrotate and store groups ``lg`` of chunk ``j`` into the message ``y``."""
     SHUFFLE: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth == 16  # tile.lane_partner
-    v = decode_output(words, s, G, HADAMARD, SHUFFLE)
+    v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
     yi, ym = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
-    store_values(y_ptr, yi, ym, from_f32(v, y_ptr.dtype.element_ty))
+    store_values(y_ptr, yi, ym, v)
 
 
 @triton.jit

@@ -35,9 +35,28 @@ gives the same bits:
 * butterflies run in the order of ``echo_vllm.rotation.fwht`` (stride 1, 2,
   4, ...; outputs ``(a + b, a - b)``); a cross-lane one is
   ``fma(+-1, mine, partner)``, exactly ``a + b`` or ``a - b``.
+* compiled, the output decode to bf16 of groups up to 32 runs in bf16x2
+  (:func:`_packed_output_asm`, two values a register, about 6 instructions
+  a value instead of 11) and gives the fp32 path's bits: with ``u = 1/G``
+  (1 without rotation) every intermediate is an integer multiple of ``u``
+  of at most 256 in magnitude (8 significant bits), exact in bf16, so the
+  butterflies may run in any order; a code decodes as ``magic | c`` =
+  ``2**7 u + c u`` (the magic's unit in the last place is ``u``) and loses
+  its offset in the first butterfly (``x0 - x1``; ``2 x0 - 2 off - (x0 -
+  x1)``); the one rounding is ``(n u) * scale``, the exact real
+  ``n * scale / G`` rounded to nearest even with subnormals kept -- the
+  fp32 path's exact product then cast. Taking ``u`` into the codes rather
+  than ``scale / G`` into the scale keeps that true for every scale (``scale
+  / G`` is inexact in bf16 below ``2**-126 * G``). Zero signs match (no
+  intermediate is -0; ``+0 * scale + -0`` has the sign of the scale) and
+  NaN or infinite scales give NaN or infinities as the fp32 path does.
+  ``tests/kernels/test_packed_output.py`` runs the PTX in an emulator
+  against the reference on every bf16 scale.
 """
 
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
@@ -414,16 +433,147 @@ def accumulate_chunk(acc, buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.
     return tl.fma(q, _values8(s, s1, s2, s3, s, s1, s2, s3), acc)
 
 
-@triton.jit
-def decode_output(words, s, G: tl.constexpr, HADAMARD: tl.constexpr, SHUFFLE: tl.constexpr = False):
-    """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
-    :func:`load_chunk_groups` returns them) as ``quant.output_reference``:
-    ``fwht(q) * (scale / G)`` with rotation, else ``q * scale`` (each exact
-    until this one product)."""
-    q = codes_of(words)
+# -- the output decode in bf16x2 --------------------------------------------
+#
+# Compiled, for bf16 output of groups up to 32 values, a lane's eight values
+# are decoded, rotated and scaled two at a time in bf16x2 registers by one
+# inline-PTX block (:func:`_packed_output_asm`); the fp32 path of
+# :func:`decode_output` gives the same bits (tile docstring, Arithmetic).
+
+
+@triton.constexpr_function
+def _bf16x2(x: float) -> int:
+    """Both halves of a 32-bit word hold the bf16 ``x`` (a normal bf16 or a zero)."""
+    m, e = math.frexp(math.fabs(x))  # |x| = m * 2**e, 1/2 <= m < 1
+    bits = (e + 126) << 7 | int(m * 256 - 128) if x != 0 else 0
+    bits |= 0x8000 if math.copysign(1.0, x) < 0 else 0
+    return bits | bits << 16
+
+
+@triton.constexpr_function
+def _packed_top(G: int, HADAMARD: bool) -> tuple[float, float]:
+    """``(top, u)``: a power of two and its bf16 unit in the last place,
+    ``u = 1 / G`` with rotation (1 without)."""
+    k = G.bit_length() - 1 if HADAMARD else 0
+    return 2.0 ** (7 - k), 2.0 ** -k
+
+
+@triton.constexpr_function
+def _packed_magic(G: int, HADAMARD: bool) -> int:
+    """bf16x2 ``top`` (:func:`_packed_top`): ``magic | c`` in a half is
+    ``top + c * u``, exactly."""
+    return _bf16x2(_packed_top(G, HADAMARD)[0])
+
+
+@triton.constexpr_function
+def _packed_offset(G: int, HADAMARD: bool) -> float:
+    """``top + 8 u``: a decoded half minus this is ``(code - 8) * u``."""
+    top, u = _packed_top(G, HADAMARD)
+    return top + 8.0 * u
+
+
+@triton.constexpr_function
+def _fma(d: str, a: str, b: str, c: str) -> str:
+    """``d = a * b + c`` on both halves, rounded once."""
+    return f"fma.rn.bf16x2 {d}, {a}, {b}, {c}; "
+
+
+@triton.constexpr_function
+def _packed_output_asm(G: int, HADAMARD: bool) -> str:
+    """PTX for one lane: ``$0..$3`` the outputs (values ``2k, 2k + 1`` in
+    register ``k``), ``$4..$7`` the lane's word shifted right by ``4 k``
+    (the codes of values ``k, k + 4`` in bits 0..3 and 16..19), ``$12`` the
+    scale in both halves, ``$16`` and ``$24`` the butterfly signs of lane
+    masks 1 and 2 (:func:`_lane_signs`). All arithmetic is ``fma.rn.bf16x2``
+    (sm_80 has no bf16x2 add or mul; ptxas picks HADD2/HMUL2 where it can)."""
+    off = _packed_offset(G, HADAMARD)
+    consts = (f"magic, {_packed_magic(G, HADAMARD):#010x}", f"one, {_bf16x2(1.0):#010x}",
+              f"mone, {_bf16x2(-1.0):#010x}", f"two, {_bf16x2(2.0):#010x}", f"mzero, {_bf16x2(-0.0):#010x}",
+              f"moff, {_bf16x2(-off):#010x}", f"moff2, {_bf16x2(-2.0 * off):#010x}")
+    asm = ("{ .reg .b32 magic, one, mone, two, mzero, moff, moff2, p, e, x0, x1, x2, x3, a0, a1, a2, a3, "
+           "b0, b1, b2, b3, m0, m1, m2, m3, y0, y1, y2, y3; " + "".join(f"mov.b32 {c}; " for c in consts))
+    for i in range(4):  # magic | code of values i, i + 4 (one LOP3: (w & 0x000F000F) | magic)
+        asm += f"lop3.b32 x{i}, ${i + 4}, 0x000F000F, magic, 0xEA; "
     if HADAMARD:
-        return fwht(q, G, SHUFFLE) * (s * (1.0 / G))[:, :, None]
+        for i in (0, 2):  # stride 1, the decode's offset folded in (exact: tile docstring)
+            asm += _fma(f"b{i + 1}", f"x{i + 1}", "mone", f"x{i}")  # x0 - x1 = (q0 - q1) u
+            asm += _fma("e", f"x{i}", "two", "moff2")  # 2 x0 - 2 off = 2 q0 u
+            asm += _fma(f"b{i}", f"b{i + 1}", "mone", "e")  # (q0 + q1) u
+        for i in (0, 1):  # stride 2
+            asm += _fma(f"a{i}", f"b{i + 2}", "one", f"b{i}") + _fma(f"a{i + 2}", f"b{i + 2}", "mone", f"b{i}")
+        for m in range(G.bit_length() - 4):  # strides 8, 16: lane masks 1, 2 (as fwht's lane_partner)
+            for i in range(4):
+                asm += f"shfl.sync.bfly.b32 p, a{i}, {1 << m}, 0x1f, -1; "
+                asm += _fma(f"a{i}", f"${16 + 8 * m}", f"a{i}", "p")
     else:
-        return q * s[:, :, None]
+        for i in range(4):
+            asm += _fma(f"a{i}", f"x{i}", "one", "moff")
+    # memory order: pairs (0, 1) (2, 3) (4, 5) (6, 7) from (0, 4) (1, 5) (2, 6) (3, 7)
+    r = "m" if HADAMARD else "y"
+    asm += (f"prmt.b32 {r}0, a0, a1, 0x5410; prmt.b32 {r}1, a2, a3, 0x5410; "
+            f"prmt.b32 {r}2, a0, a1, 0x7632; prmt.b32 {r}3, a2, a3, 0x7632; ")
+    if HADAMARD:
+        for i in (0, 1):  # stride 4, now between registers
+            asm += _fma(f"y{i}", f"m{i + 2}", "one", f"m{i}") + _fma(f"y{i + 2}", f"m{i + 2}", "mone", f"m{i}")
+    for i in range(4):  # the one rounding: (n u) * scale (+ -0 keeps the product's zero sign)
+        asm += _fma(f"${i}", f"y{i}", "$12", "mzero")
+    return asm + "}"
 
 
+@triton.constexpr_function
+def _packed_output_constraints(G: int, HADAMARD: bool) -> str:
+    """Four bf16x2 outputs; eight words of pairs, four of the scale (two
+    bf16 each), eight of each lane mask's signs."""
+    signs = G.bit_length() - 4 if HADAMARD else 0
+    return ",".join(["=r"] * 4 + ["r"] * (12 + 8 * signs))
+
+
+@triton.jit
+def _lane_signs(M: tl.constexpr, L: tl.constexpr, like):
+    """bf16x2 +1 on the lower lane of each pair ``lane ^ M``, -1 on the
+    upper, in the shape of ``like [BG, L, V]``."""
+    lane = tl.arange(0, L)[None, :, None]
+    return tl.broadcast_to(tl.where((lane & M) == 0, 0x3F803F80, 0xBF80BF80), like.shape)
+
+
+@triton.jit
+def _decode_output_bf16(words, s, G: tl.constexpr, HADAMARD: tl.constexpr):
+    """:func:`decode_output` cast to bf16, in bf16x2 (compiled, ``G <= 32``,
+    the lane layout)."""
+    L: tl.constexpr = G // V
+    # the word shifted to each pair's codes; an operand that varies along V
+    # (Triton moves a broadcast after an elementwise op of broadcasts only)
+    w1, w2, w3 = words >> 4, words >> 8, words >> 12
+    pairs = _values8(words, w1, w2, w3, words, w1, w2, w3)
+    sb = (s.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    sb = tl.broadcast_to(sb[:, :, None], pairs.shape)
+    ASM: tl.constexpr = _packed_output_asm(G, HADAMARD)
+    CONSTRAINTS: tl.constexpr = _packed_output_constraints(G, HADAMARD)
+    if HADAMARD and L == 4:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS,
+                                         [pairs, sb, _lane_signs(1, L, pairs), _lane_signs(2, L, pairs)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=8)
+    elif HADAMARD:
+        tl.static_assert(L == 2, "packed output: groups of 16 or 32")
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [pairs, sb, _lane_signs(1, L, pairs)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=8)
+    else:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [pairs, sb], dtype=tl.bfloat16, is_pure=True, pack=8)
+
+
+@triton.jit
+def decode_output(words, s, dtype: tl.constexpr, G: tl.constexpr, HADAMARD: tl.constexpr,
+                  SHUFFLE: tl.constexpr = False):
+    """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
+    :func:`load_chunk_groups` returns them) as ``quant.output_reference``,
+    in ``dtype``: ``fwht(q) * (scale / G)`` with rotation, else ``q * scale``
+    (each exact until this one product), rounded to ``dtype``; compiled,
+    bf16 of groups up to 32 in bf16x2 (:func:`_decode_output_bf16`)."""
+    if COMPILED and SHUFFLE and dtype == tl.bfloat16 and G <= 32:
+        return _decode_output_bf16(words, s, G, HADAMARD)
+    else:
+        q = codes_of(words)
+        if HADAMARD:
+            return from_f32(fwht(q, G, SHUFFLE) * (s * (1.0 / G))[:, :, None], dtype)
+        else:
+            return from_f32(q * s[:, :, None], dtype)
