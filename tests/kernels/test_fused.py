@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_kernels import (
-    CUDA, DEVICE, DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
+    CUDA, DEVICE, DTYPES, FB_DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
     in_kernel_process,
 )
 
@@ -71,7 +71,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     lay = WireLayout(numel, world, group, cols)
     tag = f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming}"
     x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
-    fb_ref = _feedback(world, lay, DTYPES[fb_dtype], 7) if fb_dtype else None
+    fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
     # buffers sized for larger chunks, as the backend's are: this call's
     # slots are packed at the start of each area
@@ -84,7 +84,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
     fb_after = {1: None, 2: fb_ref}
     if fb_dtype:  # the reference's feedback after stage 1 alone
-        fb1 = _feedback(world, lay, DTYPES[fb_dtype], 7)
+        fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
         quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
         fb_after[1] = fb1
     n = world * lay.chunk_bytes
