@@ -19,7 +19,8 @@ them (round to nearest even, as the reference does). Feedback buffers come
 in the three formats of ``quant`` (float32, bfloat16, int8 blocks; the int8
 buffer travels as its uint8 bytes), read and written one group at a time by
 :func:`_load_fb_group` / :func:`_store_fb_group` as ``quant.read_feedback``
-/ ``write_feedback`` do; the Triton kernels know only the first two.
+/ ``write_feedback`` do (the Triton kernels: ``tile.load_feedback`` /
+``store_feedback``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ spread over ``L`` lanes holding ``V`` (:data:`V`, 8) contiguous values each.
 Triton gives such a tensor the blocked layout ``sizePerThread [1, 1, V]``,
 ``threadsPerWarp [32 / L, L, 1]``: a lane reads and writes 16 contiguous
 bytes of 16-bit values (a warp covers ``32 / L`` whole groups of contiguous
-memory), its 8 codes are one 32-bit word on the wire, the three butterfly
+memory), its 8 codes are one 32-bit word on the wire and its 8 int8 codes
+of an int8 feedback buffer one 64-bit word, the three butterfly
 stages of stride 1, 2, 4 and the first steps of the amax stay in registers,
 and only the ``log2 L`` stages of stride ``V * m`` cross lanes -- as
 ``shfl.bfly`` with lane mask ``m`` (:func:`lane_partner`), the value at the
@@ -24,8 +25,9 @@ gives the same bits:
 * fp32 -> bf16 rounds to nearest even: in hardware when compiled
   (``cvt.rn.bf16.f32``), on the bit patterns in Triton's interpreter (which
   truncates). The two agree on every value but NaN's payload; the feedback
-  buffers never hold NaN (a non-finite group's error is 0) and outputs are
-  compared with any NaN equal to any NaN.
+  buffers never hold a computed NaN (a non-finite group's error is 0; an
+  int8 buffer's NaN scale is written as the constant 0x7FC0) and outputs
+  are compared with any NaN equal to any NaN.
 * products that are exact (a 4-bit code times a bf16 scale) are fused into
   their sum (``tl.fma``): one rounding, as the reference (which forms them
   in float64) has.
@@ -295,9 +297,10 @@ def lane_partner(v, M: tl.constexpr, L: tl.constexpr, SHUFFLE: tl.constexpr):
     layout: a group's lanes on consecutive lanes of a warp), otherwise a
     flip of that lane pair's values, which Triton lowers for any layout.
     Callers pass ``SHUFFLE`` only when every tensor of the tile moves 16-bit
-    values: a 32-bit load gives a lane 4 values, Triton may lay the whole
-    tile out that way, and the lane arithmetic no longer holds (seen on the
-    H200 with fp32 feedback)."""
+    values or int8 feedback codes (8 values a lane, as 16-bit ones): a
+    32-bit load gives a lane 4 values, Triton may lay the whole tile out
+    that way, and the lane arithmetic no longer holds (seen on the H200 with
+    fp32 feedback)."""
     if COMPILED and SHUFFLE:
         bits = v.to(tl.int32, bitcast=True)
         if M == 1:
