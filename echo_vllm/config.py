@@ -100,8 +100,8 @@ class EchoConfig:
     rounding. int8 stores each group's error as int8 codes with one bf16
     scale per group (1 + 2/g bytes per value: 1.06 at g=32), moving each
     value by at most half a step of 1/127 of its group's largest error
-    (``echo_vllm.quant``); only the ``reference`` and ``numba`` backends
-    implement it so far (EVAL.md, section 9)."""
+    (``echo_vllm.quant``; EVAL.md, section 9). Every backend implements
+    all three, bit for bit."""
 
     batch_invariant: bool = False
     """Make every path choice independent of the batch: ``min_bytes`` and

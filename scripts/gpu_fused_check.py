@@ -64,6 +64,7 @@ import torch  # noqa: E402
 
 QMAX = 7
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FB_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8}
 
 # name, rows, cols, group, dtype, feedback dtype (None: no buffer), hadamard, calls, call with special values
 CASES = [
@@ -72,6 +73,7 @@ CASES = [
     ("no-rotation", 7, 1000, 64, "fp32", "fp32", False, 2, 1),
     ("no-feedback", 3, 4096, 128, "bf16", None, True, 1, 0),
     ("prefill", 512, 4096, 32, "bf16", "fp32", True, 2, 1),  # programs loop over tiles
+    ("int8-feedback", 64, 2880, 32, "bf16", "int8", True, 3, 1),  # codes + a bf16 scale per group
 ]
 TIMEOUT_S = 30.0  # time-sliced ranks on one GPU wait long for each other: generous
 ABSENT_TIMEOUT_S = 3.0
@@ -158,7 +160,7 @@ def _finish() -> None:
 
 
 def rank_eager(rank: int, world: int) -> dict:
-    from echo_vllm.quant import WireLayout
+    from echo_vllm.quant import WireLayout, feedback_row_len, write_feedback
 
     out = {}
     for ci, (name, rows, cols, g, dt, fbdt, had, calls, special) in enumerate(CASES):
@@ -167,7 +169,10 @@ def rank_eager(rank: int, world: int) -> dict:
         fb = None
         if fbdt:
             gen = torch.Generator().manual_seed(ci * 100 + rank)
-            fb = (1e-2 * torch.randn(1, lay.padded_numel + 40, generator=gen)).to(DTYPES[fbdt]).cuda()
+            # longer than the message, as a chain's buffer
+            fb = torch.zeros(1, feedback_row_len(lay.padded_numel, FB_DTYPES[fbdt], g) + 48, dtype=FB_DTYPES[fbdt])
+            write_feedback(fb, 0, 1e-2 * torch.randn(1, lay.padded_numel, generator=gen), g)
+            fb = fb.cuda()
         recs = []
         for c in range(calls):
             x = inputs((1, lay.numel), 1000 * ci + 10 * c + rank, special=c == special).to(DTYPES[dt]).cuda()

@@ -10,9 +10,7 @@
 ``EchoConfig.backend`` names one, or ``auto``: :func:`choose_backend` (one
 pure function, returning its reason) picks from the device, the rounding
 mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`) and whether the group's GPUs
-can run the fused kernel (:func:`.fused.fused_support`), and refuses a
-backend that does not implement the configured feedback buffer format
-(int8 feedback: ``reference`` and ``numba`` only, so far).
+can run the fused kernel (:func:`.fused.fused_support`).
 :func:`make_backend` asks it and builds the answer: every backend Echo runs
 is made there (``EchoAllReduce`` on first use, the vLLM glue once per
 tensor-parallel group, with the group's facts). A new backend registers a
@@ -26,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, EchoConfig, EchoConfigError
+from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..transport import Transport
 from .base import EchoBackend
@@ -48,15 +46,9 @@ class BackendSpec:
     """Device types (``torch.device.type``) whose tensors it reduces."""
     doc: str
     """One line for ``--help`` and the README."""
-    feedback_dtypes: tuple[str, ...] = FEEDBACK_DTYPES
-    """The ``EchoConfig.feedback_dtype`` formats its stages read and write."""
 
 
 BACKENDS: dict[str, BackendSpec] = {}
-
-#: What the Triton stage kernels (and the fused kernel built on their tile
-#: bodies) read and write: no int8 feedback yet.
-TRITON_FEEDBACK_DTYPES = ("float32", "bfloat16")
 
 
 def register_backend(spec: BackendSpec) -> None:
@@ -70,7 +62,6 @@ register_backend(BackendSpec(
 register_backend(BackendSpec(
     "triton", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, TritonStages()), ("cuda", "cpu"),
     "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
-    TRITON_FEEDBACK_DTYPES,
 ))
 register_backend(BackendSpec(
     "numba", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, NumbaStages()), ("cpu",),
@@ -88,7 +79,6 @@ def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv, *, peers: Transpo
 register_backend(BackendSpec(
     "fused", _build_fused, ("cuda",),
     "one Triton kernel over symmetric memory (P2P GPUs of one host; larger messages: the triton backend)",
-    TRITON_FEEDBACK_DTYPES,
 ))
 
 
@@ -96,8 +86,7 @@ assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and 
 
 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
-                   p2p: bool = False, p2p_reason: str = "",
-                   feedback_dtype: str = EchoConfig.feedback_dtype) -> tuple[str, str]:
+                   p2p: bool = False, p2p_reason: str = "") -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
@@ -107,27 +96,9 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     it: :func:`.fused.fused_support`) and ``triton`` if not; ``reference``
     elsewhere. ``p2p_reason``: what probing the group said (empty: not
     probed); an explicit ``fused`` on a group probed unable to run it is
-    refused with it. Whatever the way, the answer must implement
-    ``feedback_dtype`` (:attr:`BackendSpec.feedback_dtypes`): ``auto`` does
-    not trade a fast backend for a slow one behind the user's back, so int8
-    feedback on CUDA tensors is refused rather than run on the references.
-    Raises :class:`EchoConfigError` for a request that cannot run.
+    refused with it. Raises :class:`EchoConfigError` for a request that
+    cannot run.
     """
-    name, reason = _choose(requested, device_type=device_type, stochastic=stochastic, env_kernels=env_kernels,
-                           p2p=p2p, p2p_reason=p2p_reason)
-    if feedback_dtype not in BACKENDS[name].feedback_dtypes:
-        able = tuple(n for n, spec in BACKENDS.items() if feedback_dtype in spec.feedback_dtypes)
-        raise EchoConfigError(
-            f"feedback_dtype={feedback_dtype!r} runs on the backends {able} only, not on {name!r} "
-            f"({'backend=' + repr(requested) if requested != 'auto' else 'auto: ' + reason}); "
-            f"use feedback_dtype in {BACKENDS[name].feedback_dtypes}, or backend='reference' "
-            f"(the torch references, slow) to measure {feedback_dtype} feedback on {device_type}")
-    return name, reason
-
-
-def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: str, p2p: bool,
-            p2p_reason: str) -> tuple[str, str]:
-    """:func:`choose_backend` before the feedback-format rule."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise EchoConfigError(f"backend={requested!r}: choose one of {('auto', *BACKENDS)}")
@@ -190,13 +161,11 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     stochastic = config.rounding == "stochastic"
     p2p, why = False, ""
     # probe only where the answer could be fused (the pure choice says, before any collective)
-    # (the question is asked before the feedback-format rule, so that a refusal names the real answer)
-    if _choose(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
-               p2p=True, p2p_reason="")[0] == "fused":
+    if choose_backend(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
+                      p2p=True)[0] == "fused":
         p2p, why = fused_support(peers, device_type)
     name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
-                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why,
-                                  feedback_dtype=config.feedback_dtype)
+                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why)
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 

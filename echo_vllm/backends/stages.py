@@ -83,10 +83,8 @@ class ReferenceStages:
 
 
 class TritonStages:
-    """The fused Triton kernels of :mod:`echo_vllm.kernels`. They read and
-    write float32 and bfloat16 feedback buffers only (an int8 buffer is a
-    TypeError in their checks; :func:`echo_vllm.backends.choose_backend`
-    refuses the configuration before that)."""
+    """The fused Triton kernels of :mod:`echo_vllm.kernels` (every feedback
+    format, int8 included)."""
 
     name = "triton"
     stochastic = False

@@ -305,8 +305,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
     ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
-    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=FEEDBACK_DTYPES,
-                    help="int8: numba/reference stages only (the Triton kernels refuse it)")
+    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=FEEDBACK_DTYPES)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="gloo: where each process keeps its tensors and runs Echo's stages "
                          "(cuda: all processes on cuda:0, bytes staged through the host to cross the link)")
@@ -347,9 +346,6 @@ def one_gpu_kernel_args(args: argparse.Namespace) -> argparse.Namespace:
     defaults (so no option can be missing), with this command's values."""
     from . import kernels_bench
 
-    if args.feedback_dtype not in kernels_bench.FEEDBACK_DTYPES:  # int8: no Triton kernel reads it yet
-        raise SystemExit(f"bench kernels times the Triton kernels, which take feedback_dtype in "
-                         f"{tuple(kernels_bench.FEEDBACK_DTYPES)}, not {args.feedback_dtype!r}")
     ap = argparse.ArgumentParser()
     kernels_bench.add_arguments(ap)
     kargs = ap.parse_args([])

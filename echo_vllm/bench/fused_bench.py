@@ -40,26 +40,31 @@ from pathlib import Path
 
 import torch
 
-from ..quant import WireLayout
+from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len
 from . import report, timing
+from .kernels_bench import random_feedback
 
 
 # -- bytes each kernel must move (per rank) ----------------------------------------
 
 
-def phase_bytes(layout: WireLayout, fb_bytes: int = 2, elem_bytes: int = 2) -> dict[str, tuple[int, int]]:
+def phase_bytes(layout: WireLayout, fb_dtype: torch.dtype = torch.bfloat16,
+                elem_bytes: int = 2) -> dict[str, tuple[int, int]]:
     """``(read, written)`` bytes one rank's phases and stage kernels must
     move through its HBM: inputs read once, outputs written once; the 4-bit
     wire counts where it is written (stores into the peers' buffers) and
-    where it is read. ``fb_bytes`` per feedback value. Stage 2 writes its
-    chunk once (the all-gather copies it), phase 2 once per peer."""
-    p, n, npad = layout.world_size, layout.numel, layout.padded_numel
-    chunk, own_fb = layout.chunk_bytes, layout.chunk_numel * fb_bytes
+    where it is read. The feedback buffer in ``fb_dtype``'s format (int8:
+    codes and scales, ``quant.feedback_row_len``). Stage 2 writes its chunk
+    once (the all-gather copies it), phase 2 once per peer."""
+    p, n = layout.world_size, layout.numel
+    fb = feedback_row_len(layout.padded_numel, fb_dtype, layout.group_size) * fb_dtype.itemsize
+    own_fb = feedback_row_len(layout.chunk_numel, fb_dtype, layout.group_size) * fb_dtype.itemsize
+    chunk = layout.chunk_bytes
     return {
-        "phase1": (n * elem_bytes + npad * fb_bytes, npad * fb_bytes + p * chunk),  # x, fb -> fb, P chunks
+        "phase1": (n * elem_bytes + fb, fb + p * chunk),  # x, fb -> fb, P chunks
         "phase2": (p * chunk + own_fb, own_fb + p * chunk),  # P chunks, own fb -> own fb, P copies
         "phase3": (p * chunk, n * elem_bytes),  # P gathered chunks -> y
-        "stage1": (n * elem_bytes + npad * fb_bytes, npad * fb_bytes + p * chunk),
+        "stage1": (n * elem_bytes + fb, fb + p * chunk),
         "stage2": (p * chunk + own_fb, own_fb + chunk),
         "output": (p * chunk, n * elem_bytes),
     }
@@ -154,7 +159,7 @@ def _buffers(lay: WireLayout, sets: int, fb_dtype: torch.dtype):
     out = []
     for s in range(sets):
         x = torch.randn(p, lay.numel, device="cuda").to(torch.bfloat16)
-        fb = (1e-2 * torch.randn(p, lay.padded_numel, device="cuda")).to(fb_dtype)
+        fb = random_feedback(p, lay, fb_dtype, "cuda")
         y = torch.empty(p, lay.numel, dtype=torch.bfloat16, device="cuda")
         # flags for the largest grid any plan may launch (--plans included)
         slots = fk.signal_slots(torch.cuda.get_device_properties(0).multi_processor_count * fk.SMLimits.max_programs, p)
@@ -186,7 +191,7 @@ def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
         for r in range(world):
             if not torch.equal(y[r].cpu().view(torch.int16), want.view(torch.int16)):
                 bad.append(f"P={world} call {call} rank {r}: output bits differ")
-    if not torch.equal(fb.cpu().view(torch.int16), fb_ref.to(fb.dtype).view(torch.int16)):
+    if not torch.equal(fb.cpu().view(torch.uint8), fb_ref.view(torch.uint8)):
         bad.append(f"P={world}: feedback bits differ")
     if any(int(p.abs().sum()) for p in pads):
         bad.append(f"P={world}: flags not back at 0")
@@ -215,7 +220,7 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     one = parse_plan(plan, lay, sms) if plan else fk.plan_for(lay, sms)  # one rank per GPU
     emul = parse_plan(plan, lay, sms // world) if plan else fk.plan_for(lay, sms // world)  # P ranks share it
-    case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype.itemsize))
+    case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype))
     kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
               timeout_ns=10 * 10**9)
 
@@ -279,7 +284,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sizes", default="64M,1G", help="message bytes per rank (bf16)")
     ap.add_argument("--hidden", type=int, default=8192, help="values per row")
     ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
-    ap.add_argument("--feedback-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--feedback-dtype", default="bfloat16", choices=tuple(FEEDBACK_STORAGE),
+                    help="the feedback buffer's format (int8: codes + a bf16 scale per group)")
     ap.add_argument("--no-stages", action="store_true", help="skip the composed stage kernels")
     ap.add_argument("--plans", default="", help="tuning: tile_values:num_warps:per_sm plans to time instead of "
                                                 "TILE_TABLE's (comma-separated; e.g. 2048:8:3,1024:4:8)")
@@ -291,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench fused: needs a CUDA GPU", file=sys.stderr)
         return 2
-    fb_dtype = getattr(torch, args.feedback_dtype)
+    fb_dtype = FEEDBACK_STORAGE[args.feedback_dtype]
     worlds = [int(w) for w in args.world_sizes.split(",") if w]
     sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
     if not args.skip_verify:

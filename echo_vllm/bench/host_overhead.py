@@ -94,15 +94,15 @@ def compile_only():
         direct_launch.current_device, direct_launch.current_stream = old_dev, old_stream
 
 
-def _calls(numel: int, world_size: int):
+def _calls(numel: int, world_size: int, fb_dtype: torch.dtype = torch.float32):
     """One rank's four wrapper calls with caller-supplied buffers (as the
-    benchmark and a CUDA-graph caller make them)."""
+    benchmark and a CUDA-graph caller make them), feedback in ``fb_dtype``."""
     from .. import kernels
-    from ..quant import WireLayout
+    from ..quant import WireLayout, feedback_row_len
 
     lay = WireLayout(numel, world_size, 32)
     x = torch.zeros(1, lay.numel, dtype=torch.bfloat16)
-    fb = torch.zeros(1, lay.padded_numel)
+    fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     wire = torch.empty(1, world_size, lay.chunk_bytes, dtype=torch.uint8)
     q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8)
     y = torch.empty(lay.numel, dtype=torch.bfloat16)

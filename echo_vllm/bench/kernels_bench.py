@@ -28,10 +28,8 @@ import torch
 
 from .. import quant
 from ..config import EchoConfig
-from ..quant import WireLayout
+from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
-
-FEEDBACK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -79,13 +77,25 @@ def _backend(device: torch.device):
     return ReferenceStages()
 
 
+def random_feedback(rows: int, lay: WireLayout, fb_dtype: torch.dtype, device, gen=None) -> torch.Tensor:
+    """A feedback buffer ``[rows, row length]`` in ``fb_dtype``'s format
+    holding small carried errors (0.01 x normal draws) for ``lay``; written a
+    row at a time (the int8 encode's temporaries take 4 bytes a value each)."""
+    fb = torch.empty(rows, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype,
+                     device=device)
+    for r in range(rows):
+        write_feedback(fb[r:r + 1], 0, 1e-2 * torch.randn(1, lay.padded_numel, generator=gen, device=device),
+                       lay.group_size)
+    return fb
+
+
 class Slot:
     """One set of input buffers (calls rotate through several)."""
 
     def __init__(self, backend, lay: WireLayout, fb_dtype: torch.dtype, device: torch.device, seed: int):
         gen = torch.Generator(device=device).manual_seed(seed)
         self.x = torch.randn(1, lay.numel, generator=gen, device=device).to(torch.bfloat16)
-        self.fb = (1e-2 * torch.randn(1, lay.padded_numel, generator=gen, device=device)).to(fb_dtype)
+        self.fb = random_feedback(1, lay, fb_dtype, device, gen)
         # valid wire bytes: this rank's own stage-1 output stands in for what
         # it would receive (same sizes, same value statistics)
         wire = backend.stage1(self.x, None, lay, qmax=7, hadamard=False, has_incoming=False)
@@ -93,16 +103,18 @@ class Slot:
         self.gathered = wire[0].contiguous()
 
 
-def kernel_bytes(lay: WireLayout, fb_elem_bytes: int, in_elem_bytes: int = 2) -> dict[str, int]:
+def kernel_bytes(lay: WireLayout, fb_dtype: torch.dtype, in_elem_bytes: int = 2) -> dict[str, int]:
     """Bytes each kernel must read + write for one rank's share of one call
-    (the numbers bytes/s are computed from)."""
-    p, cb, c, n, npad = lay.world_size, lay.chunk_bytes, lay.chunk_numel, lay.numel, lay.padded_numel
-    x, fb = in_elem_bytes, fb_elem_bytes
+    (the numbers bytes/s are computed from); the feedback buffer in
+    ``fb_dtype``'s format (int8: codes and scales)."""
+    p, cb, n, x = lay.world_size, lay.chunk_bytes, lay.numel, in_elem_bytes
+    fb = feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size) * fb_dtype.itemsize
+    own = feedback_row_len(lay.chunk_numel, fb_dtype, lay.group_size) * fb_dtype.itemsize
     return {
-        "stage1": x * n + 2 * fb * npad + p * cb,     # x, feedback in + out, wire
-        "stage2": p * cb + 2 * fb * c + cb,           # P chunks, own feedback chunk in + out, 1 chunk
+        "stage1": x * n + 2 * fb + p * cb,            # x, feedback in + out, wire
+        "stage2": p * cb + 2 * own + cb,              # P chunks, own feedback chunk in + out, 1 chunk
         "output": p * cb + x * n,                     # P chunks, result
-        "consume": x * n + fb * npad + x * n,         # x, feedback, result
+        "consume": x * n + fb + x * n,                # x, feedback, result
         "naive_stage1": x * n + p * cb,
         "naive_stage2": p * cb + cb,
         "naive_output": p * cb + x * n,
@@ -111,7 +123,7 @@ def kernel_bytes(lay: WireLayout, fb_elem_bytes: int, in_elem_bytes: int = 2) ->
 
 def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, hadamard: bool):
     """name -> (run(i), bytes it must move)."""
-    nbytes = kernel_bytes(lay, slots[0].fb.element_size())
+    nbytes = kernel_bytes(lay, slots[0].fb.dtype)
     k = len(slots)
 
     def s(i):
@@ -161,12 +173,11 @@ def verify(backend, device: torch.device, cfg: EchoConfig, world_size: int, nume
 
 def _verify_once(backend, device: torch.device, cfg: EchoConfig, world_size: int, numel: int,
                  hidden: int = 0) -> list[str]:
-    fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
     lay = message_layout(numel, world_size, cfg.group_size, hidden)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(world_size, numel, generator=gen, device=device)
     x = (x * torch.exp(torch.randn(world_size, numel, generator=gen, device=device))).to(torch.bfloat16)
-    fb0 = (1e-2 * torch.randn(world_size, lay.padded_numel, generator=gen, device=device)).to(fb_dtype)
+    fb0 = random_feedback(world_size, lay, FEEDBACK_STORAGE[cfg.feedback_dtype], device, gen)
     own = list(range(world_size))
     bad = []
     for name, fb, had in (("echo", fb0, cfg.hadamard), ("naive", None, False)):
@@ -233,8 +244,8 @@ def time_call(run, device: torch.device, size_bytes: int, iters: int, mode: str 
 def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int,
                  mode: str = "auto", hidden: int = 0) -> SizeResult:
     lay = message_layout(size_bytes // 2, world_size, cfg.group_size, hidden)
-    fb_dtype = FEEDBACK_DTYPES[cfg.feedback_dtype]
-    n_slots = timing.rotation(size_bytes * (1 + 2 * torch.finfo(fb_dtype).bits // 16))
+    fb_dtype = FEEDBACK_STORAGE[cfg.feedback_dtype]
+    n_slots = timing.rotation(size_bytes * (1 + fb_dtype.itemsize))
     slots = [Slot(backend, lay, fb_dtype, device, seed) for seed in range(n_slots)]
     outs = {
         "wire": torch.empty(1, world_size, lay.chunk_bytes, dtype=torch.uint8, device=device),
@@ -347,13 +358,12 @@ def projection_table(projs: list[projection.Projection], min_bytes: int = 1 << 2
 def model_results(worlds, sizes, cfg: EchoConfig, copy_gbps: float, efficiency: float) -> list[SizeResult]:
     """Kernel times predicted from bytes moved, for ``--model-only``: every
     kernel at ``efficiency`` x the copy bandwidth."""
-    fbe = torch.finfo(FEEDBACK_DTYPES[cfg.feedback_dtype]).bits // 8
     out = []
     for p in worlds:
         for size in sizes:
             lay = WireLayout(size // 2, p, cfg.group_size)
             r = SizeResult(p, size, lay.wire_bytes_per_rank)
-            for name, nb in kernel_bytes(lay, fbe).items():
+            for name, nb in kernel_bytes(lay, FEEDBACK_STORAGE[cfg.feedback_dtype]).items():
                 r.kernels[name] = KernelResult(name, nb / (efficiency * copy_gbps * 1e9), nb)
             out.append(r)
     return out
@@ -373,7 +383,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="values per row (token) of the messages: the row-aligned, position-owned layout "
                          "(0: one row)")
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
-    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_DTYPES))
+    ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_STORAGE))
     ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
     ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")

@@ -1,9 +1,10 @@
 """What the compiler makes of each Echo kernel, without a GPU.
 
-``python -m echo_vllm.bench.sass_report`` compiles
-stage 1, stage 2, output and consume for sm_90 (bf16 input, fp32 feedback,
-g = 32, Hadamard on, P = 8, sizes with the 1 GiB benchmark's
-specialization) under ``host_overhead.compile_only`` and prints, per
+``python -m echo_vllm.bench.sass_report [--feedback-dtype float32,int8]``
+compiles stage 1, stage 2, output and consume for sm_90 (bf16 input, g = 32,
+Hadamard on, P = 8, sizes with the 1 GiB benchmark's specialization) and the
+fused kernel's phases, once per feedback dtype (default bfloat16, the
+library's), under ``host_overhead.compile_only`` and prints, per
 kernel: registers and static shared memory (``cuobjdump
 --dump-resource-usage``), the SASS instruction count of one thread (the
 kernels have no loops, so that is what each thread executes, for
@@ -29,10 +30,11 @@ import tempfile
 
 import torch
 
+from ..quant import FEEDBACK_STORAGE
 from .host_overhead import _calls, compile_only
 
-#: SASS opcodes reported by name (others are summed as "other").
-MEMORY_PREFIXES = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM")
+#: SASS opcodes reported by name (others are summed as "other"; LDL/STL: spills).
+MEMORY_PREFIXES = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDL", "STL")
 
 
 def _cuobjdump() -> str:
@@ -69,22 +71,22 @@ def kernel_report(compiled) -> dict:
     }
 
 
-def _fused_phase(phase: int, world_size: int = 8):
+def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16):
     """The fused kernel compiled for one phase alone (64 MiB of rows of 8192)."""
     from ..kernels import fused_kernel as fk
-    from ..quant import WireLayout
+    from ..quant import WireLayout, feedback_row_len
 
     lay = WireLayout(4096 * 8192, world_size, 32, 8192)
     x, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.empty(1, lay.numel, dtype=torch.bfloat16)
-    fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
+    fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     plan = fk.plan_for(lay, 132)
     lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase)
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
-def report() -> list[dict]:
-    """One row per kernel: the stage kernels (no loops: the SASS count is
+def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """One row per kernel, feedback in ``fb_dtype``: the stage kernels (no loops: the SASS count is
     what a thread executes, for ``TILE_VALUES / threads`` values) and the
     fused kernel's three phases compiled alone (static counts of a loop
     over tiles: phases 1 and 3 handle a thread's 8 values of each of the
@@ -96,13 +98,13 @@ def report() -> list[dict]:
     values_per_thread = launch.TILE_VALUES // (32 * launch.NUM_WARPS)
     rows = []
     with compile_only():
-        for name, call in _calls(1 << 22, 8).items():
+        for name, call in _calls(1 << 22, 8, fb_dtype).items():
             call()
             compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
             r = kernel_report(compiled)
             rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / values_per_thread})
         for phase in (1, 2, 3):
-            r = kernel_report(_fused_phase(phase))
+            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype))
             rows.append({"kernel": f"fused phase {phase}", **r, "sass_per_value": r["sass"] / (8 if phase == 2 else 64)})
     return rows
 
@@ -110,13 +112,21 @@ def report() -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.sass_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.parse_args(argv)
+    ap.add_argument("--feedback-dtype", default="bfloat16",
+                    help="comma-separated feedback buffer formats to compile for (of " + ", ".join(FEEDBACK_STORAGE)
+                         + "), one table each")
+    args = ap.parse_args(argv)
+    dtypes = args.feedback_dtype.split(",")
+    if not set(dtypes) <= set(FEEDBACK_STORAGE):
+        ap.error(f"--feedback-dtype {args.feedback_dtype}: choose from {', '.join(FEEDBACK_STORAGE)}")
     torch.set_num_threads(1)
-    print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
-    for r in report():
-        mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
-        print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
-              f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+    for dt in dtypes:
+        print(f"feedback {dt}:")
+        print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
+        for r in report(FEEDBACK_STORAGE[dt]):
+            mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
+            print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
+                  f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
     return 0
 
 

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from .tile import (
-    accumulate_chunk, codes_of, decode_output, from_f32, fwht, group_rows, load_chunk_groups, load_values,
-    message_offsets, quantize,
-    store_chunk_groups, store_values, to_f32, value_offsets,
+    accumulate_chunk, codes_of, decode_output, feedback_values, from_f32, fwht, group_rows, load_chunk_groups,
+    load_feedback, load_values, message_offsets, quantize,
+    store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
 
@@ -27,7 +27,7 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
     xi, xm = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
     x = load_values(x_ptr, xi, xm, G)
     if HAS_FB and HAS_INCOMING:
-        e = load_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), (lg < chunk_groups)[:, None], G)
+        e = load_feedback(fb_ptr, j * chunk_numel, lg, lg < chunk_groups, G)
     else:
         e = x
     return x, e
@@ -39,18 +39,17 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
                   HAS_INCOMING: tl.constexpr):
     """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
     (wire order), the codes and scales into the chunk at byte ``wire_first``."""
-    # the shuffles need the lane layout: 16-bit loads and stores only (tile.lane_partner)
-    SHUFFLE: tl.constexpr = x.dtype.primitive_bitwidth == 16 and fb_ptr.dtype.element_ty.primitive_bitwidth == 16
+    # the shuffles need the lane layout: 16-bit loads and stores, int8 feedback (tile.lane_partner)
+    SHUFFLE: tl.constexpr = x.dtype.primitive_bitwidth == 16 and fb_ptr.dtype.element_ty.primitive_bitwidth <= 16
     u = to_f32(x)
     if HADAMARD:
         u = fwht(u, G, SHUFFLE)
     if HAS_FB and HAS_INCOMING:
-        u = u + to_f32(e)
+        u = u + feedback_values(fb_ptr, e)
     words, s_bits, err = quantize(u, INV_QMAX)
     gmask = lg < chunk_groups
     if HAS_FB:
-        store_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), gmask[:, None],
-                     from_f32(err, fb_ptr.dtype.element_ty))
+        store_feedback(fb_ptr, j * chunk_numel, lg, gmask, err, True)  # quantize's err: finite
     store_chunk_groups(wire_ptr, wire_first, payload_bytes, lg, gmask, words, s_bits, G)
 
 
@@ -69,9 +68,8 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
         acc = accumulate_chunk(acc, recv_ptr, recv_first + i * chunk_bytes, payload_bytes, lg, gmask, G)
     words, s_bits, err = quantize(acc, INV_QMAX)
     if HAS_FB:
-        offs = value_offsets(own_first, lg, G)
-        e = to_f32(load_values(fb_ptr, offs, gmask[:, None], G))
-        store_values(fb_ptr, offs, gmask[:, None], from_f32(e + err, fb_ptr.dtype.element_ty))
+        e = feedback_values(fb_ptr, load_feedback(fb_ptr, own_first, lg, gmask, G))
+        store_feedback(fb_ptr, own_first, lg, gmask, e + err)
     return words, s_bits
 
 
@@ -96,10 +94,10 @@ def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, ch
                  HADAMARD: tl.constexpr):
     """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order)."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
-    e = to_f32(load_values(fb_ptr, value_offsets(j * chunk_numel, lg, G), (lg < msg_groups)[:, None], G))
+    e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:  # shuffles only in the lane layout (tile.lane_partner)
         SHUFFLE: tl.constexpr = (x_ptr.dtype.element_ty.primitive_bitwidth == 16
-                                 and fb_ptr.dtype.element_ty.primitive_bitwidth == 16)
+                                 and fb_ptr.dtype.element_ty.primitive_bitwidth <= 16)
         e = fwht(e, G, SHUFFLE) * (1.0 / G)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))

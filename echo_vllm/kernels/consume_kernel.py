@@ -57,7 +57,7 @@ def consume(
     launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
-    launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+    launch.check_feedback(feedback, rows, layout)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:

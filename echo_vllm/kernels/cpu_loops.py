@@ -19,7 +19,8 @@ them (round to nearest even, as the reference does). Feedback buffers come
 in the three formats of ``quant`` (float32, bfloat16, int8 blocks; the int8
 buffer travels as its uint8 bytes), read and written one group at a time by
 :func:`_load_fb_group` / :func:`_store_fb_group` as ``quant.read_feedback``
-/ ``write_feedback`` do; the Triton kernels know only the first two.
+/ ``write_feedback`` do (the Triton kernels: ``tile.load_feedback`` /
+``store_feedback``).
 """
 
 from __future__ import annotations
@@ -399,16 +400,6 @@ def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
     return _F(qmax), _F(launch.qmax_constants(qmax)["INV_QMAX"])
 
 
-def _check_feedback(feedback: torch.Tensor, rows: int, layout: WireLayout) -> None:
-    """A buffer of ``rows`` rows in one of ``quant``'s formats, long enough
-    for the message's ``padded_numel`` values."""
-    dtypes = tuple(quant.FEEDBACK_STORAGE.values())
-    if feedback.dtype not in dtypes:
-        raise TypeError(f"feedback: dtype {feedback.dtype} not in {dtypes}")
-    launch.check_rows("feedback", feedback, rows,
-                      quant.feedback_row_len(layout.padded_numel, feedback.dtype, layout.group_size), dtypes)
-
-
 def _feedback_rows(feedback: torch.Tensor | None, rows: int):
     """``(values, bytes, kind)``: numpy views of the feedback buffer that
     write through -- fp32 or bf16 bits in ``values``, an int8 buffer's bytes
@@ -432,7 +423,7 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     rows = x.shape[0] if x.dim() == 2 else -1
     launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
     if feedback is not None:
-        _check_feedback(feedback, rows, layout)
+        launch.check_feedback(feedback, rows, layout)
     p = layout.world_size
     wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
     fb, fbq, kind = _feedback_rows(feedback, rows)
@@ -458,7 +449,7 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
     own_chunk_progression(own_chunks, p)
     if feedback is not None:
-        _check_feedback(feedback, rows, layout)
+        launch.check_feedback(feedback, rows, layout)
     wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
     fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
@@ -493,7 +484,7 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
     launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
-    _check_feedback(feedback, rows, layout)
+    launch.check_feedback(feedback, rows, layout)
     fb, fbq, kind = _feedback_rows(feedback, rows)
     bf16 = x.dtype == torch.bfloat16
     res = torch.empty(rows, layout.numel, dtype=torch.int16 if bf16 else torch.float32)

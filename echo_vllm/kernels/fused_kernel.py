@@ -587,7 +587,7 @@ def fused_all_reduce(
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values, layout says {layout.numel}")
     if feedback is not None:
-        launch.check_rows("feedback", feedback, ranks, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        launch.check_feedback(feedback, ranks, layout)
     if tuple(table.shape) != (2, p) or table.dtype != torch.int64 or not table.is_contiguous():
         raise ValueError(f"table: expected contiguous int64 [2, {p}], got {table.dtype} {tuple(table.shape)}")
     if not 0 <= rank < p:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..quant import WIRE_DTYPE, WireLayout, inv_qmax_f32
+from ..quant import FEEDBACK_STORAGE, WIRE_DTYPE, WireLayout, feedback_row_len, inv_qmax_f32
 
 #: Warps per program of the stage kernels.
 NUM_WARPS = 4
@@ -51,7 +51,8 @@ def programs(layout: WireLayout) -> int:
 MAX_QMAX = 7
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FEEDBACK_DTYPES = (torch.float32, torch.bfloat16)
+#: The feedback buffer's formats (``quant.FEEDBACK_STORAGE``): every kernel reads and writes all three.
+FEEDBACK_DTYPES = tuple(FEEDBACK_STORAGE.values())
 
 
 @functools.lru_cache(maxsize=None, typed=True)
@@ -94,6 +95,20 @@ def check_rows(name: str, t: torch.Tensor, rows: int, min_cols: int, dtypes) -> 
         raise TypeError(f"{name}: dtype {t.dtype} not in {dtypes}")
     if t.stride(1) != 1 and t.shape[1] > 1:
         raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
+def check_feedback(feedback: torch.Tensor, rows: int, layout: WireLayout) -> None:
+    """A buffer of ``rows`` rows in one of ``quant``'s formats, long enough
+    for the message's ``padded_numel`` values (int8: its blocks,
+    ``quant.feedback_row_len``), int8 rows 16-byte aligned as its blocks are
+    (the kernels access a lane's codes as one 64-bit word, scales as 16-bit)."""
+    if feedback.dtype not in FEEDBACK_DTYPES:
+        raise TypeError(f"feedback: dtype {feedback.dtype} not in {FEEDBACK_DTYPES}")
+    check_rows("feedback", feedback, rows, feedback_row_len(layout.padded_numel, feedback.dtype, layout.group_size),
+               FEEDBACK_DTYPES)
+    if feedback.dtype == torch.int8 and (feedback.data_ptr() % 16 or (rows > 1 and feedback.stride(0) % 16)):
+        raise ValueError(f"feedback: int8 rows must start 16-byte aligned (data_ptr % 16 = "
+                         f"{feedback.data_ptr() % 16}, row stride {feedback.stride(0)})")
 
 
 def check_wire(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

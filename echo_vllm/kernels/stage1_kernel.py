@@ -74,7 +74,7 @@ def stage1(
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
     if feedback is not None:
-        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        launch.check_feedback(feedback, rows, layout)
     launch.check_device(x, feedback, out)
     plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming))
     wire = launch.wire_or_new(out, plan.wire_shape, x)

@@ -94,7 +94,7 @@ def stage2(
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
     base, stride = _progression(tuple(own_chunks), p)
     if feedback is not None:
-        launch.check_rows("feedback", feedback, rows, layout.padded_numel, launch.FEEDBACK_DTYPES)
+        launch.check_feedback(feedback, rows, layout)
     launch.check_device(recv, feedback, out)
     plan = _plan(layout, rows, qmax, feedback is not None)
     wire = launch.wire_or_new(out, plan.wire_shape, recv)

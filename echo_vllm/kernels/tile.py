@@ -7,7 +7,8 @@ spread over ``L`` lanes holding ``V`` (:data:`V`, 8) contiguous values each.
 Triton gives such a tensor the blocked layout ``sizePerThread [1, 1, V]``,
 ``threadsPerWarp [32 / L, L, 1]``: a lane reads and writes 16 contiguous
 bytes of 16-bit values (a warp covers ``32 / L`` whole groups of contiguous
-memory), its 8 codes are one 32-bit word on the wire, the three butterfly
+memory), its 8 codes are one 32-bit word on the wire and its 8 int8 codes
+of an int8 feedback buffer one 64-bit word, the three butterfly
 stages of stride 1, 2, 4 and the first steps of the amax stay in registers,
 and only the ``log2 L`` stages of stride ``V * m`` cross lanes -- as
 ``shfl.bfly`` with lane mask ``m`` (:func:`lane_partner`), the value at the
@@ -24,8 +25,9 @@ gives the same bits:
 * fp32 -> bf16 rounds to nearest even: in hardware when compiled
   (``cvt.rn.bf16.f32``), on the bit patterns in Triton's interpreter (which
   truncates). The two agree on every value but NaN's payload; the feedback
-  buffers never hold NaN (a non-finite group's error is 0) and outputs are
-  compared with any NaN equal to any NaN.
+  buffers never hold a computed NaN (a non-finite group's error is 0; an
+  int8 buffer's NaN scale is written as the constant 0x7FC0) and outputs
+  are compared with any NaN equal to any NaN.
 * products that are exact (a 4-bit code times a bf16 scale) are fused into
   their sum (``tl.fma``): one rounding, as the reference (which forms them
   in float64) has.
@@ -62,6 +64,9 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from ..quant import ALIGN_GROUPS as _ALIGN_GROUPS
+from ..quant import FEEDBACK_QMAX, inv_qmax_f32
+
 #: Compiled (not Triton's interpreter): hardware conversions and lane shuffles.
 COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
 
@@ -77,6 +82,10 @@ BF16_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC0)
 ZERO_WORD: tl.constexpr = tl.constexpr(0x88888888)
 #: float(0x4B000000 | code) == 2**23 + code; minus this gives code - 8.
 CODE_MAGIC: tl.constexpr = tl.constexpr(8388616.0)
+#: Groups per block of the int8 feedback format (``quant.ALIGN_GROUPS``).
+ALIGN_GROUPS: tl.constexpr = tl.constexpr(_ALIGN_GROUPS)
+#: fp32(1/127): the int8 feedback format's scale multiplier (``quant.group_scales``).
+FB_INV_QMAX: tl.constexpr = tl.constexpr(float(inv_qmax_f32(FEEDBACK_QMAX)))
 
 
 # -- conversions -------------------------------------------------------------
@@ -215,6 +224,88 @@ def chunk_scales(buf_ptr, chunk_first, payload_bytes):
     return (buf_ptr + chunk_first + payload_bytes).to(tl.pointer_type(tl.uint16))
 
 
+# -- the feedback buffer -----------------------------------------------------
+#
+# The formats of ``quant`` (module docstring), told apart by the element
+# type of the buffer's pointer: float32 / bfloat16 hold value ``i`` at
+# element ``i`` (``value_offsets``); int8 holds blocks of ``ALIGN_GROUPS``
+# groups, ``[8 G codes | 8 bf16 scales]``. A lane's ``V`` codes are ``V``
+# contiguous bytes (one 64-bit access) and its group's scale is read by each
+# of the group's lanes and written by the first, as on the wire, so every
+# int8 tensor stays in the lane layout (the shuffles stay valid).
+
+
+@triton.jit
+def _fb_int8_grid(first, lg, G: tl.constexpr):
+    """``(code offsets [BG, G] in bytes, scale offsets [BG, L] in bf16s, lane
+    [BG, L])`` of groups ``lg`` of an int8 buffer whose group 0 starts at
+    value ``first`` (a block's first value: chunks are whole blocks). Group
+    ``m``'s codes start at byte ``m * G + (m // 8) * 16`` (its block's
+    predecessors' scales before it), its scale is bf16 ``(m // 8) * (4 G + 8)
+    + 4 G + m % 8``."""
+    m = first // G + lg.to(tl.int64)
+    b = m // ALIGN_GROUPS
+    co = (m * G + b * 16)[:, None] + tl.arange(0, G)[None, :]
+    # 8 contiguous bytes per lane: told the group's G, Triton would give a lane 16
+    co = tl.max_contiguous(co, (1, V))
+    _, _, lane = _lane_grid(lg, G)
+    si = _opaque(tl.broadcast_to((b * (4 * G + 8) + 4 * G + (m - b * ALIGN_GROUPS))[:, None], lane.shape))
+    return co, si, lane
+
+
+@triton.jit
+def load_feedback(fb_ptr, first, lg, gmask, G: tl.constexpr):
+    """The carried errors of groups ``lg`` (group 0 at value ``first`` of the
+    buffer; 0 where not ``gmask [BG]``) as stored: ``[BG, L, V]`` of the
+    buffer's float type, or for int8 ``(codes int8 [BG, L, V], scale bits
+    uint16 [BG, L])``. :func:`feedback_values` makes fp32 of either: apart,
+    so that a tile loaded ahead is held in its compact form."""
+    if fb_ptr.dtype.element_ty == tl.int8:
+        co, si, _ = _fb_int8_grid(first, lg, G)
+        codes = as_lanes(tl.load(fb_ptr + co, mask=gmask[:, None], other=0), G)
+        return codes, _load_u16(fb_ptr.to(tl.pointer_type(tl.uint16)) + si, tl.broadcast_to(gmask[:, None], si.shape))
+    else:
+        return load_values(fb_ptr, value_offsets(first, lg, G), gmask[:, None], G)
+
+
+@triton.jit
+def feedback_values(fb_ptr, e):
+    """fp32 ``[BG, L, V]`` of ``e`` as :func:`load_feedback` of ``fb_ptr``
+    returned it, as ``quant.read_feedback``: int8 ``code * scale`` (exact in
+    fp32, and rounded apart from any sum, as the reference has it)."""
+    if fb_ptr.dtype.element_ty == tl.int8:
+        codes, s_bits = e
+        return codes.to(tl.float32) * bf16_bits_to_f32(s_bits)[:, :, None]
+    else:
+        return to_f32(e)
+
+
+@triton.jit
+def store_feedback(fb_ptr, first, lg, gmask, e, FINITE: tl.constexpr = False):
+    """Store fp32 errors ``e [BG, L, V]`` of groups ``lg`` (masked by ``gmask
+    [BG]``, addressed as by :func:`load_feedback`) in the buffer's format, as
+    ``quant.write_feedback``: rounded to its float type, or int8-encoded as
+    ``quant.encode_feedback`` (scale from :func:`group_scale` with qmax 127;
+    NaN scale and codes 0 for a non-finite group). ``FINITE``: the caller
+    guarantees every value finite (a quantizer's error), so no group needs
+    the non-finite case's selects."""
+    G: tl.constexpr = e.shape[1] * e.shape[2]
+    if fb_ptr.dtype.element_ty == tl.int8:
+        good, t_bits, _, inv = group_scale(e, FB_INV_QMAX)
+        # e / t + 1.5 * 2**23 = 1.5 * 2**23 + round(e / t) exactly: its low
+        # byte is the code in two's complement (no clamp: quant's docstring)
+        y = (e * inv[:, None, None] + RNE_MAGIC).to(tl.int32, bitcast=True)
+        if not FINITE:
+            y = tl.where(good[:, None, None], y, 0)
+            t_bits = tl.where(good, t_bits, BF16_NAN_BITS).to(tl.uint16)
+        co, si, lane = _fb_int8_grid(first, lg, G)
+        tl.store(fb_ptr + co, as_groups(y.to(tl.int8)), mask=gmask[:, None])
+        _store_u16(fb_ptr.to(tl.pointer_type(tl.uint16)) + si, tl.broadcast_to(t_bits[:, None], si.shape),
+                   gmask[:, None] & (lane == 0))
+    else:
+        store_values(fb_ptr, value_offsets(first, lg, G), gmask[:, None], from_f32(e, fb_ptr.dtype.element_ty))
+
+
 # -- rotation ----------------------------------------------------------------
 
 
@@ -225,9 +316,10 @@ def lane_partner(v, M: tl.constexpr, L: tl.constexpr, SHUFFLE: tl.constexpr):
     layout: a group's lanes on consecutive lanes of a warp), otherwise a
     flip of that lane pair's values, which Triton lowers for any layout.
     Callers pass ``SHUFFLE`` only when every tensor of the tile moves 16-bit
-    values: a 32-bit load gives a lane 4 values, Triton may lay the whole
-    tile out that way, and the lane arithmetic no longer holds (seen on the
-    H200 with fp32 feedback)."""
+    values or int8 feedback codes (8 values a lane, as 16-bit ones): a
+    32-bit load gives a lane 4 values, Triton may lay the whole tile out
+    that way, and the lane arithmetic no longer holds (seen on the H200 with
+    fp32 feedback)."""
     if COMPILED and SHUFFLE:
         bits = v.to(tl.int32, bitcast=True)
         if M == 1:
@@ -286,6 +378,20 @@ def group_amax(u):
 
 
 @triton.jit
+def group_scale(u, INV_QMAX: tl.constexpr):
+    """``(good, scale bits uint16, scale fp32, 1 / scale)``, each ``[BG]``, of
+    the groups of fp32 ``u [BG, L, V]`` for codes in ``[-qmax, qmax]``, as
+    ``quant.group_scales``: ``bf16(max(amax * INV_QMAX, FLT_MIN))``, one
+    correctly rounded division; ``good`` false for a group holding NaN or
+    Inf (whose scale bits the caller replaces by NaN)."""
+    amax = group_amax(u)
+    good = amax < float("inf")  # false for inf and NaN
+    s_bits = f32_to_bf16_bits(tl.maximum(amax * INV_QMAX, FLT_MIN))
+    s = bf16_bits_to_f32(s_bits)
+    return good, s_bits, s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
 def quantize(u, INV_QMAX: tl.constexpr):
     """Group-quantize fp32 ``u [BG, L, V]`` as ``quant.quantize_groups``
     (round to nearest).
@@ -296,11 +402,7 @@ def quantize(u, INV_QMAX: tl.constexpr):
     ``scale >= amax / qmax * (1 - 2**-9)`` bounds it by ``qmax + 0.03``,
     which rounds to ``qmax`` anyway.
     """
-    amax = group_amax(u)
-    good = amax < float("inf")  # false for inf and NaN
-    s_bits = f32_to_bf16_bits(tl.maximum(amax * INV_QMAX, FLT_MIN))
-    s = bf16_bits_to_f32(s_bits)
-    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    good, s_bits, s, inv = group_scale(u, INV_QMAX)
     t = u * inv[:, None, None] + RNE_MAGIC
     r = t - RNE_MAGIC
     err = tl.where(good[:, None, None], tl.fma(r, -s[:, None, None], u), 0.0)

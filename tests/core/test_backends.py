@@ -83,35 +83,16 @@ def test_the_backend_echo_all_reduce_builds_is_make_backends():
     assert ar.backend(torch.device("cpu")).name == "numba"
 
 
-INT8_ONLY_ON = r"runs on the backends \('reference', 'numba'\) only"
-
-
-def test_int8_feedback_is_refused_where_the_triton_kernels_would_run(group):
-    """The Triton stage kernels and the fused kernel read float32/bfloat16
-    buffers only: int8 feedback there is an EchoConfigError naming the
-    backends that implement it, whichever way the backend was chosen --
-    never a silent switch to the slow references, never a wrong read."""
+def test_int8_feedback_runs_on_the_backend_auto_picks(group):
+    """Every backend reads and writes every feedback format (int8 included):
+    the format takes no part in the choice, on CUDA tensors int8 feedback
+    gets the fused kernel or the Triton stage kernels as the others do."""
     int8 = EchoConfig(feedback_dtype="int8")
-    with pytest.raises(EchoConfigError, match=INT8_ONLY_ON + r", not on 'fused' \(auto: CUDA tensors, peer"):
-        backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv(), peers=FakeRank("nccl"))
-    for name in ("triton", "fused"):
-        with pytest.raises(EchoConfigError, match=INT8_ONLY_ON + f", not on '{name}' \\(backend='{name}'\\)"):
-            backends.make_backend(int8.replace(backend=name), FakeRank(), device_type="cuda", env=EchoEnv())
+    assert backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv(),
+                                 peers=FakeRank("nccl"))[0] == "the fused backend"
+    assert backends.make_backend(int8.replace(backend="fused"), FakeRank(), device_type="cuda",
+                                 env=EchoEnv())[0] == "the fused backend"
     group.p2p = (False, "GPU 0 cannot access GPU 1")
-    with pytest.raises(EchoConfigError, match=INT8_ONLY_ON + r", not on 'triton' \(auto: .*cannot access GPU 1"):
-        backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv())
-    with pytest.raises(EchoConfigError, match="ECHO_KERNELS=triton"):
-        backends.make_backend(int8, FakeRank(), device_type="cpu", env=EchoEnv(kernels="triton"))
-    assert group.built == []
-    # where the format is implemented
-    assert backends.make_backend(int8.replace(backend="reference"), FakeRank(), device_type="cuda",
-                                 env=EchoEnv())[0].name == "reference"
-    assert backends.make_backend(int8, FakeRank(), device_type="cpu", env=EchoEnv())[0].name == "reference"
+    backend, reason = backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv())
+    assert backend.name == "triton" and "cannot access GPU 1" in reason
     assert backends.make_backend(int8, FakeRank(), device_type="cpu", env=EchoEnv(kernels="numba"))[0].name == "numba"
-    assert backends.fast_on_cpu(int8, "cpu").backend in ("numba", "reference")
-    # the pure rule, and the registry it reads
-    assert backends.choose_backend("auto", device_type="cuda", stochastic=True, feedback_dtype="int8")[0] == "reference"
-    assert {n for n, spec in backends.BACKENDS.items() if "int8" in spec.feedback_dtypes} == {"reference", "numba"}
-    for dtype in ("float32", "bfloat16"):
-        assert backends.choose_backend("auto", device_type="cuda", stochastic=False, p2p=True,
-                                       feedback_dtype=dtype)[0] == "fused"

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_kernels import (
-    CUDA, DEVICE, DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
+    CUDA, DEVICE, DTYPES, FB_DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
     in_kernel_process,
 )
 
@@ -71,7 +71,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     lay = WireLayout(numel, world, group, cols)
     tag = f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming}"
     x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
-    fb_ref = _feedback(world, lay, DTYPES[fb_dtype], 7) if fb_dtype else None
+    fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
     # buffers sized for larger chunks, as the backend's are: this call's
     # slots are packed at the start of each area
@@ -84,7 +84,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
     fb_after = {1: None, 2: fb_ref}
     if fb_dtype:  # the reference's feedback after stage 1 alone
-        fb1 = _feedback(world, lay, DTYPES[fb_dtype], 7)
+        fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
         quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
         fb_after[1] = fb1
     n = world * lay.chunk_bytes
@@ -115,6 +115,9 @@ PHASE_CASES = [
     (5 * 200, 3, 64, 200, "fp32", None, False, True, 8, 1),       # no feedback buffer
     (2 * 256, 2, 128, 256, "bf16", "fp32", True, True, 8, 1),
     (9, 2, 64, 1, "fp32", "fp32", False, True, 4, 2),             # one column: a group per row
+    (7 * 333, 3, 32, 333, "bf16", "int8", True, True, 8, 2),      # int8 feedback: blocks of 8 groups
+    (1000, 4, 16, 0, "fp16", "int8", True, False, 16, 3),
+    (3 * 256, 2, 128, 256, "fp32", "int8", False, True, 4, 1),
 ]
 
 
@@ -124,17 +127,19 @@ def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, inc
                       programs)
 
 
-def test_phases_special_values_match_reference():
+@pytest.mark.parametrize("fb", ["fp32", "int8"])
+def test_phases_special_values_match_reference(fb):
     """NaN/Inf groups decode to NaN on every rank; huge, tiny and zero groups
     as the reference."""
-    in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", "fp32", True, True, 8, 2,
+    in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", fb, True, True, 8, 2,
                       special=True)  # 3 tiles on 2 programs
 
 
 # -- the whole kernel, barriers included, over processes sharing memory ---------------
 
 
-def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadamard=True, deadline_s=60.0):
+def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadamard=True, deadline_s=60.0,
+                   fb_dtype="fp32"):
     """In the interpreter worker: ``world`` forked processes (one per rank)
     run ``calls`` chained calls of the whole kernel on buffers in shared
     memory (mapped at the same addresses in every child, so one table
@@ -148,7 +153,7 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
         t.share_memory_()  # moves the storage: the table is rebuilt below
     table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64)
     xs = torch.stack([_values((world, lay.numel), 50 + c, special=c == 1).to(torch.bfloat16) for c in range(calls)])
-    fb0 = _feedback(world, lay, torch.float32, 51, device="cpu")
+    fb0 = _feedback(world, lay, FB_DTYPES[fb_dtype], 51, device="cpu")
     fbs = fb0.clone().share_memory_()
     ys = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
     plan = fk.FusedPlan(tile_groups, 2, programs)
@@ -191,13 +196,14 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
     assert all(int(p.abs().sum()) == 0 for p in pads), [p.tolist() for p in pads]
 
 
-def test_whole_kernel_with_barriers_over_processes():
+@pytest.mark.parametrize("fb", ["fp32", "int8"])
+def test_whole_kernel_with_barriers_over_processes(fb):
     """P = 3 processes run 3 chained calls of the whole kernel (two programs
     looping over four tiles, barriers between the phases; NaN/Inf in call
     1): every rank returns the reference chain's bits, the feedback buffers
     hold its errors, and every flag is back to 0 at the end."""
     _interpreter_pool().submit(_reporting, _emulate_ranks, world=3, rows=5, cols=77, group=16, calls=3,
-                               tile_groups=4, programs=2).result(timeout=300)
+                               tile_groups=4, programs=2, fb_dtype=fb).result(timeout=300)
 
 
 # -- compiled for sm_90 (no GPU needed) -------------------------------------------------
@@ -353,6 +359,8 @@ def test_bad_arguments_raise_clear_errors():
         fk.fused_all_reduce(torch.zeros(1, 257, dtype=torch.bfloat16), None, table, lay, **kw)
     with pytest.raises(ValueError, match="feedback"):
         fk.fused_all_reduce(x, torch.zeros(1, 10), table, lay, **kw)
+    with pytest.raises(ValueError, match="feedback"):  # as many bytes as values: short of the scales
+        fk.fused_all_reduce(x, torch.zeros(1, lay.padded_numel, dtype=torch.int8), table, lay, **kw)
 
 
 # -- where it runs: pure functions ---------------------------------------------------------

@@ -33,6 +33,8 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 QMAX = 7
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: Feedback buffer formats (``quant.FEEDBACK_STORAGE``), by the cases' short names.
+FB_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 
@@ -247,6 +249,10 @@ CASES = [
     (1000, 3, 16, "bf16", True, True, "fp32", -3),
     (1000, 4, 128, "fp16", True, True, "fp32", 0),
     (1000, 4, 32, "bf16", False, True, "fp32", 17),
+    (1, 2, 64, "fp16", True, True, "int8", 0),
+    (31, 3, 16, "bf16", True, True, "int8", 5),
+    (33, 4, 128, "fp32", False, True, "int8", -1),
+    (1000, 2, 16, "bf16", True, False, "int8", 3),
 ]
 
 
@@ -256,7 +262,7 @@ def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming
     in_kernel_process(
         run_and_compare,
         numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world,
+        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world,
     )
 
 
@@ -270,6 +276,8 @@ ROW_CASES = [
     (4, 576, 3, 128, "bf16", True, False, "bf16"),
     (9, 1, 2, 64, "fp32", False, True, "fp32"),
     (2, 1000, 8, 32, "bf16", False, True, None),
+    (7, 333, 3, 32, "bf16", True, True, "int8"),
+    (4, 576, 4, 64, "fp16", True, True, "int8"),
 ]
 
 
@@ -280,22 +288,22 @@ def test_row_messages_match_reference(impl, rows, cols, world, group, dt, hadama
     run_impl(
         impl, run_and_compare,
         rows * cols, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=DTYPES.get(fb), seed=rows * 11 + cols, impl=impl, cols=cols,
+        fb_dtype=FB_DTYPES.get(fb), seed=rows * 11 + cols, impl=impl, cols=cols,
     )
 
 
-def _special_values_match_reference(dt, hadamard):
+def _special_values_match_reference(dt, hadamard, fb):
     """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs."""
     run_and_compare(
         40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
-        fb_dtype=torch.float32, seed=3, special=True,
+        fb_dtype=FB_DTYPES[fb], seed=3, special=True,
     )
 
 
-@pytest.mark.parametrize("hadamard", [False, True])
-@pytest.mark.parametrize("dt", ["bf16", "fp32"])
-def test_special_values_match_reference(dt, hadamard):
-    in_kernel_process(_special_values_match_reference, dt, hadamard)
+@pytest.mark.parametrize("dt,hadamard,fb", [("bf16", False, "fp32"), ("bf16", True, "fp32"), ("fp32", False, "fp32"),
+                                            ("fp32", True, "fp32"), ("bf16", True, "int8"), ("fp32", False, "int8")])
+def test_special_values_match_reference(dt, hadamard, fb):
+    in_kernel_process(_special_values_match_reference, dt, hadamard, fb)
 
 
 def _decode_of_arbitrary_bytes_matches_reference(group, impl):
@@ -324,7 +332,7 @@ def test_cpu_loops_match_reference(groups, world, group, dt, hadamard, incoming,
     """The numba CPU loops (``ECHO_KERNELS=cpu``) give the references' bits too."""
     run_and_compare(
         max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=DTYPES.get(fb), seed=groups * 7 + world, impl="cpu",
+        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world, impl="cpu",
     )
 
 
@@ -344,28 +352,29 @@ def test_decode_of_arbitrary_bytes_matches_reference(group, impl):
     run_impl(impl, _decode_of_arbitrary_bytes_matches_reference, group, impl)
 
 
-def _real_rank_stage2_updates_its_own_chunk_only(rank, impl):
-    """R = 1 (one real rank of P): only chunk ``rank`` of the buffer changes."""
+def _real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb_dtype):
+    """R = 1 (one real rank of P): only chunk ``rank`` of the buffer changes
+    (int8: its blocks' bytes)."""
     world, group, device, K = 3, 32, _device(impl), kernels(impl)
     lay = WireLayout(33 * group, world, group)
     x = _values((world, lay.numel), 11).to(torch.bfloat16).to(device)
     recv_all = quant.stage1_reference(x, None, lay, qmax=QMAX).transpose(0, 1).contiguous()
     recv = recv_all[rank : rank + 1]
-    fb_ref = _feedback(1, lay, torch.float32, 12, device=device)
+    fb_ref = _feedback(1, lay, fb_dtype, 12, device=device)
     fb_ker, before = fb_ref.clone(), fb_ref.clone()
     q2_ref = quant.stage2_reference(recv, fb_ref, [rank], lay, qmax=QMAX)
     q2 = K.stage2(recv, fb_ker, [rank], lay, qmax=QMAX)
     assert_same_bits(q2, q2_ref, "stage2 wire (one rank)")
     assert_same_bits(fb_ker, fb_ref, "stage2 feedback (one rank)")
-    c = lay.chunk_numel
+    c = quant.feedback_row_len(lay.chunk_numel, fb_dtype, group)
     changed = (fb_ker != before).any(dim=0).nonzero().flatten()
     assert changed.numel() > 0 and changed.min() >= rank * c and changed.max() < (rank + 1) * c
 
 
 @pytest.mark.parametrize("impl", ["triton", "cpu"])
-@pytest.mark.parametrize("rank", [0, 2])
-def test_real_rank_stage2_updates_its_own_chunk_only(rank, impl):
-    run_impl(impl, _real_rank_stage2_updates_its_own_chunk_only, rank, impl)
+@pytest.mark.parametrize("rank,fb", [(0, "fp32"), (2, "fp32"), (2, "int8")])
+def test_real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb):
+    run_impl(impl, _real_rank_stage2_updates_its_own_chunk_only, rank, impl, FB_DTYPES[fb])
 
 
 def _out_buffers_are_filled_in_place():
@@ -445,9 +454,9 @@ def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float
     assert_same_bits(results[mode][1], results["reference"][1], "absorb", nan_any=True)
 
 
-@pytest.mark.parametrize("mode", ["triton", "cpu"])
-def test_echo_calls_through_ops_match_the_reference_path(mode):
-    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode)
+@pytest.mark.parametrize("mode,feedback_dtype", [("triton", "float32"), ("triton", "int8"), ("cpu", "float32")])
+def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype):
+    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode, feedback_dtype)
 
 
 @needs_numba
@@ -457,26 +466,25 @@ def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype):
     _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype)
 
 
-# -- int8 feedback (numba loops; the Triton kernels refuse it) ---------------------
-
-FB_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+# -- chains of calls, every feedback format (int8 included) ---------------------------
 
 
 def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, seed, calls=3, cols=0,
-                          special=False, fb=None):
-    """``calls`` Echo calls of one chain, numba loops against references,
-    stage by stage and bit for bit: the feedback buffers carry each call's
-    error into the next call's stage 1 (both sides evolve on their own, so
-    a difference anywhere compounds and shows), then an exact call consumes
-    the last one. ``fb``: a starting buffer (default :func:`_feedback`)."""
-    K = stages("cpu")
+                          special=False, fb=None, impl="cpu"):
+    """``calls`` Echo calls of one chain, the numba loops (or the Triton
+    kernels, ``impl="triton"``) against references, stage by stage and bit
+    for bit: the feedback buffers carry each call's error into the next
+    call's stage 1 (both sides evolve on their own, so a difference anywhere
+    compounds and shows), then an exact call consumes the last one. ``fb``:
+    a starting buffer (default :func:`_feedback`)."""
+    K, device = stages(impl), _device(impl)
     lay = WireLayout(numel, world, group, cols)
-    fb_ref = fb if fb is not None else _feedback(world, lay, fb_dtype, seed + 1, device="cpu")
+    fb_ref = (fb.to(device) if fb is not None else _feedback(world, lay, fb_dtype, seed + 1, device=device))
     fb_ker = fb_ref.clone()
     own = list(range(world))
     for t in range(calls):
         tag = f"call {t} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} fb={fb_dtype}"
-        x = _values((world, numel), seed + t, special=special).to(dtype)
+        x = _values((world, numel), seed + t, special=special).to(dtype).to(device)
         inc = t > 0 or fb is not None
         wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
         wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
@@ -489,7 +497,7 @@ def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, see
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
         y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
         assert_same_bits(K.output(q2_ref, lay, dtype, hadamard=hadamard), y_ref, f"output [{tag}]", nan_any=True)
-    x = _values((world, numel), seed + calls, special=special).to(dtype)
+    x = _values((world, numel), seed + calls, special=special).to(dtype).to(device)
     c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
     assert_same_bits(K.consume(x, fb_ker, lay, hadamard=hadamard), c_ref, f"consume [{tag}]", nan_any=True)
     return fb_ref
@@ -520,22 +528,29 @@ def test_cpu_loops_match_reference_over_a_chain(groups, world, group, dt, hadama
                           seed=groups * 7 + world, cols=cols)
 
 
-@needs_numba
-@pytest.mark.parametrize("hadamard", [False, True])
-@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
-def test_cpu_loops_int8_feedback_special_values_match_reference(dt, hadamard):
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,offset,cols", INT8_CASES[:5])
+def test_kernels_match_reference_over_an_int8_chain(groups, world, group, dt, hadamard, offset, cols):
+    """The Triton kernels over a chain whose int8 buffer carries each call's error."""
+    numel = max(1, groups * group + offset)
+    if cols:
+        numel = max(1, numel // cols) * cols
+    in_kernel_process(run_chain_and_compare, numel, world, group, DTYPES[dt], hadamard=hadamard,
+                      fb_dtype=torch.int8, seed=groups * 7 + world, cols=cols, impl="triton")
+
+
+@pytest.mark.parametrize("impl,dt,hadamard", [("cpu", dt, had) for dt in DTYPES for had in (False, True)]
+                         + [("triton", "bf16", True), ("triton", "fp16", False)])
+def test_int8_feedback_special_values_match_reference(impl, dt, hadamard):
     """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs,
     through a chain whose int8 buffer carries them."""
-    run_chain_and_compare(40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=torch.int8, seed=3,
-                          special=True)
+    run_impl(impl, run_chain_and_compare, 40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=torch.int8,
+             seed=3, special=True, impl=impl)
 
 
-@needs_numba
-@pytest.mark.parametrize("group", [16, 128])
-def test_cpu_loops_decode_arbitrary_int8_feedback_bytes_as_the_reference(group):
+def _arbitrary_int8_feedback_bytes_as_the_reference(group, impl):
     """Whatever bytes the int8 buffer holds (scales subnormal, huge, Inf,
-    NaN: groups that decode non-finite and must be re-encoded as NaN), the
-    loops read and rewrite them as the references do."""
+    NaN: groups that decode non-finite and must be re-encoded as NaN, codes
+    -128), the stages read and rewrite them as the references do."""
     world = 3
     lay = WireLayout(20 * group, world, group)
     gen = torch.Generator().manual_seed(group)
@@ -545,9 +560,15 @@ def test_cpu_loops_decode_arbitrary_int8_feedback_bytes_as_the_reference(group):
     scales[:, :4] = torch.tensor([float("nan"), float("inf"), -1e-40, 3e38])
     assert bool(quant.decode_feedback(fb, group).isnan().any())
     out = run_chain_and_compare(lay.numel, world, group, torch.bfloat16, hadamard=True, fb_dtype=torch.int8,
-                                seed=5, calls=1, fb=fb)
+                                seed=5, calls=1, fb=fb, impl=impl).cpu()
     # a group that came in NaN went out NaN on the wire and left no error
     assert bool(quant.decode_feedback(out[:, : n - quant.feedback_block_bytes(group)], group).isfinite().all())
+
+
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
+@pytest.mark.parametrize("group", [16, 128])
+def test_decode_arbitrary_int8_feedback_bytes_as_the_reference(group, impl):
+    run_impl(impl, _arbitrary_int8_feedback_bytes_as_the_reference, group, impl)
 
 
 @needs_numba
@@ -586,30 +607,26 @@ def test_cpu_loops_int8_codec_matches_reference(group):
     assert_same_bits(torch.from_numpy(back), quant.decode_feedback(want.unsqueeze(0), group)[0], "int8 decode")
 
 
-@needs_numba
-def test_cpu_loops_check_the_int8_buffer():
+def _int8_buffer_is_checked(impl):
+    K, device = kernels(impl), _device(impl)
     lay = WireLayout(64 * 3, 3, 32)
-    x = torch.zeros(3, lay.numel, dtype=torch.bfloat16)
-    short = torch.zeros(3, quant.feedback_row_len(lay.padded_numel, torch.int8, 32) - 1, dtype=torch.int8)
+    x = torch.zeros(3, lay.numel, dtype=torch.bfloat16, device=device)
+    row = quant.feedback_row_len(lay.padded_numel, torch.int8, 32)
+    short = torch.zeros(3, row - 1, dtype=torch.int8, device=device)
     with pytest.raises(ValueError, match="feedback"):
-        kernels("cpu").stage1(x, short, lay, qmax=QMAX, hadamard=True, has_incoming=True)
+        K.stage1(x, short, lay, qmax=QMAX, hadamard=True, has_incoming=True)
     with pytest.raises(TypeError, match="dtype"):
-        kernels("cpu").stage1(x, torch.zeros(3, lay.padded_numel, dtype=torch.float16), lay, qmax=QMAX,
-                              hadamard=True, has_incoming=True)
+        K.stage1(x, torch.zeros(3, lay.padded_numel, dtype=torch.float16, device=device), lay, qmax=QMAX,
+                 hadamard=True, has_incoming=True)
+    # rows that start off a block's 16-byte alignment: the kernels' 64-bit code accesses would fault
+    shifted = torch.zeros(3, row + 16, dtype=torch.int8, device=device)[:, 1 : row + 1]
+    with pytest.raises(ValueError, match="aligned"):
+        K.consume(x, shifted, lay, hadamard=True)
 
 
-def _triton_kernels_refuse_int8_feedback():
-    lay = WireLayout(64, 2, 32)
-    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
-    fb = torch.zeros(2, quant.feedback_row_len(lay.padded_numel, torch.int8, 32), dtype=torch.int8, device=DEVICE)
-    with pytest.raises(TypeError, match="dtype"):
-        kernels().stage1(x, fb, lay, qmax=QMAX, hadamard=False, has_incoming=True)
-
-
-def test_triton_kernels_refuse_int8_feedback():
-    """Below the backend rule (tests/core/test_backends.py), the kernels'
-    own checks refuse an int8 buffer rather than read its bytes as floats."""
-    in_kernel_process(_triton_kernels_refuse_int8_feedback)
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
+def test_the_int8_buffer_is_checked(impl):
+    run_impl(impl, _int8_buffer_is_checked, impl)
 
 
 # -- launching without Triton's per-call dispatch -----------------------------------
@@ -744,38 +761,57 @@ def test_installed_triton_is_one_direct_launch_was_checked_against():
         ((1 << 23) - 16, 3, 16, "fp16", True),
     ],
 )
-@pytest.mark.parametrize("fb", ["fp32", "bf16"])
+@pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
     run_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=True,
-                    fb_dtype=DTYPES[fb], seed=numel % 1000 + world, special=True)
+                    fb_dtype=FB_DTYPES[fb], seed=numel % 1000 + world, special=True)
 
 
 @pytest.mark.parametrize(
     "rows,cols,world,group",
     [(4096, 4096, 8, 32), (1000, 2880, 4, 128), (333, 1000, 3, 16), (2048, 576, 3, 32)],
 )
+@pytest.mark.parametrize("fb", ["bf16", "int8"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_large_row_messages_on_gpu(rows, cols, world, group):
+def test_large_row_messages_on_gpu(rows, cols, world, group, fb):
     """The position-owned layout at prefill sizes, compiled kernels vs references."""
     run_and_compare(rows * cols, world, group, torch.bfloat16, hadamard=True, incoming=True,
-                    fb_dtype=torch.bfloat16, seed=rows + cols, special=True, cols=cols)
+                    fb_dtype=FB_DTYPES[fb], seed=rows + cols, special=True, cols=cols)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("hadamard", [False, True])
-def test_cuda_graph_replay_gives_eager_bits(hadamard):
+@pytest.mark.parametrize("numel,world,group,cols", [((1 << 22) + 123, 8, 32, 0), (2048 * 2880, 4, 128, 2880)])
+def test_int8_chains_on_gpu(numel, world, group, cols):
+    """Compiled kernels over a chain of calls whose int8 buffer carries the
+    error, special values included, against the references."""
+    run_chain_and_compare(numel, world, group, torch.bfloat16, hadamard=True, fb_dtype=torch.int8, seed=world,
+                          cols=cols, special=True, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("group", [16, 128])
+def test_arbitrary_int8_feedback_bytes_on_gpu(group):
+    _arbitrary_int8_feedback_bytes_as_the_reference(group, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hadamard,feedback_dtype", [(False, "float32"), (True, "float32"), (True, "int8")])
+def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype):
     """A whole Echo call (stage 1, all-to-all, stage 2, all-gather, output,
     feedback update) captured in a CUDA graph and replayed gives the bits of
     the eager call from the same state."""
     from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
 
     world, shape = 4, (512, 4096)
-    ar = EchoAllReduce(EchoConfig(min_bytes=0, hadamard=hadamard), VirtualTransport(world))
-    chain = FeedbackChain(world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
+    cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=feedback_dtype)
+    ar = EchoAllReduce(cfg, VirtualTransport(world))
+    chain = FeedbackChain.of(cfg, world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
     x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
     x1 = _values((world, *shape), 8).to(torch.bfloat16).cuda()
     static_x = x1.clone()
