@@ -58,18 +58,27 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
                 P: tl.constexpr, G: tl.constexpr, INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr):
     """Sum the ``P`` received chunks (at ``recv_first + i * chunk_bytes``) of
     groups ``lg`` in fp32 in rank order, requantize, add the error into the
-    feedback buffer's own chunk (its value 0 at ``own_first``). Returns
-    ``(words, scale bits)``."""
+    feedback buffer's own chunk (its value 0 at ``own_first``; 16-bit
+    feedback is loaded with the chunks, its latency hidden under theirs).
+    Returns ``(words, scale bits)``."""
     gmask = lg < chunk_groups
+    # feedback of 16 bits or less is loaded with the chunks (one memory
+    # latency per tile, not two); a 32-bit tile is converted through shared
+    # memory right at its load, which would wait for it there and double the
+    # conversions
+    EARLY: tl.constexpr = fb_ptr.dtype.element_ty.primitive_bitwidth <= 16
     # the reference's 0 + dequant(chunk 0) is dequant(chunk 0) (never -0)
     words, s = load_chunk_groups(recv_ptr, recv_first, payload_bytes, lg, gmask, G)
+    if HAS_FB and EARLY:
+        e = load_feedback(fb_ptr, own_first, lg, gmask, G)
     acc = codes_of(words) * s[:, :, None]
     for i in tl.static_range(1, P):  # rank order: the reference's sum
         acc = accumulate_chunk(acc, recv_ptr, recv_first + i * chunk_bytes, payload_bytes, lg, gmask, G)
     words, s_bits, err = quantize(acc, INV_QMAX)
     if HAS_FB:
-        e = feedback_values(fb_ptr, load_feedback(fb_ptr, own_first, lg, gmask, G))
-        store_feedback(fb_ptr, own_first, lg, gmask, e + err)
+        if not EARLY:
+            e = load_feedback(fb_ptr, own_first, lg, gmask, G)
+        store_feedback(fb_ptr, own_first, lg, gmask, feedback_values(fb_ptr, e) + err)
     return words, s_bits
 
 

@@ -21,7 +21,11 @@ The bits are those of ``quant.stage1_reference`` -> exchange ->
 ``stage2_reference`` -> ``output_reference``: the same tile bodies
 (:mod:`.bodies`) as the stage kernels, compiled without FMA contraction.
 Phases 1 and 3 issue the loads of a program's next tile before the
-arithmetic of the current one.
+arithmetic of the current one (phase 1 with the next chunk's peer base
+from ``table``); phase 2 issues its feedback load with the ``recv`` loads
+and loads the P peer bases together before its stores. The compiler
+cannot move a ``table`` load above a store (they may alias), so one
+placed at its use waits a load latency after the stores before it.
 
 Memory
 ------
@@ -260,8 +264,8 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
             HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
-    its owner's ``recv`` slot ``rank``; the next chunk's loads are issued
-    before this chunk's arithmetic."""
+    its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
+    owner's buffer address) are issued before this chunk's arithmetic."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
         rows = group_rows(lg, row_groups)
@@ -270,15 +274,17 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
         j = tl.cast((rank + 1) % P, tl.int64)
         x, e = stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                            G, HAS_FB, HAS_INCOMING)
+        dest = _peer_buffer(table_ptr, j)
         for k in tl.static_range(P):
             if k + 1 < P:
                 j_n = tl.cast((rank + 2 + k) % P, tl.int64)
                 x_n, e_n = stage1_load(x_ptr, fb_ptr, j_n, lg, rows, row_groups, cols, msg_groups, chunk_numel,
                                        chunk_groups, G, HAS_FB, HAS_INCOMING)
-            stage1_finish(x, e, fb_ptr, _peer_buffer(table_ptr, j), rank * chunk_bytes, payload_bytes, j, lg,
+                dest_n = _peer_buffer(table_ptr, j_n)
+            stage1_finish(x, e, fb_ptr, dest, rank * chunk_bytes, payload_bytes, j, lg,
                           chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
             if k + 1 < P:
-                x, e, j = x_n, e_n, j_n
+                x, e, j, dest = x_n, e_n, j_n, dest_n
 
 
 @triton.jit
@@ -286,17 +292,21 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups,
             n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
             HAS_FB: tl.constexpr):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
-    ``gathered`` slot ``rank``."""
+    ``gathered`` slot ``rank``; the P peer bases are loaded together before
+    the stores, one latency per tile instead of one per peer (kept out of
+    the loop they would hold 2 P registers through the sum)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
         words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
                                     lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
         gmask = lg < chunk_groups
+        peers = ()
         for k in tl.static_range(P):
-            j = (rank + 1 + k) % P
-            store_chunk_groups(_peer_buffer(table_ptr, j), gathered_offset + rank * chunk_bytes, payload_bytes, lg,
-                               gmask, words, s_bits, G)
+            peers = peers + (_peer_buffer(table_ptr, (rank + 1 + k) % P),)
+        for k in tl.static_range(P):
+            store_chunk_groups(peers[k], gathered_offset + rank * chunk_bytes, payload_bytes, lg, gmask, words,
+                               s_bits, G)
 
 
 @triton.jit
