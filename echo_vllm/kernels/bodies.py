@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from .tile import (
-    accumulate_chunk, codes_of, decode_output, feedback_values, from_f32, fwht, group_rows, load_chunk_groups,
-    load_feedback, load_values, message_offsets, quantize,
+    accumulate_chunk, as_groups, block_shift, codes_of, decode_output, feedback_values, from_f32, fwht, group_rows,
+    load_chunk_groups, load_feedback, load_values, message_offsets, quantize,
     store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
@@ -89,13 +89,15 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 
 
 @triton.jit
-def output_finish(words, s, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr,
-                  HADAMARD: tl.constexpr):
-    """Decode, unrotate and store groups ``lg`` of chunk ``j`` into the message ``y``."""
+def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr):
+    """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
+    (:func:`tile.block_offsets`) of chunk ``j``."""
+    offs, c, live = y_tile
     SHUFFLE: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth == 16  # tile.lane_partner
     v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
-    yi, ym = message_offsets(j, lg, rows, row_groups, cols, msg_groups, G)
-    store_values(y_ptr, yi, ym, v)
+    d, limit = block_shift(j, row_groups, cols, G)
+    # the scalar added to the pointer first: one add per chunk
+    tl.store((y_ptr + d) + offs, as_groups(v), mask=live & (c < limit))
 
 
 @triton.jit

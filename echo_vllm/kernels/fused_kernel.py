@@ -99,7 +99,7 @@ from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
-from .tile import group_rows, store_chunk_groups
+from .tile import block_offsets, group_rows, store_chunk_groups
 
 #: Compiled kernels bound their barrier waits with ``%globaltimer`` and
 #: ``trap`` (inline PTX); Triton's interpreter has neither.
@@ -319,14 +319,14 @@ def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_group
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
-        rows = group_rows(lg, row_groups)
+        y_tile = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
         w0, s0 = output_load(mine, gathered_offset, payload_bytes, lg, chunk_groups, G)
         w1, s1 = output_load(mine, gathered_offset + chunk_bytes, payload_bytes, lg, chunk_groups, G)
         for j in tl.static_range(P):
             if j + 2 < P:
                 w2, s2 = output_load(mine, gathered_offset + (j + 2) * chunk_bytes, payload_bytes, lg,
                                      chunk_groups, G)
-            output_finish(w0, s0, y_ptr, j, lg, rows, row_groups, cols, msg_groups, G, HADAMARD)
+            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD)
             if j + 1 < P:
                 w0, s0 = w1, s1
             if j + 2 < P:

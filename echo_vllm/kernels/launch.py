@@ -137,7 +137,11 @@ def wire_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Te
 
 def message_ints(layout: WireLayout) -> tuple[int, int, int]:
     """The message's shape as the kernels address it (:func:`tile.message_offsets`):
-    ``row_groups, cols, msg_groups``."""
+    ``row_groups, cols, msg_groups``; a rank's column block must have fewer
+    than 2**31 columns (:func:`tile.block_offsets`)."""
+    if layout.row_groups * layout.group_size >= 2**31:
+        raise ValueError(f"cols={layout.cols}: a rank's column block of {layout.row_groups * layout.group_size} "
+                         f"values exceeds the kernels' int32 columns")
     return (layout.row_groups, layout.cols, layout.rows * layout.row_groups)
 
 

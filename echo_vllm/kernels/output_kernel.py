@@ -16,7 +16,7 @@ from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
 from .bodies import output_finish, output_load
-from .tile import group_rows
+from .tile import block_offsets, group_rows
 
 
 @triton.jit
@@ -25,10 +25,11 @@ def _output_kernel(
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr,
 ):
-    j = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(1)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
-    words, s = output_load(gathered_ptr, j * chunk_bytes, payload_bytes, lg, chunk_groups, G)
-    output_finish(words, s, out_ptr, j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G, HADAMARD)
+    words, s = output_load(gathered_ptr, j.to(tl.int64) * chunk_bytes, payload_bytes, lg, chunk_groups, G)
+    output_finish(words, s, out_ptr, block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G), j,
+                  row_groups, cols, G, HADAMARD)
 
 
 _LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)

@@ -172,6 +172,27 @@ def message_offsets(j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr):
 
 
 @triton.jit
+def block_offsets(lg, rows, cols, msg_groups, G: tl.constexpr):
+    """:func:`message_offsets` of groups ``lg`` split for a loop over chunks
+    (computed once per tile, :func:`block_shift` once per chunk): ``(offsets
+    [BG, G] of chunk 0, columns [BG, G] in the column block, live rows [BG, 1])``;
+    the columns in int32 (a block has ``row_groups * G < 2**31``, checked by
+    ``launch.message_ints``)."""
+    t, b = rows
+    c = b.to(tl.int32)[:, None] * G + tl.arange(0, G)[None, :]
+    return t[:, None] * cols + c, c, (lg < msg_groups)[:, None]
+
+
+@triton.jit
+def block_shift(j, row_groups, cols, G: tl.constexpr):
+    """``(d, limit)``: chunk ``j``'s offsets are :func:`block_offsets`' plus
+    ``d``, its mask ``live & (columns < limit)`` (column ``d + c`` below
+    ``cols``; ``limit`` clamped to the block to fit int32)."""
+    d = j * tl.cast(row_groups, tl.int64) * G
+    return d, tl.minimum(cols - d, row_groups * G).to(tl.int32)
+
+
+@triton.jit
 def as_lanes(t, G: tl.constexpr):
     """``[BG, G]`` -> ``[BG, L, V]`` (no data moves)."""
     return tl.reshape(t, (t.shape[0], G // V, V))
