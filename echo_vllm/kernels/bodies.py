@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from .tile import (
-    accumulate_chunk, as_groups, block_shift, codes_of, decode_output, feedback_values, from_f32, fwht, group_rows,
-    load_chunk_groups, load_feedback, load_values, message_offsets, quantize,
+    accumulate_chunk, as_groups, block_shift, chunk_lanes, codes_of, decode_output, feedback_values, from_f32, fwht,
+    group_rows, load_chunk_groups, load_feedback, load_lanes, load_values, message_offsets, quantize,
     store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
@@ -68,12 +68,17 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
     # conversions
     EARLY: tl.constexpr = fb_ptr.dtype.element_ty.primitive_bitwidth <= 16
     # the reference's 0 + dequant(chunk 0) is dequant(chunk 0) (never -0)
-    words, s = load_chunk_groups(recv_ptr, recv_first, payload_bytes, lg, gmask, G)
+    wp, sp = chunk_lanes(recv_ptr, recv_first, payload_bytes, lg, G)
+    words, s = load_lanes(wp, sp, gmask)
     if HAS_FB and EARLY:
         e = load_feedback(fb_ptr, own_first, lg, gmask, G)
     acc = codes_of(words) * s[:, :, None]
+    # chunk i's pointers are chunk 0's plus i chunks (in words, in scales:
+    # chunk_bytes is a multiple of 16), added in the loop: the sums
+    # base + i * chunk_bytes, loop-invariant, would be hoisted out of a
+    # caller's tile loop into 2 registers per chunk and per pointer
     for i in tl.static_range(1, P):  # rank order: the reference's sum
-        acc = accumulate_chunk(acc, recv_ptr, recv_first + i * chunk_bytes, payload_bytes, lg, gmask, G)
+        acc = accumulate_chunk(acc, wp + i * (chunk_bytes // 4), sp + i * (chunk_bytes // 2), gmask)
     words, s_bits, err = quantize(acc, INV_QMAX)
     if HAS_FB:
         if not EARLY:

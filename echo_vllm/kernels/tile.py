@@ -222,6 +222,12 @@ def _opaque(offs):
     return tl.max_constancy(tl.max_contiguous(offs, (1, 1)), (1, 1))
 
 
+@triton.constexpr_function
+def _log2(n: int) -> int:
+    """log2 of the power of two ``n``."""
+    return n.bit_length() - 1
+
+
 @triton.jit
 def _lane_grid(lg, G: tl.constexpr):
     """``(word offsets [BG, L], scale offsets [BG, L], lane [BG, L])`` of
@@ -229,7 +235,9 @@ def _lane_grid(lg, G: tl.constexpr):
     L: tl.constexpr = G // V
     lane = tl.arange(0, L)[None, :] + tl.zeros(lg.shape, tl.int32)[:, None]
     wi = _opaque(lg.to(tl.int64)[:, None] * L + lane)
-    return wi, wi // L, lane
+    # wi // L as a shift (wi >= 0, L a power of two): // of a signed int64
+    # costs a sign fixup the compiler cannot prove away
+    return wi, wi >> _log2(L), lane
 
 
 @triton.jit
@@ -531,24 +539,38 @@ def store_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, words, s_
 
 
 @triton.jit
-def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
-    """Read groups ``lg`` of the chunk at byte ``chunk_first``: ``(words [BG, L],
-    scales fp32 [BG, L])`` (a group's scale on each of its lanes)."""
+def chunk_lanes(buf_ptr, chunk_first, payload_bytes, lg, G: tl.constexpr):
+    """``(word pointers [BG, L], scale pointers [BG, L])`` of groups ``lg`` of
+    the chunk at byte ``chunk_first`` (a group's scale on each of its lanes)."""
     wi, si, _ = _lane_grid(lg, G)
-    m = gmask[:, None]
-    words = tl.load(chunk_words(buf_ptr, chunk_first) + wi, mask=m, other=0)
-    s_bits = _load_u16(chunk_scales(buf_ptr, chunk_first, payload_bytes) + si, m)
-    return words, bf16_bits_to_f32(s_bits)
+    return chunk_words(buf_ptr, chunk_first) + wi, chunk_scales(buf_ptr, chunk_first, payload_bytes) + si
 
 
 @triton.jit
-def accumulate_chunk(acc, buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
-    """``acc + dequant(chunk groups)`` with one rounding per value (the
-    product of a code and a scale is exact). Value k's code comes scaled by
-    16**(k % 4) (:func:`_code_shifted`) and meets the scale times
-    16**-(k % 4) (exact: a power of two, kept subnormal if need be): the
-    same product, one instruction fewer per value."""
-    words, s = load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G)
+def load_lanes(wp, sp, gmask):
+    """``(words [BG, L], scales fp32 [BG, L])`` at the pointers of
+    :func:`chunk_lanes` (0 where ``gmask`` is false)."""
+    m = gmask[:, None]
+    return tl.load(wp, mask=m, other=0), bf16_bits_to_f32(_load_u16(sp, m))
+
+
+@triton.jit
+def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
+    """Read groups ``lg`` of the chunk at byte ``chunk_first``: ``(words [BG, L],
+    scales fp32 [BG, L])`` (a group's scale on each of its lanes)."""
+    wp, sp = chunk_lanes(buf_ptr, chunk_first, payload_bytes, lg, G)
+    return load_lanes(wp, sp, gmask)
+
+
+@triton.jit
+def accumulate_chunk(acc, wp, sp, gmask):
+    """``acc + dequant(chunk groups)`` at the pointers of :func:`chunk_lanes`
+    with one rounding per value (the product of a code and a scale is
+    exact). Value k's code comes scaled by 16**(k % 4)
+    (:func:`_code_shifted`) and meets the scale times 16**-(k % 4) (exact:
+    a power of two, kept subnormal if need be): the same product, one
+    instruction fewer per value."""
+    words, s = load_lanes(wp, sp, gmask)
     s1, s2, s3 = s * 0.0625, s * 0.00390625, s * 0.000244140625
     f = _nibble_fields(words)
     q = _values8(_code_shifted(f, 0), _code_shifted(f, 1), _code_shifted(f, 2), _code_shifted(f, 3),
