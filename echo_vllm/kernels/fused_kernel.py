@@ -20,9 +20,9 @@ grid on the same message layout):
 The bits are those of ``quant.stage1_reference`` -> exchange ->
 ``stage2_reference`` -> ``output_reference``: the same tile bodies
 (:mod:`.bodies`) as the stage kernels, compiled without FMA contraction.
-Phases 1 and 3 issue the loads of a program's next tile before the
-arithmetic of the current one (phase 1 with the next chunk's peer base
-from ``table``); phase 2 issues its feedback load with the ``recv`` loads
+Phases 1 and 3 issue the loads of a tile's next chunk (phase 3: the
+chunk after next) before the arithmetic of the current one (phase 1 with
+the next chunk's peer base from ``table``); phase 2 issues its feedback load with the ``recv`` loads
 and loads the P peer bases together before its stores. The compiler
 cannot move a ``table`` load above a store (they may alias), so one
 placed at its use waits a load latency after the stores before it.
@@ -384,7 +384,7 @@ class TileRow(NamedTuple):
 #: Chunk size -> tile, warps and programs per SM, first row that fits.
 #: Small chunks (decode) take small tiles, so that even they spread over
 #: several programs; large ones fill every SM with ``per_sm`` programs
-#: (measured: BENCHMARKS.md section 11). Tile sizes are powers of two of
+#: (measured: BENCHMARKS.md sections 11, 12). Tile sizes are powers of two of
 #: at least 256 values (32 lanes of 8), so every group size gives a
 #: power-of-two number of whole groups and a warp holds whole groups.
 TILE_TABLE: tuple[TileRow, ...] = (
