@@ -429,6 +429,18 @@ def test_bad_arguments_raise_clear_errors():
     in_kernel_process(_bad_arguments_raise_clear_errors)
 
 
+def test_a_row_too_wide_for_int32_columns_is_refused():
+    """The kernels address a rank's column block in int32 (``tile.block_offsets``):
+    a row whose block reaches 2**31 values is refused by name before any
+    launch, one just below passes. (Pure host code: no kernel runs.)"""
+    from echo_vllm.kernels import launch
+
+    with pytest.raises(ValueError, match="int32 columns"):
+        launch.message_ints(WireLayout(2**32, 2, 32, 2**32))
+    ok = WireLayout(2**31, 2, 32, 2**31)  # a block of 2**30 values
+    assert launch.message_ints(ok) == (ok.row_groups, ok.cols, ok.rows * ok.row_groups)
+
+
 def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32"):
     """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
     carried) gives the same bits on the ``triton`` (or ``numba``) backend as
