@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .tile import (
     accumulate_chunk, as_groups, block_shift, chunk_lanes, codes_of, decode_output, feedback_values, from_f32, fwht,
-    group_rows, load_chunk_groups, load_feedback, load_lanes, load_values, message_offsets, quantize,
+    group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes, load_values, message_offsets, quantize,
     store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
@@ -39,8 +39,7 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
                   HAS_INCOMING: tl.constexpr):
     """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
     (wire order), the codes and scales into the chunk at byte ``wire_first``."""
-    # the shuffles need the lane layout: 16-bit loads and stores, int8 feedback (tile.lane_partner)
-    SHUFFLE: tl.constexpr = x.dtype.primitive_bitwidth == 16 and fb_ptr.dtype.element_ty.primitive_bitwidth <= 16
+    SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty)
     u = to_f32(x)
     if HADAMARD:
         u = fwht(u, G, SHUFFLE)
@@ -62,11 +61,11 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
     feedback is loaded with the chunks, its latency hidden under theirs).
     Returns ``(words, scale bits)``."""
     gmask = lg < chunk_groups
-    # feedback of 16 bits or less is loaded with the chunks (one memory
+    # feedback in the lane layout is loaded with the chunks (one memory
     # latency per tile, not two); a 32-bit tile is converted through shared
     # memory right at its load, which would wait for it there and double the
     # conversions
-    EARLY: tl.constexpr = fb_ptr.dtype.element_ty.primitive_bitwidth <= 16
+    EARLY: tl.constexpr = lanes_hold(fb_ptr.dtype.element_ty)
     # the reference's 0 + dequant(chunk 0) is dequant(chunk 0) (never -0)
     wp, sp = chunk_lanes(recv_ptr, recv_first, payload_bytes, lg, G)
     words, s = load_lanes(wp, sp, gmask)
@@ -98,7 +97,7 @@ def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr,
     """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
     (:func:`tile.block_offsets`) of chunk ``j``."""
     offs, c, live = y_tile
-    SHUFFLE: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth == 16  # tile.lane_partner
+    SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty)
     v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
     d, limit = block_shift(j, row_groups, cols, G)
     # the scalar added to the pointer first: one add per chunk
@@ -111,9 +110,8 @@ def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, ch
     """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order)."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
-    if HADAMARD:  # shuffles only in the lane layout (tile.lane_partner)
-        SHUFFLE: tl.constexpr = (x_ptr.dtype.element_ty.primitive_bitwidth == 16
-                                 and fb_ptr.dtype.element_ty.primitive_bitwidth <= 16)
+    if HADAMARD:
+        SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty)
         e = fwht(e, G, SHUFFLE) * (1.0 / G)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))

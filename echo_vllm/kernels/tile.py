@@ -338,17 +338,25 @@ def store_feedback(fb_ptr, first, lg, gmask, e, FINITE: tl.constexpr = False):
 # -- rotation ----------------------------------------------------------------
 
 
+@triton.constexpr_function
+def lanes_hold(*dtypes) -> bool:
+    """Whether a tile whose loads and stores move elements of ``dtypes``
+    stays in the lane layout (so :func:`lane_partner` may shuffle, and no
+    load is converted through shared memory): 16-bit values or int8
+    feedback codes, 8 a lane; a 32-bit access gives a lane 4 values."""
+    return all(d.primitive_bitwidth <= 16 for d in dtypes)
+
+
 @triton.jit
 def lane_partner(v, M: tl.constexpr, L: tl.constexpr, SHUFFLE: tl.constexpr):
     """The value at the same position of lane ``lane ^ M`` of the group: one
     ``shfl.sync.bfly`` when compiled and ``SHUFFLE`` (the tile is in the lane
     layout: a group's lanes on consecutive lanes of a warp), otherwise a
     flip of that lane pair's values, which Triton lowers for any layout.
-    Callers pass ``SHUFFLE`` only when every tensor of the tile moves 16-bit
-    values or int8 feedback codes (8 values a lane, as 16-bit ones): a
-    32-bit load gives a lane 4 values, Triton may lay the whole tile out
-    that way, and the lane arithmetic no longer holds (seen on the H200 with
-    fp32 feedback)."""
+    Callers pass ``SHUFFLE`` only where :func:`lanes_hold` for every tensor
+    of the tile: a 32-bit load gives a lane 4 values, Triton may lay the
+    whole tile out that way, and the lane arithmetic no longer holds (seen
+    on the H200 with fp32 feedback)."""
     if COMPILED and SHUFFLE:
         bits = v.to(tl.int32, bitcast=True)
         if M == 1:
@@ -599,7 +607,7 @@ def _bf16x2(x: float) -> int:
 def _packed_top(G: int, HADAMARD: bool) -> tuple[float, float]:
     """``(top, u)``: a power of two and its bf16 unit in the last place,
     ``u = 1 / G`` with rotation (1 without)."""
-    k = G.bit_length() - 1 if HADAMARD else 0
+    k = _log2(G) if HADAMARD else 0
     return 2.0 ** (7 - k), 2.0 ** -k
 
 
@@ -646,7 +654,7 @@ def _packed_output_asm(G: int, HADAMARD: bool) -> str:
             asm += _fma(f"b{i}", f"b{i + 1}", "mone", "e")  # (q0 + q1) u
         for i in (0, 1):  # stride 2
             asm += _fma(f"a{i}", f"b{i + 2}", "one", f"b{i}") + _fma(f"a{i + 2}", f"b{i + 2}", "mone", f"b{i}")
-        for m in range(G.bit_length() - 4):  # strides 8, 16: lane masks 1, 2 (as fwht's lane_partner)
+        for m in range(_log2(G // V.value)):  # strides 8, 16: lane masks 1, 2 (as fwht's lane_partner)
             for i in range(4):
                 asm += f"shfl.sync.bfly.b32 p, a{i}, {1 << m}, 0x1f, -1; "
                 asm += _fma(f"a{i}", f"${16 + 8 * m}", f"a{i}", "p")
@@ -669,7 +677,7 @@ def _packed_output_asm(G: int, HADAMARD: bool) -> str:
 def _packed_output_constraints(G: int, HADAMARD: bool) -> str:
     """Four bf16x2 outputs; eight words of pairs, four of the scale (two
     bf16 each), eight of each lane mask's signs."""
-    signs = G.bit_length() - 4 if HADAMARD else 0
+    signs = _log2(G // V.value) if HADAMARD else 0
     return ",".join(["=r"] * 4 + ["r"] * (12 + 8 * signs))
 
 
