@@ -64,10 +64,17 @@ class HealthCounters:
         self._last = (0, 0)
 
     def allocate(self) -> None:
-        """Allocate the counter (idempotent; not under CUDA-graph capture)."""
+        """Allocate the counter (idempotent; not under CUDA-graph capture).
+
+        Always as normal tensors, also when called under
+        ``torch.inference_mode()`` (vLLM allocates there): an inference
+        tensor refuses the in-place ``zero_``/``copy_`` of :meth:`reset` and
+        :meth:`read` outside inference mode, while a normal tensor takes
+        in-place updates in both modes."""
         if self._counts is None:
-            self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-            self._host = torch.zeros(2, dtype=torch.int64, pin_memory=self._cuda)
+            with torch.inference_mode(False):
+                self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+                self._host = torch.zeros(2, dtype=torch.int64, pin_memory=self._cuda)
 
     def observe(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Count ``x`` (input) and ``y`` (output) if they hold NaN or Inf;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The fused backend on a GPU host: P processes, bits against the references.
 
-    python scripts/gpu_fused_check.py [--worlds 2,4] [--gpus 1] [--json OUT] [--bench] [--soak CALLS]
+    python scripts/gpu_fused_check.py [--worlds 2,4] [--sweep-worlds 2,3,4,8] [--gpus 1] [--json OUT]
+                                      [--bench] [--soak CALLS]
 
 Runs from the repository root (it puts it on ``sys.path``); needs torch with
 CUDA and Triton, nothing else, no network. For each P in ``--worlds`` it
@@ -26,6 +27,12 @@ on one GPU, symmetric memory over gloo does not), and checks:
   eager and replays of three captured graphs interleaved; every output
   equal across ranks, every 97th call (started from a zero feedback
   buffer) equal to the references, every flag back at 0 at the end;
+* ``sweep`` (``--sweep-worlds 2,3,4,8``): every case of
+  ``echo_vllm.shape_sweep`` for that P (widths 1-70, 127-129 and large,
+  rows 1-9 and odd counts, bf16/fp16/fp32 inputs, bf16/int8 feedback, every
+  group size, random/zero/huge/tiny/non-finite values, chains of 3 calls)
+  through ``EchoCommunicator(backend="fused")``: every rank's outputs equal
+  the reference backend's bits;
 * ``too_large``: a message larger than the buffers raises ``MessageTooLarge``
   (no fallback given);
 * ``absent_peer`` / ``killed_peer``: rank 1 never calls (waits elsewhere, or
@@ -243,6 +250,20 @@ def rank_too_large(rank: int, world: int) -> dict:
     return {"result": result}
 
 
+def rank_sweep(rank: int, world: int) -> dict:
+    """The shape sweep's cases for this P through the fused backend: each
+    case's outputs, by label."""
+    from echo_vllm import ProcessGroupTransport, shape_sweep
+
+    out = {}
+    for case in shape_sweep.cases("gpu"):
+        if case.world_size == world:
+            out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=ProcessGroupTransport(),
+                                                   rank=rank)
+    _finish()
+    return out
+
+
 SOAK_COLS = 2048
 SOAK_GRAPH_ROWS = (1, 16, 64)  # captured sizes, replayed between eager calls of random sizes
 
@@ -406,7 +427,7 @@ def run_ranks(fn, world: int, gpus: int, *args, expect=None, deadline_s: float =
 
 
 def check_soak(world: int, gpus: int, calls: int, seed: int = 0, check_every: int = 97) -> dict:
-    """Issue 20's soak: :func:`rank_soak` on every rank; outputs equal
+    """The soak: :func:`rank_soak` on every rank; outputs equal
     across ranks call by call, every fresh call equal to the references,
     every flag back at 0."""
     from echo_vllm.quant import WireLayout
@@ -435,6 +456,30 @@ def check_soak(world: int, gpus: int, calls: int, seed: int = 0, check_every: in
     res = {"check": "soak", "world": world, "calls": calls, "ok": not problems, "problems": problems[:8],
            "seconds": round(time.monotonic() - t0, 1)}
     print(f"P={world} soak ({calls} calls): {'ok' if not problems else 'FAILED'} ({res['seconds']} s)", flush=True)
+    for p in problems[:8]:
+        print("   ", p[:2000], flush=True)
+    return res
+
+
+def check_sweep(world: int, gpus: int) -> dict:
+    """:func:`rank_sweep` on every rank, each rank's outputs against the reference backend's."""
+    from echo_vllm import shape_sweep
+
+    t0 = time.monotonic()
+    cases = [c for c in shape_sweep.cases("gpu") if c.world_size == world]
+    try:
+        got = run_ranks(rank_sweep, world, gpus, deadline_s=480)
+        problems = []
+        for case in cases:
+            want = shape_sweep.reference_outputs(case)
+            problems += [f"{case.label} rank {r}: {d}" for r in range(world)
+                         for d in shape_sweep.differences(got[r][case.label], want)]
+    except Exception:
+        problems = [traceback.format_exc()]
+    res = {"check": "sweep", "world": world, "cases": len(cases), "ok": not problems, "problems": problems[:8],
+           "failures": len(problems), "seconds": round(time.monotonic() - t0, 1)}
+    print(f"P={world} sweep ({len(cases)} cases): {'ok' if not problems else f'FAILED ({len(problems)})'} "
+          f"({res['seconds']} s)", flush=True)
     for p in problems[:8]:
         print("   ", p[:2000], flush=True)
     return res
@@ -564,13 +609,15 @@ def bench() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="2,4", help="comma-separated P values (default 2,4; '' for none: only the lost-peer checks)")
+    ap.add_argument("--sweep-worlds", default="", help="comma-separated P values to run the shape sweep for "
+                    "through the fused backend (e.g. 2,3,4,8; default none)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (default 1: all share GPU 0)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--bench", action="store_true", help="add per-phase kernel timings (one process)")
     ap.add_argument("--skip-lost-peer", action="store_true", help="skip the absent/killed peer checks")
     ap.add_argument("--soak", type=int, default=0, metavar="CALLS",
                     help="also chain CALLS calls of random sizes with CUDA-graph replays interleaved, per P "
-                         "(issue 20 asks 10000 on several GPUs)")
+                         "(10000 is the soak for several GPUs)")
     ap.add_argument("--only-soak", action="store_true", help="run the soak alone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -590,6 +637,8 @@ def main(argv=None) -> int:
             summary["checks"] += check_world(world, gpus)
         if args.soak:
             summary["checks"].append(check_soak(world, gpus, args.soak))
+    for world in (int(w) for w in args.sweep_worlds.split(",") if w):
+        summary["checks"].append(check_sweep(world, gpus))
     if not args.skip_lost_peer and not args.only_soak:
         summary["checks"] += [check_lost_peer("absent", gpus), check_lost_peer("killed", gpus)]
     if args.bench:

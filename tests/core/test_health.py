@@ -79,3 +79,57 @@ def test_checks_captured_in_a_cuda_graph_count_on_every_replay():
     h.read()  # starts the copy; the next read sees it (no sync in read itself)
     torch.cuda.synchronize()
     assert h.read() == (0, 3)
+
+
+def _counters_made_in_inference_mode(device: str, allocate: bool) -> HealthCounters:
+    """Counters as vLLM makes them: allocated (or first used) under
+    ``torch.inference_mode()``, with one non-finite output counted there."""
+    h = HealthCounters(device)
+    ok = torch.ones(4, 8, device=device)
+    bad = ok.clone()
+    bad[0, 0] = float("inf")
+    with torch.inference_mode():
+        if allocate:
+            h.allocate()
+        assert h.observe(ok, bad)
+    return h
+
+
+def _read_settled(h: HealthCounters) -> tuple[int, int]:
+    """A read that has seen every queued count (CUDA reads lag by one copy)."""
+    if h.device.type == "cuda":
+        torch.cuda.synchronize()
+        h.read()
+        torch.cuda.synchronize()
+    return h.read()
+
+
+@pytest.mark.parametrize("allocate", [True, False], ids=["allocated", "first-observe"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_counters_made_in_inference_mode_read_and_reset_in_either_mode(device, allocate):
+    """``reset`` and ``read`` (what ``reset_stats`` and ``snapshot`` call) work
+    inside and outside inference mode on counters made inside it; outside,
+    the old counters raised ``Inplace update to inference tensor``."""
+    h = _counters_made_in_inference_mode(device, allocate)
+    assert _read_settled(h) == (0, 1)
+    h.reset()  # outside inference mode
+    assert _read_settled(h) == (0, 0)
+    ok = torch.ones(4, 8, device=device)
+    assert h.observe(ok, ok * float("nan"))  # outside
+    assert _read_settled(h) == (0, 1)
+    with torch.inference_mode():
+        assert h.observe(ok * float("nan"), ok)
+        assert _read_settled(h) == (1, 1)
+        h.reset()
+        assert _read_settled(h) == (0, 0)
+
+
+def test_stats_snapshot_reads_counters_made_in_inference_mode():
+    from echo_vllm.stats import EchoStats
+
+    stats = EchoStats()
+    stats.health = _counters_made_in_inference_mode("cpu", allocate=True)
+    assert stats.snapshot()["nonfinite"] == {"input": 0, "output": 1}
+    stats.health.reset()
+    assert stats.snapshot()["nonfinite"] == {"input": 0, "output": 0}
