@@ -8,13 +8,14 @@ a row of width 1 came out about 3x the true sum from the compiled stage
 kernels, while Triton's interpreter (which specializes nothing) was right.
 So the sweep covers widths below, at and above one group (1-70, 127-129,
 and a few large ones), rows 1-9 and odd counts, P = 2, 3, 4, 8, bf16 / fp16 /
-fp32 inputs, bf16 and int8 feedback, every group size, and values that are
-random, zero, huge, tiny (the dtype's subnormals) or non-finite, each case a
+fp32 inputs, bf16 and int8 feedback or none, every group size, and values that are
+random, zero, huge, tiny (the dtype's subnormals) or non-finite, with and
+without a feedback buffer, each case a
 chain of :data:`CALLS` calls with the error carried.
 
-One case is run by :func:`run_case` through the public
-:class:`~echo_vllm.EchoCommunicator` with a chosen ``backend`` (composed
-Triton stages, fused, numba, reference) and compared with
+One case is run by :func:`run_case` through Echo's 4-bit path
+(:class:`~echo_vllm.EchoAllReduce` with a feedback chain) on a chosen
+``backend`` (composed Triton stages, fused, numba, reference) and compared with
 :func:`reference_outputs` by :func:`differences`; the GPU tests
 (``tests/kernels/test_shape_sweep.py``), their interpreter twin in CI and
 ``scripts/gpu_fused_check.py --sweep`` (the fused kernel over P processes on
@@ -35,12 +36,17 @@ from .quant import SUPPORTED_GROUP_SIZES
 CALLS = 3
 WORLD_SIZES = (2, 3, 4, 8)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FEEDBACK_DTYPES = {"bf16": "bfloat16", "int8": "int8"}
+#: The carried error's storage (``none``: no feedback, naive 4-bit: no buffer in the kernels).
+FEEDBACK_DTYPES = {"bf16": "bfloat16", "int8": "int8", "none": None}
 VALUE_KINDS = ("random", "zeros", "huge", "tiny", "nonfinite")
 #: Widths below, at and above one group of every size, and a few model-sized rows.
 WIDTHS = (*range(1, 71), 127, 128, 129, 1000, 4096, 5123)
 #: Widths that get every P x input dtype x feedback dtype (the rest rotate through them).
 NARROW_WIDTHS = (1, 2, 3, 31, 32, 33)
+#: Widths the fused kernel over P processes runs (it compiles per process and
+#: shape class, so it takes the width-1 cases, one group and its neighbours,
+#: and every 9th width, not all of them).
+FUSED_WIDTHS = (1, 2, 33, 129, 5123)
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 17, 33)
 
 
@@ -66,16 +72,20 @@ class SweepCase:
 
     def config(self, backend: str) -> EchoConfig:
         """Every call of the chain takes Echo's 4-bit path (no size gate, no exact calls)."""
+        storage = FEEDBACK_DTYPES[self.feedback_dtype]
         return EchoConfig(group_size=self.group_size, hadamard=self.hadamard, min_bytes=0, first_exact_calls=0,
-                          exact_last_call=False, feedback_dtype=FEEDBACK_DTYPES[self.feedback_dtype],
+                          exact_last_call=False, feedback=storage is not None, feedback_dtype=storage or "bfloat16",
                           health_every=0, backend=backend)
 
 
 def cases(scale: str = "gpu") -> list[SweepCase]:
     """The sweep's cases. ``gpu``: every width of :data:`WIDTHS` with the other
     axes rotating through their values (every group size and rotation on),
-    plus the full product P x input x feedback for :data:`NARROW_WIDTHS` and
-    every value kind for width 1. ``interpreter``: the few that Triton's
+    plus the full product P x input x feedback (bf16, int8) for
+    :data:`NARROW_WIDTHS`, every value kind for width 1 and narrow rows
+    without a feedback buffer. ``fused``: the part of ``gpu`` the fused kernel
+    runs over P processes (:data:`FUSED_WIDTHS`, every 9th width).
+    ``interpreter``: the few that Triton's
     interpreter can afford on CI's two cores (width 1 and neighbours of one
     group, each axis value at least once)."""
     out = []
@@ -85,22 +95,27 @@ def cases(scale: str = "gpu") -> list[SweepCase]:
             out.append(SweepCase(
                 rows=ROW_COUNTS[i % len(ROW_COUNTS)] if cols < 1000 else 1 + i % 3, cols=cols,
                 world_size=WORLD_SIZES[i % 4], dtype=tuple(DTYPES)[i % 3],
-                feedback_dtype=tuple(FEEDBACK_DTYPES)[(i // 4) % 2], values=next(kinds),
+                feedback_dtype=tuple(FEEDBACK_DTYPES)[(i // 4) % 3], values=next(kinds),
                 group_size=SUPPORTED_GROUP_SIZES[(i // 2) % len(SUPPORTED_GROUP_SIZES)],
                 hadamard=i % 7 != 6, seed=i))
-        for j, (cols, p, dt, fb) in enumerate(itertools.product(NARROW_WIDTHS, WORLD_SIZES, DTYPES, FEEDBACK_DTYPES)):
+        for j, (cols, p, dt, fb) in enumerate(itertools.product(NARROW_WIDTHS, WORLD_SIZES, DTYPES, ("bf16", "int8"))):
             out.append(SweepCase(rows=(1, 2, 4, 5)[j % 4], cols=cols, world_size=p, dtype=dt, feedback_dtype=fb,
                                  values=VALUE_KINDS[j % len(VALUE_KINDS)], seed=1000 + j))
         for k, kind in enumerate(VALUE_KINDS):
             out.append(SweepCase(rows=3, cols=1, world_size=4, dtype="bf16", feedback_dtype="bf16", values=kind,
                                  seed=2000 + k))
+        for k, (p, dt) in enumerate(zip(WORLD_SIZES, ("bf16", "fp16", "bf16", "fp16"))):  # no feedback buffer
+            out.append(SweepCase(rows=2, cols=(1, 3, 33, 70)[k], world_size=p, dtype=dt, feedback_dtype="none",
+                                 values="random", seed=2100 + k))
+    elif scale == "fused":
+        out = [c for c in cases("gpu") if c.cols in FUSED_WIDTHS or (c.cols <= 70 and c.cols % 9 == 0)]
     elif scale == "interpreter":
         for j, (rows, cols, p, kind) in enumerate([(2, 1, 2, "random"), (3, 1, 3, "nonfinite"),
                                                    (1, 33, 4, "huge"), (2, 129, 2, "tiny")]):
             out.append(SweepCase(rows=rows, cols=cols, world_size=p, dtype=tuple(DTYPES)[j % 3],
-                                 feedback_dtype=tuple(FEEDBACK_DTYPES)[j % 2], values=kind, seed=3000 + j))
+                                 feedback_dtype=tuple(FEEDBACK_DTYPES)[j % 3], values=kind, seed=3000 + j))
     else:
-        raise ValueError(f"scale={scale!r}: 'gpu' or 'interpreter'")
+        raise ValueError(f"scale={scale!r}: 'gpu', 'fused' or 'interpreter'")
     return out
 
 
@@ -139,26 +154,36 @@ def stacked_inputs(case: SweepCase, call: int) -> torch.Tensor:
     return torch.stack([inputs(case, call, r) for r in range(case.world_size)])
 
 
-def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=None, rank: int | None = None
-             ) -> list[torch.Tensor]:
-    """The chain's outputs (CPU tensors), one per call, from ``backend``.
-    Without ``transport`` the case's P ranks are virtual (one process, inputs
-    stacked); with a process-group ``transport`` this process is ``rank``."""
-    from .communicator import EchoCommunicator
+def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=None, rank: int | None = None,
+             echo=None) -> list[torch.Tensor]:
+    """The chain's outputs (CPU tensors), one per call, from ``backend``:
+    Echo's 4-bit path itself (:class:`~echo_vllm.EchoAllReduce` and a
+    :class:`~echo_vllm.feedback.FeedbackChain`, no policy, so fp32 inputs are
+    quantized too rather than sent down the exact path). Without
+    ``transport`` the case's P ranks are virtual (one process, inputs
+    stacked); with a process-group ``transport`` this process is ``rank``.
+    ``echo``: an ``EchoAllReduce`` of the case's :meth:`SweepCase.config` to
+    reuse (its backend's buffers are built once; the caller closes it)."""
+    from .allreduce import EchoAllReduce
+    from .feedback import FeedbackChain
     from .transport import VirtualTransport
 
     virtual = transport is None
-    comm = EchoCommunicator(case.config(backend), VirtualTransport(case.world_size) if virtual else transport,
-                            device=device)
+    transport = VirtualTransport(case.world_size) if virtual else transport
+    config = case.config(backend)
+    own = echo is None
+    echo = EchoAllReduce(config, transport) if own else echo
+    chain = FeedbackChain.of(config, len(transport.local_ranks), device)
     try:
         outs = []
         for call in range(CALLS):
             x = stacked_inputs(case, call) if virtual else inputs(case, call, rank)
-            y = comm.all_reduce(x.to(device), call_index=call)
-            outs.append(y.cpu())
+            outs.append(echo.all_reduce(x.to(device), chain, call).cpu())
         return outs
     finally:
-        comm.close()
+        if own:
+            echo.close()
+        chain.release()
 
 
 def reference_outputs(case: SweepCase) -> list[torch.Tensor]:

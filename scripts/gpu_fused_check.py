@@ -27,12 +27,13 @@ on one GPU, symmetric memory over gloo does not), and checks:
   eager and replays of three captured graphs interleaved; every output
   equal across ranks, every 97th call (started from a zero feedback
   buffer) equal to the references, every flag back at 0 at the end;
-* ``sweep`` (``--sweep-worlds 2,3,4,8``): every case of
-  ``echo_vllm.shape_sweep`` for that P (widths 1-70, 127-129 and large,
-  rows 1-9 and odd counts, bf16/fp16/fp32 inputs, bf16/int8 feedback, every
-  group size, random/zero/huge/tiny/non-finite values, chains of 3 calls)
-  through ``EchoCommunicator(backend="fused")``: every rank's outputs equal
-  the reference backend's bits;
+* ``sweep`` (``--sweep-worlds 2,3,4,8``, the P values side by side): the
+  ``fused`` cases of ``echo_vllm.shape_sweep`` for that P (widths 1, 2, 33,
+  129, 5123 and every 9th up to 70, rows 1-33, bf16/fp16/fp32 inputs,
+  bf16/int8/no feedback, every group size, random/zero/huge/tiny/non-finite
+  values, chains of 3 calls) through Echo's 4-bit path on the fused backend
+  (one backend per configuration): every rank's outputs equal the reference
+  backend's bits;
 * ``too_large``: a message larger than the buffers raises ``MessageTooLarge``
   (no fallback given);
 * ``absent_peer`` / ``killed_peer``: rank 1 never calls (waits elsewhere, or
@@ -61,6 +62,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -253,14 +255,19 @@ def rank_too_large(rank: int, world: int) -> dict:
 def rank_sweep(rank: int, world: int) -> dict:
     """The shape sweep's cases for this P through the fused backend: each
     case's outputs, by label."""
-    from echo_vllm import ProcessGroupTransport, shape_sweep
+    from echo_vllm import EchoAllReduce, ProcessGroupTransport, shape_sweep
 
-    out = {}
-    for case in shape_sweep.cases("gpu"):
+    transport, echoes, out = ProcessGroupTransport(), {}, {}
+    for case in shape_sweep.cases("fused"):
         if case.world_size == world:
-            out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=ProcessGroupTransport(),
-                                                   rank=rank)
+            config = case.config("fused")
+            if config not in echoes:  # one backend (and its symmetric buffers) per configuration
+                echoes[config] = EchoAllReduce(config, transport)
+            out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=transport, rank=rank,
+                                                   echo=echoes[config])
     _finish()
+    for echo in echoes.values():
+        echo.close()
     return out
 
 
@@ -466,7 +473,7 @@ def check_sweep(world: int, gpus: int) -> dict:
     from echo_vllm import shape_sweep
 
     t0 = time.monotonic()
-    cases = [c for c in shape_sweep.cases("gpu") if c.world_size == world]
+    cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
     try:
         got = run_ranks(rank_sweep, world, gpus, deadline_s=480)
         problems = []
@@ -637,8 +644,10 @@ def main(argv=None) -> int:
             summary["checks"] += check_world(world, gpus)
         if args.soak:
             summary["checks"].append(check_soak(world, gpus, args.soak))
-    for world in (int(w) for w in args.sweep_worlds.split(",") if w):
-        summary["checks"].append(check_sweep(world, gpus))
+    sweep_worlds = [int(w) for w in args.sweep_worlds.split(",") if w]
+    if sweep_worlds:  # side by side: each rank compiles its kernels on its own core
+        with ThreadPoolExecutor(len(sweep_worlds)) as pool:
+            summary["checks"] += list(pool.map(lambda w: check_sweep(w, gpus), sweep_worlds))
     if not args.skip_lost_peer and not args.only_soak:
         summary["checks"] += [check_lost_peer("absent", gpus), check_lost_peer("killed", gpus)]
     if args.bench:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 import os
 import subprocess
@@ -100,10 +101,12 @@ def save_variant(args, name: str, result: dict) -> None:
 
 
 def load_variants(args, names: list[str] | None) -> dict:
-    """Per-variant results saved in --out (all of them when ``names`` is None)."""
+    """Per-variant results saved in --out (all of them when ``names`` is None),
+    plain or xz-compressed (``.json.xz``: how the recorded runs are kept)."""
     out = {}
-    for path in sorted(Path(args.out).glob(f"{args.stem}.variant.*.json")):
-        r = json.loads(path.read_text())
+    paths = [*Path(args.out).glob(f"{args.stem}.variant.*.json"), *Path(args.out).glob(f"{args.stem}.variant.*.json.xz")]
+    for path in sorted(paths):
+        r = json.loads(lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_text())
         if names is None or r["variant"] in names:
             out[r["variant"]] = r
     if names is not None:

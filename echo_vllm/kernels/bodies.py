@@ -36,10 +36,11 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
 @triton.jit
 def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
                   G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
-                  HAS_INCOMING: tl.constexpr):
+                  HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr):
     """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
-    (wire order), the codes and scales into the chunk at byte ``wire_first``."""
-    SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty)
+    (wire order), the codes and scales into the chunk at byte ``wire_first``.
+    ``ALIGNED``: ``launch.rows_aligned`` of the message."""
+    SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty) and ALIGNED
     u = to_f32(x)
     if HADAMARD:
         u = fwht(u, G, SHUFFLE)
@@ -93,11 +94,12 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 
 
 @triton.jit
-def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr):
+def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
-    (:func:`tile.block_offsets`) of chunk ``j``."""
+    (:func:`tile.block_offsets`) of chunk ``j``. ``ALIGNED``: ``launch.rows_aligned`` of ``y``."""
     offs, c, live = y_tile
-    SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty)
+    SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty) and ALIGNED
     v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
     d, limit = block_shift(j, row_groups, cols, G)
     # the scalar added to the pointer first: one add per chunk
@@ -106,12 +108,13 @@ def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr,
 
 @triton.jit
 def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, chunk_numel, G: tl.constexpr,
-                 HADAMARD: tl.constexpr):
-    """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order)."""
+                 HADAMARD: tl.constexpr, ALIGNED: tl.constexpr):
+    """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order);
+    ``ALIGNED``: ``launch.rows_aligned`` of ``x`` and ``out``."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:
-        SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty)
+        SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty) and ALIGNED
         e = fwht(e, G, SHUFFLE) * (1.0 / G)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))

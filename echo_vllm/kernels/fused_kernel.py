@@ -262,7 +262,7 @@ def _peer_buffer(table_ptr, i):
 def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr):
+            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic."""
@@ -282,7 +282,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
                                        chunk_groups, G, HAS_FB, HAS_INCOMING)
                 dest_n = _peer_buffer(table_ptr, j_n)
             stage1_finish(x, e, fb_ptr, dest, rank * chunk_bytes, payload_bytes, j, lg,
-                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
+                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED)
             if k + 1 < P:
                 x, e, j, dest = x_n, e_n, j_n, dest_n
 
@@ -311,7 +311,8 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups,
 
 @triton.jit
 def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-            payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr):
+            payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr,
+            ALIGNED: tl.constexpr):
     """Decode every chunk's tiles from the local ``gathered`` area into y,
     the loads of the chunk after next issued before this chunk's arithmetic
     (a chunk's codes are only 6 bytes per lane: one ahead leaves too few
@@ -326,7 +327,7 @@ def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_group
             if j + 2 < P:
                 w2, s2 = output_load(mine, gathered_offset + (j + 2) * chunk_bytes, payload_bytes, lg,
                                      chunk_groups, G)
-            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD)
+            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD, ALIGNED)
             if j + 1 < P:
                 w0, s0 = w1, s1
             if j + 2 < P:
@@ -340,6 +341,7 @@ def _fused_kernel(
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     # one rank per launch (grid [programs, 1]), or every rank of one address
     # space in one launch (grid [programs, P], rank = program_id(1), the
@@ -354,7 +356,7 @@ def _fused_kernel(
     gathered_offset = gathered_offset.to(tl.int64)
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
@@ -364,7 +366,7 @@ def _fused_kernel(
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, G, BG, P, HADAMARD)
+                payload_bytes, n_tiles, G, BG, P, HADAMARD, ALIGNED)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -486,7 +488,7 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, phase: int) -> _Plan:
+                 has_fb: bool, has_incoming: bool, phase: int, aligned: bool = True) -> _Plan:
     """``ints`` after :func:`launch_ints`' per-call ones:
     gathered_offset, :func:`launch.message_ints`, :func:`launch.chunk_ints`, tiles."""
     la = _launcher(plan.num_warps, plan.registers)
@@ -496,7 +498,7 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
         ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, BG=plan.groups_per_tile, **launch.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase,
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, ALIGNED=aligned,
         ),
     )
 
@@ -618,7 +620,7 @@ def fused_all_reduce(
         raise ValueError(f"status: expected one int64 of host memory{', pinned' if x.is_cuda else ''} "
                          f"(trap_word()), got {status.dtype} {tuple(status.shape)} on {status.device}")
     lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase)
+                      bool(has_incoming), phase, launch.rows_aligned(layout.cols, x, out))
     fb = feedback if feedback is not None else x
     tensors = (x, fb, out, table)
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,

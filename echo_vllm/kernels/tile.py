@@ -159,6 +159,25 @@ def group_rows(lg, row_groups):
 
 
 @triton.jit
+def _row_index(t):
+    """The row index ``t`` of each group, its regularity hidden from Triton
+    (a ``mov``, free after ptxas), so that the offsets ``t * cols + c`` are
+    contiguous along each group's values only, as they are for any width.
+    Without it, Triton specializes ``cols == 1`` to a constant, sees
+    consecutive groups as contiguous too, lays the load's threads out along
+    the groups, re-materializes the butterflies' lane shuffles in that
+    layout and pairs the wrong values: rows of width 1 came out ~g/8 times
+    the true sum on the H200 (``tests/kernels/test_layouts.py`` checks every
+    shuffle's layout). ``t * cols`` keeps the divisibility ``cols`` has."""
+    if COMPILED and t.dtype == tl.int64:
+        return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [t], dtype=tl.int64, is_pure=True, pack=1)
+    elif COMPILED:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=True, pack=1)
+    else:
+        return t
+
+
+@triton.jit
 def message_offsets(j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr):
     """Offsets ``[BG, G]`` into the message ``[rows, cols]`` of groups ``lg``
     of chunk ``j`` (``rows`` = :func:`group_rows` of ``lg``), and their mask:
@@ -168,7 +187,7 @@ def message_offsets(j, lg, rows, row_groups, cols, msg_groups, G: tl.constexpr):
     col0 = (j * row_groups + b) * G
     e = tl.arange(0, G)[None, :]
     live = (lg < msg_groups)[:, None] & (col0[:, None] + e < cols)
-    return (t * cols + col0)[:, None] + e, live
+    return (_row_index(t) * cols + col0)[:, None] + e, live
 
 
 @triton.jit
@@ -180,7 +199,7 @@ def block_offsets(lg, rows, cols, msg_groups, G: tl.constexpr):
     ``launch.message_ints``)."""
     t, b = rows
     c = b.to(tl.int32)[:, None] * G + tl.arange(0, G)[None, :]
-    return t[:, None] * cols + c, c, (lg < msg_groups)[:, None]
+    return _row_index(t)[:, None] * cols + c, c, (lg < msg_groups)[:, None]
 
 
 @triton.jit

@@ -77,3 +77,140 @@ def test_fused_kernel_fits_its_register_cap_and_int8_spills_no_more():
                                  for dt in (torch.bfloat16, torch.int8))
     assert bf16["registers"] <= cap and int8["registers"] <= cap8 == cap, (cap, bf16, int8)
     assert _spills(int8) <= _spills(bf16), (_spills(int8), _spills(bf16))
+
+
+# -- every lane shuffle in the lane layout, for every shape the compiler tells apart ------------------
+#
+# Triton specializes integer arguments (``== 1``, divisibility by 16) and lays a
+# load out from what it can prove about its offsets; where a load's layout is
+# not the lane layout, its layout pass may re-materialize the butterflies' lane
+# shuffles (inline assembly it must treat as elementwise) in the load's layout,
+# where ``lane ^ m`` holds another value. That is how rows of width 1 came out
+# ~g/8 times the true sum on the H200. So every kernel is compiled here for the
+# shapes the compiler tells apart, and every shuffle's operand layout is read
+# from the TTGIR: lane bit ``log2 m`` must flip the group's lane index by ``m``
+# and nothing else; the packed bf16x2 decode (8 values a lane at once) must
+# also see a lane's 8 values in order in its first 8 registers.
+
+import re  # noqa: E402
+
+#: (rows, cols): width 1, odd widths below / above one group, a wide aligned row.
+SHAPES = [(2, 1), (1, 1), (3, 3), (2, 33), (2, 4096)]
+
+
+def _layout_bases(defn: str, rank: int) -> dict[str, list[tuple[int, ...]]]:
+    """``{"register": [...], "lane": [...]}`` basis vectors of a TTGIR
+    ``#ttg.blocked`` or ``#ttg.linear`` layout of a rank-``rank`` tensor."""
+    if defn.startswith("#ttg.linear"):
+        out = {}
+        for key in ("register", "lane"):
+            body = re.search(key + r" = \[(.*?)\]\]", defn)
+            vecs = re.findall(r"\[([-\d, ]+)\]", body.group(1) + "]") if body else []
+            out[key] = [tuple(int(v) for v in vec.split(",")) for vec in vecs]
+        return out
+    assert defn.startswith("#ttg.blocked"), defn
+    size, threads, order = (list(map(int, re.search(k + r" = \[([\d, ]+)\]", defn).group(1).split(",")))
+                            for k in ("sizePerThread", "threadsPerWarp", "order"))
+    unit = lambda d, n: tuple(n if i == d else 0 for i in range(rank))  # noqa: E731
+    regs = [unit(d, 1 << k) for d in order for k in range(size[d].bit_length() - 1)]
+    lanes = [unit(d, size[d] << k) for d in order for k in range(threads[d].bit_length() - 1)]
+    return {"register": regs, "lane": lanes}
+
+
+def shuffle_layout_problems(ttgir: str) -> list[str]:
+    """Shuffles (and packed decodes) in ``ttgir`` whose operand is not in the lane layout."""
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)", ttgir, re.M))
+    problems = []
+    for asm, operands in re.findall(r'tt\.elementwise_inline_asm "([^"]*)".*? : (tensor<[^:]*?) ->', ttgir):
+        masks = [int(m) for m in re.findall(r"shfl\.sync\.bfly\.b32 \S+ \S+ (\d+),", asm)]
+        packed = "prmt.b32" in asm
+        if not masks:
+            continue
+        shape, layout = re.match(r"tensor<([\dx]+)x\w+, (#\w+)>", operands).groups()
+        dims = [int(d) for d in shape.split("x")]
+        if len(dims) != 3:
+            problems.append(f"shuffle on a rank-{len(dims)} tensor {operands}")
+            continue
+        bases = _layout_bases(defs[layout], 3)
+        for m in masks:
+            k = m.bit_length() - 1
+            if k >= len(bases["lane"]) or bases["lane"][k] != (0, m, 0):
+                problems.append(f"shfl mask {m} on {layout} = {defs[layout]}")
+        if packed and bases["register"][:3] != [(0, 0, 1), (0, 0, 2), (0, 0, 4)]:
+            problems.append(f"packed decode on {layout} = {defs[layout]}")
+    return problems
+
+
+def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int) -> dict[str, str]:
+    """TTGIR of every kernel for one message shape: the composed stage kernels
+    (stage 1 with and without a carried error) and the whole fused kernel."""
+    from echo_vllm import kernels
+    from echo_vllm.bench.host_overhead import compile_only
+    from echo_vllm.kernels import consume_kernel, fused_kernel, launch, output_kernel, stage1_kernel, stage2_kernel
+    from echo_vllm.quant import WireLayout, feedback_row_len
+
+    world = 4
+    lay = WireLayout(rows * cols, world, group, cols)
+    x = torch.zeros(2, lay.numel, dtype=dtype)
+    fb = None if fb_dtype is None else torch.zeros(2, feedback_row_len(lay.padded_numel, fb_dtype, group),
+                                                   dtype=fb_dtype)
+    wire = torch.zeros(2, world, lay.chunk_bytes, dtype=torch.uint8)
+    calls = {
+        "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None)),
+        "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False)),
+        "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7)),
+        "output": (output_kernel, lambda: kernels.output(wire[0], lay, dtype, hadamard=True)),
+    }
+    if fb is not None:
+        calls["consume"] = (consume_kernel, lambda: kernels.consume(x, fb, lay, hadamard=True))
+    out = {}
+    with compile_only():
+        for name, (module, call) in calls.items():
+            call()
+            out[name] = list(module._LAUNCH.fn.device_caches[-1][0].values())[-1].asm["ttgir"]
+        if fb is not None:
+            plan = fused_kernel.plan_for(lay, 132)
+            y = torch.empty(1, lay.numel, dtype=dtype)
+            for incoming in (True, False):
+                lp = fused_kernel._launch_plan(lay, plan, 1, world * lay.chunk_bytes, 7, True, True, incoming,
+                                               fused_kernel.ALL_PHASES, launch.rows_aligned(cols, x[:1], y))
+                k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
+                                        fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
+                                        lp.constexprs)
+                out[f"fused{'' if incoming else ' fresh'}"] = k.asm["ttgir"]
+    return out
+
+
+def _shuffle_problems(rows, cols, dtype, fb_dtype, group) -> dict[str, list[str]]:
+    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group).items()
+            if (p := shuffle_layout_problems(t))}
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("dtype,fb,group", [(torch.bfloat16, torch.bfloat16, 32), (torch.float16, torch.int8, 16),
+                                            (torch.bfloat16, None, 32)])
+def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group):
+    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group).result(timeout=600)
+    assert problems == {}, problems
+
+
+def test_the_layout_reader_tells_the_lane_layout_apart():
+    """The reader on the layouts the compiler produced: the lane layout
+    (blocked or linear, registers in any order) passes; the layout whose
+    lanes run along the values (what broke width 1) fails."""
+    lane = "#ttg.blocked<{sizePerThread = [1, 1, 8], threadsPerWarp = [8, 4, 1], warpsPerCTA = [4, 1, 1], order = [2, 1, 0]}>"
+    along_values = ("#ttg.blocked<{sizePerThread = [1, 1, 1], threadsPerWarp = [1, 4, 8], warpsPerCTA = [4, 1, 1], "
+                    "order = [2, 1, 0]}>")
+    linear = ("#ttg.linear<{register = [[0, 0, 4], [0, 0, 2], [0, 0, 1], [32, 0, 0]], lane = [[0, 1, 0], [0, 2, 0], "
+              "[1, 0, 0], [2, 0, 0], [4, 0, 0]], warp = [[8, 0, 0], [16, 0, 0]], block = []}>")
+
+    def ir(defn, asm="shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;"):
+        return (f'#blocked = {defn}\n    %p = tt.elementwise_inline_asm "{asm}" {{constraints = "=r,r"}} %b : '
+                f"tensor<64x4x8xi32, #blocked> -> tensor<64x4x8xi32, #blocked> loc(#loc1)")
+
+    assert shuffle_layout_problems(ir(lane)) == []
+    assert shuffle_layout_problems(ir(linear)) == []
+    assert len(shuffle_layout_problems(ir(along_values))) == 1
+    packed = "{ prmt.b32 m0, a0, a1, 0x5410; shfl.sync.bfly.b32 p, a0, 1, 0x1f, -1; }"
+    assert shuffle_layout_problems(ir(lane, packed)) == []
+    assert len(shuffle_layout_problems(ir(linear, packed))) == 1  # registers reversed: pairs would mix

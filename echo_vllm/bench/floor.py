@@ -1,0 +1,83 @@
+"""The fused kernel's regression floor: today's time may not exceed the recorded one by more than 10%.
+
+``python -m echo_vllm.bench.floor FUSED_JSON [--benchmarks BENCHMARKS.md]``
+reads the emulated whole-kernel time per rank that ``echo-vllm bench
+fused --out DIR`` wrote (``DIR/fused.json``) for each case named in the
+floor and compares it with the figure recorded in BENCHMARKS.md, on a line
+of the form::
+
+    <!-- accept-floor: fused emulated_per_rank P=8 64MiB 102.8 us -->
+
+(one per case; the document's table beside it says where the figure comes
+from). Exits 0 when every case is within :data:`TOLERANCE`, 1 when one is
+slower or missing (the GPU acceptance run, ``scripts/gpu_accept.sh``,
+counts that as a failed step), 2 on unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+#: How much slower than the recorded figure a run may be.
+TOLERANCE = 0.10
+
+_FLOOR = re.compile(r"<!-- accept-floor: fused (\w+) P=(\d+) (\d+)MiB ([\d.]+) us -->")
+
+
+class Floor(NamedTuple):
+    key: str
+    """The ``times_us`` key of ``fused.json`` (``emulated_per_rank``)."""
+    world_size: int
+    size_mib: int
+    recorded_us: float
+
+
+def floors(markdown: str) -> list[Floor]:
+    """The floors recorded in a BENCHMARKS.md text."""
+    return [Floor(k, int(p), int(m), float(us)) for k, p, m, us in _FLOOR.findall(markdown)]
+
+
+def verdicts(fused: dict, recorded: list[Floor], tolerance: float = TOLERANCE) -> list[tuple[bool, str]]:
+    """``(ok, reason)`` per recorded floor, against a ``fused.json`` document."""
+    if not recorded:
+        return [(False, "no accept-floor line in BENCHMARKS.md")]
+    out = []
+    for f in recorded:
+        case = next((c for c in fused.get("cases", []) if c["world_size"] == f.world_size
+                     and c["size_bytes"] == f.size_mib << 20), None)
+        measured = None if case is None else case["times_us"].get(f.key)
+        if measured is None:
+            out.append((False, f"{f.key} P={f.world_size} {f.size_mib} MiB: not measured in this run"))
+            continue
+        limit = f.recorded_us * (1 + tolerance)
+        ok = measured <= limit
+        out.append((ok, f"{f.key} P={f.world_size} {f.size_mib} MiB: {measured:.1f} us, recorded {f.recorded_us} us, "
+                        f"limit {limit:.1f} us ({'ok' if ok else 'SLOWER'})"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.floor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("fused_json", help="fused.json written by `echo-vllm bench fused --out DIR`")
+    ap.add_argument("--benchmarks", default=str(Path(__file__).resolve().parents[2] / "BENCHMARKS.md"))
+    args = ap.parse_args(argv)
+    try:
+        fused = json.loads(Path(args.fused_json).read_text())
+        recorded = floors(Path(args.benchmarks).read_text())
+    except (OSError, ValueError) as e:
+        print(f"floor: cannot read the inputs: {e}", file=sys.stderr)
+        return 2
+    results = verdicts(fused, recorded)
+    for ok, reason in results:
+        print(("PASS " if ok else "FAIL ") + reason)
+    return 0 if all(ok for ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

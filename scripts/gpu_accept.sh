@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU acceptance run: everything a GPU path can break, on one GPU host,
+# in three runs of at most 9 minutes each (the device tool's calls), the
+# vLLM bundle travelling one part per run. Every change to a GPU path ends
+# with all three on the tree it submits; the closing note quotes the summary.
+#
+# Usage (repository root, on the GPU host):
+#   ECHO_COMMIT=<sha> OUT=<dir> bash scripts/gpu_accept.sh RUN
+# RUN:
+#   1  kernels: every kernel test compiled on the GPU (tests/kernels, the
+#      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
+#      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values), and
+#      `bench fused` at P = 8, 64 MiB against the floor recorded in
+#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first).
+#   2  the fused backend over P processes (scripts/gpu_fused_check.py:
+#      eager, CUDA graphs, auto, too large, lost peers, and the shape sweep
+#      at P = 2, 3, 4, 8), then every other GPU-marked test that needs no
+#      vLLM (health counters under CUDA-graph replay, training collectives,
+#      benchmarks, eval).
+#   3  vLLM: the bundle unpacked (parts stashed by runs 1 and 2, the last one
+#      carried), then scripts/gpu_vllm_check.py (all phases) and
+#      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
+#      requests, metrics), side by side on the one GPU.
+# Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN,
+# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse for run 3); each
+# run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
+# host keeps it while it stays warm between back-to-back runs).
+# Output: $OUT/accept_summary.txt (this run's lines, also appended to
+# $STASH/../summary.txt and printed last), one log per step in $OUT.
+# Exit status: 0 when every step of the run passed.
+case "${1:-}" in -h|--help|"") sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+RUN=$1
+case "$RUN" in 1|2|3) ;; *) echo "gpu_accept.sh: RUN must be 1, 2 or 3, got '$RUN'" >&2; exit 2 ;; esac
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STASH=${STASH:-/tmp/echo-accept/parts}
+mkdir -p "$STASH"
+COMMIT=${ECHO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/step.sh
+SUMMARY="$OUT/accept_summary.txt"
+
+# the bundle part(s) this run carried, kept for run 3
+cp -f .gpu-bundle/bundle.part.* .gpu-bundle/SHA256SUMS .gpu-bundle/install.py "$STASH"/ 2>/dev/null
+echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '\n' ' ')"
+
+if [ "$RUN" = 1 ]; then
+  # compile-bound: pytest-xdist spreads the compilations over the host's cores
+  step kernel_tests 330 "$PY" -m pytest -q -p no:cacheprovider -n 8 tests/kernels -k "not test_gpu_check" \
+    --tb=line
+  step bench_fused 150 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
+    --out "$OUT/bench"
+  step fused_floor 30 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
+elif [ "$RUN" = 2 ]; then
+  step fused_check 330 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
+    --json "$OUT/fused_check.json"
+  step gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
+    tests/eval --tb=line
+else
+  [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
+  step bundle 120 "$PY" "$STASH/install.py" /tmp/echo-accept/site "$STASH"
+  export PYTHONPATH="/tmp/echo-accept/site:$PYTHONPATH"
+  mkdir -p "$OUT/vllm" "$OUT/serve"
+  # side by side: each engine takes 0.3 of the GPU's memory
+  ( step vllm_check 480 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 460
+    printf '%s\n' "${status[@]}" > "$OUT/.vllm_status" ) &
+  vllm_pid=$!
+  sleep 20  # the first engine claims its memory before the second starts
+  step serve_check 460 env OUT="$OUT/serve" bash server/gpu_serve_check.sh
+  wait $vllm_pid
+  [ -f "$OUT/.vllm_status" ] && mapfile -t -O "${#status[@]}" status < "$OUT/.vllm_status"
+fi
+
+{
+  echo "GPU acceptance run $RUN, commit $COMMIT, $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  for s in "${status[@]}"; do
+    rc=$(sed -n 's/.* rc=\([0-9]*\).*/\1/p' <<<"$s")
+    [ "$rc" = 0 ] && echo "  PASS $s" || echo "  FAIL $s"
+  done
+} > "$SUMMARY"
+cat "$SUMMARY" >> "$STASH/../summary.txt"
+# the device tool brings back at most 8 files: every log in one archive, the summary beside it
+(cd "$OUT" && find . -type f ! -name accept_summary.txt ! -name "accept_logs_run$RUN.tgz" -print0 |
+  tar czf "accept_logs_run$RUN.tgz" --null -T - && find . -mindepth 1 ! -name accept_summary.txt \
+  ! -name "accept_logs_run$RUN.tgz" -delete)
+echo "=== summary"
+cat "$SUMMARY"
+! grep -q "  FAIL" "$SUMMARY"
