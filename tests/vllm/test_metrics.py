@@ -227,7 +227,9 @@ def test_prepare_multiprocess_dir(monkeypatch):
     from prometheus_client import values
 
     monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored after the test
-    path = metrics.prepare_multiprocess_dir()
-    assert os.path.isdir(path) and os.environ[metrics.MULTIPROC_ENV] == path
+    path, removed = metrics.prepare_multiprocess_dir()
+    assert os.path.isdir(path) and os.environ[metrics.MULTIPROC_ENV] == path and removed == []
     assert values.ValueClass is not values.MutexValue  # new metrics write to the shared files
-    assert metrics.prepare_multiprocess_dir() == path  # an existing directory is kept
+    open(os.path.join(path, f"counter_{os.getpid()}.db"), "w").close()  # this process's own
+    assert metrics.prepare_multiprocess_dir() == (path, [])  # our own folder is kept as it is
+    assert os.listdir(path) == [f"counter_{os.getpid()}.db"]
