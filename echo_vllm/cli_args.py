@@ -11,9 +11,11 @@ allowed (argparse exits 2), never a traceback, never a silent stand-in.
 * argparse types: :func:`count` (an integer in a range whose upper bound
   says why), :func:`byte_size`, :func:`counts` / :func:`byte_sizes` (comma
   lists), :func:`factor`, :func:`real`, :func:`out_dir`, :func:`existing_file`,
-  :func:`existing_dir`;
+  :func:`existing_dir`, :func:`device`, :func:`file_stem`, :func:`http_url`;
 * :class:`UsageError`: bad input found after parsing (a combination of
-  options); :func:`run_cli` prints it like argparse does.
+  options, a missing input); :func:`report_errors` prints it in one line,
+  exit 2 (the ``echo-vllm`` router does, for every subcommand).
+  ``EchoConfigError`` and ``EchoEnvError`` are UsageErrors.
 
 Nothing here imports torch or the rest of the package.
 """
@@ -25,6 +27,8 @@ import difflib
 import math
 import os
 import re
+import sys
+import tempfile
 from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
@@ -41,7 +45,13 @@ MAX_NUMBER_TEXT = 40
 #: (8 GPUs per host, a few hosts), and every rank costs a process or a
 #: partial matmul on this machine.
 MAX_RANKS = 64
-RANKS_WHY = f"at most {MAX_RANKS}: no tensor-parallel group is larger, and each rank costs a process or a partial"
+RANKS_WHY = "no tensor-parallel group is larger"
+
+
+#: Largest ``--seed`` of the demos: the seeds they derive from it
+#: (``seed * 1000003 + k``) must stay within torch's 64-bit seeds.
+MAX_TOOL_SEED = (1 << 32) - 1
+SEED_WHY = "the seeds derived from it stay within torch's 64 bits"
 
 
 class UsageError(ValueError):
@@ -211,23 +221,23 @@ def real(low: float, high: float, *, low_open: bool = False, why: str = "") -> C
 
 def out_dir(text: str) -> str:
     """argparse type: a folder the tool can write into, existing or to be
-    made (the nearest existing parent must then be a writable folder)."""
+    made. Checked by making (and removing) a folder where the output goes:
+    permission bits say nothing for root, nor of /proc or a read-only mount."""
     path = os.path.abspath(os.path.expanduser(str(text)))
     if not str(text).strip():
         raise argparse.ArgumentTypeError("'': expected a folder")
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise argparse.ArgumentTypeError(f"{text}: the folder is not writable")
-        return str(text)
-    parent = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
+    parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text}: cannot be made, {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: cannot be made, {parent} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".echo-vllm-write-check-", dir=parent))
+    except OSError as e:
+        where = "the folder" if parent == path else f"{parent}, where it would be made,"
+        raise argparse.ArgumentTypeError(f"{text}: {where} is not writable ({e.strerror})") from None
     return str(text)
 
 
@@ -264,18 +274,58 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return _type("list", parse)
 
 
-def run_cli(ap: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
-    """Parse ``argv`` with ``ap`` and call ``run``; a :class:`UsageError` it
-    raises is printed as ``ap``'s one-line error (exit 2)."""
-    args = ap.parse_args(argv)
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,2})?")
+
+
+def device(allow_auto: bool = False) -> Callable[[str], str]:
+    """argparse type: a torch device name, ``cpu``, ``cuda`` or ``cuda:N``
+    (and ``auto`` where the tool picks)."""
+
+    def parse(text: str) -> str:
+        t = str(text).strip().lower()
+        if (allow_auto and t == "auto") or _DEVICE.fullmatch(t):
+            return t
+        known = "auto, cpu, cuda, cuda:N" if allow_auto else "cpu, cuda, cuda:N"
+        raise ValueError(f"{_short(text)}: not a device ({known})")
+
+    return _type("device", parse)
+
+
+def file_stem(text: str) -> str:
+    """argparse type: a file name stem (letters, digits, ``._+-``): output
+    files are named after it, inside the output folder."""
+    if not re.fullmatch(r"[\w.+-]{1,100}", str(text)) or str(text) in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{_short(text)}: not a file name stem (letters, digits, . _ + -)")
+    return str(text)
+
+
+def http_url(text: str) -> str:
+    """argparse type: an ``http://`` or ``https://`` URL with a host (and,
+    if given, a port in 1..65535)."""
+    from urllib.parse import urlsplit
+
     try:
-        return int(run(args) or 0)
-    except UsageError as e:
-        ap.error(str(e))
+        parts = urlsplit(str(text).strip())
+        port = parts.port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{_short(text)}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise argparse.ArgumentTypeError(f"{_short(text)}: expected http://HOST[:PORT] or https://...")
+    return str(text).strip()
+
+
+def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[BaseException], ...] = (UsageError,)) -> int:
+    """``run()``'s exit code; one of ``errors`` it raises is printed as
+    ``prog: error: <message>`` on one line instead (exit 2)."""
+    try:
+        return int(run() or 0)
+    except errors as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 __all__ = [
-    "FALSE_TEXT", "MAX_RANKS", "RANKS_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
-    "choice_list", "count", "counts", "did_you_mean", "existing_dir", "existing_file", "factor", "out_dir",
-    "parse_bool", "parse_bytes", "parse_int", "real", "run_cli",
+    "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
+    "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
+    "file_stem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
 ]

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .cli_args import FALSE_TEXT, TRUE_TEXT, did_you_mean, parse_bool, parse_bytes, parse_int
+from .cli_args import FALSE_TEXT, TRUE_TEXT, UsageError, did_you_mean, parse_bool, parse_bytes, parse_int
 
 #: Group sizes the wire format supports. Smaller groups quantize more finely
 #: (a 16-bit scale per group) at the cost of more scale bytes on the wire:
@@ -69,8 +69,9 @@ BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
 FEEDBACK_DTYPES = ("float32", "bfloat16", "int8")
 
 
-class EchoConfigError(ValueError):
-    """A configuration value Echo cannot run with."""
+class EchoConfigError(UsageError):
+    """A configuration value Echo cannot run with (a ``ValueError``; the
+    tools print it as a one-line usage error)."""
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from .cli_args import did_you_mean
+from .cli_args import UsageError, did_you_mean
 
 #: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
 KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
 
 
-class EchoEnvError(ValueError):
+class EchoEnvError(UsageError):
     """An ``ECHO_*`` environment variable holds a value Echo does not know."""
 
 

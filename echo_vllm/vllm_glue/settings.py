@@ -96,8 +96,8 @@ class TpCommSettings:
         p = self.emulate_world_size
         if not isinstance(p, int) or isinstance(p, bool) or (p != 0 and not 2 <= p <= MAX_RANKS):
             raise EchoConfigError(
-                f"tp_comm_emulate={p!r}: must be at least 2 (or 0 / absent for no emulation), "
-                f"{RANKS_WHY} matmul per row-parallel layer"
+                f"tp_comm_emulate={p!r}: must be from 2 to {MAX_RANKS} ({RANKS_WHY}; each rank is a partial "
+                "matmul per row-parallel layer), or 0 / absent for no emulation"
             )
         if not isinstance(self.emulate_measure, bool):
             raise EchoConfigError(f"tp_comm_emulate_measure={self.emulate_measure!r}: must be True or False")

@@ -258,7 +258,7 @@ REJECTS = [
      "cannot run with -cc.pass_config.fuse_gemm_comms=1"),
     (["m", "-tp", "2", "--tp-comm", "echo", "-cc.pass_config", "3"], "pass_config must be an object"),
     (["m", "-tp", "4", "--tp-comm", "echo", "--echo-emulate-tp", "4"], "needs --tensor-parallel-size 1 (got 4)"),
-    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1"], "tp_comm_emulate=1: must be at least 2"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1"], "tp_comm_emulate=1: must be from 2 to 64"),
     (["m", "--tp-comm", "echo", "--echo-emulate-tp", "four"], "is not an integer"),
     (["m", "--echo-group-size", "64"], "--echo-group-size needs --tp-comm echo"),
     (["m", "--tp-comm", "nccl", "--no-echo-feedback"], "--no-echo-feedback needs --tp-comm echo"),
