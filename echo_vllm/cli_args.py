@@ -78,6 +78,12 @@ def _short(text: object, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
+def _shown(text: object) -> str:
+    """User text as typed when that prints on one line, else its ``repr``."""
+    t = str(text)
+    return t if t.isprintable() and t.strip() == t and len(t) <= 60 else _short(t)
+
+
 # -- text parsers ------------------------------------------------------------------
 
 #: Binary size suffixes (``k`` = KiB, ...); a trailing ``b`` / ``ib`` is optional.
@@ -174,7 +180,7 @@ def byte_size(low: int = 1, high: int | None = None, why: str = "") -> Callable[
 
     def parse(text: str) -> int:
         value = parse_bytes(text)
-        check_range(value, low, high, why, shown=f"{text} ({value} bytes)" if str(value) != text else None)
+        check_range(value, low, high, why, shown=f"{_shown(text)} ({value} bytes)" if str(value) != text else None)
         return value
 
     return _type("size", parse)
@@ -189,7 +195,7 @@ def byte_sizes(low: int = 1, high: int | None = None, why: str = "") -> Callable
 def _list(text: str, one: Callable[[str], object]) -> list:
     items = [t for t in str(text).split(",") if t.strip()]
     if not items:
-        raise ValueError(f"{text!r}: expected a comma list of values")
+        raise ValueError(f"{_short(text)}: expected a comma list of values")
     try:
         return [one(t.strip()) for t in items]
     except argparse.ArgumentTypeError as e:
@@ -213,7 +219,8 @@ def real(low: float, high: float, *, low_open: bool = False, why: str = "") -> C
             raise ValueError(f"not a number: {_short(text)}") from None
         if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
             side = "above" if low_open else "from"
-            raise ValueError(f"{text}: must be a finite number {side} {low:g} to {high:g}" + (f" ({why})" if why else ""))
+            raise ValueError(f"{_shown(text)}: must be a finite number {side} {low:g} to {high:g}"
+                             + (f" ({why})" if why else ""))
         return value
 
     return _type("number", parse)
@@ -227,33 +234,33 @@ def out_dir(text: str) -> str:
     if not str(text).strip():
         raise argparse.ArgumentTypeError("'': expected a folder")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: exists and is not a folder")
     parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{text}: cannot be made, {parent} is not a folder")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: cannot be made, {parent} is not a folder")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".echo-vllm-write-check-", dir=parent))
     except OSError as e:
         where = "the folder" if parent == path else f"{parent}, where it would be made,"
-        raise argparse.ArgumentTypeError(f"{text}: {where} is not writable ({e.strerror})") from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {where} is not writable ({e.strerror})") from None
     return str(text)
 
 
 def existing_file(text: str) -> str:
     """argparse type: a readable file."""
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such file")
     if not os.access(text, os.R_OK):
-        raise argparse.ArgumentTypeError(f"{text}: the file is not readable")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: the file is not readable")
     return text
 
 
 def existing_dir(text: str) -> str:
     """argparse type: a folder that exists."""
     if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such folder")
     return text
 
 
@@ -263,12 +270,12 @@ def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [t.strip() for t in str(text).split(",") if t.strip()]
         if not items:
-            raise ValueError(f"{text!r}: expected a comma list of {','.join(choices)}")
+            raise ValueError(f"{_short(text)}: expected a comma list of {','.join(choices)}")
         for item in items:
             if item not in choices:
-                raise ValueError(f"{item!r}: choose from {','.join(choices)}{did_you_mean(item, choices)}")
+                raise ValueError(f"{_short(item)}: choose from {','.join(choices)}{did_you_mean(item, choices)}")
         if len(set(items)) != len(items):
-            raise ValueError(f"{text!r}: a value is given twice")
+            raise ValueError(f"{_short(text)}: a value is given twice")
         return items
 
     return _type("list", parse)

@@ -138,21 +138,6 @@ def test_an_unusable_folder_is_refused_in_one_line(served, capsys, monkeypatch, 
     assert (tmp_path / "file").read_text() == "mine"
 
 
-def test_judge_multiprocess_dir():
-    def live(pid):
-        return pid == 7
-
-    assert metrics.judge_multiprocess_dir("d", [], live) == (None, [])
-    assert metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("gauge_all_2.db", True)], live) == (
-        None, ["counter_1.db", "gauge_all_2.db"])
-    for entries in ([("customers.db", True)], [("counter_1.db", False)], [("counter_x.db", True)],
-                    [("counter_1.db.bak", True)], [("gauge_sometimes_1.db", True)]):
-        problem, stale = metrics.judge_multiprocess_dir("d", entries, live)
-        assert problem and "nothing of yours is removed" in problem and stale == []
-    problem, stale = metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("summary_7.db", True)], live)
-    assert "running process(es) [7]" in problem and stale == []
-
-
 def test_stock_vllm_leaves_the_directory_alone(served, tmp_path):
     """--tp-comm nccl is vLLM as is: its multiprocess rules are vLLM's."""
     (tmp_path / "counter_1.db").write_text("x")

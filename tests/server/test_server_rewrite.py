@@ -7,9 +7,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from echo_vllm.config import BYTE_SIZE_FIELDS, EchoConfig
-from echo_vllm.server.flags import echo_flags, format_help
+from echo_vllm.server.flags import echo_flags, flags_by_option, format_help
 from echo_vllm.server.rewrite import (
     BYPASS_PASSES_0_26,
     BYPASS_PASSES_0_33,
@@ -429,3 +431,111 @@ def test_dashed_keys_in_additional_config_read_like_the_plugin_reads_them():
 def test_a_nested_echo_object_is_refused_up_front():
     with pytest.raises(ServeArgsError, match="nested"):
         rewrite(["m", "-tp", "2", "--additional-config", '{"tp_comm": "echo", "echo": {"group_size": 64}}'])
+
+
+# -- bad input: refused before vLLM starts, one line naming the value -------------
+
+BAD_INPUT = [
+    (["m", "-tp", "2", "--tp-comm", ""], "tp_comm='': choose one of ('nccl', 'echo')"),
+    (["m", "-tp", "2", "--additional-config", '{"tp_comm": ""}'], "tp_comm='': choose one of"),
+    (["m", "--tp-comm", "eco", "-tp", "2"], "tp_comm='eco': choose one of ('nccl', 'echo'); did you mean 'echo'?"),
+    (["m", "--tp-comm", "echo", "--additional-config", '{"tp_comm_emulate": 3.7}'],
+     "--additional-config tp_comm_emulate 3.7 is not an integer"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "true"], "--echo-emulate-tp 'true' is not an integer"),
+    (["m", "-tp", "2.5", "--tp-comm", "echo"], "-tp '2.5' is not an integer"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-seed", "9223372036854775808"],
+     "--echo-seed: seed=9223372036854775808: must be an integer from 0 to 9223372036854775807 (seeds are int64)"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-timeout-s", "1e300"],
+     "--echo-timeout-s: timeout_s=1e+300: must be a number of seconds above 0, at most 86400"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-timeout-s", "nan"], "timeout_s=nan"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-min-bytes", "99999999999999999999T"],
+     "min_bytes='99999999999999999999T' (1.1e+32 bytes): must be at most 1 TiB"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-bits", "4"], "--echo-bits: Echo's payload is 4-bit only"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.echo_bits", "4"],
+     "echo_bits: Echo's payload is 4-bit only"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-rounding", "stochastic"],
+     "echo_rounding=stochastic draws its noise from a torch generator; a CUDA-graph replay would repeat"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-rounding", "stochastic", "--enforce-eager", "--no-enforce-eager"],
+     "Run eager (--enforce-eager)"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-rounding", "stochastic", "-O0", "-cc.cudagraph_mode", "FULL"],
+     "Run eager (--enforce-eager)"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-feedbak"],
+     "unknown Echo option --echo-feedbak; did you mean '--echo-feedback'?"),
+    (["m", "-tp", "2", "--tp-comm-emulate", "2"], "unknown Echo option --tp-comm-emulate; did you mean"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUT)
+def test_bad_input_is_refused_before_vllm_starts(argv, message):
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(argv)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("eager", [["--enforce-eager"], ["--enforce_eager"], ["-O0"], ["-O", "0"], ["-O=0"],
+                                   ["--optimization-level", "0"], ["-cc.cudagraph_mode", "NONE"],
+                                   ["--compilation-config", '{"cudagraph_mode": "NONE"}']])
+def test_stochastic_rounding_runs_eager(eager):
+    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--echo-rounding", "stochastic", *eager])
+    assert settings.echo.rounding == "stochastic"
+
+
+def test_eager_from_a_config_file():
+    files = {"eager.yaml": {"enforce-eager": True}, "o0.yaml": {"optimization-level": 0}}
+    for name in files:
+        rewrite(["m", "-tp", "2", "--config", name, "--tp-comm", "echo", "--echo-rounding", "stochastic"],
+                read_config=files.__getitem__)
+
+
+@pytest.mark.parametrize("key", ["api-key", "api_key", "hf-token"])
+def test_a_config_file_with_a_secret_is_refused(key):
+    with pytest.raises(ServeArgsError, match=f"holds {key}, which vLLM would print in its argument log") as info:
+        rewrite(["m", "--config", "c.yaml"], read_config={"c.yaml": {key: "s3cret"}}.__getitem__)
+    assert "s3cret" not in str(info.value)
+
+
+def test_settings_that_idle_echo_come_back_as_warnings():
+    _, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--echo-min-bytes", "2G"])
+    (warning,) = settings.warnings
+    assert warning.startswith("min_bytes=2147483648 (2 GiB): only messages at least this large take Echo")
+    assert rewrite(["m", "-tp", "2", "--tp-comm", "echo"])[1].warnings == ()
+
+
+def test_help_shows_values_where_the_docs_name_constants():
+    from echo_vllm import config
+
+    text = " ".join(format_help().split())
+    assert "one of 16, 32, 64, 128; also the Hadamard block size" in text
+    assert config.DEFAULT_MIN_BYTES == 256 << 10 and "elsewhere 256 KiB" in text
+    leaked = [name for name in dir(config) if name.isupper() and name in text]
+    assert leaked == []
+    assert "names the barrier and the late peer" in text and "naming nothing" not in text
+
+
+# -- property: any command line gives a rewrite or one clear error ----------------
+
+_FLAG_TOKENS = sorted(f for f in flags_by_option())
+_TOKENS = st.one_of(
+    st.sampled_from(_FLAG_TOKENS + ["-tp", "--tensor-parallel-size", "--enable-dbo", "--ubatch-size", "--enforce-eager",
+                                    "-O0", "-O", "--additional-config", "-cc", "--compilation-config", "--", "--port",
+                                    "--echo-bits", "--echo-groupsize", "--tp-comm=echo", "--tp-comm=", "-cc.mode",
+                                    "--additional-config.echo_seed", "--additional-config.tp_comm_emulate"]),
+    st.sampled_from(["echo", "nccl", "2", "4", "0", "-1", "3.7", "64", "48", "true", "maybe", "1MiB", "99999T", "",
+                     "stochastic", '{"tp_comm": "echo"}', '{"echo_group_size": "x"}', "[1]", "{bad", "NONE",
+                     '{"pass_config": {"enable_sp": true}}', "1e300", "nan", "9223372036854775808"]),
+    st.text(max_size=8),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_TOKENS, max_size=8))
+def test_any_command_line_gives_a_rewrite_or_one_clear_error(tokens):
+    try:
+        vllm_argv, settings = rewrite(["m", *tokens])
+    except ServeArgsError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert all(isinstance(t, str) for t in vllm_argv)
+    if settings.echo_on:  # what the plugin will read is what the rewrite decided
+        _, additional, _ = split_tail(vllm_argv)
+        assert TpCommSettings.from_additional_config(additional).echo == settings.echo

@@ -233,3 +233,18 @@ def test_prepare_multiprocess_dir(monkeypatch):
     open(os.path.join(path, f"counter_{os.getpid()}.db"), "w").close()  # this process's own
     assert metrics.prepare_multiprocess_dir() == (path, [])  # our own folder is kept as it is
     assert os.listdir(path) == [f"counter_{os.getpid()}.db"]
+
+
+def test_judge_multiprocess_dir():
+    def live(pid):
+        return pid == 7
+
+    assert metrics.judge_multiprocess_dir("d", [], live) == (None, [])
+    assert metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("gauge_all_2.db", True)], live) == (
+        None, ["counter_1.db", "gauge_all_2.db"])
+    for entries in ([("customers.db", True)], [("counter_1.db", False)], [("counter_x.db", True)],
+                    [("counter_1.db.bak", True)], [("gauge_sometimes_1.db", True)]):
+        problem, stale = metrics.judge_multiprocess_dir("d", entries, live)
+        assert problem and "nothing of yours is removed" in problem and stale == []
+    problem, stale = metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("summary_7.db", True)], live)
+    assert "running process(es) [7]" in problem and stale == []
