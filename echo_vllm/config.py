@@ -10,7 +10,7 @@ spelling, reads the same), ``echo-vllm serve`` and the tools from their
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -269,6 +269,8 @@ class EchoConfig:
         """
         if not isinstance(raw, Mapping):
             raise EchoConfigError(f"expected a mapping of option: value, got {type(raw).__name__} {raw!r:.60}")
+        if not isinstance(prefix, str):
+            raise EchoConfigError(f"prefix={prefix!r}: must be text (\"\" for bare field names)")
         names = {f.name: f for f in fields(cls)}
         prefix = prefix.replace("-", "_")
         kwargs: dict[str, Any] = {}
@@ -370,8 +372,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return parse_int(value)
         except ValueError:
             # a count, not a size: a size suffix here is a mistake, never 1024x
-            raise EchoConfigError(f"{key}={value!r:.60}: expected an integer (size suffixes such as k "
-                                  f"are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)") from None
+            suffixed = re.fullmatch(r"\s*[\d.]+\s*[kmgt](i?b)?\s*", value, re.IGNORECASE)
+            raise EchoConfigError(f"{key}={value!r:.60}: expected an integer" + (
+                f" (size suffixes such as k are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)"
+                if suffixed else "")) from None
     if kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..cli_args import TRUE_TEXT, did_you_mean, parse_bool, parse_int
+from ..cli_args import MAX_RANKS, RANKS_WHY, TRUE_TEXT, did_you_mean, parse_bool, parse_int
 from ..config import REMOVED_OPTIONS, EchoConfig, EchoConfigError
 from ..vllm_glue import compat
 from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts
@@ -532,6 +532,8 @@ def rewrite_args(
     given = {key: value for key, value in ((MEASURE_KEY, measure), (POSTNORM_KEY, postnorm)) if value is not None}
     echo_values = _echo_values(scan, additional) if tp_comm == "echo" else {}
     plugin = _plugin_settings({**additional, TP_COMM_KEY: tp_comm, EMULATE_KEY: emulate, **given, **echo_values})
+    if plugin.active and tp > MAX_RANKS:
+        raise ServeArgsError(f"--tensor-parallel-size {tp}: Echo runs on groups of at most {MAX_RANKS} ({RANKS_WHY})")
     if plugin.mode == "nccl":
         echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)
         if echo_only:

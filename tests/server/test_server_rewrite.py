@@ -462,6 +462,13 @@ BAD_INPUT = [
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-feedbak"],
      "unknown Echo option --echo-feedbak; did you mean '--echo-feedback'?"),
     (["m", "-tp", "2", "--tp-comm-emulate", "2"], "unknown Echo option --tp-comm-emulate; did you mean"),
+    (["m", "-tp", "99999999999999999999", "--tp-comm", "echo"],
+     "--tensor-parallel-size 99999999999999999999: Echo runs on groups of at most 64"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-group-size", "32.0"], "group_size='32.0': expected an integer"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-first-exact-calls", "99999999"],
+     "first_exact_calls=99999999: must be an integer from 0 to 65536"),
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "1000"], "tp_comm_emulate=1000: must be from 2 to 64"),
+    (["m", "-tp", "2", "--tp-comm", "echo", "--echo-backend", "fusd"], "did you mean 'fused'?"),
 ]
 
 
