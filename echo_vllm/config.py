@@ -46,9 +46,10 @@ DEFAULT_MIN_BYTES = 256 * 1024
 #: ``DEFAULT_MIN_BYTES``.
 AUTO_BYTES = -1
 
-#: Largest ``min_bytes`` / ``max_bytes``: 1 TiB, more than any accelerator
-#: holds, so no message reaches it (a larger min_bytes would turn Echo off).
-MAX_MESSAGE_BYTES = 1 << 40
+#: Largest ``min_bytes`` / ``max_bytes``: 2^62, so byte counts stay int64
+#: wherever they flow (``crossover.NEVER``, "Echo never runs", is this value).
+#: Far above any message: a min_bytes above :data:`LARGE_MIN_BYTES` warns.
+MAX_MESSAGE_BYTES = 1 << 62
 #: ``min_bytes`` above this gets a warning: a prefill of 16k tokens of an
 #: 8192-wide model is 256 MiB, so most or every call would take the exact path.
 LARGE_MIN_BYTES = 1 << 30
@@ -101,11 +102,12 @@ class EchoConfig:
     latency-bound sizes gain nothing from a 4x smaller payload. ``"auto"``
     (the default): the vLLM glue measures where Echo beats vLLM's
     all-reduce on this machine at engine start and uses that
-    (``echo_vllm.crossover``); elsewhere 256 KiB. At most 1 TiB."""
+    (``echo_vllm.crossover``); elsewhere 256 KiB. Above 1 GiB it warns:
+    hardly any message is that large."""
 
     max_bytes: int = 0
     """Messages larger than this take the exact path (0 = no upper limit).
-    Bounds the feedback buffer a deployment must reserve. At most 1 TiB."""
+    Bounds the feedback buffer a deployment must reserve."""
 
     rounding: str = "nearest"
     """"nearest" (round half to even, deterministic) or "stochastic"
@@ -303,8 +305,8 @@ _BOOL_FIELDS = tuple(f.name for f in fields(EchoConfig) if f.type in ("bool", bo
 #: Integer fields: (largest value, why); each is at least 0 (``min_bytes``
 #: may also be ``AUTO_BYTES``).
 INT_BOUNDS = {
-    "min_bytes": (MAX_MESSAGE_BYTES, "1 TiB: no message is larger, so a larger min_bytes would turn Echo off"),
-    "max_bytes": (MAX_MESSAGE_BYTES, "1 TiB: no message is larger; 0 means no limit"),
+    "min_bytes": (MAX_MESSAGE_BYTES, "2^62: byte counts stay int64; no message comes near it"),
+    "max_bytes": (MAX_MESSAGE_BYTES, "2^62: byte counts stay int64; 0 means no limit"),
     "first_exact_calls": (MAX_CALLS, "no model's forward pass makes more all-reduce calls"),
     "health_every": (MAX_CALLS, "no model's forward pass makes more all-reduce calls; 0 turns the checks off"),
     "seed": (MAX_SEED, "seeds are int64"),
@@ -365,8 +367,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 raise EchoConfigError(f"{key}={value!r:.60}: expected an integer byte count (262144, 256k, 4MiB)"
                                       + (f"; {e}" if "whole number" in str(e) else "")) from None
             if nbytes > MAX_MESSAGE_BYTES:  # named as typed: the parsed number can have 30 digits
-                raise EchoConfigError(f"{key}={value!r:.60} ({nbytes:.3g} bytes): must be at most 1 TiB "
-                                      f"({INT_BOUNDS[key][1]})")
+                raise EchoConfigError(f"{key}={value!r:.60} ({nbytes:.3g} bytes): must be at most "
+                                      f"{MAX_MESSAGE_BYTES} ({INT_BOUNDS[key][1]})")
             return nbytes
         try:
             return parse_int(value)

@@ -449,7 +449,7 @@ BAD_INPUT = [
      "--echo-timeout-s: timeout_s=1e+300: must be a number of seconds above 0, at most 86400"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-timeout-s", "nan"], "timeout_s=nan"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-min-bytes", "99999999999999999999T"],
-     "min_bytes='99999999999999999999T' (1.1e+32 bytes): must be at most 1 TiB"),
+     "min_bytes='99999999999999999999T' (1.1e+32 bytes): must be at most 4611686018427387904"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--echo-bits", "4"], "--echo-bits: Echo's payload is 4-bit only"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.echo_bits", "4"],
      "echo_bits: Echo's payload is 4-bit only"),
