@@ -34,8 +34,13 @@ def no_work(monkeypatch):
     monkeypatch.setattr(kernels_bench, "verify", _tripwire)
     monkeypatch.setattr(train_demo, "train", _tripwire)
     monkeypatch.setattr(train_demo, "Corpus", type("NoCorpus", (), {"load": staticmethod(_tripwire)}))
-    for module in (perplexity, depth, accuracy):
-        monkeypatch.setattr(module, "resolve_model", _tripwire)
+    import echo_vllm.eval.models as models
+
+    monkeypatch.setattr(models, "prepare_model", _tripwire)  # a registered model would be downloaded
+    for module in (perplexity, depth):
+        monkeypatch.setattr(module, "load_hf_model", _tripwire)
+    monkeypatch.setattr(accuracy, "run_hf", _tripwire)
+    monkeypatch.setattr(accuracy, "run_vllm", _tripwire)
 
 
 #: (argv, what the one error line must say)
@@ -93,6 +98,10 @@ BAD = [
     (["eval", "perplexity", "--exact-calls", "0-99999999999"], "expected 0 <= I <= J < 65536"),
     (["eval", "perplexity", "--texts"], "nothing to score: give --texts or --lambada N"),
     (["eval", "perplexity", "--stem", "../x"], "not a file name stem"),
+    (["eval", "perplexity", "--texts", "hamlet", "/nonexistent/play.txt"], "text '/nonexistent/play.txt': no such file"),
+    (["eval", "depth", "--text", "missing.txt"], "text 'missing.txt': no such file"),
+    (["eval", "perplexity", "--model", "/nonexistent/model"], "'/nonexistent/model' is neither a local HF model "
+                                                              "folder"),
     (["eval", "depth", "--text", "", "--lambada", "0"], "nothing to measure: --text '' needs --lambada N"),
     (["eval", "accuracy", "--limit", "-1"], "-1: must be a finite number above 0"),
     (["eval", "accuracy", "--batch-size", "x"], "'x': expected 'auto' or an integer from 1 to 4096"),

@@ -21,7 +21,8 @@ from ..cli_args import device, file_stem, out_dir
 from ..postnorm import POSTNORM_POLICIES
 from .hf_emulation import HFEmulation, find_backbone
 from .models import default_emulate_tp, resolve_model, tp_size_arg
-from .perplexity import DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, text_windows
+from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,
+                         text_windows)
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import parse_variant, parse_variants, variant_arg
 
@@ -132,6 +133,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.text and not args.lambada:
         p.error("nothing to measure: --text '' needs --lambada N (N >= 1)")
+    if args.text and missing_text(args.text):
+        p.error(missing_text(args.text))
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     run(args)
     return 0

@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,16 @@ class TextSet:
     @property
     def tokens(self) -> int:
         return sum(len(s) for s in self.sequences)
+
+
+def missing_text(name: str) -> str | None:
+    """Why text ``name`` names no file, for a name that is a path (has a
+    ``/`` or ends in ``.txt``), or None: checked before the model loads,
+    a play's name only when its texts are prepared."""
+    path = Path(name).expanduser()
+    if ("/" in name or name.endswith(".txt")) and not path.is_file():
+        return f"text {name!r}: no such file"
+    return None
 
 
 def text_windows(tok, name: str, tokens: int, seq_len: int) -> TextSet:
@@ -431,6 +442,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.texts and not args.lambada:
         p.error("nothing to score: give --texts or --lambada N")
+    for problem in filter(None, map(missing_text, args.texts)):
+        p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     run(args)
     return 0

@@ -60,9 +60,6 @@ _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
 _UBATCH_OPTION = "--ubatch-size"
 _EAGER_OPTIONS = {"--enforce-eager": True, "--no-enforce-eager": False}
 _LEVEL_OPTION = "--optimization-level"
-#: vLLM options whose values are secrets (``echo_vllm.server.credentials``
-#: takes them off the command line); a --config file must not hold them.
-_SECRET_KEYS = ("--api-key", "--hf-token")
 
 #: Compilation passes that remove or replace the all-reduce Echo hooks (the
 #: guard rails' list): FlashInfer's fused all-reduce + RMSNorm, sequence
@@ -353,13 +350,15 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
         raise ServeArgsError(f"--config {path}: {' '.join(str(e).split())}") from None
     if not isinstance(raw, Mapping):
         raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
+    from .credentials import secret_option  # it raises this module's ServeArgsError
+
     table = flags_by_option()
     for key, value in raw.items():
         name = "--" + str(key).replace("_", "-")
         if name in table or name.startswith("--echo-"):
             raise ServeArgsError(
                 f"--config {path}: put Echo's {name} on the command line (vLLM would reject it)")
-        if name in _SECRET_KEYS:
+        if secret_option(name):  # vLLM reads the file into its arguments
             raise ServeArgsError(
                 f"--config {path}: holds {key}, which vLLM would print in its argument log; pass it as "
                 f"{name} on the command line (handed to vLLM through its environment) instead")

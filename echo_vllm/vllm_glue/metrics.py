@@ -10,8 +10,11 @@ get_prometheus_registry``) serves a ``MultiProcessCollector`` that sums them.
 vLLM only turns the mode on for ``--api-server-count > 1``;
 ``echo-vllm serve --tp-comm echo`` turns it on always
 (:func:`prepare_multiprocess_dir`, before anything imports
-``prometheus_client``: the client picks its value store at import time), and
-the variable is inherited by the engine-core and worker processes.
+``prometheus_client``: the client picks its value store at import time), in
+a private temporary folder or in the user's, which must hold nothing but an
+earlier run's value files (:func:`judge_multiprocess_dir`; nothing else is
+ever removed), and the variable is inherited by the engine-core and worker
+processes.
 
 Workers call :func:`publish` with :meth:`EchoStats.snapshot` (cumulative
 counts) about once a second; it turns the totals into counter increments, so
