@@ -183,17 +183,20 @@ class EchoConfig:
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise EchoConfigError(f"{name}={value!r}: must be True or False")
+                raise EchoConfigError(f"{name}={value!r:.60}: must be True or False")
         for name, (high, why) in INT_BOUNDS.items():
             value = getattr(self, name)
+            if name == "min_bytes" and value == "auto":  # the documented spelling, in Python too
+                value = AUTO_BYTES
+                object.__setattr__(self, "min_bytes", value)
             if name == "min_bytes" and value == AUTO_BYTES and not isinstance(value, bool):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
-                raise EchoConfigError(f"{name}={value!r}: must be an integer from 0 to {high} ({why})"
+                raise EchoConfigError(f"{name}={value!r:.60}: must be an integer from 0 to {high} ({why})"
                                       + (", or 'auto'" if name == "min_bytes" else ""))
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_TIMEOUT_S:  # NaN fails too
-            raise EchoConfigError(f"timeout_s={t!r}: must be a number of seconds above 0, at most "
+            raise EchoConfigError(f"timeout_s={t!r:.60}: must be a number of seconds above 0, at most "
                                   f"{MAX_TIMEOUT_S:g} (a day: a longer wait at a barrier is a hang)")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
@@ -325,7 +328,7 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         hint = ""
         if isinstance(value, str):
             hint = " (a number, not text)" if value in map(str, choices) else did_you_mean(value, choices)
-        raise EchoConfigError(f"{name}={value!r}: choose one of {shown}{hint}")
+        raise EchoConfigError(f"{name}={value!r:.60}: choose one of {shown}{hint}")
 
 
 def _unknown_option(key: str, prefix: str = "") -> str:

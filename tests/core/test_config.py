@@ -50,6 +50,18 @@ def test_an_echo_config_error_is_a_value_error_and_a_usage_error():
     assert issubclass(EchoConfigError, ValueError) and issubclass(EchoConfigError, UsageError)
 
 
+def test_min_bytes_auto_reads_in_python_too():
+    assert EchoConfig(min_bytes="auto") == EchoConfig() and EchoConfig(min_bytes="auto").min_bytes_auto
+    with pytest.raises(EchoConfigError, match="min_bytes='AUTO'"):
+        EchoConfig(min_bytes="AUTO")  # Python takes the one spelling; text from a CLI is read by from_mapping
+
+
+def test_a_huge_value_is_shown_short():
+    with pytest.raises(EchoConfigError) as info:
+        EchoConfig(timeout_s=10**400)
+    assert len(str(info.value)) < 200
+
+
 def test_configs_still_copy_and_pickle():
     config = EchoConfig(group_size=64, feedback=False)
     assert pickle.loads(pickle.dumps(config)) == config == copy.deepcopy(config)
