@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                              ("seq", "seq_len", count(1, 1 << 16, "a window must fit the validation text")),
                              ("lr", "lr", real(0, 10, low_open=True)), ("warmup", "warmup_steps", count(0, 10**7)),
                              ("seed", "seed", count(0, MAX_TOOL_SEED, SEED_WHY)),
-                             ("eval-every", "eval_every", count(1, 10**7)), ("eval-windows", "eval_windows", windows),
+                             ("eval-every", "eval_every", count(0, 10**7, "0: no evaluation until the end")),
+                             ("eval-windows", "eval_windows", windows),
                              ("final-eval-windows", "final_eval_windows", windows),
                              ("max-time-s", "max_time_s", real(0, 1e7))):
         t.add_argument(f"--{flag}", type=typ, dest=field)
