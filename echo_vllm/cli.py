@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .cli_args import report_errors
+
 SUBCOMMANDS = {
     "demo": ("echo_vllm.eval.demo", "error vs depth of exact, naive 4-bit and Echo over gloo processes"),
     "bench": ("echo_vllm.bench.cli", "benchmarks: all-reduce (GPU/gloo) and kernels"),
@@ -42,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo-vllm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        # bad input found after parsing: one line, exit 2, no traceback
+        return report_errors(f"echo-vllm {name}", lambda: module.main(rest))
+    except SystemExit as e:  # argparse's errors and --help: the exit code, as a return value
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

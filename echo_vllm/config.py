@@ -10,18 +10,27 @@ spelling, reads the same), ``echo-vllm serve`` and the tools from their
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from .cli_args import FALSE_TEXT, TRUE_TEXT, UsageError, did_you_mean, parse_bool, parse_bytes, parse_int
 
 #: Group sizes the wire format supports. Smaller groups quantize more finely
 #: (a 16-bit scale per group) at the cost of more scale bytes on the wire:
 #: g=32 -> 4.5 bit/value, g=64 -> 4.25, g=128 -> 4.125.
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 
-#: Only 4-bit payloads exist today; the field is kept so configs say it.
-SUPPORTED_BITS = (4,)
+#: Bits per value of Echo's payload: codes in [-7, 7]. The wire format, the
+#: kernels and the layout are built for it, so it is not an option.
+BITS = 4
+
+#: Options that no longer exist, refused by name with the reason (a config
+#: that sets one was written for something Echo does not do).
+REMOVED_OPTIONS = {
+    "bits": f"Echo's payload is {BITS}-bit only (its wire format, kernels and layout are built for it); "
+            "drop the option",
+}
 
 #: Below this a quantized two-shot all-reduce is not expected to beat a 16-bit
 #: one-shot all-reduce on NVLink: its kernels have a latency floor above vLLM's
@@ -37,6 +46,23 @@ DEFAULT_MIN_BYTES = 256 * 1024
 #: ``DEFAULT_MIN_BYTES``.
 AUTO_BYTES = -1
 
+#: Largest ``min_bytes`` / ``max_bytes``: 2^62, so byte counts stay int64
+#: wherever they flow (``crossover.NEVER``, "Echo never runs", is this value).
+#: Far above any message: a min_bytes above :data:`LARGE_MIN_BYTES` warns.
+MAX_MESSAGE_BYTES = 1 << 62
+#: ``min_bytes`` above this gets a warning: a prefill of 16k tokens of an
+#: 8192-wide model is 256 MiB, so most or every call would take the exact path.
+LARGE_MIN_BYTES = 1 << 30
+#: Most all-reduce calls a forward pass makes (1 + 2 x layers) for any model
+#: served today, with room: the bound of ``first_exact_calls`` and
+#: ``health_every``; ``first_exact_calls`` above :data:`MANY_CALLS` warns.
+MAX_CALLS = 1 << 16
+MANY_CALLS = 1 + 2 * 128
+#: Seeds are int64 (torch's generators take no more).
+MAX_SEED = (1 << 63) - 1
+#: Longest fused-kernel barrier wait: a day. Longer is a hang, not a wait.
+MAX_TIMEOUT_S = 24 * 3600.0
+
 ROUNDING_MODES = ("nearest", "stochastic")
 #: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
 BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
@@ -44,8 +70,9 @@ BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
 FEEDBACK_DTYPES = ("float32", "bfloat16", "int8")
 
 
-class EchoConfigError(ValueError):
-    """A configuration value Echo cannot run with."""
+class EchoConfigError(UsageError):
+    """A configuration value Echo cannot run with (a ``ValueError``; the
+    tools print it as a one-line usage error)."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +80,8 @@ class EchoConfig:
     """How one Echo all-reduce quantizes, and what it carries between calls."""
 
     group_size: int = 32
-    """Values per quantization group (one bf16 scale each). Power of two in
-    SUPPORTED_GROUP_SIZES; also the Hadamard block size."""
-
-    bits: int = 4
-    """Bits per value on the wire. Only 4 is implemented."""
+    """Values per quantization group (one bf16 scale each), one of
+    ``SUPPORTED_GROUP_SIZES``; also the Hadamard block size."""
 
     feedback: bool = True
     """Carry each call's quantization error into the next call of the same
@@ -76,9 +100,10 @@ class EchoConfig:
     min_bytes: int = AUTO_BYTES
     """Messages smaller than this (in input bytes) take the exact 16-bit path:
     latency-bound sizes gain nothing from a 4x smaller payload. ``"auto"``
-    (the default, stored as ``AUTO_BYTES``): the vLLM glue measures where
-    Echo beats vLLM's all-reduce on this machine at engine start and uses
-    that (``echo_vllm.crossover``); elsewhere ``DEFAULT_MIN_BYTES``."""
+    (the default): the vLLM glue measures where Echo beats vLLM's
+    all-reduce on this machine at engine start and uses that
+    (``echo_vllm.crossover``); elsewhere 256 KiB. Above 1 GiB it warns:
+    hardly any message is that large."""
 
     max_bytes: int = 0
     """Messages larger than this take the exact path (0 = no upper limit).
@@ -89,7 +114,8 @@ class EchoConfig:
     (unbiased, uses ``seed``)."""
 
     seed: int = 0
-    """Seed of the stochastic-rounding generator; ignored for "nearest"."""
+    """Seed of the stochastic-rounding generator (0 to 2^63 - 1); ignored
+    for "nearest"."""
 
     feedback_dtype: str = "bfloat16"
     """Storage dtype of the feedback buffer. bfloat16 (default) halves the
@@ -137,35 +163,41 @@ class EchoConfig:
 
     timeout_s: float = 60.0
     """Seconds a fused-backend kernel waits for a peer at a barrier before it
-    traps (a CUDA error naming nothing, instead of a hang; the process's CUDA
-    context is lost). Generous by default: ranks legitimately drift apart by
-    a first-call compilation or a host stall."""
+    traps instead of hanging: the error names the barrier and the late peer,
+    and the process's CUDA context is lost. Generous by default: ranks
+    legitimately drift apart by a first-call compilation or a host stall. At
+    most a day."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "EchoConfig":
+        # the generated __init__ would raise a bare TypeError: name the option and why
+        for key in kwargs:
+            if key not in cls.__dataclass_fields__:
+                raise EchoConfigError(_unknown_option(key))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        g = self.group_size
-        if not isinstance(g, int) or g not in SUPPORTED_GROUP_SIZES:
-            raise EchoConfigError(
-                f"group_size={g!r}: must be a power of two in {SUPPORTED_GROUP_SIZES}"
-            )
-        if self.bits not in SUPPORTED_BITS:
-            raise EchoConfigError(f"bits={self.bits!r}: only {SUPPORTED_BITS} is implemented")
-        if self.rounding not in ROUNDING_MODES:
-            raise EchoConfigError(f"rounding={self.rounding!r}: choose one of {ROUNDING_MODES}")
-        if self.backend not in BACKEND_CHOICES:
-            raise EchoConfigError(f"backend={self.backend!r}: choose one of {BACKEND_CHOICES}")
-        if self.feedback_dtype not in FEEDBACK_DTYPES:
-            raise EchoConfigError(
-                f"feedback_dtype={self.feedback_dtype!r}: choose one of {FEEDBACK_DTYPES}"
-            )
-        for name in ("min_bytes", "max_bytes", "first_exact_calls", "seed", "health_every"):
+        _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
+        _check_choice("rounding", self.rounding, ROUNDING_MODES)
+        _check_choice("backend", self.backend, BACKEND_CHOICES)
+        _check_choice("feedback_dtype", self.feedback_dtype, FEEDBACK_DTYPES)
+        for name in _BOOL_FIELDS:
             value = getattr(self, name)
-            auto = name == "min_bytes" and value == AUTO_BYTES
-            if not isinstance(value, int) or isinstance(value, bool) or (value < 0 and not auto):
-                raise EchoConfigError(f"{name}={value!r}: must be a non-negative integer"
-                                      + (" or 'auto'" if name == "min_bytes" else ""))
+            if not isinstance(value, bool):
+                raise EchoConfigError(f"{name}={value!r:.60}: must be True or False")
+        for name, (high, why) in INT_BOUNDS.items():
+            value = getattr(self, name)
+            if name == "min_bytes" and value == "auto":  # the documented spelling, in Python too
+                value = AUTO_BYTES
+                object.__setattr__(self, "min_bytes", value)
+            if name == "min_bytes" and value == AUTO_BYTES and not isinstance(value, bool):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
+                raise EchoConfigError(f"{name}={value!r:.60}: must be an integer from 0 to {high} ({why})"
+                                      + (", or 'auto'" if name == "min_bytes" else ""))
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise EchoConfigError(f"timeout_s={t!r}: must be a positive number of seconds")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_TIMEOUT_S:  # NaN fails too
+            raise EchoConfigError(f"timeout_s={t!r:.60}: must be a number of seconds above 0, at most "
+                                  f"{MAX_TIMEOUT_S:g} (a day: a longer wait at a barrier is a hang)")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
@@ -175,6 +207,21 @@ class EchoConfig:
             raise EchoConfigError(
                 f"min_bytes={self.effective_min_bytes} > max_bytes={self.max_bytes}: no message would take Echo"
             )
+
+    def warnings(self) -> list[str]:
+        """Settings that run but leave Echo idle for most or every call, each
+        saying why (the tools print them; a refusal would forbid a measurement)."""
+        out = []
+        if not self.batch_invariant and self.effective_min_bytes > LARGE_MIN_BYTES:
+            out.append(
+                f"min_bytes={self.effective_min_bytes} ({self.effective_min_bytes / (1 << 30):.4g} GiB): only "
+                "messages at least this large take Echo, and a prefill of 16k tokens of an 8192-wide bf16 "
+                "model is 0.25 GiB, so most or every all-reduce takes the exact 16-bit path")
+        if self.first_exact_calls > MANY_CALLS:
+            out.append(
+                f"first_exact_calls={self.first_exact_calls}: a forward pass of a 128-layer model makes "
+                f"{MANY_CALLS} all-reduce calls, so every call of most models takes the exact 16-bit path")
+        return out
 
     # -- presets -------------------------------------------------------------
 
@@ -204,12 +251,12 @@ class EchoConfig:
     def qmax(self) -> int:
         """Largest quantized magnitude: symmetric [-7, 7] keeps zero exact and
         the rounding error unbiased (the 16th code, -8, is left unused)."""
-        return (1 << (self.bits - 1)) - 1
+        return (1 << (BITS - 1)) - 1
 
     @property
     def wire_bits_per_value(self) -> float:
         """Payload bits plus the amortised 16-bit scale."""
-        return self.bits + 16.0 / self.group_size
+        return BITS + 16.0 / self.group_size
 
     # -- parsing ---------------------------------------------------------------
 
@@ -217,18 +264,26 @@ class EchoConfig:
     def from_mapping(cls, raw: Mapping[str, Any], *, prefix: str = "") -> "EchoConfig":
         """Build from a dict such as vLLM's ``additional_config``.
 
-        Keys are field names, optionally with ``prefix`` (e.g. ``echo_``),
-        with ``-`` read as ``_``; unknown keys that carry the prefix are an
-        error (a typo must not silently run a different experiment), and so
-        is a nested dict under the bare prefix (``{"echo": {...}}``), which
-        would otherwise be ignored; other keys are ignored.
+        Keys are field names, with ``-`` read as ``_``. With a ``prefix``
+        (e.g. ``echo_``) only keys that carry it are Echo's and others are
+        ignored (the rest of vLLM's additional_config); without one every
+        key must be a field. An unknown key of Echo's is an error with the
+        closest field's name (a typo must not silently run a different
+        experiment), and so is a nested dict under the bare prefix
+        (``{"echo": {...}}``), which would otherwise be ignored.
         """
+        if not isinstance(raw, Mapping):
+            raise EchoConfigError(f"expected a mapping of option: value, got {type(raw).__name__} {raw!r:.60}")
+        if not isinstance(prefix, str):
+            raise EchoConfigError(f"prefix={prefix!r}: must be text (\"\" for bare field names)")
         names = {f.name: f for f in fields(cls)}
         prefix = prefix.replace("-", "_")
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
             if not isinstance(key, str):
-                continue
+                if prefix:
+                    continue  # not Echo's: vLLM's additional_config holds other keys too
+                raise EchoConfigError(f"option name {key!r}: must be text")
             key = key.replace("-", "_")
             if prefix and key == prefix.rstrip("_"):
                 raise EchoConfigError(
@@ -240,12 +295,7 @@ class EchoConfig:
                     continue
                 key = key[len(prefix):]
             if key not in names:
-                if prefix:
-                    raise EchoConfigError(
-                        f"unknown option {prefix + key!r}; known: "
-                        + ", ".join(prefix + n for n in names)
-                    )
-                continue
+                raise EchoConfigError(_unknown_option(key, prefix))
             kwargs[key] = _coerce(key, value, names[key].type)
         return cls(**kwargs)
 
@@ -253,11 +303,17 @@ class EchoConfig:
         return dataclasses.asdict(self)
 
 
-#: Boolean spellings: pydantic's (what vLLM accepts for its own flags), so a
-#: value reads the same in ``--echo-*`` flags and in ``--additional-config``.
-TRUE_TEXT = frozenset({"1", "true", "t", "yes", "y", "on"})
-FALSE_TEXT = frozenset({"0", "false", "f", "no", "n", "off"})
+_BOOL_FIELDS = tuple(f.name for f in fields(EchoConfig) if f.type in ("bool", bool))
 
+#: Integer fields: (largest value, why); each is at least 0 (``min_bytes``
+#: may also be ``AUTO_BYTES``).
+INT_BOUNDS = {
+    "min_bytes": (MAX_MESSAGE_BYTES, "2^62: byte counts stay int64; no message comes near it"),
+    "max_bytes": (MAX_MESSAGE_BYTES, "2^62: byte counts stay int64; 0 means no limit"),
+    "first_exact_calls": (MAX_CALLS, "no model's forward pass makes more all-reduce calls"),
+    "health_every": (MAX_CALLS, "no model's forward pass makes more all-reduce calls; 0 turns the checks off"),
+    "seed": (MAX_SEED, "seeds are int64"),
+}
 
 #: Integer fields that are byte counts: only these take size suffixes
 #: (``256k``, ``4MiB``, :func:`parse_bytes`); every other integer is plain
@@ -265,75 +321,92 @@ FALSE_TEXT = frozenset({"0", "false", "f", "no", "n", "off"})
 BYTE_SIZE_FIELDS = frozenset({"min_bytes", "max_bytes"})
 
 
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    # type first: True == 1 and 64.0 == 64 would pass a plain membership test
+    if type(value) is not type(choices[0]) or value not in choices:
+        shown = ", ".join(map(str, choices))
+        hint = ""
+        if isinstance(value, str):
+            hint = " (a number, not text)" if value in map(str, choices) else did_you_mean(value, choices)
+        raise EchoConfigError(f"{name}={value!r:.60}: choose one of {shown}{hint}")
+
+
+def _unknown_option(key: str, prefix: str = "") -> str:
+    """The error for an option ``prefix + key`` EchoConfig does not have."""
+    if key in REMOVED_OPTIONS:
+        return f"{prefix + key}: {REMOVED_OPTIONS[key]}"
+    known = [prefix + f.name for f in fields(EchoConfig)]
+    hint = did_you_mean(prefix + key, known, common=prefix)
+    return f"unknown option {prefix + key!r}" + (hint or "; known: " + ", ".join(known))
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Turn strings from the environment or a CLI into the field's type:
     a byte count for :data:`BYTE_SIZE_FIELDS`, a plain integer for other
-    int fields, a boolean from :data:`TRUE_TEXT` / :data:`FALSE_TEXT`."""
+    int fields, a boolean from :data:`TRUE_TEXT` / :data:`FALSE_TEXT`.
+    A value of another type is refused (``3.7`` is not an integer, ``None``
+    not a boolean); ranges are the dataclass's."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
     if kind == "bool":
         if isinstance(value, bool):
             return value
-        text = str(value).strip().lower()
-        if text in TRUE_TEXT:
-            return True
-        if text in FALSE_TEXT:
-            return False
-        raise EchoConfigError(f"{key}={value!r}: expected a boolean")
+        if isinstance(value, (str, int)):
+            try:
+                return parse_bool(str(value))
+            except ValueError:
+                pass
+        raise EchoConfigError(f"{key}={value!r:.60}: expected a boolean (true/false, yes/no, on/off, 1/0)")
     if kind == "int":
-        if isinstance(value, bool):
-            raise EchoConfigError(f"{key}={value!r}: expected an integer")
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if key == "min_bytes" and str(value).strip().lower() == "auto":
+        if not isinstance(value, str):
+            raise EchoConfigError(f"{key}={value!r:.60}: expected an integer")
+        if key == "min_bytes" and value.strip().lower() == "auto":
             return AUTO_BYTES
         if key in BYTE_SIZE_FIELDS:
             try:
-                return parse_bytes(str(value))
-            except ValueError:
-                raise EchoConfigError(f"{key}={value!r}: expected an integer byte count (262144, 256k, 4MiB)") from None
+                nbytes = parse_bytes(value)
+            except ValueError as e:
+                raise EchoConfigError(f"{key}={value!r:.60}: expected an integer byte count (262144, 256k, 4MiB)"
+                                      + (f"; {e}" if "whole number" in str(e) else "")) from None
+            if nbytes > MAX_MESSAGE_BYTES:  # named as typed: the parsed number can have 30 digits
+                raise EchoConfigError(f"{key}={value!r:.60} ({nbytes:.3g} bytes): must be at most "
+                                      f"{MAX_MESSAGE_BYTES} ({INT_BOUNDS[key][1]})")
+            return nbytes
         try:
-            return int(str(value).strip())
+            return parse_int(value)
         except ValueError:
             # a count, not a size: a size suffix here is a mistake, never 1024x
-            raise EchoConfigError(f"{key}={value!r}: expected an integer (size suffixes such as k "
-                                  f"are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)") from None
+            suffixed = re.fullmatch(r"\s*[\d.]+\s*[kmgt](i?b)?\s*", value, re.IGNORECASE)
+            raise EchoConfigError(f"{key}={value!r:.60}: expected an integer" + (
+                f" (size suffixes such as k are for {' and '.join(sorted(BYTE_SIZE_FIELDS))} only)"
+                if suffixed else "")) from None
     if kind == "float":
-        if isinstance(value, bool):
-            raise EchoConfigError(f"{key}={value!r}: expected a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return float(str(value).strip())
-        except ValueError:
-            raise EchoConfigError(f"{key}={value!r}: expected a number") from None
-    return str(value) if not isinstance(value, str) else value
-
-
-#: Binary size suffixes (``k`` = KiB, ...); a trailing ``b`` / ``ib`` is optional.
-_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt])(?:i?b)?|(\d+)\s*b?|(0x[0-9a-f]+)")
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count: ``262144``, ``256k``, ``4MiB``, ``1.5G``, ``64MB`` (suffixes
-    binary), ``0x40000``. The config's and the benchmarks' one parser."""
-    t = str(text).strip().lower().replace("_", "")
-    m = _SIZE.fullmatch(t)
-    if m is None:
-        raise ValueError(f"not a byte count: {text!r}")
-    number, suffix, plain, hexa = m.groups()
-    if hexa:
-        return int(hexa, 16)
-    if plain:
-        return int(plain)
-    return int(float(number) * _SUFFIXES[suffix])
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:
+                raise EchoConfigError(f"{key}={value!r:.60}: too large") from None
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise EchoConfigError(f"{key}={value!r:.60}: expected a number")
+    if not isinstance(value, str):
+        raise EchoConfigError(f"{key}={value!r:.60}: expected text")
+    return value
 
 
 __all__ = [
     "AUTO_BYTES",
+    "BITS",
     "BYTE_SIZE_FIELDS",
     "DEFAULT_MIN_BYTES",
     "EchoConfig",
     "EchoConfigError",
+    "FALSE_TEXT",
     "SUPPORTED_GROUP_SIZES",
+    "TRUE_TEXT",
+    "parse_bytes",
 ]

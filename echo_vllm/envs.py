@@ -13,11 +13,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from .cli_args import UsageError, did_you_mean
+
 #: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
 KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
 
 
-class EchoEnvError(ValueError):
+class EchoEnvError(UsageError):
     """An ``ECHO_*`` environment variable holds a value Echo does not know."""
 
 
@@ -59,14 +61,27 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     kernels = env.get("ECHO_KERNELS", "auto").strip().lower() or "auto"
     kernels = "numba" if kernels == "cpu" else kernels
     if kernels not in KERNEL_CHOICES:
-        raise EchoEnvError(f"ECHO_KERNELS={env['ECHO_KERNELS']!r}: choose one of {KERNEL_CHOICES}")
+        extra = " (fused is EchoConfig.backend's choice, not a value here)" if kernels == "fused" else ""
+        raise EchoEnvError(f"ECHO_KERNELS={env['ECHO_KERNELS']!r:.60}: choose one of {', '.join(KERNEL_CHOICES)}"
+                           + (extra or did_you_mean(kernels, KERNEL_CHOICES)))
     direct = env.get("ECHO_KERNEL_DIRECT_LAUNCH", "1").strip()
     if direct not in ("0", "1"):
-        raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r}: 0 or 1")
+        raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r:.60}: 0 or 1")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1",
                    cache_dir=env.get("ECHO_VLLM_CACHE") or None)
 
 
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ``ECHO_*`` variable of ``environ`` that Echo does not
+    read, with the closest known name: a typo (``ECHO_KERNEL``) would
+    otherwise leave the setting at its default without a word. Warnings,
+    not errors: other software may use the prefix too."""
+    env = os.environ if environ is None else environ
+    return [f"{name} is not a variable echo-vllm reads{did_you_mean(name, VARIABLES) or ''} "
+            f"(known: {', '.join(VARIABLES)})"
+            for name in sorted(env) if name.startswith("ECHO_") and name not in VARIABLES]
+
+
 assert set(VARIABLES.values()) == {f.name for f in fields(EchoEnv)}
 
-__all__ = ["EchoEnv", "EchoEnvError", "KERNEL_CHOICES", "VARIABLES", "read"]
+__all__ = ["EchoEnv", "EchoEnvError", "KERNEL_CHOICES", "VARIABLES", "read", "unknown_variables"]

@@ -52,6 +52,27 @@ def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, 
         results.put((rank, "error", traceback.format_exc()))
 
 
+#: Most processes one run starts: each is a Python interpreter with torch
+#: (hundreds of MB); far more than any tensor-parallel group.
+MAX_PROCESSES = 256
+#: Longest collective timeout: a day (a longer wait is a hang).
+MAX_TIMEOUT_S = 24 * 3600
+
+
+def check_run_arguments(fn: Any, world_size: Any, backend: Any, timeout_s: Any) -> None:
+    """Raise ``ValueError`` naming the first argument :func:`run_processes`
+    cannot run with."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_PROCESSES:
+        raise ValueError(f"world_size={world_size!r}: must be an integer from 1 to {MAX_PROCESSES} "
+                         "(each rank is a process with its own torch)")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: gloo or nccl")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds above 0, at most {MAX_TIMEOUT_S}")
+    if not callable(fn) or any(part in getattr(fn, "__qualname__", "") for part in ("<locals>", "<lambda>")):
+        raise ValueError(f"fn={fn!r}: must be a module-level function (a spawned process imports it by name)")
+
+
 def run_processes(
     fn: Callable[..., Any],
     world_size: int,
@@ -62,7 +83,9 @@ def run_processes(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes;
     return the per-rank results (picklable) in rank order. ``fn`` must be a
-    module-level function."""
+    module-level function. Bad arguments raise ``ValueError`` here, before
+    any process starts (a child could only report a pickling error)."""
+    check_run_arguments(fn, world_size, backend, timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="echo-rdzv-") as tmp:

@@ -74,8 +74,8 @@ class VirtualTransport(Transport):
     capturable = True
 
     def __init__(self, world_size: int):
-        if world_size < 2:
-            raise ValueError(f"VirtualTransport needs world_size >= 2, got {world_size}")
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+            raise ValueError(f"VirtualTransport needs an integer world_size >= 2, got {world_size!r}")
         self.world_size = world_size
         self.local_ranks = tuple(range(world_size))
 

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..allreduce import EchoAllReduce
-from ..config import FEEDBACK_DTYPES, EchoConfig
+from ..cli_args import MAX_RANKS, RANKS_WHY, byte_size, byte_sizes, choice_list, count, factor, out_dir
+from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..feedback import FeedbackChain
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
@@ -231,9 +232,9 @@ def _config(args) -> EchoConfig:
 
 def _sizes(args, default_lo: str, default_hi: str) -> list[int]:
     if args.sizes:
-        return [report.parse_size(s) for s in args.sizes.split(",") if s]
-    lo = report.parse_size(args.min_size or default_lo)
-    hi = report.parse_size(args.max_size or default_hi)
+        return args.sizes
+    lo = args.min_size or report.parse_size(default_lo)
+    hi = args.max_size or report.parse_size(default_hi)
     return report.size_range(lo, hi, args.factor)
 
 
@@ -257,7 +258,7 @@ def run_gloo(args) -> int:
     cfg = _config(args).replace(backend=mode)
     results = _launch(_gloo_worker, world, cfg.to_dict(), sizes, args.iters, args.warmup, threads,
                       "cuda:0" if args.device == "cuda" else "cpu",
-                      tuple(b for b in args.echo_backends.split(",") if b), env={})
+                      tuple(args.echo_backends), env={})
     meta = _meta(args, "gloo", world)
     meta["echo_stages"] = mode
     meta["device"] = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
@@ -281,7 +282,7 @@ def run_nccl(args) -> int:
         sizes = _sizes(args, "8K", "1G")
         device = torch.device("cuda", local_rank)
         raw = measure(_config(args), sizes, args.iters, args.warmup, device,
-                      echo_backends=tuple(b for b in args.echo_backends.split(",") if b))
+                      echo_backends=tuple(args.echo_backends))
         gathered = [None] * world
         dist.all_gather_object(gathered, raw)
         if dist.get_rank() == 0:
@@ -296,14 +297,17 @@ def run_nccl(args) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                     help="auto: nccl under torchrun with CUDA, the kernel table on one GPU, gloo otherwise")
-    ap.add_argument("--world-size", type=int, default=4, help="gloo processes")
-    ap.add_argument("--min-size", default="", help="smallest message (default 8K on GPUs, 1M on gloo)")
-    ap.add_argument("--max-size", default="", help="largest message (default 1G on GPUs, 256M on gloo)")
-    ap.add_argument("--factor", type=int, default=2, help="size step factor")
-    ap.add_argument("--sizes", default="", help="explicit comma list of sizes (overrides min/max)")
-    ap.add_argument("--iters", type=int, default=0, help="timed calls per point (default 20 GPU, 5 gloo)")
-    ap.add_argument("--warmup", type=int, default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
-    ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
+    ap.add_argument("--world-size", type=count(2, MAX_RANKS, RANKS_WHY + "; each is a process here"), default=4,
+                    help="gloo processes")
+    size = byte_size(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY)
+    ap.add_argument("--min-size", type=size, default=None, help="smallest message (default 8K on GPUs, 1M on gloo)")
+    ap.add_argument("--max-size", type=size, default=None, help="largest message (default 1G on GPUs, 256M on gloo)")
+    ap.add_argument("--factor", type=factor(), default=2, help="size step factor (2..1024)")
+    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
+                    help="explicit comma list of sizes (overrides min/max)")
+    ap.add_argument("--iters", type=count(0, 1 << 20), default=0, help="timed calls per point (default 20 GPU, 5 gloo)")
+    ap.add_argument("--warmup", type=count(0, 1 << 20), default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
+    ap.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=FEEDBACK_DTYPES)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -311,10 +315,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(cuda: all processes on cuda:0, bytes staged through the host to cross the link)")
     ap.add_argument("--cpu-kernels", default="auto", choices=("auto", "numba", "reference"),
                     help="gloo: Echo stages as numba loops (auto: if numba imports) or torch references")
-    ap.add_argument("--echo-backends", default="",
+    ap.add_argument("--echo-backends", type=choice_list(BACKEND_CHOICES), default=[],
                     help="also time Echo on each of these backends (comma list, e.g. triton,fused; "
                          "columns echo-<name>); the column 'echo' is backend auto")
-    ap.add_argument("--out", default="", help="directory for JSON and PNG")
+    ap.add_argument("--out", type=out_dir, default=None, help="directory for JSON and PNG")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -351,7 +355,8 @@ def one_gpu_kernel_args(args: argparse.Namespace) -> argparse.Namespace:
     kargs = ap.parse_args([])
     kargs.min_size = args.min_size or kargs.min_size
     kargs.max_size = args.max_size or kargs.max_size
-    kargs.sizes, kargs.iters, kargs.group_size = args.sizes, args.iters, args.group_size
+    kargs.sizes = args.sizes
+    kargs.iters, kargs.group_size = args.iters, args.group_size
     kargs.no_hadamard, kargs.feedback_dtype, kargs.out = args.no_hadamard, args.feedback_dtype, args.out
     kargs.no_layout_compare = True
     return kargs

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, byte_sizes, count, counts, out_dir
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len
 from . import report, timing
 from .kernels_bench import random_feedback
@@ -209,6 +210,23 @@ def parse_plan(spec: str, layout: WireLayout, sms: int):
     return fk.FusedPlan(groups, warps, min(tiles, sms * per_sm), fk.register_cap(per_sm, warps))
 
 
+def plan_specs(text: str) -> list[str]:
+    """argparse type of ``--plans``: a comma list of ``tile_values:num_warps:per_sm``
+    (a tile of whole groups of 32, 1..32 warps, 1..32 programs per SM)."""
+    specs = [t.strip() for t in text.split(",") if t.strip()]
+    for spec in specs:
+        parts = spec.split(":")
+        ok = len(parts) == 3 and all(p.isdigit() for p in parts)
+        tile, warps, per_sm = (int(p) for p in parts) if ok else (0, 0, 0)
+        if not (ok and tile >= 32 and tile % 32 == 0 and 1 <= warps <= 32 and 1 <= per_sm <= 32):
+            raise argparse.ArgumentTypeError(
+                f"{spec!r}: expected tile_values:num_warps:per_sm, a tile of whole groups of 32 values, "
+                "1 to 32 warps, 1 to 32 programs per SM (e.g. 2048:8:3)")
+    if not specs:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of plans")
+    return specs
+
+
 def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch.dtype, gbps: float,
             stages: bool = True, plan: str = "") -> Case:
     from ..backends.stages import TritonStages
@@ -280,17 +298,20 @@ def table(cases: list[Case], gbps: float) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--world-sizes", default="2,4,8")
-    ap.add_argument("--sizes", default="64M,1G", help="message bytes per rank (bf16)")
-    ap.add_argument("--hidden", type=int, default=8192, help="values per row")
-    ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
+    ap.add_argument("--world-sizes", type=counts(2, MAX_RANKS, RANKS_WHY), default="2,4,8")
+    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default="64M,1G",
+                    help="message bytes per rank (bf16)")
+    ap.add_argument("--hidden", type=count(1, 1 << 20), default=8192, help="values per row")
+    ap.add_argument("--buffer-sets", type=count(1, 64, "each set is a full copy of the buffers"), default=3,
+                    help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
     ap.add_argument("--feedback-dtype", default="bfloat16", choices=tuple(FEEDBACK_STORAGE),
                     help="the feedback buffer's format (int8: codes + a bf16 scale per group)")
     ap.add_argument("--no-stages", action="store_true", help="skip the composed stage kernels")
-    ap.add_argument("--plans", default="", help="tuning: tile_values:num_warps:per_sm plans to time instead of "
+    ap.add_argument("--plans", type=plan_specs, default=None,
+                    help="tuning: tile_values:num_warps:per_sm plans to time instead of "
                                                 "TILE_TABLE's (comma-separated; e.g. 2048:8:3,1024:4:8)")
     ap.add_argument("--skip-verify", action="store_true")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", type=out_dir, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,8 +319,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench fused: needs a CUDA GPU", file=sys.stderr)
         return 2
     fb_dtype = FEEDBACK_STORAGE[args.feedback_dtype]
-    worlds = [int(w) for w in args.world_sizes.split(",") if w]
-    sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
+    worlds, sizes = args.world_sizes, args.sizes
     if not args.skip_verify:
         bad = [b for p in worlds for b in verify(p, args.hidden, fb_dtype)]
         if bad:
@@ -314,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     cases = []
     for p in worlds:
         for z in sizes:
-            for plan in args.plans.split(",") if args.plans else [""]:
+            for plan in args.plans or [""]:
                 cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages, plan))
                 print(json.dumps(asdict(cases[-1])), flush=True)
     print(table(cases, gbps))

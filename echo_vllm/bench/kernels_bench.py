@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import quant
-from ..config import EchoConfig
+from ..cli_args import MAX_RANKS, RANKS_WHY, byte_size, byte_sizes, count, counts, device, out_dir, real
+from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
 
@@ -370,28 +371,31 @@ def model_results(worlds, sizes, cfg: EchoConfig, copy_gbps: float, efficiency: 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--world-sizes", default="4,8", help="virtual world sizes P (comma list)")
-    ap.add_argument("--min-size", default="8K", help="smallest message (bytes of bf16 input)")
-    ap.add_argument("--max-size", default="1G", help="largest message")
-    ap.add_argument("--sizes", default="", help="explicit comma list of sizes (overrides min/max)")
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per point (median reported)")
+    ap.add_argument("--world-sizes", type=counts(2, MAX_RANKS, RANKS_WHY), default="4,8",
+                    help="virtual world sizes P (comma list)")
+    size = byte_size(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY)
+    ap.add_argument("--min-size", type=size, default="8K", help="smallest message (bytes of bf16 input)")
+    ap.add_argument("--max-size", type=size, default="1G", help="largest message")
+    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
+                    help="explicit comma list of sizes (overrides min/max)")
+    ap.add_argument("--iters", type=count(1, 1 << 20), default=20, help="timed calls per point (median reported)")
     ap.add_argument("--timing", default="auto", choices=TIMINGS,
                     help="auto: CUDA-graph replay below 1 MiB, eager above; graph: device time everywhere; "
                          "both: device time for bytes/s plus each call's eager time (host launch included)")
-    ap.add_argument("--group-size", type=int, default=EchoConfig.group_size)
-    ap.add_argument("--hidden", type=int, default=4096,
+    ap.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=EchoConfig.group_size)
+    ap.add_argument("--hidden", type=count(0, 1 << 20), default=4096,
                     help="values per row (token) of the messages: the row-aligned, position-owned layout "
                          "(0: one row)")
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_STORAGE))
-    ap.add_argument("--device", default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
+    ap.add_argument("--device", type=device(), default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
-    ap.add_argument("--out", default="", help="directory for kernels.json and PNGs")
+    ap.add_argument("--out", type=out_dir, default=None, help="directory for kernels.json and PNGs")
     ap.add_argument("--model-only", action="store_true",
                     help="measure nothing: predict kernel times from bytes moved (no GPU needed)")
-    ap.add_argument("--copy-gbps", type=float, default=4180.0,
+    ap.add_argument("--copy-gbps", type=real(0, 1e6, low_open=True), default=4180.0,
                     help="--model-only: copy bandwidth to assume (default: H200, 4.18 TB/s measured)")
-    ap.add_argument("--efficiency", type=float, default=0.85,
+    ap.add_argument("--efficiency", type=real(0, 1, low_open=True), default=0.85,
                     help="--model-only: fraction of the copy bandwidth the kernels reach")
 
 
@@ -405,25 +409,22 @@ def run_model(args, cfg: EchoConfig, worlds, sizes) -> int:
     return 0
 
 
+def _sizes(args: argparse.Namespace) -> list[int]:
+    return args.sizes or report.size_range(args.min_size, args.max_size)
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if getattr(args, "model_only", False):
         cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard,
                          feedback_dtype=args.feedback_dtype)
-        worlds = [int(w) for w in args.world_sizes.split(",") if w]
-        sizes = ([report.parse_size(s) for s in args.sizes.split(",") if s] if args.sizes else
-                 report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size)))
-        return run_model(args, cfg, worlds, sizes)
+        return run_model(args, cfg, args.world_sizes, _sizes(args))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench kernels: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard, feedback_dtype=args.feedback_dtype)
     backend = _backend(device)
-    worlds = [int(w) for w in args.world_sizes.split(",") if w]
-    if args.sizes:
-        sizes = [report.parse_size(s) for s in args.sizes.split(",") if s]
-    else:
-        sizes = report.size_range(report.parse_size(args.min_size), report.parse_size(args.max_size))
+    worlds, sizes = args.world_sizes, _sizes(args)
     if not args.skip_verify:
         bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
         if args.hidden:  # the row layout too: whole rows of the model's width

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
+from ..cli_args import UsageError
 from ..config import parse_bytes
 
 
@@ -56,7 +57,21 @@ def human_bytes(n: int) -> str:
 parse_size = parse_bytes
 
 
+#: Largest message a benchmark allocates: 64 GiB, where the message and its
+#: buffers stop fitting in one device's (or host's) memory.
+MAX_BENCH_BYTES = 1 << 36
+MAX_BENCH_WHY = "a bf16 value is 2 bytes; above 64 GiB the message and its buffers do not fit in memory"
+
+
 def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:
+    """``lo, lo * factor, ...`` up to ``hi``; :class:`UsageError` when that
+    holds nothing (``lo > hi``) or would never end (``factor <= 1``, ``lo <= 0``)."""
+    if factor <= 1 or lo <= 0:
+        raise UsageError(f"size ladder from {lo} by x{factor}: needs a smallest size of at least 1 byte and a "
+                         "factor of at least 2 (it would never reach the largest size)")
+    if lo > hi:
+        raise UsageError(f"smallest size {human_bytes(lo)} is above the largest {human_bytes(hi)} "
+                         "(--min-size / --max-size): nothing to measure")
     sizes, s = [], lo
     while s <= hi:
         sizes.append(s)

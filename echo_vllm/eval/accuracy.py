@@ -30,11 +30,25 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, count, device, file_stem, out_dir, parse_int, real
 from ..postnorm import POSTNORM_POLICIES
 from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
-from .variants import Variant, parse_variants
+from .variants import Variant, parse_variants, variant_arg
+
+
+def batch_size_arg(text: str) -> int | str:
+    """argparse type of ``--batch-size``: lm-eval's ``auto`` or 1..4096."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = parse_int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or an integer from 1 to 4096")
+    return value
 
 METRICS = ("acc", "acc_norm")
 
@@ -373,24 +387,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="TP size to emulate (default: per model)")
-    p.add_argument("--real-tp", type=int, default=1,
+    p.add_argument("--real-tp", type=count(1, MAX_RANKS, RANKS_WHY), default=1,
                    help="vLLM only: real tensor_parallel_size (>1 disables emulation; --tp ignored)")
-    p.add_argument("--variants", nargs="+", default=["exact", "naive", "default"],
+    p.add_argument("--variants", nargs="+", type=variant_arg, default=["exact", "naive", "default"],
                    help="default = Echo as shipped (EchoConfig())")
     p.add_argument("--tasks", nargs="+", default=SEVEN, choices=SEVEN)
-    p.add_argument("--limit", type=float, default=None, help="documents per task (lm-eval --limit)")
-    p.add_argument("--batch-size", default="16", help="lm-eval batch size (int or 'auto')")
-    p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--bootstrap-iters", type=int, default=1000,
+    p.add_argument("--limit", type=real(0, 1e9, low_open=True), default=None,
+                   help="documents per task (lm-eval --limit; below 1: a fraction of each task)")
+    p.add_argument("--batch-size", type=batch_size_arg, default=16, help="lm-eval batch size (int or 'auto')")
+    p.add_argument("--max-length", type=count(2, 1 << 17), default=2048)
+    p.add_argument("--bootstrap-iters", type=count(0, 1 << 20), default=1000,
                    help="lm-eval bootstrap draws for non-mean metrics; acc/acc_norm stderr is analytic "
                         "(0 turns every stderr off)")
     p.add_argument("--dtype", default="bfloat16", help="hf backend: model dtype")
-    p.add_argument("--device", default="cpu", help="hf backend: torch device")
+    p.add_argument("--device", type=device(), default="cpu", help="hf backend: torch device")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES,
                    help="Echo on post-norm models (Gemma-2/3): feedback off (default), exact, or as configured")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+    p.add_argument("--gpu-memory-utilization", type=real(0, 1, low_open=True), default=0.8,
                    help="vLLM: fraction of GPU memory (split between variants with --parallel)")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
+    p.add_argument("--kv-cache-gib", type=real(0, 1 << 14, low_open=True), default=None,
                    help=f"vLLM: fixed KV-cache size per engine (default with --parallel: "
                         f"{PARALLEL_KV_CACHE_GIB:g}, or half an engine's memory share if smaller; "
                         "otherwise vLLM sizes it from its memory share)")
@@ -400,8 +415,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="only build the table from every variant saved in --out under --stem "
                         "(runs split over several commands)")
-    p.add_argument("--out", default="eval_results")
-    p.add_argument("--stem", default="accuracy")
+    p.add_argument("--out", type=out_dir, default="eval_results")
+    p.add_argument("--stem", type=file_stem, default="accuracy")
     p.add_argument("--_one", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     return p
@@ -411,8 +426,6 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     args._argv = list(argv)
     args.world = args.real_tp if args.real_tp > 1 else (args.tp or default_emulate_tp(args.model))
-    if args.batch_size != "auto":
-        args.batch_size = int(args.batch_size)
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
     variants = parse_variants(args.variants)

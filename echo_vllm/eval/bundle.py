@@ -21,6 +21,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from ..cli_args import count, out_dir
 from .assets import cache_dir, verify_manifest
 from .data import prepare_benchmarks, prepare_texts
 from .models import MODELS, prepare_model
@@ -141,18 +142,21 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval bundle", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="*", default=["smollm2-135m"], choices=list(MODELS))
     p.add_argument("--no-data", action="store_true", help="leave out the benchmark data and texts")
-    p.add_argument("--part-mib", type=int, default=56)
+    p.add_argument("--part-mib", type=count(1, 1 << 14), default=56, help="size of each part (1..16384 MiB)")
     p.add_argument("--xz-preset", type=int, default=6, choices=range(10),
                    help="xz level. bf16 weights shrink ~40%% at any level (Gemma-3-270M 544 MB -> "
                         "315 MB at 6, Qwen2.5-1.5B 3.4 GB -> 2.1 GB at 0); 0 is the fast choice for "
                         "multi-GB models, 6 (default) packs the text and data tightest")
-    p.add_argument("--out", default=".gpu-bundle/echo", help="output folder (git-ignored by default)")
+    p.add_argument("--out", type=out_dir, default=".gpu-bundle/echo", help="output folder (git-ignored by default)")
     p.add_argument("--unpack", nargs="+", metavar=("TARGET", "PARTS_DIR"),
                    help="instead: unpack parts from PARTS_DIR(s) into TARGET")
     a = p.parse_args(argv)
     if a.unpack:
         if len(a.unpack) < 2:
             p.error("--unpack TARGET PARTS_DIR [PARTS_DIR ...]")
+        missing = [d for d in a.unpack[1:] if not Path(d).is_dir()]
+        if missing:
+            p.error(f"--unpack: no such folder {missing[0]}")
         unpack(Path(a.unpack[0]), [Path(d) for d in a.unpack[1:]])
         print(f"unpacked into {a.unpack[0]}; export ECHO_VLLM_CACHE={a.unpack[0]}")
         return 0

@@ -16,6 +16,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ..cli_args import UsageError, report_errors
+from .assets import AssetError
+
 SUBCOMMANDS = {
     "prepare-model": "echo_vllm.eval.prepare",
     "prepare-data": "echo_vllm.eval.prepare",
@@ -37,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo-vllm eval: unknown subcommand {name!r}\n{__doc__}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name])
-    if name.startswith("prepare-"):
-        return int(module.main([name, *rest]) or 0)
-    return int(module.main(rest) or 0)
+    args = [name, *rest] if name.startswith("prepare-") else rest
+    # bad input found after parsing, a missing model or text: one line, exit 2
+    return report_errors(f"echo-vllm eval {name}", lambda: module.main(args), (UsageError, AssetError))
 
 
 if __name__ == "__main__":

@@ -20,11 +20,16 @@ import time
 
 import torch
 
+from ..cli_args import MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, count, out_dir
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
 from ..quant import WireLayout
 from ..spawn import run_processes
 from ..transport import ProcessGroupTransport
+
+#: Largest message the demo reduces (tokens x hidden): rank 0 rebuilds every
+#: rank's partials in fp64, P x 8 bytes per value per layer.
+MAX_DEMO_VALUES = 1 << 22
 
 MODES = {
     "exact 16-bit": None,
@@ -89,17 +94,18 @@ def _depths(layers: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="echo-vllm demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", "-p", type=int, default=4, help="gloo processes (TP ranks)")
-    ap.add_argument("--layers", "-l", type=int, default=64, help="all-reduce calls (1..128)")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="out/demo", help="folder for demo.json and demo.png")
+    ap.add_argument("--world-size", "-p", type=count(2, MAX_RANKS, RANKS_WHY + "; each is a process here"),
+                    default=4, help=f"gloo processes (TP ranks), 2..{MAX_RANKS}")
+    ap.add_argument("--layers", "-l", type=count(1, 128, "the depths shown double up to 128"), default=64,
+                    help="all-reduce calls (1..128)")
+    ap.add_argument("--tokens", type=count(1, 1 << 16), default=64, help="rows per call (tokens x hidden <= 2^22)")
+    ap.add_argument("--hidden", type=count(1, 1 << 16), default=1024, help="values per row")
+    ap.add_argument("--seed", type=count(0, MAX_TOOL_SEED, SEED_WHY), default=0)
+    ap.add_argument("--out", type=out_dir, default="out/demo", help="folder for demo.json and demo.png")
     args = ap.parse_args(argv)
-    if not 1 <= args.layers <= 128:
-        ap.error("--layers must be in 1..128")
-    if args.world_size < 2:
-        ap.error("--world-size must be at least 2")
+    if args.tokens * args.hidden > MAX_DEMO_VALUES:
+        ap.error(f"--tokens {args.tokens} x --hidden {args.hidden} = {args.tokens * args.hidden} values per call: "
+                 f"at most {MAX_DEMO_VALUES} (rank 0 keeps an fp64 copy of every rank's partials per layer)")
 
     t0 = time.time()
     results = run_processes(

@@ -17,12 +17,14 @@ import sys
 
 import torch
 
+from ..cli_args import device, file_stem, out_dir
 from ..postnorm import POSTNORM_POLICIES
 from .hf_emulation import HFEmulation, find_backbone
 from .models import default_emulate_tp, resolve_model, tp_size_arg
-from .perplexity import DTYPES, comm_dtype_for, lambada_set, load_hf_model, text_windows
+from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,
+                         text_windows)
 from .report import markdown_table, pyplot, save_figure, write_outputs
-from .variants import parse_variant, parse_variants
+from .variants import parse_variant, parse_variants, variant_arg
 
 
 @torch.no_grad()
@@ -118,15 +120,21 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval depth", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tp", type=tp_size_arg, default=0)
-    p.add_argument("--variants", nargs="+", default=["naive", "echo", "echo+hadamard+last"])
+    p.add_argument("--variants", nargs="+", type=variant_arg, default=["naive", "echo", "echo+hadamard+last"])
     p.add_argument("--text", default="hamlet", help="play name or path ('' to use --lambada)")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lambada", type=int, default=32)
+    p.add_argument("--tokens", type=TOKENS, default=2048)
+    p.add_argument("--seq-len", type=SEQ_LEN, default=512)
+    p.add_argument("--lambada", type=LAMBADA, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu", help="torch device (cuda on a GPU host)")
+    p.add_argument("--device", type=device(), default="cpu", help="torch device (cuda on a GPU host)")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES)
-    p.add_argument("--out", default="eval_results")
-    p.add_argument("--stem", default="depth")
-    run(p.parse_args(argv))
+    p.add_argument("--out", type=out_dir, default="eval_results")
+    p.add_argument("--stem", type=file_stem, default="depth")
+    args = p.parse_args(argv)
+    if not args.text and not args.lambada:
+        p.error("nothing to measure: --text '' needs --lambada N (N >= 1)")
+    if args.text and missing_text(args.text):
+        p.error(missing_text(args.text))
+    parse_variants(args.variants)  # duplicates: one line, before any model loads
+    run(args)
     return 0

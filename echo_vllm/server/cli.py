@@ -1,18 +1,24 @@
 """``echo-vllm serve MODEL [vllm serve args] --tp-comm {nccl,echo} [echo args]``.
 
-1. :func:`~echo_vllm.server.rewrite.rewrite_args` turns the command line into
+1. :func:`~echo_vllm.server.credentials.take_secrets` takes ``--api-key`` /
+   ``--hf-token`` off the command line: they reach vLLM through the
+   environment variables it reads, so no log ever shows them;
+2. :func:`~echo_vllm.server.rewrite.rewrite_args` turns the command line into
    a ``vllm serve`` one (Echo's flags -> ``--additional-config``, bypassing
-   compilation passes off, contradictions rejected in one line);
-2. with Echo on (or the emulation's exact baseline), Prometheus
+   compilation passes off, contradictions rejected in one line), and with
+   the glue active the ``ECHO_*`` variables are checked here, not in the
+   engine's workers minutes later;
+3. with Echo on (or the emulation's exact baseline), Prometheus
    multiprocess mode is switched on before vLLM is imported, so the workers'
    Echo counters reach ``/metrics``
-   (:mod:`echo_vllm.vllm_glue.metrics`); a directory the user set in
-   ``PROMETHEUS_MULTIPROC_DIR`` is cleared of an earlier run's value files
-   first (:func:`clear_multiprocess_dir`);
-3. vLLM's own ``vllm serve`` runs in this process
+   (:mod:`echo_vllm.vllm_glue.metrics`): in a private temporary folder, or
+   in the user's ``PROMETHEUS_MULTIPROC_DIR`` if it is empty (or holds only
+   an earlier run's value files, which are removed); anything else there
+   is refused, never deleted;
+4. vLLM's own ``vllm serve`` runs in this process
    (:mod:`~echo_vllm.server.vllm_serve`).
 
-What it prints of a command line has the secrets masked (:func:`masked_argv`).
+Every refusal is one line, ``echo-vllm serve: error: ...``, exit 2.
 """
 
 from __future__ import annotations
@@ -22,71 +28,16 @@ import os
 import shlex
 import sys
 
+from .. import envs
+from .credentials import take_secrets
 from .flags import format_help
 from .rewrite import ServeArgsError, ServeSettings, rewrite_args
 
 logger = logging.getLogger("echo_vllm")
 
-#: vLLM options whose values are secrets, with how many values argparse
-#: takes for each ("+": one or more, "?": one or none).
-SECRET_OPTIONS = {"--api-key": "+", "--hf-token": "?"}
-MASK = "MASKED"  # no shell metacharacters: shlex prints it bare
 
-
-def _secret_option(name: str) -> str | None:
-    """The secret option ``name`` spells: itself, with underscores
-    (``--api_key``), or an abbreviation argparse expands to it; None if none."""
-    name = name.replace("_", "-")
-    for option in SECRET_OPTIONS:
-        # argparse expands a unique prefix; vLLM's other options share the
-        # first word (--api-server-count, --hf-overrides), so one more letter
-        shortest = option[:option.index("-", 2) + 2]
-        if option.startswith(name) and name.startswith(shortest):
-            return option
-    return None
-
-
-def masked_argv(argv: list[str]) -> list[str]:
-    """``argv`` with the values of :data:`SECRET_OPTIONS` replaced by
-    :data:`MASK`, in both ``--api-key X`` (every value argparse would take)
-    and ``--api-key=X`` forms: what the CLI prints of a command line.
-    Tokens after ``--`` are positional and kept."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            return out + argv[i:]
-        name, eq, _ = token.partition("=")
-        option = _secret_option(name) if name.startswith("--") else None
-        out.append(f"{name}={MASK}" if option and eq else token)
-        i += 1
-        if option and not eq:
-            nargs = SECRET_OPTIONS[option]
-            # "+": the first token is a value even if it starts with "-" (argparse would refuse the line)
-            if nargs == "+" and i < len(argv) and argv[i] != "--":
-                out.append(MASK)
-                i += 1
-            while i < len(argv) and not argv[i].startswith("-"):
-                out.append(MASK)
-                i += 1
-                if nargs == "?":
-                    break
-    return out
-
-
-def clear_multiprocess_dir(path: str | None) -> list[str]:
-    """Remove an earlier run's prometheus_client value files (``*.db``)
-    from the multiprocess directory ``path``; returns their names (sorted).
-    Left in place they would be summed into this server's ``/metrics``
-    (prometheus_client requires the directory wiped between runs). Other
-    files and subdirectories stay; a missing directory has nothing."""
-    if not path or not os.path.isdir(path):
-        return []
-    stale = sorted(e.name for e in os.scandir(path) if e.is_file() and e.name.endswith(".db"))
-    for name in stale:
-        os.remove(os.path.join(path, name))
-    return stale
+def _say(text: str) -> None:
+    print(f"echo-vllm serve: {text}", file=sys.stderr, flush=True)
 
 
 def _wants_help(argv: list[str]) -> bool:
@@ -117,36 +68,40 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _wants_help(argv):
         return _help(argv)
+    from ..vllm_glue import metrics
+
     try:
+        argv, secret_env = take_secrets(argv)
         vllm_argv, settings = rewrite_args(argv)
-    except ServeArgsError as e:
-        print(f"echo-vllm serve: error: {e}", file=sys.stderr)
+        if settings.glue_active:
+            envs.read()  # the engine's workers read them: refuse a bad value now
+            path, stale = metrics.prepare_multiprocess_dir()  # before vLLM imports prometheus_client
+    except (ServeArgsError, envs.EchoEnvError, metrics.MultiprocessDirError) as e:
+        _say(f"error: {e}")
         return 2
-    print(f"echo-vllm serve: tp_comm={settings.tp_comm}; running: vllm serve {shlex.join(masked_argv(vllm_argv))}",
-          file=sys.stderr, flush=True)
+    _say(f"tp_comm={settings.tp_comm}; running: vllm serve {shlex.join(vllm_argv)}")
+    for name in sorted(secret_env):
+        _say(f"{name} set from the command line (handed to vLLM through the environment, kept out of every log)")
+    for warning in settings.warnings + tuple(envs.unknown_variables() if settings.glue_active else ()):
+        _say(f"warning: {warning}")
 
     on_parsed = None
     if settings.glue_active:
-        from ..vllm_glue import metrics
-
-        # a user-set directory may hold the last run's values (a temporary one starts empty)
-        stale = clear_multiprocess_dir(os.environ.get(metrics.MULTIPROC_ENV))
-        path = metrics.prepare_multiprocess_dir()  # before vLLM imports prometheus_client
-        print(f"echo-vllm serve: Prometheus multiprocess dir {path}", file=sys.stderr, flush=True)
+        _say(f"Prometheus multiprocess dir {path}")
         if stale:
-            print(f"echo-vllm serve: removed {len(stale)} metric file(s) (*.db) of an earlier run from {path}: "
-                  f"a user-set {metrics.MULTIPROC_ENV} is cleared at every start, so give each server its own",
-                  file=sys.stderr, flush=True)
+            _say(f"removed {len(stale)} prometheus_client value file(s) of an earlier run from {path} "
+                 f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''})")
 
         def on_parsed(_args):
             metrics.publish_config(config_labels(settings))
 
     from . import vllm_serve
 
+    os.environ.update(secret_env)
     try:
         return vllm_serve.serve(vllm_argv, settings, on_parsed=on_parsed)
     except ServeArgsError as e:
-        print(f"echo-vllm serve: error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return 2
 
 

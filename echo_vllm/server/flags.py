@@ -17,11 +17,12 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES, SUPPORTED_BITS,
+from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES,
                       SUPPORTED_GROUP_SIZES, EchoConfig)
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
@@ -34,7 +35,6 @@ ECHO_KEY_PREFIX = "echo_"
 #: Allowed values shown in --help (validation itself is EchoConfig's).
 _CHOICES: dict[str, tuple] = {
     "group_size": SUPPORTED_GROUP_SIZES,
-    "bits": SUPPORTED_BITS,
     "rounding": ROUNDING_MODES,
     "feedback_dtype": FEEDBACK_DTYPES,
     "backend": BACKEND_CHOICES,
@@ -83,6 +83,21 @@ def _field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+def _with_values(text: str) -> str:
+    """``text`` with each ````NAME```` of a constant of :mod:`echo_vllm.config`
+    written as its value: the docstrings name the constant (one source),
+    the help shows what it holds."""
+    from .. import config
+
+    def value(match: re.Match) -> str:
+        held = getattr(config, match.group(1), None)
+        if isinstance(held, tuple):
+            return ", ".join(map(str, held))
+        return match.group(0) if held is None else str(held)
+
+    return re.sub(r"``([A-Z][A-Z0-9_]+)``", value, text)
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,9 +167,7 @@ def format_help(width: int = 100) -> str:
         elif flag.kind == "str":
             spell += " TEXT"
         lines.append(f"  {spell}")
-        text = flag.help
-        if flag.kind == "int" and flag.choices:
-            text += f" One of {', '.join(str(c) for c in flag.choices)}."
+        text = _with_values(flag.help)
         default = "auto" if flag.field == "min_bytes" and flag.default == AUTO_BYTES else flag.default
         text += f" (default: {default})"
         lines += textwrap.wrap(text, width, initial_indent=" " * 8, subsequent_indent=" " * 8)

@@ -36,7 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..config import FALSE_TEXT, TRUE_TEXT, EchoConfig, EchoConfigError
+from ..cli_args import MAX_RANKS, RANKS_WHY, TRUE_TEXT, did_you_mean, parse_bool, parse_int
+from ..config import REMOVED_OPTIONS, EchoConfig, EchoConfigError
 from ..vllm_glue import compat
 from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts
 from ..vllm_glue.settings import TpCommSettings, normalize_keys
@@ -57,6 +58,8 @@ _CONFIG_ALIASES = {ADDITIONAL_CONFIG: ADDITIONAL_CONFIG, COMPILATION_CONFIG: COM
 _TP_OPTIONS = ("-tp", "--tensor-parallel-size")
 _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
 _UBATCH_OPTION = "--ubatch-size"
+_EAGER_OPTIONS = {"--enforce-eager": True, "--no-enforce-eager": False}
+_LEVEL_OPTION = "--optimization-level"
 
 #: Compilation passes that remove or replace the all-reduce Echo hooks (the
 #: guard rails' list): FlashInfer's fused all-reduce + RMSNorm, sequence
@@ -89,6 +92,8 @@ class ServeSettings:
     """compilation_config handed to vLLM (echo mode only)."""
     bypass_passes: tuple[str, ...] = ()
     """Pass-config keys switched off because they would bypass Echo."""
+    warnings: tuple[str, ...] = ()
+    """Settings that run but leave Echo idle for most calls (printed at start)."""
 
     @property
     def echo_on(self) -> bool:
@@ -166,6 +171,11 @@ class _Scan:
     file_dbo: bool | None = None
     ubatch: int | None = None
     file_ubatch: int | None = None
+    eager: bool | None = None
+    file_eager: bool | None = None
+    level: str | None = None
+    """``-O`` / ``--optimization-level`` as given (0: no CUDA graphs)."""
+    file_level: str | None = None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -178,6 +188,14 @@ class _Scan:
     @property
     def ubatch_size(self) -> int:
         return next((v for v in (self.ubatch, self.file_ubatch) if v is not None), 0)
+
+    @property
+    def enforce_eager(self) -> bool:
+        return bool(next((v for v in (self.eager, self.file_eager) if v is not None), False))
+
+    @property
+    def optimization_level(self) -> str | None:
+        return next((v for v in (self.level, self.file_level) if v is not None), None)
 
 
 def _split(token: str) -> tuple[str, str | None]:
@@ -200,12 +218,19 @@ def _take_value(argv: list[str], i: int, name: str, inline: str | None) -> tuple
 
 
 def _parse_bool(name: str, text: str) -> bool:
-    low = text.strip().lower()
-    if low in TRUE_TEXT:
-        return True
-    if low in FALSE_TEXT:
-        return False
-    raise ServeArgsError(f"{name}={text!r}: expected true or false")
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise ServeArgsError(f"{name}={text!r}: expected true or false") from None
+
+
+def _unknown_echo_option(name: str, table: Mapping[str, Flag]) -> str:
+    """The error for an ``--echo-*`` / ``--tp-comm*`` option that does not exist."""
+    field = name.removeprefix("--no-").removeprefix("--").removeprefix("echo-").replace("-", "_")
+    if name.startswith(("--echo-", "--no-echo-")) and field in REMOVED_OPTIONS:
+        return f"{name}: {REMOVED_OPTIONS[field]}"
+    hint = did_you_mean(name, table, common="--echo-")
+    return f"unknown Echo option {name}" + (hint or "; known: " + " ".join(sorted(table)))
 
 
 def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _Scan:
@@ -235,8 +260,8 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
                 value, i = _take_value(argv, i, name, inline)
             scan.echo_flags[flag.key] = (flag, value, name)
             continue
-        if name.startswith(("--echo-", "--no-echo-")) or base == "--tp-comm":
-            raise ServeArgsError(f"unknown Echo option {name}; known: {' '.join(sorted(table))}")
+        if name.startswith(("--echo-", "--no-echo-", "--tp-comm")):
+            raise ServeArgsError(_unknown_echo_option(name, table))
 
         start = i
         if base in _CONFIG_ALIASES:
@@ -251,6 +276,18 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
         elif name in _DBO_OPTIONS:
             scan.dbo = _DBO_OPTIONS[name]
             i += 1
+        elif name in _EAGER_OPTIONS:
+            scan.eager = _EAGER_OPTIONS[name]
+            i += 1
+        elif name == _LEVEL_OPTION or (token.startswith("-O") and not token.startswith("-O.")):
+            if name == _LEVEL_OPTION:
+                scan.level, i = _take_value(argv, i, name, inline)
+            elif token == "-O":  # vLLM reads a following 0-3 as the level
+                scan.level = argv[i + 1] if i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3") else None
+                i += 2 if scan.level is not None else 1
+            else:
+                scan.level = token[3:] if token[2:3] == "=" else token[2:]
+                i += 1
         elif name == _UBATCH_OPTION:
             raw, i = _take_value(argv, i, name, inline)
             scan.ubatch = _int(name, raw)
@@ -293,10 +330,15 @@ def _json_object(option: str, raw: Any) -> dict:
 
 
 def _int(name: str, raw: Any) -> int:
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        raise ServeArgsError(f"{name} {raw!r} is not an integer") from None
+    """An integer as typed or as JSON gave it; ``3.7``, ``true`` and ``4k`` are not."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return parse_int(raw)
+        except ValueError:
+            pass
+    raise ServeArgsError(f"{name} {raw!r} is not an integer")
 
 
 def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
@@ -308,12 +350,18 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
         raise ServeArgsError(f"--config {path}: {' '.join(str(e).split())}") from None
     if not isinstance(raw, Mapping):
         raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
+    from .credentials import secret_option  # it raises this module's ServeArgsError
+
     table = flags_by_option()
     for key, value in raw.items():
         name = "--" + str(key).replace("_", "-")
         if name in table or name.startswith("--echo-"):
             raise ServeArgsError(
                 f"--config {path}: put Echo's {name} on the command line (vLLM would reject it)")
+        if secret_option(name):  # vLLM reads the file into its arguments
+            raise ServeArgsError(
+                f"--config {path}: holds {key}, which vLLM would print in its argument log; pass it as "
+                f"{name} on the command line (handed to vLLM through its environment) instead")
         if name in _CONFIG_ALIASES:
             option = _CONFIG_ALIASES[name]
             # before every command-line entry, wherever --config stood
@@ -324,6 +372,10 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
             scan.file_dbo = bool(value)
         elif name == _UBATCH_OPTION:
             scan.file_ubatch = _int(name, value)
+        elif name == "--enforce-eager":
+            scan.file_eager = bool(value)
+        elif name == _LEVEL_OPTION:
+            scan.file_level = str(value)
 
 
 def _merge(occurrences: list[tuple[list[str], Any, bool]]) -> dict:
@@ -423,6 +475,18 @@ def _plugin_settings(additional: dict) -> TpCommSettings:
         raise ServeArgsError(str(e)) from None
 
 
+def _cudagraphs(scan: _Scan) -> bool:
+    """Whether vLLM may replay CUDA graphs, as the command line says: yes
+    unless ``--enforce-eager``, ``cudagraph_mode`` NONE, or ``-O0`` without
+    a ``cudagraph_mode`` (level 0's default is NONE)."""
+    if scan.enforce_eager:
+        return False
+    mode = _merge(scan.configs[COMPILATION_CONFIG]).get("cudagraph_mode")
+    if mode is not None:
+        return str(mode).strip().upper() not in ("NONE", "0")
+    return str(scan.optimization_level).strip() != "0"
+
+
 def _echo_compilation_config(scan: _Scan, passes: tuple[str, ...]) -> dict:
     """The user's compilation config with the bypassing passes off; an
     explicit request for one of them is a contradiction."""
@@ -459,19 +523,23 @@ def rewrite_args(
     tp = scan.tensor_parallel_size
     if tp < 1:
         raise ServeArgsError(f"--tensor-parallel-size {tp}: must be >= 1")
-    tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _text) or "nccl"
+    tp_comm = _flag_or_key(scan, additional, TP_COMM_KEY, _text)
+    tp_comm = "nccl" if tp_comm is None else tp_comm  # "" is refused by the plugin's settings, not read as nccl
     emulate = _flag_or_key(scan, additional, EMULATE_KEY, _int) or 0
     measure = _flag_or_key(scan, additional, MEASURE_KEY, _bool_value)
     postnorm = _flag_or_key(scan, additional, POSTNORM_KEY, _text)
     given = {key: value for key, value in ((MEASURE_KEY, measure), (POSTNORM_KEY, postnorm)) if value is not None}
     echo_values = _echo_values(scan, additional) if tp_comm == "echo" else {}
     plugin = _plugin_settings({**additional, TP_COMM_KEY: tp_comm, EMULATE_KEY: emulate, **given, **echo_values})
+    if plugin.active and tp > MAX_RANKS:
+        raise ServeArgsError(f"--tensor-parallel-size {tp}: Echo runs on groups of at most {MAX_RANKS} ({RANKS_WHY})")
     if plugin.mode == "nccl":
         echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)
         if echo_only:
             raise ServeArgsError(f"{' '.join(echo_only)} needs --tp-comm echo (nccl is vLLM's own all-reduce)")
     # no bypassing pass is on: the rewrite turns them off, and refuses an explicit request for one
-    engine = EngineFacts(tensor_parallel_size=tp, enable_dbo=scan.enable_dbo, ubatch_size=scan.ubatch_size)
+    engine = EngineFacts(tensor_parallel_size=tp, enable_dbo=scan.enable_dbo, ubatch_size=scan.ubatch_size,
+                         cudagraphs=_cudagraphs(scan))
     for problem in conflicts(plugin, engine):
         raise ServeArgsError(problem.message)
     emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
@@ -492,7 +560,8 @@ def rewrite_args(
         ADDITIONAL_CONFIG, json.dumps(additional),
         COMPILATION_CONFIG, json.dumps(compilation),
     ]
-    return vllm_argv, ServeSettings("echo", tp, emulate, plugin.echo, additional, compilation, tuple(passes))
+    return vllm_argv, ServeSettings("echo", tp, emulate, plugin.echo, additional, compilation, tuple(passes),
+                                    tuple(plugin.echo.warnings()))
 
 
 def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:

@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 
 from echo_vllm import EchoConfig
+from echo_vllm.cli_args import (MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, UsageError, choice_list, count, device,
+                                existing_dir, out_dir, real)
+from echo_vllm.config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 
 from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, MODES, TPCommConfig, TPGroup
 from .data import SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
@@ -66,29 +69,33 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="echo-vllm train-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ap.add_argument_group("data")
-    d.add_argument("--prepare-data", metavar="DIR", help="build the corpus folder DIR and exit")
-    d.add_argument("--sources", default=",".join(SOURCES), help=f"for --prepare-data (default {','.join(SOURCES)})")
-    d.add_argument("--data", metavar="DIR",
+    d.add_argument("--prepare-data", metavar="DIR", type=out_dir, help="build the corpus folder DIR and exit")
+    d.add_argument("--sources", type=choice_list(SOURCES), default=",".join(SOURCES),
+                   help=f"for --prepare-data (default {','.join(SOURCES)})")
+    d.add_argument("--data", metavar="DIR", type=existing_dir,
                    help="prepared corpus folder (default: the echo-vllm cache's, prepared on first use)")
     r = ap.add_argument_group("runs")
-    r.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of exact,naive,echo")
-    r.add_argument("--tp", type=int, default=4, help="emulated tensor-parallel ranks P")
-    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    r.add_argument("--modes", type=choice_list(MODES), default=",".join(MODES),
+                   help="comma-separated subset of exact,naive,echo")
+    r.add_argument("--tp", type=count(2, MAX_RANKS, RANKS_WHY + "; each is a partial matmul per layer"), default=4,
+                   help="emulated tensor-parallel ranks P")
+    r.add_argument("--device", type=device(allow_auto=True), default="auto", help="auto, cpu, cuda, cuda:N")
     r.add_argument("--preset", choices=sorted(PRESETS), help="sizes (default: gpu on CUDA, cpu otherwise)")
-    r.add_argument("--out", default="out/train-demo", help="folder for the JSON/PNG/Markdown files")
-    r.add_argument("--report", metavar="DIR", help="only write the report of the train_*.json runs in DIR")
+    r.add_argument("--out", type=out_dir, default="out/train-demo", help="folder for the JSON/PNG/Markdown files")
+    r.add_argument("--report", metavar="DIR", type=existing_dir,
+                   help="only write the report of the train_*.json runs in DIR")
     r.add_argument("--no-report", action="store_true",
                    help="write only train_<mode>.json (runs done in parallel, reported later with --report)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--fidelity", action="store_true",
                    help="instead of the three runs: train exact for --steps, then measure the gradient error "
                         "of every chain option (echo_vllm.training.fidelity)")
-    r.add_argument("--fidelity-batches", type=int, default=4, help="batches per variant for --fidelity")
+    r.add_argument("--fidelity-batches", type=count(1, 1 << 12), default=4, help="batches per variant for --fidelity")
     m = ap.add_argument_group("model (override the preset)")
-    for flag, field in (("hidden", "hidden_size"), ("layers", "num_layers"), ("heads", "num_heads"),
-                        ("kv-heads", "num_kv_heads"), ("head-dim", "head_dim"),
-                        ("intermediate", "intermediate_size")):
-        m.add_argument(f"--{flag}", type=int, dest=field)
+    for flag, field, high in (("hidden", "hidden_size", 1 << 16), ("layers", "num_layers", 256),
+                              ("heads", "num_heads", 1024), ("kv-heads", "num_kv_heads", 1024),
+                              ("head-dim", "head_dim", 1024), ("intermediate", "intermediate_size", 1 << 18)):
+        m.add_argument(f"--{flag}", type=count(1, high, "a model of one machine's memory"), dest=field)
     m.add_argument("--untied", action="store_true", help="separate LM head (default: tied to the embedding)")
     m.add_argument("--norm-outside-tp", action="store_true",
                    help="Megatron's norm placement (before f); default: norm inside the TP region")
@@ -96,20 +103,24 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--comm-dtype", choices=["bfloat16", "float16"], default="bfloat16",
                    help="dtype of the all-reduce messages, in every mode (default bfloat16)")
     t = ap.add_argument_group("training (override the preset)")
-    for flag, field, typ in (("steps", "steps", int), ("batch", "batch_size", int), ("seq", "seq_len", int),
-                             ("lr", "lr", float), ("warmup", "warmup_steps", int), ("seed", "seed", int),
-                             ("eval-every", "eval_every", int), ("eval-windows", "eval_windows", int),
-                             ("final-eval-windows", "final_eval_windows", int),
-                             ("max-time-s", "max_time_s", float)):
+    windows = count(1, 1 << 16, "windows of the validation text, which is shorter")
+    for flag, field, typ in (("steps", "steps", count(1, 10**7)), ("batch", "batch_size", count(1, 1 << 14)),
+                             ("seq", "seq_len", count(1, 1 << 16, "a window must fit the validation text")),
+                             ("lr", "lr", real(0, 10, low_open=True)), ("warmup", "warmup_steps", count(0, 10**7)),
+                             ("seed", "seed", count(0, MAX_TOOL_SEED, SEED_WHY)),
+                             ("eval-every", "eval_every", count(0, 10**7, "0: no evaluation until the end")),
+                             ("eval-windows", "eval_windows", windows),
+                             ("final-eval-windows", "final_eval_windows", windows),
+                             ("max-time-s", "max_time_s", real(0, 1e7))):
         t.add_argument(f"--{flag}", type=typ, dest=field)
     e = ap.add_argument_group("Echo options (naive 4-bit = the same with feedback off)")
-    e.add_argument("--group-size", type=int, default=FORWARD_DEFAULT.group_size)
+    e.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=FORWARD_DEFAULT.group_size)
     for prefix, default, name in (("fwd", FORWARD_DEFAULT, "forward"), ("bwd", BACKWARD_DEFAULT, "backward")):
         e.add_argument(f"--{prefix}-hadamard", action=argparse.BooleanOptionalAction, default=default.hadamard,
                        help=f"Walsh-Hadamard rotation in the {name} chain")
         e.add_argument(f"--{prefix}-exact-last-call", action=argparse.BooleanOptionalAction,
                        default=default.exact_last_call, help=f"last call of the {name} pass in 16-bit")
-        e.add_argument(f"--{prefix}-first-exact-calls", type=int, default=default.first_exact_calls,
+        e.add_argument(f"--{prefix}-first-exact-calls", type=count(0, MAX_CALLS), default=default.first_exact_calls,
                        help=f"first k calls of the {name} pass in 16-bit (default {default.first_exact_calls})")
     return ap
 
@@ -152,8 +163,7 @@ def _default_corpus() -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.prepare_data:
-        sources = tuple(s for s in args.sources.split(",") if s)
-        out = prepare_corpus(args.prepare_data, sources)
+        out = prepare_corpus(args.prepare_data, tuple(args.sources))
         info = json.loads((out / "corpus.json").read_text())
         size = sum(f.stat().st_size for f in out.iterdir())
         print(json.dumps(info["sources"], indent=1))
@@ -163,19 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         records = load_runs(Path(args.report))
         if not records:
-            print(f"train-demo: no train_*.json in {args.report}", file=sys.stderr)
-            return 1
+            raise UsageError(f"--report {args.report}: no train_*.json in it")
         write_report(records, out)
         return 0
 
-    modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        print(f"train-demo: --modes takes a subset of {','.join(MODES)}, got {args.modes!r}", file=sys.stderr)
-        return 2
+    modes = args.modes
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device here (--device cpu, or auto)")
     model_cfg, train_cfg, comm_cfg = _configs(args, device)
+    try:
+        model_cfg.validate(args.tp)
+    except ValueError as e:  # the model's shapes against P: the user's flags, one line
+        raise UsageError(f"--tp {args.tp} and the model's sizes: {e}") from None
+    if args.data and not (Path(args.data) / "corpus.json").is_file():
+        raise UsageError(f"--data {args.data}: no prepared corpus in it (make one with --prepare-data DIR)")
     corpus = Corpus.load(args.data) if args.data else Corpus.load(_default_corpus())
     out.mkdir(parents=True, exist_ok=True)
     if args.fidelity:

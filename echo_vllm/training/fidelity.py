@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from echo_vllm import EchoConfig
+from echo_vllm.config import MAX_CALLS
 
 from .collectives import TPComm, TPCommConfig, TPGroup
 from .data import Corpus, train_batch
@@ -30,7 +31,7 @@ from .model import ModelConfig, TPQwen3
 from .trainer import TrainConfig, make_optimizer, train_step
 
 #: A first_exact_calls value no pass reaches: the chain stays 16-bit.
-ALL_EXACT = 1 << 30
+ALL_EXACT = MAX_CALLS
 
 
 def variants() -> list[tuple[str, str, str, EchoConfig]]:

@@ -71,8 +71,9 @@ class EngineFacts:
     passes_on: tuple[str, ...] = ()
     """The :data:`BYPASS_PASSES` that are on."""
     cudagraphs: bool = False
-    """The engine may replay CUDA graphs (False where not known yet: the
-    engine applies the rule when it starts)."""
+    """The engine may replay CUDA graphs (``echo-vllm serve`` reads it from
+    its command line: on unless ``--enforce-eager``, ``-O0`` or
+    ``cudagraph_mode`` NONE, so the refusal comes before vLLM starts)."""
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "EngineFacts":

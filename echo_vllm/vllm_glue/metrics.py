@@ -10,8 +10,11 @@ get_prometheus_registry``) serves a ``MultiProcessCollector`` that sums them.
 vLLM only turns the mode on for ``--api-server-count > 1``;
 ``echo-vllm serve --tp-comm echo`` turns it on always
 (:func:`prepare_multiprocess_dir`, before anything imports
-``prometheus_client``: the client picks its value store at import time), and
-the variable is inherited by the engine-core and worker processes.
+``prometheus_client``: the client picks its value store at import time), in
+a private temporary folder or in the user's, which must hold nothing but an
+earlier run's value files (:func:`judge_multiprocess_dir`; nothing else is
+ever removed), and the variable is inherited by the engine-core and worker
+processes.
 
 Workers call :func:`publish` with :meth:`EchoStats.snapshot` (cumulative
 counts) about once a second; it turns the totals into counter increments, so
@@ -64,10 +67,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("echo_vllm")
 
@@ -76,30 +80,102 @@ PREFIX = "echo:"
 
 _tmpdir: tempfile.TemporaryDirectory | None = None
 
+#: prometheus_client's own value files, ``<kind>_<pid>.db`` (its
+#: ``values.MmapedValue`` naming): the only files Echo ever removes.
+PROMETHEUS_FILE = re.compile(r"(?:counter|histogram|summary|gauge_(?:live)?(?:all|min|max|sum|mostrecent))_(\d+)\.db")
 
-def prepare_multiprocess_dir() -> str:
+
+class MultiprocessDirError(ValueError):
+    """``PROMETHEUS_MULTIPROC_DIR`` names a folder the metrics cannot use;
+    the message is one line and names the folder."""
+
+
+def judge_multiprocess_dir(path: str, entries: list[tuple[str, bool]],
+                           live: Callable[[int], bool]) -> tuple[str | None, list[str]]:
+    """Whether a user's multiprocess folder may hold this server's metrics:
+    ``(why not, or None; stale value files to remove)``.
+
+    ``entries`` are the folder's ``(name, is a regular file)``; ``live(pid)``
+    says whether a process other than this one runs with that pid. The
+    folder must be empty or hold only prometheus_client's value files of
+    processes that are gone (an earlier run's: left in place they would be
+    summed into this server's ``/metrics``). Anything else is refused, never
+    removed: a file of the user's, a folder, or the live files of another
+    server sharing the folder.
+    """
+    foreign = sorted(name for name, regular in entries if not (regular and PROMETHEUS_FILE.fullmatch(name)))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (f"{MULTIPROC_ENV}={path} holds {shown}, not prometheus_client's value files: the metrics need "
+                "an empty folder (nothing of yours is removed); name an empty one, or unset it for a private "
+                "temporary one"), []
+    pids = {name: int(PROMETHEUS_FILE.fullmatch(name).group(1)) for name, _ in entries}
+    running = sorted({pid for pid in pids.values() if live(pid)})
+    if running:
+        return (f"{MULTIPROC_ENV}={path} holds the metric files of running process(es) {running}: another "
+                "server uses this folder; give each server its own, or unset it for a private temporary one"), []
+    return None, sorted(pids)
+
+
+def _pid_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process has written nothing yet: such files are an earlier run's
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    except OverflowError:
+        return False
+    return True
+
+
+def _user_dir(path: str) -> list[str]:
+    """Check (and make, if missing) the user's folder; returns the stale
+    value files removed. Raises :class:`MultiprocessDirError`."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise MultiprocessDirError(f"{MULTIPROC_ENV}={path}: not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        entries = [(e.name, e.is_file(follow_symlinks=False)) for e in os.scandir(path)]
+    except OSError as e:
+        raise MultiprocessDirError(f"{MULTIPROC_ENV}={path}: cannot use it as a folder ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise MultiprocessDirError(f"{MULTIPROC_ENV}={path}: the folder is not writable")
+    problem, stale = judge_multiprocess_dir(path, entries, _pid_running)
+    if problem:
+        raise MultiprocessDirError(problem)
+    for name in stale:
+        os.remove(os.path.join(path, name))
+    return stale
+
+
+def prepare_multiprocess_dir() -> tuple[str, list[str]]:
     """Turn on prometheus_client multiprocess mode for this process and the
-    ones it starts; returns the directory.
+    ones it starts; returns the directory and the stale value files removed
+    from it.
 
-    Call before vLLM (or anything else) imports ``prometheus_client``. An
-    existing ``PROMETHEUS_MULTIPROC_DIR`` is kept (vLLM warns that a user
-    directory must be emptied between runs); otherwise a fresh temporary one
-    is made and removed at exit.
+    Call before vLLM (or anything else) imports ``prometheus_client``.
+    Without ``PROMETHEUS_MULTIPROC_DIR`` a private temporary folder is made
+    (removed at exit). A folder the user set is used only as
+    :func:`judge_multiprocess_dir` allows, else :class:`MultiprocessDirError`.
     """
     global _tmpdir
     path = os.environ.get(MULTIPROC_ENV)
-    if path:
-        os.makedirs(path, exist_ok=True)
-    else:
+    removed: list[str] = []
+    if not path:
         _tmpdir = tempfile.TemporaryDirectory(prefix="echo-vllm-prometheus-")
         path = os.environ[MULTIPROC_ENV] = _tmpdir.name
+    elif _tmpdir is None or path != _tmpdir.name:  # ours is checked when made
+        removed = _user_dir(path)
     if "prometheus_client" in sys.modules:
         # The client chose its value store when imported; metrics created
         # from now on must write to the shared files.
         from prometheus_client import values
 
         values.ValueClass = values.get_value_class()
-    return path
+    return path, removed
 
 
 def multiprocess_mode() -> bool:
@@ -296,4 +372,5 @@ def publish(snapshot: Mapping[str, Any], rank: int) -> None:
         _warn_once(type(e).__name__, "echo: publishing metrics failed (%r); logged once", e)
 
 
-__all__ = ["EchoMetrics", "prepare_multiprocess_dir", "publish", "publish_config"]
+__all__ = ["EchoMetrics", "MultiprocessDirError", "judge_multiprocess_dir", "prepare_multiprocess_dir",
+           "publish", "publish_config"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, did_you_mean
 from ..config import EchoConfig, EchoConfigError, _coerce
 from ..postnorm import (
     DEFAULT_POSTNORM_POLICY,
@@ -91,15 +92,19 @@ class TpCommSettings:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise EchoConfigError(f"tp_comm={self.mode!r}: choose one of {MODES}")
+            raise EchoConfigError(f"tp_comm={self.mode!r}: choose one of {MODES}{did_you_mean(self.mode, MODES)}")
         p = self.emulate_world_size
-        if p != 0 and p < 2:
+        if not isinstance(p, int) or isinstance(p, bool) or (p != 0 and not 2 <= p <= MAX_RANKS):
             raise EchoConfigError(
-                f"tp_comm_emulate={p!r}: must be at least 2 (or 0 / absent for no emulation)"
+                f"tp_comm_emulate={p!r}: must be from 2 to {MAX_RANKS} ({RANKS_WHY}; each rank is a partial "
+                "matmul per row-parallel layer), or 0 / absent for no emulation"
             )
+        if not isinstance(self.emulate_measure, bool):
+            raise EchoConfigError(f"tp_comm_emulate_measure={self.emulate_measure!r}: must be True or False")
         if self.postnorm is not None and self.postnorm not in POSTNORM_POLICIES:
             raise EchoConfigError(
                 f"tp_comm_postnorm={self.postnorm!r}: choose one of {POSTNORM_POLICIES}"
+                + did_you_mean(self.postnorm, POSTNORM_POLICIES)
             )
         if self.emulate_measure and not p:
             raise EchoConfigError("tp_comm_emulate_measure needs tp_comm_emulate")
@@ -124,8 +129,9 @@ class TpCommSettings:
             k for k in raw if isinstance(k, str) and k.startswith(TP_COMM_KEY) and k not in KNOWN_KEYS
         ]
         if unknown:
+            hint = did_you_mean(unknown[0], KNOWN_KEYS)
             raise EchoConfigError(
-                f"unknown option(s) {unknown} in additional_config; known: {list(KNOWN_KEYS)}"
+                f"unknown option(s) {unknown} in additional_config{hint or ';'} known: {list(KNOWN_KEYS)}"
             )
         mode = str(raw.get(TP_COMM_KEY, "nccl")).strip().lower()
         emulate = _coerce(EMULATE_KEY, raw.get(EMULATE_KEY, 0), int)

@@ -112,5 +112,5 @@ def test_one_gpu_fallback_passes_every_kernels_bench_option():
     kp = argparse.ArgumentParser()
     kernels_bench.add_arguments(kp)
     assert set(vars(kp.parse_args([]))) <= set(vars(kargs))
-    assert (kargs.sizes, kargs.group_size, kargs.no_layout_compare) == ("1M,4M", 64, True)
+    assert (kargs.sizes, kargs.group_size, kargs.no_layout_compare) == ([1 << 20, 4 << 20], 64, True)
     assert kargs.feedback_dtype == args.feedback_dtype == EchoConfig.feedback_dtype

@@ -63,14 +63,14 @@ def test_default_min_bytes_routes_decode_sizes_to_exact():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"group_size": 48}, "power of two"),
-        ({"group_size": 256}, "power of two"),
-        ({"bits": 8}, "only"),
+        ({"group_size": 48}, "group_size=48: choose one of 16, 32, 64, 128"),
+        ({"group_size": 256}, "choose one of"),
+        ({"bits": 8}, "4-bit only"),
         ({"rounding": "up"}, "rounding"),
         ({"feedback_dtype": "float16"}, "feedback_dtype"),
-        ({"min_bytes": -2}, "non-negative"),
-        ({"max_bytes": -1}, "non-negative"),
-        ({"first_exact_calls": True}, "non-negative"),
+        ({"min_bytes": -2}, "must be an integer from 0"),
+        ({"max_bytes": -1}, "must be an integer from 0"),
+        ({"first_exact_calls": True}, "must be an integer from 0"),
     ],
 )
 def test_bad_config_raises(kwargs, match):

@@ -402,7 +402,7 @@ def test_variant_specs():
     assert parse_variant("default").config == EchoConfig(min_bytes=0)
     assert vs[2].bits_per_value == 5.0 and vs[0].bits_per_value == 16.0
     assert set(PRESETS) >= {"exact", "naive", "echo", "echo+last", "echo+hadamard", "echo+hadamard+last"}
-    with pytest.raises(EchoConfigError, match="unknown EchoConfig"):
+    with pytest.raises(EchoConfigError, match="unknown option 'gropu_size'; did you mean 'group_size'"):
         parse_variant("default:gropu_size=16")
     with pytest.raises(EchoConfigError, match="unknown variant"):
         parse_variant("fast")

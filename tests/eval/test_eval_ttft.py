@@ -86,3 +86,48 @@ def test_report_rebuilds_cut_runs_from_vllm_bench_files(tmp_path):
 def test_cell_seeds_differ_between_cells():
     seeds = {ttft.cell_seed(L, c) for L in (512, 1024, 2048, 4096, 8192) for c in (1, 8, 64)}
     assert len(seeds) == 15
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refused_connection_fails_at_once_and_says_so():
+    import time
+
+    from echo_vllm.cli_args import UsageError
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match=r"/health: connection refused: no server there \(start it, or give "
+                                         r"--launch to start one\)"):
+        ttft.wait_healthy(url, timeout_s=900)
+    assert time.monotonic() - t0 < 30  # not the 900 s of polling
+
+
+def test_waiting_for_a_launched_server_talks_and_ends(monkeypatch):
+    """While our own server starts, a refused connection is expected: the
+    wait goes on, says how long and what the last answer was, and ends at
+    the timeout (or when the server process exits)."""
+    from echo_vllm.cli_args import UsageError
+
+    class Starting:
+        returncode = None
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(ttft, "PROGRESS_EVERY_S", 0.0)
+    lines = []
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(UsageError, match=r"not healthy after 0 s \(last answer: connection refused\)"):
+        ttft.wait_healthy(url, timeout_s=0.3, proc=Starting(), log=lines.append)
+    assert lines and lines[0].startswith(f"[ttft] waiting for {url}/health: ") and "connection refused" in lines[0]
+    exited = Starting()
+    exited.returncode = 3
+    with pytest.raises(UsageError, match="the server \\(--launch\\) exited with 3"):
+        ttft.wait_healthy(url, timeout_s=60, proc=exited)

@@ -1,6 +1,7 @@
-"""What ``echo-vllm serve`` prints and prepares before vLLM starts: secrets
-masked in the printed command line, a user's Prometheus multiprocess
-directory cleared of an earlier run. vLLM itself is replaced (no import)."""
+"""What ``echo-vllm serve`` checks and prepares before vLLM starts: secrets
+taken off the command line (handed to vLLM through its environment), the
+``ECHO_*`` variables, the Prometheus multiprocess folder (nothing of the
+user's ever deleted). vLLM itself is replaced (no import)."""
 
 from __future__ import annotations
 
@@ -9,75 +10,158 @@ import os
 import pytest
 
 from echo_vllm.server import cli, vllm_serve
-from echo_vllm.server.cli import MASK, clear_multiprocess_dir, masked_argv
+from echo_vllm.server.credentials import take_secrets
+from echo_vllm.server.rewrite import ServeArgsError
 from echo_vllm.vllm_glue import metrics
 
-MASKED = [
-    (["m", "--api-key", "s3cret", "--port", "8000"], ["m", "--api-key", MASK, "--port", "8000"]),
-    (["m", "--api-key=s3cret"], ["m", f"--api-key={MASK}"]),
-    (["m", "--api_key", "a", "b", "-tp", "2"], ["m", "--api_key", MASK, MASK, "-tp", "2"]),  # nargs="+"
-    (["m", "--api-k=a", "--api-key", "--dashed--"], ["m", f"--api-k={MASK}", "--api-key", MASK]),
-    (["m", "--hf-token", "hf_x", "--hf-token", "--seed", "1"], ["m", "--hf-token", MASK, "--hf-token", "--seed", "1"]),
+TAKEN = [
+    (["m", "--api-key", "s3cret", "--port", "8000"], ["m", "--port", "8000"], {"VLLM_API_KEY": "s3cret"}),
+    (["m", "--api-key=s3cret"], ["m"], {"VLLM_API_KEY": "s3cret"}),
+    (["m", "--api_key", "s3cret", "-tp", "2"], ["m", "-tp", "2"], {"VLLM_API_KEY": "s3cret"}),
+    (["m", "--api-k=s3cret", "--api-key", "s3cret2"], ["m"], {"VLLM_API_KEY": "s3cret2"}),  # last one wins
+    (["m", "--api-key=-starts-with-dash"], ["m"], {"VLLM_API_KEY": "-starts-with-dash"}),
+    (["--hf-token", "hf_x", "m"], ["m"], {"HF_TOKEN": "hf_x"}),
+    (["m", "--hf_token=hf_x", "--hf-t", "hf_y"], ["m"], {"HF_TOKEN": "hf_y"}),
+    # --hf-token alone: the stored login, no secret on the line
+    (["m", "--hf-token", "hf_x", "--hf-token", "--seed", "1"], ["m", "--hf-token", "--seed", "1"], {}),
     # not secrets: other options sharing the first word, and anything after "--"
     (["m", "--api-server-count", "2", "--hf-overrides", "{}", "--", "--api-key", "x"],
-     ["m", "--api-server-count", "2", "--hf-overrides", "{}", "--", "--api-key", "x"]),
+     ["m", "--api-server-count", "2", "--hf-overrides", "{}", "--", "--api-key", "x"], {}),
 ]
 
 
-@pytest.mark.parametrize("argv,expected", MASKED)
-def test_masked_argv(argv, expected):
-    assert masked_argv(argv) == expected
+@pytest.mark.parametrize("argv,kept,env", TAKEN)
+def test_secrets_leave_the_command_line_for_the_environment(argv, kept, env):
+    assert take_secrets(argv) == (kept, env)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["m", "--api-key"], "--api-key needs a value"),
+    (["m", "--api-key", "--port", "1"], "--api-key needs a value (write --api-key=VALUE"),
+    (["m", "--api-key", "s3cretA", "s3cretB"],
+     "--api-key with 2 keys: echo-vllm serve hands the key to vLLM as VLLM_API_KEY"),
+    (["m", "--api-key="], "--api-key is empty (vLLM would then check no key at all)"),
+    (["m", "--hf-token="], "--hf-token is empty: give a value or drop the option"),
+])
+def test_secret_options_refused(argv, message):
+    with pytest.raises(ServeArgsError) as info:
+        take_secrets(argv)
+    assert message in str(info.value) and "\n" not in str(info.value) and "s3cret" not in str(info.value)
 
 
 @pytest.fixture
 def served(monkeypatch, tmp_path):
     """Run ``cli.main``; vLLM's serve replaced by a recorder of what it saw.
     The multiprocess directory is ``tmp_path`` (restored afterwards, like
-    the client's value class, which prepare_multiprocess_dir switches)."""
+    the client's value class, which prepare_multiprocess_dir switches, and
+    the secrets' variables, which main sets for vLLM)."""
     from prometheus_client import values
 
     monkeypatch.setattr(values, "ValueClass", values.ValueClass)
     monkeypatch.setenv(metrics.MULTIPROC_ENV, str(tmp_path))
+    for name in ("VLLM_API_KEY", "HF_TOKEN", "ECHO_KERNELS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     seen = []
 
     def fake_serve(vllm_argv, settings, on_parsed=None):
         path = os.environ.get(metrics.MULTIPROC_ENV)
-        seen.append({"argv": vllm_argv, "files": sorted(os.listdir(path)) if path else None})
+        seen.append({"argv": vllm_argv, "files": sorted(os.listdir(path)) if path else None,
+                     "api_key": os.environ.get("VLLM_API_KEY"), "hf_token": os.environ.get("HF_TOKEN")})
         return 0
 
     monkeypatch.setattr(vllm_serve, "serve", fake_serve)
     return seen
 
 
-@pytest.mark.parametrize("key_tokens", [["--api-key", "s3cret"], ["--api-key=s3cret"]])
-def test_the_printed_command_line_masks_the_api_key(served, capsys, key_tokens):
-    for extra in ([], ["--tp-comm", "echo", "--echo-emulate-tp", "2"]):
-        assert cli.main(["m", *key_tokens, "--port", "8000", *extra]) == 0
+ECHO = ["--tp-comm", "echo", "--echo-emulate-tp", "2"]
+
+
+@pytest.mark.parametrize("secret", [["--api-key", "s3cret"], ["--api-key=s3cret"], ["--api_key", "s3cret"],
+                                    ["--api-k", "s3cret"], ["--hf-token", "s3cret"], ["--hf_token=s3cret"]])
+def test_no_secret_in_what_serve_prints_or_hands_vllm_as_arguments(served, capsys, secret):
+    """The full start of a serve on CPU with vLLM's parser and argument log
+    is tests/server/test_server_vllm.py's; here every spelling, both modes."""
+    for extra in ([], ECHO):
+        assert cli.main(["m", *secret, "--port", "8000", *extra]) == 0
         err = capsys.readouterr().err
-        assert "running: vllm serve m " in err and "s3cret" not in err
-        assert f"--api-key {MASK} " in err or f"--api-key={MASK} " in err
-    assert all("s3cret" in " ".join(s["argv"]) for s in served)  # vLLM itself still gets the key
+        assert "running: vllm serve m --port 8000" in err and "s3cret" not in err
+        assert "set from the command line (handed to vLLM through the environment" in err
+        got = served[-1]
+        assert "s3cret" not in " ".join(got["argv"])
+        assert "s3cret" in (got["api_key"], got["hf_token"])  # vLLM reads it from there
 
 
-def test_a_user_multiprocess_dir_is_cleared_at_start(served, capsys, tmp_path):
-    for name in ("counter_123.db", "gauge_all_123.db", "histogram_456.db", "notes.txt"):
-        (tmp_path / name).write_text("x")
-    (tmp_path / "sub.db").mkdir()
-    assert cli.main(["m", "--tp-comm", "echo", "--echo-emulate-tp", "2"]) == 0
-    assert served[-1]["files"] == ["notes.txt", "sub.db"]  # only the value files went, before vLLM started
+def test_a_refused_secret_stops_before_vllm(served, capsys):
+    assert cli.main(["m", "--api-key", "a", "b"]) == 2
     err = capsys.readouterr().err
-    assert f"removed 3 metric file(s) (*.db) of an earlier run from {tmp_path}" in err
-    # nothing stale, nothing said
-    assert cli.main(["m", "--tp-comm", "echo", "--echo-emulate-tp", "2"]) == 0
+    assert err.count("\n") == 1 and err.startswith("echo-vllm serve: error: --api-key with 2 keys") and not served
+
+
+def test_a_user_folder_of_user_files_is_refused_and_kept(served, capsys, tmp_path):
+    (tmp_path / "customers.db").write_text("precious")
+    (tmp_path / "counter_123.db").write_text("x")
+    assert cli.main(["m", *ECHO]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: PROMETHEUS_MULTIPROC_DIR=" in err and "customers.db" in err
+    assert (tmp_path / "customers.db").read_text() == "precious" and (tmp_path / "counter_123.db").exists()
+    assert not served
+
+
+def test_an_earlier_runs_value_files_are_removed(served, capsys, tmp_path):
+    dead = 2**22 + 12345  # above Linux's pid_max default: no such process
+    names = [f"counter_{dead}.db", f"gauge_livemostrecent_{dead}.db", f"histogram_{os.getpid()}.db"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    assert cli.main(["m", *ECHO]) == 0
+    assert served[-1]["files"] == []  # gone before vLLM started
+    assert "removed 3 prometheus_client value file(s) of an earlier run" in capsys.readouterr().err
+    assert cli.main(["m", *ECHO]) == 0  # nothing stale, nothing said
     assert "removed" not in capsys.readouterr().err
+
+
+def test_another_running_servers_files_are_refused(served, capsys, tmp_path):
+    (tmp_path / f"counter_{os.getppid()}.db").write_text("x")
+    assert cli.main(["m", *ECHO]) == 2
+    assert f"metric files of running process(es) [{os.getppid()}]" in capsys.readouterr().err
+    assert (tmp_path / f"counter_{os.getppid()}.db").exists()
+
+
+@pytest.mark.parametrize("where", ["/proc/echo-vllm-x", "file", "file/sub"])
+def test_an_unusable_folder_is_refused_in_one_line(served, capsys, monkeypatch, tmp_path, where):
+    (tmp_path / "file").write_text("mine")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    monkeypatch.setenv(metrics.MULTIPROC_ENV, path)
+    assert cli.main(["m", *ECHO]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: PROMETHEUS_MULTIPROC_DIR={path}" in err and not served
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_stock_vllm_leaves_the_directory_alone(served, tmp_path):
     """--tp-comm nccl is vLLM as is: its multiprocess rules are vLLM's."""
     (tmp_path / "counter_1.db").write_text("x")
+    (tmp_path / "customers.db").write_text("x")
     assert cli.main(["m"]) == 0
-    assert served[-1]["files"] == ["counter_1.db"]
+    assert served[-1]["files"] == ["counter_1.db", "customers.db"]
 
 
-def test_clear_multiprocess_dir_without_a_directory():
-    assert clear_multiprocess_dir(None) == [] and clear_multiprocess_dir("/nonexistent/echo-vllm") == []
+def test_echo_variables_are_checked_before_vllm_starts(served, capsys, monkeypatch):
+    monkeypatch.setenv("ECHO_KERNELS", "trition")
+    assert cli.main(["m", *ECHO]) == 2
+    assert capsys.readouterr().err == ("echo-vllm serve: error: ECHO_KERNELS='trition': choose one of auto, "
+                                       "reference, triton, numba; did you mean 'triton'?\n")
+    assert cli.main(["m"]) == 0  # stock vLLM never reads them
+    monkeypatch.setenv("ECHO_KERNELS", "numba")
+    monkeypatch.setenv("ECHO_KERNEL", "numba")
+    assert cli.main(["m", *ECHO]) == 0
+    assert "warning: ECHO_KERNEL is not a variable echo-vllm reads; did you mean 'ECHO_KERNELS'?" in \
+        capsys.readouterr().err
+
+
+def test_settings_that_idle_echo_warn(served, capsys):
+    assert cli.main(["m", *ECHO, "--echo-min-bytes", "2G"]) == 0
+    assert "warning: min_bytes=2147483648 (2 GiB): only messages at least this large take Echo" in \
+        capsys.readouterr().err
+    assert cli.main(["m", *ECHO, "--echo-min-bytes", "99999999999999999999T"]) == 2
+    assert "must be at most 4611686018427387904 (2^62: byte counts stay int64" in capsys.readouterr().err

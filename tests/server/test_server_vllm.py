@@ -79,6 +79,7 @@ SCRIPT = textwrap.dedent("""
         dispatched.append({"additional": args.additional_config, "port": args.port,
                            "multiproc_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
                            "value_class": values.ValueClass.__name__})
+    real_cmd = ServeSubcommand.__dict__["cmd"]  # the staticmethod itself
     ServeSubcommand.cmd = staticmethod(fake_cmd)
     report["main_rc"] = cli.main(["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--port", "8123"])
     report["dispatched"] = list(dispatched)
@@ -86,6 +87,38 @@ SCRIPT = textwrap.dedent("""
     report["main_rc_abbreviated"] = cli.main(["m", "-tp", "2", "--tp-comm", "echo", "--enable-db"])
     report["main_rc_rejected"] = cli.main(["m", "--tp-comm", "echo"])
     report["n_dispatched"] = len(dispatched)
+
+    # secrets, every spelling: vLLM's real serve runs up to its argument log, then stops
+    import logging
+    for handler in logging.getLogger("vllm").handlers:  # made while --help's output was redirected
+        handler.setStream(sys.stdout)
+    from vllm.entrypoints.openai import api_server
+    class Stop(Exception):
+        pass
+    reached = []
+    def stop_after_the_log(args):
+        reached.append({"api_key": args.api_key, "hf_token": args.hf_token,
+                        "env": [os.environ.get("VLLM_API_KEY") == "sk-SECRET1",
+                                os.environ.get("HF_TOKEN") == "hf_SECRET2"]})
+        raise Stop()
+    api_server.validate_api_server_args = stop_after_the_log
+    from echo_vllm.vllm_glue import metrics
+    metrics.publish_config = lambda labels, registry=None: None  # registered once per process, by the first run
+    ServeSubcommand.cmd = real_cmd
+    report["secret_runs"] = []
+    echo = ["--tp-comm", "echo", "--echo-emulate-tp", "2"]
+    for secret, extra in ((["--api-key", "sk-SECRET1"], []), (["--api-key=sk-SECRET1"], []),
+                          (["--api_key", "sk-SECRET1"], []), (["--api-k", "sk-SECRET1"], []),
+                          (["--hf-token", "hf_SECRET2"], []), (["--hf-token=hf_SECRET2"], []),
+                          (["--hf_token", "hf_SECRET2"], []), (["--hf-tok=hf_SECRET2"], []),
+                          (["--api-key", "sk-SECRET1"], echo), (["--hf-token=hf_SECRET2"], echo)):
+        os.environ.pop("VLLM_API_KEY", None), os.environ.pop("HF_TOKEN", None)
+        try:
+            cli.main(["m", "--port", "8125", *secret, *extra])
+            report["secret_runs"].append("not stopped")
+        except Stop:
+            report["secret_runs"].append(reached[-1])
+    ServeSubcommand.cmd = staticmethod(fake_cmd)
 
     # the plugin would not run in vLLM's processes: an Echo run must not start as stock vLLM
     import echo_vllm.vllm_glue.plugin as plugin
@@ -107,13 +140,19 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def report():
+def run():
     pytest.importorskip("vllm")
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(ROWS)], cwd=REPO, capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-4000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("REPORT"))
-    return json.loads(line[len("REPORT"):])
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(run):
+    # vLLM's serve prefixes every later line of the process with "(APIServer pid=N) "
+    line = next(l for l in run.stdout.splitlines() if "REPORT{" in l)
+    return json.loads(line.partition("REPORT")[2])
 
 
 @pytest.mark.vllm
@@ -176,3 +215,18 @@ def test_an_echo_run_without_the_plugin_does_not_start(report):
     assert "cannot install its hook: vLLM 0.25.0 is older than 0.26 (simulated)" in err
     assert report["no_hook_nccl"][0] == 0
     assert report["n_dispatched_after"] == report["n_dispatched"] + 1  # only the run without Echo
+
+
+@pytest.mark.vllm
+def test_no_secret_reaches_any_log(run, report):
+    """``--api-key`` / ``--hf-token`` in every spelling (and with Echo on):
+    vLLM's serve runs past parsing to its ``non-default args`` log
+    line, and the whole output of the process (vLLM's logs, echo-vllm's
+    lines) never holds the secret; vLLM got it through VLLM_API_KEY /
+    HF_TOKEN instead."""
+    log = run.stdout + run.stderr
+    assert log.count("non-default args:") >= len(report["secret_runs"]) == 10
+    assert "SECRET" not in log
+    for seen in report["secret_runs"]:
+        assert seen != "not stopped" and seen["api_key"] is None and seen["hf_token"] in (None, False)
+        assert any(seen["env"])

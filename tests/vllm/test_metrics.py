@@ -227,7 +227,24 @@ def test_prepare_multiprocess_dir(monkeypatch):
     from prometheus_client import values
 
     monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored after the test
-    path = metrics.prepare_multiprocess_dir()
-    assert os.path.isdir(path) and os.environ[metrics.MULTIPROC_ENV] == path
+    path, removed = metrics.prepare_multiprocess_dir()
+    assert os.path.isdir(path) and os.environ[metrics.MULTIPROC_ENV] == path and removed == []
     assert values.ValueClass is not values.MutexValue  # new metrics write to the shared files
-    assert metrics.prepare_multiprocess_dir() == path  # an existing directory is kept
+    open(os.path.join(path, f"counter_{os.getpid()}.db"), "w").close()  # this process's own
+    assert metrics.prepare_multiprocess_dir() == (path, [])  # our own folder is kept as it is
+    assert os.listdir(path) == [f"counter_{os.getpid()}.db"]
+
+
+def test_judge_multiprocess_dir():
+    def live(pid):
+        return pid == 7
+
+    assert metrics.judge_multiprocess_dir("d", [], live) == (None, [])
+    assert metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("gauge_all_2.db", True)], live) == (
+        None, ["counter_1.db", "gauge_all_2.db"])
+    for entries in ([("customers.db", True)], [("counter_1.db", False)], [("counter_x.db", True)],
+                    [("counter_1.db.bak", True)], [("gauge_sometimes_1.db", True)]):
+        problem, stale = metrics.judge_multiprocess_dir("d", entries, live)
+        assert problem and "nothing of yours is removed" in problem and stale == []
+    problem, stale = metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("summary_7.db", True)], live)
+    assert "running process(es) [7]" in problem and stale == []

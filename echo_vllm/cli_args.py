@@ -1,0 +1,338 @@
+"""User input as text: the parsers and argparse types every tool shares.
+
+One place for each check, so ``echo-vllm demo``, ``bench``, ``eval``,
+``train-demo`` and ``serve`` (through :class:`~echo_vllm.config.EchoConfig`)
+refuse the same input the same way: one line naming the value and what is
+allowed (argparse exits 2), never a traceback, never a silent stand-in.
+
+* text parsers: :func:`parse_bytes` (``256k``, ``4MiB``), :func:`parse_int`
+  (plain integers, no suffix), :func:`parse_bool` (pydantic's spellings);
+* :func:`did_you_mean`: the close-match suggestion of every "unknown" error;
+* argparse types: :func:`count` (an integer in a range whose upper bound
+  says why), :func:`byte_size`, :func:`counts` / :func:`byte_sizes` (comma
+  lists), :func:`factor`, :func:`real`, :func:`out_dir`, :func:`existing_file`,
+  :func:`existing_dir`, :func:`device`, :func:`file_stem`, :func:`http_url`;
+* :class:`UsageError`: bad input found after parsing (a combination of
+  options, a missing input); :func:`report_errors` prints it in one line,
+  exit 2 (the ``echo-vllm`` router does, for every subcommand).
+  ``EchoConfigError`` and ``EchoEnvError`` are UsageErrors.
+
+Nothing here imports torch or the rest of the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import re
+import sys
+import tempfile
+from fractions import Fraction
+from typing import Callable, Iterable, Sequence
+
+#: Boolean spellings: pydantic's (what vLLM accepts for its own flags), so a
+#: value reads the same in ``--echo-*`` flags and in ``--additional-config``.
+TRUE_TEXT = frozenset({"1", "true", "t", "yes", "y", "on"})
+FALSE_TEXT = frozenset({"0", "false", "f", "no", "n", "off"})
+
+#: Longer number texts are refused before parsing: no real count or size
+#: needs more digits, and Python's int() of thousands of digits is slow.
+MAX_NUMBER_TEXT = 40
+
+#: Most ranks any tool runs or emulates: no tensor-parallel group is larger
+#: (8 GPUs per host, a few hosts), and every rank costs a process or a
+#: partial matmul on this machine.
+MAX_RANKS = 64
+RANKS_WHY = "no tensor-parallel group is larger"
+
+
+#: Largest ``--seed`` of the demos: the seeds they derive from it
+#: (``seed * 1000003 + k``) must stay within torch's 64-bit seeds.
+MAX_TOOL_SEED = (1 << 32) - 1
+SEED_WHY = "the seeds derived from it stay within torch's 64 bits"
+
+
+class UsageError(ValueError):
+    """Bad user input found after argument parsing (a combination of
+    options, a file's content); a CLI prints it as an argparse error."""
+
+
+def did_you_mean(word: str, known: Iterable[object], *, common: str = "") -> str:
+    """``"; did you mean 'group_size'?"`` for the closest of ``known``, or
+    ``""`` when nothing is close. ``common``: a prefix every name shares
+    (``--echo-``), left out of the comparison so it does not make every
+    name look close."""
+    def trim(text: str) -> str:
+        return text[len(common):] if common and text.startswith(common) else text
+
+    by_trimmed = {trim(str(k)): str(k) for k in known}
+    match = difflib.get_close_matches(trim(str(word)), list(by_trimmed), n=1, cutoff=0.6)
+    return f"; did you mean {by_trimmed[match[0]]!r}?" if match else ""
+
+
+def _short(text: object, limit: int = 60) -> str:
+    """``repr`` of a value, cut to ``limit`` characters (errors stay one line)."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
+
+
+def _shown(text: object) -> str:
+    """User text as typed when that prints on one line, else its ``repr``."""
+    t = str(text)
+    return t if t.isprintable() and t.strip() == t and len(t) <= 60 else _short(t)
+
+
+# -- text parsers ------------------------------------------------------------------
+
+#: Binary size suffixes (``k`` = KiB, ...); a trailing ``b`` / ``ib`` is optional.
+_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt])(?:i?b)?|(\d+)\s*b?|(0x[0-9a-f]+)")
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: ``262144``, ``256k``, ``4MiB``, ``1.5G``, ``64MB`` (suffixes
+    binary), ``0x40000``. A fraction of a byte (``1.1k``) is refused, not
+    rounded. Raises ``ValueError("not a byte count: ...")``."""
+    t = str(text).strip().lower().replace("_", "")
+    m = _SIZE.fullmatch(t) if len(t) <= MAX_NUMBER_TEXT else None
+    if m is None:
+        raise ValueError(f"not a byte count: {_short(text)}")
+    number, suffix, plain, hexa = m.groups()
+    if hexa:
+        return int(hexa, 16)
+    if plain:
+        return int(plain)
+    exact = Fraction(number) * _SUFFIXES[suffix]
+    if exact.denominator != 1:
+        raise ValueError(f"not a byte count: {_short(text)} is {float(exact):g} bytes, not a whole number")
+    return int(exact)
+
+
+def parse_int(text: str) -> int:
+    """A plain decimal integer (``" 7 "``, ``-3``, ``1_000``): no size suffix,
+    no fraction, no exponent. Raises ``ValueError``."""
+    t = str(text).strip()
+    if len(t) > MAX_NUMBER_TEXT or not re.fullmatch(r"[+-]?\d+(_\d+)*", t):
+        raise ValueError(f"not an integer: {_short(text)}")
+    return int(t)
+
+
+def parse_bool(text: str) -> bool:
+    """True for :data:`TRUE_TEXT`, False for :data:`FALSE_TEXT` (any case);
+    raises ``ValueError`` otherwise."""
+    low = str(text).strip().lower()
+    if low in TRUE_TEXT:
+        return True
+    if low in FALSE_TEXT:
+        return False
+    raise ValueError(f"not a boolean: {_short(text)} (true/false, yes/no, on/off, 1/0)")
+
+
+# -- argparse types ------------------------------------------------------------------
+
+
+def _type(name: str, parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` with its ValueErrors as argparse's one-line errors; ``name``
+    is what argparse's usage calls the value."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def check_range(value: int | float, low: int | float, high: int | float | None, why: str = "",
+                shown: str | None = None) -> None:
+    """Raise ``ValueError`` naming ``value`` unless ``low <= value <= high``
+    (``high=None``: no upper bound); ``why`` says where the bound comes from."""
+    if low <= value and (high is None or value <= high):
+        return
+    allowed = f"at least {low}" if high is None else f"from {low} to {high}"
+    raise ValueError(f"{shown if shown is not None else value}: must be {allowed}" + (f" ({why})" if why else ""))
+
+
+def count(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """argparse type: a plain integer in ``low..high``; ``why`` (shown when
+    the value is out of range) names the reason of the bounds."""
+
+    def parse(text: str) -> int:
+        value = parse_int(text)
+        check_range(value, low, high, why)
+        return value
+
+    return _type("count", parse)
+
+
+def counts(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
+    """argparse type: a comma list of :func:`count` values (at least one)."""
+    one = count(low, high, why)
+    return _type("counts", lambda text: _list(text, one))
+
+
+def byte_size(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """argparse type: a :func:`parse_bytes` size in ``low..high`` bytes."""
+
+    def parse(text: str) -> int:
+        value = parse_bytes(text)
+        check_range(value, low, high, why, shown=f"{_shown(text)} ({value} bytes)" if str(value) != text else None)
+        return value
+
+    return _type("size", parse)
+
+
+def byte_sizes(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
+    """argparse type: a comma list of :func:`byte_size` values (at least one)."""
+    one = byte_size(low, high, why)
+    return _type("sizes", lambda text: _list(text, one))
+
+
+def _list(text: str, one: Callable[[str], object]) -> list:
+    items = [t for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{_short(text)}: expected a comma list of values")
+    try:
+        return [one(t.strip()) for t in items]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(str(e)) from None
+
+
+def factor(high: int = 1024) -> Callable[[str], int]:
+    """argparse type: a ladder's step factor, an integer from 2 to ``high``
+    (1 would never reach the top: the ladder would not end)."""
+    return count(2, high, "a factor of 1 or less never reaches the largest size")
+
+
+def real(low: float, high: float, *, low_open: bool = False, why: str = "") -> Callable[[str], float]:
+    """argparse type: a finite number in ``[low, high]`` (``(low, high]``
+    with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise ValueError(f"not a number: {_short(text)}") from None
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+            side = "above" if low_open else "from"
+            raise ValueError(f"{_shown(text)}: must be a finite number {side} {low:g} to {high:g}"
+                             + (f" ({why})" if why else ""))
+        return value
+
+    return _type("number", parse)
+
+
+def out_dir(text: str) -> str:
+    """argparse type: a folder the tool can write into, existing or to be
+    made. Checked by making (and removing) a folder where the output goes:
+    permission bits say nothing for root, nor of /proc or a read-only mount."""
+    path = os.path.abspath(os.path.expanduser(str(text)))
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("'': expected a folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: exists and is not a folder")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: cannot be made, {parent} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".echo-vllm-write-check-", dir=parent))
+    except OSError as e:
+        where = "the folder" if parent == path else f"{parent}, where it would be made,"
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {where} is not writable ({e.strerror})") from None
+    return str(text)
+
+
+def existing_file(text: str) -> str:
+    """argparse type: a readable file."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: the file is not readable")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """argparse type: a folder that exists."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such folder")
+    return text
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma list of ``choices`` (at least one, each once)."""
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+        if not items:
+            raise ValueError(f"{_short(text)}: expected a comma list of {','.join(choices)}")
+        for item in items:
+            if item not in choices:
+                raise ValueError(f"{_short(item)}: choose from {','.join(choices)}{did_you_mean(item, choices)}")
+        if len(set(items)) != len(items):
+            raise ValueError(f"{_short(text)}: a value is given twice")
+        return items
+
+    return _type("list", parse)
+
+
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,2})?")
+
+
+def device(allow_auto: bool = False) -> Callable[[str], str]:
+    """argparse type: a torch device name, ``cpu``, ``cuda`` or ``cuda:N``
+    (and ``auto`` where the tool picks)."""
+
+    def parse(text: str) -> str:
+        t = str(text).strip().lower()
+        if (allow_auto and t == "auto") or _DEVICE.fullmatch(t):
+            return t
+        known = "auto, cpu, cuda, cuda:N" if allow_auto else "cpu, cuda, cuda:N"
+        raise ValueError(f"{_short(text)}: not a device ({known})")
+
+    return _type("device", parse)
+
+
+def file_stem(text: str) -> str:
+    """argparse type: a file name stem (letters, digits, ``._+-``): output
+    files are named after it, inside the output folder."""
+    if not re.fullmatch(r"[\w.+-]{1,100}", str(text)) or str(text) in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{_short(text)}: not a file name stem (letters, digits, . _ + -)")
+    return str(text)
+
+
+def http_url(text: str) -> str:
+    """argparse type: an ``http://`` or ``https://`` URL with a host (and,
+    if given, a port in 1..65535)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(str(text).strip())
+        port = parts.port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{_short(text)}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise argparse.ArgumentTypeError(f"{_short(text)}: expected http://HOST[:PORT] or https://...")
+    return str(text).strip()
+
+
+def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[BaseException], ...] = (UsageError,)) -> int:
+    """``run()``'s exit code; one of ``errors`` it raises is printed as
+    ``prog: error: <message>`` on one line instead (exit 2)."""
+    try:
+        return int(run() or 0)
+    except errors as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+__all__ = [
+    "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
+    "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
+    "file_stem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+]

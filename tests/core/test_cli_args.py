@@ -1,0 +1,154 @@
+"""The shared parsers and argparse types: each refuses bad text in one line
+naming the value and what is allowed (argparse exits 2), never another
+exception (property tests over any text)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echo_vllm import cli_args
+from echo_vllm.cli_args import UsageError, parse_bytes, parse_int
+
+
+def _parser(**types) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tool")
+    for name, kind in types.items():
+        ap.add_argument(f"--{name}", type=kind)
+    return ap
+
+
+def refusal(ap: argparse.ArgumentParser, argv: list[str], capsys) -> str:
+    """The one error line argparse printed for ``argv`` (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        ap.parse_args(argv)
+    assert info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1
+    return errors[0]
+
+
+@pytest.mark.parametrize("kind,text,message", [
+    (cli_args.count(2, 64, "why"), "0", "argument --x: 0: must be from 2 to 64 (why)"),
+    (cli_args.count(2, 64), "65", "65: must be from 2 to 64"),
+    (cli_args.count(1), "5k", "not an integer: '5k'"),
+    (cli_args.count(1), "2.5", "not an integer: '2.5'"),
+    (cli_args.count(1), "9" * 50, "not an integer"),
+    (cli_args.counts(2, 8), "2,,9", "9: must be from 2 to 8"),
+    (cli_args.counts(2, 8), ",", "expected a comma list"),
+    (cli_args.byte_size(2, 1 << 30), "64Q", "not a byte count: '64Q'"),
+    (cli_args.byte_size(2, 1 << 30), "0", "0: must be from 2 to 1073741824"),
+    (cli_args.byte_size(2, 1 << 30), "2G", "2G (2147483648 bytes): must be from 2 to 1073741824"),
+    (cli_args.byte_sizes(2, 1 << 30), "1M,-1", "not a byte count: '-1'"),
+    (cli_args.factor(), "1", "1: must be from 2 to 1024 (a factor of 1 or less never reaches the largest size)"),
+    (cli_args.real(0, 1, low_open=True), "0", "0: must be a finite number above 0 to 1"),
+    (cli_args.real(0, 1), "nan", "nan: must be a finite number from 0 to 1"),
+    (cli_args.real(0, 1), "inf", "inf: must be a finite"),
+    (cli_args.real(0, 1), "x", "not a number: 'x'"),
+    (cli_args.device(), "gpu", "'gpu': not a device (cpu, cuda, cuda:N)"),
+    (cli_args.device(allow_auto=True), "cuda:x", "not a device (auto, cpu, cuda, cuda:N)"),
+    (cli_args.http_url, "ftp://h", "expected http://HOST[:PORT]"),
+    (cli_args.http_url, "http://h:99999", "not a URL (Port out of range"),
+    (cli_args.http_url, "http://", "expected http://HOST[:PORT]"),
+    (cli_args.file_stem, "../x", "'../x': not a file name stem"),
+    (cli_args.choice_list(("exact", "naive", "echo")), "exact,ecko", "'ecko': choose from exact,naive,echo; did you "
+                                                                      "mean 'echo'?"),
+    (cli_args.choice_list(("exact", "naive")), "exact,exact", "a value is given twice"),
+    (cli_args.existing_file, "/nonexistent/f", "/nonexistent/f: no such file"),
+    (cli_args.existing_dir, "/nonexistent/d", "/nonexistent/d: no such folder"),
+    (cli_args.out_dir, "/proc/echo-vllm-x", "/proc, where it would be made, is not writable"),
+    (cli_args.out_dir, "/etc/hostname", "exists and is not a folder"),
+    (cli_args.out_dir, "", "'': expected a folder"),
+])
+def test_each_type_refuses_in_one_line_naming_the_value(kind, text, message, capsys):
+    line = refusal(_parser(x=kind), [f"--x={text}"], capsys)
+    assert message in line
+
+
+def test_the_types_return_their_values(tmp_path):
+    ap = _parser(n=cli_args.count(0, 9), sizes=cli_args.byte_sizes(1), f=cli_args.factor(), r=cli_args.real(0, 1),
+                 out=cli_args.out_dir, dev=cli_args.device(allow_auto=True), url=cli_args.http_url)
+    args = ap.parse_args(["--n", " 7", "--sizes", "8K,1.5M", "--f", "4", "--r", "0.5", "--out",
+                          str(tmp_path / "a" / "b"), "--dev", "CUDA:1", "--url", "http://127.0.0.1:8000"])
+    assert (args.n, args.sizes, args.f, args.r, args.dev) == (7, [8192, 3 << 19], 4, 0.5, "cuda:1")
+    assert not (tmp_path / "a").exists()  # checked, not made
+    assert os.listdir(tmp_path) == []  # the write check left nothing behind
+
+
+def test_parse_bytes_and_parse_int():
+    assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("0x40000") == 1 << 18 and parse_bytes("4 MiB") == 4 << 20
+    for bad in ("1.1k", "", "-1", "1e3", "9" * 41 + "k"):
+        with pytest.raises(ValueError, match="not a byte count"):
+            parse_bytes(bad)
+    assert parse_int(" -3 ") == -3 and parse_int("1_000") == 1000
+    for bad in ("5k", "0x10", "1e3", "", "1.0"):
+        with pytest.raises(ValueError, match="not an integer"):
+            parse_int(bad)
+
+
+def test_did_you_mean():
+    assert cli_args.did_you_mean("group_sise", ["group_size", "seed"]) == "; did you mean 'group_size'?"
+    assert cli_args.did_you_mean("zzz", ["group_size"]) == ""
+    # a prefix every name shares does not make them all look close
+    assert cli_args.did_you_mean("--echo-zzz", ["--echo-seed"], common="--echo-") == ""
+    assert cli_args.did_you_mean("--echo-sed", ["--echo-seed"], common="--echo-") == "; did you mean '--echo-seed'?"
+
+
+def test_report_errors_prints_one_line_and_exits_2(capsys):
+    def bad():
+        raise UsageError("--x 3: too\n  many")
+
+    assert cli_args.report_errors("tool", bad) == 2
+    assert capsys.readouterr().err == "tool: error: --x 3: too many\n"
+    assert cli_args.report_errors("tool", lambda: 0) == 0
+
+
+# -- property tests ------------------------------------------------------------------
+
+TEXT = st.one_of(st.text(max_size=40), st.from_regex(r"\s*[-+]?\d{0,25}(\.\d{0,5})?\s*[kmgtKMGT]?(i?[bB])?\s*",
+                                                      fullmatch=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXT)
+def test_parse_bytes_gives_a_byte_count_or_one_clear_error(text):
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        assert str(e).startswith("not a byte count") and "\n" not in str(e)
+        return
+    assert isinstance(n, int) and n >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 30), st.sampled_from(["", "k", "K", "m", "g", "t", "KiB", "MB"]))
+def test_byte_counts_read_exactly(n, suffix):
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[suffix[:1].lower()]
+    assert parse_bytes(f"{n}{suffix}") == n * scale
+
+
+class _Refused(Exception):
+    pass
+
+
+def _raise(message):
+    raise _Refused(message)
+
+
+PARSER = _parser(count=cli_args.count(1, 100), size=cli_args.byte_size(2, 1 << 36),
+                 sizes=cli_args.byte_sizes(2, 1 << 36), factor=cli_args.factor(), real=cli_args.real(0, 1),
+                 device=cli_args.device(), url=cli_args.http_url, stem=cli_args.file_stem)
+PARSER.error = _raise  # the message argparse would print before exiting 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT, st.sampled_from(["count", "size", "sizes", "factor", "real", "device", "url", "stem"]))
+def test_every_type_gives_a_value_or_argparse_exit_2_with_one_line(text, kind):
+    try:
+        PARSER.parse_args([f"--{kind}={text}"])
+    except _Refused as e:
+        assert str(e).startswith(f"argument --{kind}: ") and "\n" not in str(e)

@@ -1,0 +1,35 @@
+"""The ``ECHO_*`` variables: a bad value is one line naming it (with the
+closest choice), an unknown ``ECHO_*`` name is a warning naming the
+variable it is closest to."""
+
+from __future__ import annotations
+
+import pytest
+
+from echo_vllm import envs
+from echo_vllm.cli_args import UsageError
+
+
+def test_values_read():
+    assert envs.read({}) == envs.EchoEnv()
+    got = envs.read({"ECHO_KERNELS": " CPU ", "ECHO_KERNEL_DIRECT_LAUNCH": "0", "ECHO_VLLM_CACHE": "/c"})
+    assert (got.kernels, got.direct_launch, got.cache_dir) == ("numba", False, "/c")
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({"ECHO_KERNELS": "junk"}, "ECHO_KERNELS='junk': choose one of auto, reference, triton, numba"),
+    ({"ECHO_KERNELS": "trition"}, "; did you mean 'triton'?"),
+    ({"ECHO_KERNELS": "fused"}, "(fused is EchoConfig.backend's choice, not a value here)"),
+    ({"ECHO_KERNEL_DIRECT_LAUNCH": "yes"}, "ECHO_KERNEL_DIRECT_LAUNCH='yes': 0 or 1"),
+])
+def test_bad_values_are_one_line_usage_errors(environ, message):
+    with pytest.raises(envs.EchoEnvError) as info:
+        envs.read(environ)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert isinstance(info.value, UsageError)
+
+
+def test_unknown_echo_variables_are_named_with_the_closest_known_one():
+    (line,) = envs.unknown_variables({"ECHO_KERNEL": "numba", "ECHO_KERNELS": "numba", "PATH": "/bin"})
+    assert line.startswith("ECHO_KERNEL is not a variable echo-vllm reads; did you mean 'ECHO_KERNELS'?")
+    assert envs.unknown_variables({"ECHO_KERNELS": "auto"}) == []

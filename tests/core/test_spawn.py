@@ -1,0 +1,43 @@
+"""``run_processes`` refuses what it cannot run before any process starts
+(a child could only report a pickling error, or wait out a timeout); its
+runs themselves are every distributed test's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from echo_vllm.spawn import check_run_arguments, run_processes
+
+
+def _module_level(rank, world_size):
+    return rank
+
+
+def test_good_arguments_pass():
+    check_run_arguments(_module_level, 4, "gloo", 300)
+
+
+@pytest.mark.parametrize("world_size,backend,timeout_s,message", [
+    (0, "gloo", 300, "world_size=0: must be an integer from 1 to 256"),
+    (2.5, "gloo", 300, "world_size=2.5"),
+    (True, "gloo", 300, "world_size=True"),
+    (10**6, "gloo", 300, "world_size=1000000"),
+    (2, "mpi", 300, "backend='mpi': gloo or nccl"),
+    (2, "gloo", math.nan, "timeout_s=nan: must be a number of seconds above 0"),
+    (2, "gloo", 0, "timeout_s=0"),
+    (2, "gloo", 1e300, "timeout_s=1e+300"),
+])
+def test_bad_arguments_are_refused_by_name(world_size, backend, timeout_s, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        run_processes(_module_level, world_size, backend=backend, timeout_s=timeout_s)
+
+
+def test_a_local_function_is_refused_before_spawning():
+    def local(rank, world_size):
+        return rank
+
+    for fn in (local, lambda rank, world_size: rank):
+        with pytest.raises(ValueError, match="must be a module-level function"):
+            run_processes(fn, 2)

@@ -1,0 +1,126 @@
+"""``echo-vllm``'s tools on bad input: one line naming the value and what
+is allowed, exit 2, no traceback, and nothing started (demo, bench, eval,
+train-demo; serve's own are tests/server/). The work each tool would start
+is replaced by a tripwire, so a refusal that comes too late fails here."""
+
+from __future__ import annotations
+
+import pytest
+
+from echo_vllm import cli
+
+
+class Reached(Exception):
+    """A tool got past its checks to the work."""
+
+
+def _tripwire(*args, **kwargs):
+    raise Reached("reached the work")
+
+
+@pytest.fixture(autouse=True)
+def no_work(monkeypatch):
+    import echo_vllm.bench.allreduce_bench as allreduce_bench
+    import echo_vllm.bench.kernels_bench as kernels_bench
+    import echo_vllm.eval.accuracy as accuracy
+    import echo_vllm.eval.demo as demo
+    import echo_vllm.eval.depth as depth
+    import echo_vllm.eval.perplexity as perplexity
+    import echo_vllm.training.demo as train_demo
+
+    monkeypatch.setattr(demo, "run_processes", _tripwire)
+    monkeypatch.setattr(allreduce_bench, "_launch", _tripwire)
+    monkeypatch.setattr(kernels_bench, "run_model", _tripwire)
+    monkeypatch.setattr(kernels_bench, "verify", _tripwire)
+    monkeypatch.setattr(train_demo, "train", _tripwire)
+    monkeypatch.setattr(train_demo, "Corpus", type("NoCorpus", (), {"load": staticmethod(_tripwire)}))
+    import echo_vllm.eval.models as models
+
+    monkeypatch.setattr(models, "prepare_model", _tripwire)  # a registered model would be downloaded
+    for module in (perplexity, depth):
+        monkeypatch.setattr(module, "load_hf_model", _tripwire)
+    monkeypatch.setattr(accuracy, "run_hf", _tripwire)
+    monkeypatch.setattr(accuracy, "run_vllm", _tripwire)
+
+
+#: (argv, what the one error line must say)
+BAD = [
+    (["demo", "-p", "0"], "argument --world-size/-p: 0: must be from 2 to 64"),
+    (["demo", "-p", "200"], "200: must be from 2 to 64 (no tensor-parallel group is larger; each is a process here)"),
+    (["demo", "--tokens", "0"], "argument --tokens: 0: must be from 1 to 65536"),
+    (["demo", "--hidden", "-1"], "argument --hidden: -1: must be from 1"),
+    (["demo", "--hidden", "64Q"], "argument --hidden: not an integer: '64Q'"),
+    (["demo", "--layers", "129"], "129: must be from 1 to 128"),
+    (["demo", "--tokens", "65536", "--hidden", "65536"], "= 4294967296 values per call: at most 4194304"),
+    (["demo", "--seed", "99999999999999999999"], "must be from 0 to 4294967295"),
+    (["demo", "--out", "/proc/echo-vllm-x"], "argument --out: /proc/echo-vllm-x: /proc, where it would be made, "
+                                            "is not writable"),
+    (["bench", "allreduce", "--factor", "1"], "argument --factor: 1: must be from 2 to 1024 (a factor of 1 or less "
+                                              "never reaches the largest size)"),
+    (["bench", "allreduce", "--factor", "0"], "0: must be from 2 to 1024"),
+    (["bench", "allreduce", "--min-size", "0"], "argument --min-size: 0: must be from 2"),
+    (["bench", "allreduce", "--min-size", "64Q"], "not a byte count: '64Q'"),
+    (["bench", "allreduce", "--min-size=-1M"], "not a byte count: '-1M'"),
+    (["bench", "allreduce", "--min-size", "1M", "--max-size", "64k"],
+     "smallest size 1 MiB is above the largest 64 KiB (--min-size / --max-size): nothing to measure"),
+    (["bench", "allreduce", "--max-size", "64k"], "smallest size 1 MiB is above the largest 64 KiB"),  # gloo default
+    (["bench", "allreduce", "--world-size", "0"], "argument --world-size: 0: must be from 2 to 64"),
+    (["bench", "allreduce", "--group-size", "48"], "invalid choice: 48 (choose from 16, 32, 64, 128)"),
+    (["bench", "allreduce", "--echo-backends", "tritn"], "'tritn': choose from auto,reference,triton,numba,fused; "
+                                                         "did you mean 'triton'?"),
+    (["bench", "kernels", "--model-only", "--min-size", "0"], "argument --min-size: 0: must be from 2"),
+    (["bench", "kernels", "--model-only", "--min-size", "1M", "--max-size", "64k"], "smallest size 1 MiB is above"),
+    (["bench", "kernels", "--model-only", "--world-sizes", "1,4"], "1: must be from 2 to 64"),
+    (["bench", "kernels", "--model-only", "--efficiency", "0"], "0: must be a finite number above 0 to 1"),
+    (["bench", "kernels", "--model-only", "--copy-gbps", "nan"], "nan: must be a finite number above 0"),
+    (["bench", "kernels", "--device", "gpu"], "'gpu': not a device (cpu, cuda, cuda:N)"),
+    (["bench", "fused", "--sizes", "64Q"], "not a byte count: '64Q'"),
+    (["bench", "fused", "--plans", "100:8:3"], "'100:8:3': expected tile_values:num_warps:per_sm"),
+    (["train-demo", "--steps", "-1"], "argument --steps: -1: must be from 1 to 10000000"),
+    (["train-demo", "--tp", "1"], "argument --tp: 1: must be from 2 to 64"),
+    (["train-demo", "--tp", "3"], "--tp 3 and the model's sizes: vocab_size=256 must be divisible by P=3"),
+    (["train-demo", "--seq", "0"], "argument --seq: 0: must be from 1"),
+    (["train-demo", "--batch", "0"], "argument --batch: 0: must be from 1"),
+    (["train-demo", "--hidden", "0"], "argument --hidden: 0: must be from 1"),
+    (["train-demo", "--lr", "nan"], "nan: must be a finite number above 0 to 10"),
+    (["train-demo", "--data", "/nonexistent/corpus"], "argument --data: /nonexistent/corpus: no such folder"),
+    (["train-demo", "--data", "/tmp"], "--data /tmp: no prepared corpus in it"),
+    (["train-demo", "--report", "/nonexistent/runs"], "argument --report: /nonexistent/runs: no such folder"),
+    (["train-demo", "--modes", "exact,fast"], "'fast': choose from exact,naive,echo"),
+    (["train-demo", "--out", "/proc/echo-vllm-x"], "/proc, where it would be made, is not writable"),
+    (["eval", "perplexity", "--tokens", "0"], "argument --tokens: 0: must be from 2"),
+    (["eval", "perplexity", "--tp", "1"], "TP size must be at least 2"),
+    (["eval", "perplexity", "--batch-size", "0"], "0: must be from 1 to 1024"),
+    (["eval", "perplexity", "--variants", "bogus"], "unknown variant 'bogus'"),
+    (["eval", "perplexity", "--variants", "naive:group_sise=16"], "unknown option 'group_sise'; did you mean "
+                                                                  "'group_size'?"),
+    (["eval", "perplexity", "--variants", "naive", "naive"], "duplicate variants in ['naive', 'naive']"),
+    (["eval", "perplexity", "--exact-calls", "0-99999999999"], "expected 0 <= I <= J < 65536"),
+    (["eval", "perplexity", "--texts"], "nothing to score: give --texts or --lambada N"),
+    (["eval", "perplexity", "--stem", "../x"], "not a file name stem"),
+    (["eval", "perplexity", "--texts", "hamlet", "/nonexistent/play.txt"], "text '/nonexistent/play.txt': no such file"),
+    (["eval", "depth", "--text", "missing.txt"], "text 'missing.txt': no such file"),
+    (["eval", "perplexity", "--model", "/nonexistent/model"], "'/nonexistent/model' is neither a local HF model "
+                                                              "folder"),
+    (["eval", "depth", "--text", "", "--lambada", "0"], "nothing to measure: --text '' needs --lambada N"),
+    (["eval", "accuracy", "--limit", "-1"], "-1: must be a finite number above 0"),
+    (["eval", "accuracy", "--batch-size", "x"], "'x': expected 'auto' or an integer from 1 to 4096"),
+    (["eval", "accuracy", "--gpu-memory-utilization", "2"], "2: must be a finite number above 0 to 1"),
+    (["eval", "ttft", "--server-timeout", "nan"], "nan: must be a finite number above 0 to 86400"),
+    (["eval", "ttft", "--input-lens", "0"], "argument --input-lens: 0: must be from 1"),
+    (["eval", "ttft", "--base-url", "ftp://host"], "expected http://HOST[:PORT]"),
+    (["eval", "ttft", "--labels", "a", "b"], "several --labels need --launch"),
+    (["eval", "ttft", "--launch", "serve", "--labels", "a", "b"], "has no {mode} or {mode_args}"),
+    (["eval", "ttft", "--launch", "serve 'x", "--labels", "a"], "not a command line (No closing quotation)"),
+    (["eval", "ttft", "--report", "--out", "/tmp/echo-vllm-no-such-results"], "no ttft_*.json or raw_*.json in"),
+    (["eval", "bundle", "--part-mib", "0"], "argument --part-mib: 0: must be from 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
