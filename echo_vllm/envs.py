@@ -45,12 +45,18 @@ class EchoEnv:
     """``ECHO_VLLM_CACHE``: where the evaluation keeps models, data and
     downloaded packages (default ``~/.cache/echo-vllm``)."""
 
+    triton_interpret: bool = False
+    """``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels in its
+    interpreter, the only way the ``triton`` backend takes CPU tensors;
+    read here so that a CPU request without it is refused by name."""
+
 
 #: Environment variable -> field of :class:`EchoEnv`.
 VARIABLES = {
     "ECHO_KERNELS": "kernels",
     "ECHO_KERNEL_DIRECT_LAUNCH": "direct_launch",
     "ECHO_VLLM_CACHE": "cache_dir",
+    "TRITON_INTERPRET": "triton_interpret",
 }
 
 
@@ -68,7 +74,8 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     if direct not in ("0", "1"):
         raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r:.60}: 0 or 1")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1",
-                   cache_dir=env.get("ECHO_VLLM_CACHE") or None)
+                   cache_dir=env.get("ECHO_VLLM_CACHE") or None,
+                   triton_interpret=env.get("TRITON_INTERPRET", "0").strip() == "1")
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -86,7 +86,7 @@ assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and 
 
 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
-                   p2p: bool = False, p2p_reason: str = "") -> tuple[str, str]:
+                   p2p: bool = False, p2p_reason: str = "", interpreted: bool = False) -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
@@ -96,9 +96,20 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     it: :func:`.fused.fused_support`) and ``triton`` if not; ``reference``
     elsewhere. ``p2p_reason``: what probing the group said (empty: not
     probed); an explicit ``fused`` on a group probed unable to run it is
-    refused with it. Raises :class:`EchoConfigError` for a request that
-    cannot run.
+    refused with it; ``triton`` on CPU tensors needs Triton's interpreter
+    (``interpreted``: ``TRITON_INTERPRET=1``). Raises :class:`EchoConfigError`
+    for a request that cannot run.
     """
+    name, reason = _choose(requested, device_type=device_type, stochastic=stochastic, env_kernels=env_kernels,
+                           p2p=p2p, p2p_reason=p2p_reason)
+    if name == "triton" and device_type == "cpu" and not interpreted:
+        raise EchoConfigError(f"backend 'triton' ({reason}) takes CPU tensors only in Triton's interpreter: set "
+                              "TRITON_INTERPRET=1 before Triton is imported, or use 'numba' or 'reference' on CPU")
+    return name, reason
+
+
+def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: str, p2p: bool,
+            p2p_reason: str) -> tuple[str, str]:
     if requested != "auto":
         if requested not in BACKENDS:
             raise EchoConfigError(f"backend={requested!r}: choose one of {('auto', *BACKENDS)}")
@@ -165,7 +176,7 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
                       p2p=True)[0] == "fused":
         p2p, why = fused_support(peers, device_type)
     name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
-                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why)
+                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why, interpreted=env.triton_interpret)
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 

@@ -96,3 +96,22 @@ def test_int8_feedback_runs_on_the_backend_auto_picks(group):
     backend, reason = backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv())
     assert backend.name == "triton" and "cannot access GPU 1" in reason
     assert backends.make_backend(int8, FakeRank(), device_type="cpu", env=EchoEnv(kernels="numba"))[0].name == "numba"
+
+
+@pytest.mark.parametrize("requested,env_kernels", [("triton", "auto"), ("auto", "triton")])
+def test_triton_on_cpu_without_the_interpreter_is_refused_by_name(requested, env_kernels):
+    """Not Triton's bare "Found no NVIDIA driver" at the first call: the
+    choice says what to set or use instead."""
+    with pytest.raises(EchoConfigError, match="TRITON_INTERPRET=1.*'numba' or 'reference'"):
+        backends.choose_backend(requested, device_type="cpu", stochastic=False, env_kernels=env_kernels)
+    assert backends.choose_backend(requested, device_type="cpu", stochastic=False, env_kernels=env_kernels,
+                                   interpreted=True)[0] == "triton"
+    assert backends.choose_backend(requested, device_type="cuda", stochastic=False,
+                                   env_kernels=env_kernels)[0] == "triton"
+
+
+def test_the_interpreter_flag_is_read_from_the_environment():
+    from echo_vllm import envs
+
+    assert envs.read({"TRITON_INTERPRET": "1"}).triton_interpret
+    assert not envs.read({}).triton_interpret
