@@ -147,7 +147,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, varian
     return _normalize(x.to(torch.float32), weight, eps, x.dtype, variance)
 
 
+def norm_into(y: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None,
+              residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Echo's output ``y`` then the norm of its kernels (``variance="kernel"``),
+    written like the kernels' outputs: ``(out, new residual)`` (None without
+    ``residual``), into ``out`` and ``residual_out`` when given, the new
+    residual into ``residual`` itself otherwise; shapes as ``residual``'s
+    (``y``'s without one). The unfused path, the same bits as the fused one."""
+    shape = residual.shape if residual is not None else y.shape
+    y = y.reshape(shape)
+    if residual is None:
+        o, r = rms_norm(y, weight, eps, variance="kernel"), None
+    else:
+        o, r = add_rms_norm(y, residual, weight, eps, variance="kernel")
+        residual_out = residual if residual_out is None else residual_out
+        residual_out.view(shape).copy_(r)
+        r = residual_out
+    if out is None:
+        return o, r
+    out.view(shape).copy_(o)
+    return out, r
+
+
 __all__ = [
     "BLOCK_VALUES", "FIXED_BITS", "MAX_COLS", "MAX_SHIFT", "VARIANCES", "add_rms_norm", "block_sums",
-    "fixed_shift", "kernel_mean_square", "kernel_sum_squares", "rms_norm",
+    "fixed_shift", "kernel_mean_square", "kernel_sum_squares", "norm_into", "rms_norm",
 ]
