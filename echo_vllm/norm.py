@@ -62,6 +62,8 @@ For each row (columns past the row are 0):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 #: Values per block of the kernels' sum of squares (a lane's values).
@@ -147,6 +149,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, varian
     return _normalize(x.to(torch.float32), weight, eps, x.dtype, variance)
 
 
+@dataclass(frozen=True)
+class NormOperands:
+    """What the norm after an all-reduce takes besides Echo's output: the
+    weight and eps of vLLM's op, the residual (None: ``rms_norm``), and
+    where the results go (None: a new tensor for the output; the residual
+    itself, in place, for the new residual)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    def apply(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`norm_into` of ``y`` with these operands."""
+        return norm_into(y, self.weight, self.eps, residual=self.residual, out=self.out,
+                         residual_out=self.residual_out)
+
+
 def norm_into(y: torch.Tensor, weight: torch.Tensor | None, eps: float, *, residual: torch.Tensor | None = None,
               out: torch.Tensor | None = None,
               residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -171,6 +192,6 @@ def norm_into(y: torch.Tensor, weight: torch.Tensor | None, eps: float, *, resid
 
 
 __all__ = [
-    "BLOCK_VALUES", "FIXED_BITS", "MAX_COLS", "MAX_SHIFT", "VARIANCES", "add_rms_norm", "block_sums",
+    "BLOCK_VALUES", "FIXED_BITS", "MAX_COLS", "MAX_SHIFT", "NormOperands", "VARIANCES", "add_rms_norm", "block_sums",
     "fixed_shift", "kernel_mean_square", "kernel_sum_squares", "norm_into", "rms_norm",
 ]

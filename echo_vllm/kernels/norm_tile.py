@@ -1,6 +1,6 @@
 """Device code of Echo's output with the residual add and RMSNorm: whole rows per tile.
 
-A tile is ``K`` rows (:mod:`.norm_plan`): of every chunk, the ``K *
+A tile is ``K`` rows (:mod:`echo_vllm.norm_plan`): of every chunk, the ``K *
 RGP`` groups ``lg`` of those rows (:func:`tile_groups`), in the lane layout
 of :mod:`.tile`. :func:`output_norm_tile` decodes the tile's groups of every
 chunk (``tile.decode_output``: Echo's output, rounded to the output dtype),

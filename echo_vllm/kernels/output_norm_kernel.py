@@ -6,8 +6,8 @@ same bits. Specification: ``quant.output_reference`` followed by
 ``norm.add_rms_norm(..., variance="kernel")`` (``norm.rms_norm`` without a
 residual); the device code is :func:`.norm_tile.output_norm_tile`, shared
 with the fused kernel's phase 3. Rows must be whole in one program: the
-tile plan is :func:`.norm_plan.norm_tiling` (a layout it refuses raises
-here; callers ask it first and take the unfused path).
+tile plan is :func:`echo_vllm.norm_plan.norm_tiling` (a layout it refuses
+raises here; callers ask it first and take the unfused path).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
-from .norm_plan import NormTiling, norm_tiling
+from ..norm_plan import NormTiling, norm_tiling
 from .norm_tile import output_norm_tile, tile_groups
 
 

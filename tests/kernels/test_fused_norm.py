@@ -26,7 +26,7 @@ from test_output_norm import EPS, expected, norm_operands
 
 from echo_vllm import quant
 from echo_vllm.backends import fused as fused_mod
-from echo_vllm.kernels.norm_plan import NormTiling, norm_tiling
+from echo_vllm.norm_plan import NormTiling, norm_tiling
 from echo_vllm.quant import WireLayout
 
 QMAX = 7
@@ -248,6 +248,7 @@ def test_norm_plan_covers_every_group_with_resident_programs():
                 assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm()
                 assert plan.tiles(lay) == tiling.tiles(lay)
                 assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm()
+                assert plan.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
     with pytest.raises(ValueError, match="not a norm plan"):
         lay = WireLayout(64, 2, 32)
         fk.fused_all_reduce_norm(torch.zeros(1, 64), None, torch.zeros(2, 2, dtype=torch.int64), lay,

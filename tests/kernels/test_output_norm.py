@@ -14,7 +14,6 @@ import torch
 from test_kernels import CUDA, DEVICE, DTYPES, _values, assert_same_bits, in_kernel_process
 
 from echo_vllm import norm, quant
-from echo_vllm.kernels.norm_plan import MAX_NORM_COLS, VALUES_PER_THREAD, norm_tiling
 from echo_vllm.quant import WireLayout
 
 QMAX = 7
@@ -171,25 +170,17 @@ def test_output_norm_other_hidden_sizes_on_gpu(cols, world):
     _output_norm_matches(64, cols, world, 32, "bf16", "bf16", True, True, seed=4)
 
 
-# -- the tile plan -------------------------------------------------------------------
+def _composed_backend_fuses():
+    from echo_vllm.backends.composed import ComposedBackend
+    from echo_vllm.backends.stages import TritonStages
+    from support.norm_chains import chain_pair, check_pair
+
+    check_pair(chain_pair(2, 3, 160, 3, backend=lambda cfg, t: ComposedBackend(cfg, t, TritonStages()),
+                            device=DEVICE), 3, "fused")
 
 
-@pytest.mark.parametrize("cols", [4096, 5120, 8192, 16384, 2880, 1, 100])
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("group", [16, 32, 128])
-def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
-    lay = WireLayout(cols * 3, world, group, cols)
-    t, reason = norm_tiling(lay)
-    assert t is not None, reason
-    assert t.padded_row_groups >= lay.row_groups and t.padded_row_groups & (t.padded_row_groups - 1) == 0
-    assert t.rows * t.padded_row_groups * group >= 256 * t.num_warps  # a warp's lanes hold whole groups
-    assert world * t.groups_per_tile * group <= VALUES_PER_THREAD * 32 * t.num_warps
-    assert t.tiles(lay) * t.rows * lay.row_groups >= lay.chunk_groups  # every group of a chunk in some tile
-    assert t.row_tiles(lay) * t.rows >= lay.rows
-
-
-def test_tiling_refuses_wide_rows_with_a_reason():
-    t, reason = norm_tiling(WireLayout(MAX_NORM_COLS + 1, 2, 32))
-    assert t is None and f"rows of {MAX_NORM_COLS + 1} values" in reason
-    t, reason = norm_tiling(WireLayout(4096, 16, 32))
-    assert t is None and "16 ranks" in reason
+def test_composed_backend_runs_the_output_norm_kernel():
+    """EchoCommunicator.all_reduce_norm over the Triton stages: the
+    output_norm kernel, the same bits as the output kernel then the norm
+    over a chain of calls (``tests/core/test_allreduce_norm.py``'s check)."""
+    in_kernel_process(_composed_backend_fuses)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..norm import MAX_COLS
-from ..quant import WireLayout
+from .norm import MAX_COLS
+from .quant import WireLayout
 
 #: Values of a row the fused norm takes (Qwen3-8B 4096, larger models 5120 and 8192, up to 16384).
 MAX_NORM_COLS = 16384
