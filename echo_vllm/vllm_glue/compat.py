@@ -277,6 +277,13 @@ def group_by_name(name: str) -> Any:
     return group
 
 
+def inductor_compile_config(vllm_config: Any) -> dict | None:
+    """The engine's ``compilation_config.inductor_compile_config`` (where
+    ``post_grad_custom_post_pass`` goes), or None where it has none."""
+    config = getattr(getattr(vllm_config, "compilation_config", None), "inductor_compile_config", None)
+    return config if isinstance(config, dict) else None
+
+
 def ir_norm_ops() -> dict:
     """vLLM's IR norm ops as a compiled graph holds them before its IR
     lowering -> their names (``vllm/ir/ops/layernorm.py``)."""

@@ -319,13 +319,14 @@ def EchoNormFusionPass(echo_group: Optional[str]) -> Any:
 def install(vllm_config: Any, mode: str, fuse_norm: bool, postnorm: bool, echo_group: Optional[str]) -> str:
     """Register the pass for this engine if :func:`pass_decision` says so
     (and the fused ops); returns what was done, for the start-up log."""
-    cc = vllm_config.compilation_config
-    existing = cc.inductor_compile_config.get(PASS_KEY)
-    register, reason = pass_decision(mode, fuse_norm, postnorm, existing)
+    inductor = compat.inductor_compile_config(vllm_config)
+    if inductor is None:
+        return "the norm after each all-reduce stays unfused (the engine has no Inductor config)"
+    register, reason = pass_decision(mode, fuse_norm, postnorm, inductor.get(PASS_KEY))
     if not register:
         return f"the norm after each all-reduce stays unfused ({reason})"
     register_ops()
-    cc.inductor_compile_config[PASS_KEY] = EchoNormFusionPass(echo_group)
+    inductor[PASS_KEY] = EchoNormFusionPass(echo_group)
     return f"the norm after each residual all-reduce is fused into Echo {reason}"
 
 

@@ -128,6 +128,20 @@ def _fx_worker(rank, world):
     other, _ = _graph("tp:1")
     before = [n.target for n in other.nodes]
     out["other"] = (dict(nf.fuse_graph(other, "tp:0")), [n.target for n in other.nodes] == before)
+    # install(): where the pass goes, and what it refuses to replace
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(compilation_config=SimpleNamespace(inductor_compile_config={}))
+    said = [nf.install(engine, "echo", True, False, "tp:0"), nf.install(engine, "echo", True, False, "tp:0")]
+    ours = engine.compilation_config.inductor_compile_config[nf.PASS_KEY]
+    import copy
+
+    copied = copy.deepcopy(ours)  # vLLM's backend deep-copies its Inductor config
+    engine.compilation_config.inductor_compile_config[nf.PASS_KEY] = "someone else's"
+    said.append(nf.install(engine, "echo", True, False, "tp:0"))
+    said.append(nf.install(SimpleNamespace(), "echo", True, False, "tp:0"))
+    out["install"] = (said, type(ours).__name__, copied.echo_group, copied.uuid() == ours.uuid(),
+                      ours.uuid() != nf.EchoNormFusionPass("tp:1").uuid())
     return out
 
 
@@ -325,3 +339,13 @@ def test_compiled_emulation_fuses_the_norms_and_equals_the_spec(emulated):
     assert emulated["norm_calls"] == {"fused": 2}
     for got, want, what in zip(emulated["compiled"], emulated["spec"], ("out", "residual", "rms_norm out")):
         assert_same(got, want, what)
+
+
+@pytest.mark.vllm
+def test_install_registers_the_pass_once_and_replaces_no_other(fx):
+    said, name, group, same_uuid, group_in_uuid = fx["install"]
+    assert said[0] == said[1] == "the norm after each residual all-reduce is fused into Echo under compilation " \
+                                 "(not --enforce-eager)"
+    assert name == "EchoNormFusionPass" and group == "tp:0" and same_uuid and group_in_uuid
+    assert said[2] == "the norm after each all-reduce stays unfused (post_grad_custom_post_pass already holds str)"
+    assert said[3] == "the norm after each all-reduce stays unfused (the engine has no Inductor config)"
