@@ -44,7 +44,7 @@ import torch
 
 from ..quant import WireLayout
 from . import timing
-from .fused_bench import copy_gbps, phase_bytes, sm_clock_mhz
+from .fused_bench import device_line, phase_bytes, sm_clock_mhz, verified
 from .projection import echo_time_s, nccl_time_s
 
 #: Qwen3-8B: decoder layers, hidden size, all-reduces per layer (attention and MLP outputs).
@@ -345,15 +345,10 @@ def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     if not args.skip_verify:
         bad = [b for p in worlds for b in verify_norm(p, args.hidden)]
-        if bad:
-            print("bench norm: the kernel differs from the composed kernels, refusing to time it: " + "; ".join(bad),
-                  file=sys.stderr)
+        if not verified("bench norm", bad, "the composed kernels",
+                        f"emulated norm kernel == composed output_norm bit for bit (P={worlds})"):
             return 1
-        print(f"verified: emulated norm kernel == composed output_norm bit for bit (P={worlds})", flush=True)
-    gbps = copy_gbps(1 << 30, args.buffer_sets)
-    name = torch.cuda.get_device_name(0)
-    print(f"device: {name}; SM clock (current, max): {sm_clock_mhz()}; copy {gbps:.0f} GB/s (read + write)",
-          flush=True)
+    gbps, name = device_line(args.buffer_sets)
     cases = []
     for p in worlds:
         for t in tokens:

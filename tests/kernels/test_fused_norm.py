@@ -12,14 +12,9 @@ composed kernels.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-import traceback
-
 import pytest
 import torch
-from test_fused import reference_chain
+from test_fused import reference_chain, run_forked_ranks
 from test_kernels import CUDA, DEVICE, DTYPES, FB_DTYPES, _feedback, _interpreter_pool, _reporting, _values, \
     assert_same_bits, in_kernel_process
 from test_output_norm import EPS, expected, norm_operands
@@ -132,34 +127,14 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
     res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 62, device="cpu")
     ress = res0.reshape(1, -1).repeat(world, 1).share_memory_()
     outs = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                for c in range(calls):
-                    fk.fused_all_reduce_norm(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, w, EPS,
-                                             residual=ress[rank], rank=rank, gathered_offset=bufs[0].numel() // 2,
-                                             qmax=QMAX, hadamard=True, has_incoming=c > 0, plan=plan, timeout_ns=0,
-                                             out=outs[c, rank])
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    deadline, codes = time.monotonic() + deadline_s, {}
-    while len(codes) < world and time.monotonic() < deadline and not any(codes.values()):
-        for pid in pids:
-            done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    for pid in set(pids) - set(codes):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    assert list(codes.values()) == [0] * world, f"emulated ranks' exit codes {codes}"
+    def one_rank(rank):
+        for c in range(calls):
+            fk.fused_all_reduce_norm(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, w, EPS,
+                                     residual=ress[rank], rank=rank, gathered_offset=bufs[0].numel() // 2,
+                                     qmax=QMAX, hadamard=True, has_incoming=c > 0, plan=plan, timeout_ns=0,
+                                     out=outs[c, rank])
+
+    run_forked_ranks(world, one_rank, deadline_s)
     fb_ref, res = fb0.clone(), res0.clone()
     for c in range(calls):
         _, q2, _ = reference_chain(xs[c], fb_ref, lay, hadamard=True, incoming=c > 0)
