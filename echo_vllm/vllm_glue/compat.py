@@ -277,6 +277,18 @@ def group_by_name(name: str) -> Any:
     return group
 
 
+def register_custom_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
+    """Define op ``name`` of ``lib``: vLLM's helper (dispatch key of the current
+    platform); plain torch.library where a vLLM version lacks it."""
+    registrar = custom_op_registrar()
+    if registrar is None:
+        lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+        return
+    registrar(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
+
+
 def inductor_compile_config(vllm_config: Any) -> dict | None:
     """The engine's ``compilation_config.inductor_compile_config`` (where
     ``post_grad_custom_post_pass`` goes), or None where it has none."""

@@ -45,6 +45,7 @@ from ..transport import VirtualTransport
 from . import compat
 from . import session as sessions
 from .calls import CallSequence
+from .norm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
 from .session import EchoSession
 from .settings import TpCommSettings
 
@@ -60,9 +61,6 @@ NOT_APPLICABLE = "not reduced in real tensor parallelism"
 
 ROW_OP = "emulated_row_parallel"
 VOCAB_OP = "emulated_vocab_embedding"
-#: The same reduces followed by the residual add and RMSNorm (``norm_fusion``'s pass puts them in).
-ROW_NORM_OP = "emulated_row_parallel_norm"
-VOCAB_NORM_OP = "emulated_vocab_embedding_norm"
 
 
 class EmulationSession(EchoSession):
@@ -227,8 +225,6 @@ def _row_parallel_norm_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
     norm_weight: torch.Tensor, epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .norm_fusion import run_norm
-
     s = _session()
     partials = row_parallel_partials(x, weight, s.world_size, bias)
     return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
@@ -239,8 +235,6 @@ def _row_parallel_norm_fake(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
     norm_weight: torch.Tensor, epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .norm_fusion import outputs_like
-
     return outputs_like((*x.shape[:-1], weight.shape[0]), x.dtype, x.device, residual)
 
 
@@ -248,8 +242,6 @@ def _vocab_embedding_norm_impl(
     ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
     epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .norm_fusion import run_norm
-
     s = _session()
     partials = vocab_parallel_partials(ids.long(), weight, s.world_size)
     return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
@@ -260,8 +252,6 @@ def _vocab_embedding_norm_fake(
     ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
     epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .norm_fusion import outputs_like
-
     return outputs_like((*ids.shape, weight.shape[1]), weight.dtype, weight.device, residual)
 
 
@@ -277,20 +267,8 @@ def register_ops() -> None:
         (ROW_NORM_OP, _row_parallel_norm_impl, _row_parallel_norm_fake),
         (VOCAB_NORM_OP, _vocab_embedding_norm_impl, _vocab_embedding_norm_fake),
     ):
-        register_op(lib, name, impl, fake)
+        compat.register_custom_op(lib, name, impl, fake)
     _LIB = lib
-
-
-def register_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
-    """vLLM's helper (dispatch key of the current platform); plain
-    torch.library where a vLLM version lacks it."""
-    direct_register_custom_op = compat.custom_op_registrar()
-    if direct_register_custom_op is None:
-        lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
-        lib.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-        return
-    direct_register_custom_op(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
 
 
 # ---------------------------------------------------------------------------

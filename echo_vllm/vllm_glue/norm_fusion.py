@@ -45,12 +45,14 @@ import torch
 
 from ..norm import NormOperands
 from . import compat
-from .emulation import ROW_NORM_OP, VOCAB_NORM_OP, register_op
 
 logger = logging.getLogger("echo_vllm")
 
-#: The fused op of real TP (namespace ``echo``; the emulation's are ``ROW_NORM_OP``, ``VOCAB_NORM_OP``).
+#: The fused ops (namespace ``echo``): real TP's (defined here) and the
+#: emulation's reduces followed by the norm (defined with its other ops).
 TP_OP = "all_reduce_norm"
+ROW_NORM_OP = "emulated_row_parallel_norm"
+VOCAB_NORM_OP = "emulated_vocab_embedding_norm"
 #: The outcome of a site the pass fused.
 FUSED = "fused"
 #: ``compilation_config.inductor_compile_config`` key vLLM adds to its post-grad pass manager.
@@ -109,7 +111,7 @@ def register_ops() -> None:
     if _LIB is not None:
         return
     lib = torch.library.Library("echo", "FRAGMENT")
-    register_op(lib, TP_OP, _tp_impl, _tp_fake)
+    compat.register_custom_op(lib, TP_OP, _tp_impl, _tp_fake)
     _LIB = lib
 
 
