@@ -27,17 +27,25 @@ WARP_VALUES = 256
 MAX_WARPS = 16
 #: Values of its rows (every chunk) a thread holds in fp32 registers.
 VALUES_PER_THREAD = 64
-#: Warps of the fused kernel's norm programs resident per SM (its register cap follows).
+#: Most warps of the fused kernel's norm programs resident per SM.
 NORM_WARPS_PER_SM = 16
+#: Registers a thread of the fused norm kernel is given besides the row
+#: values it holds (one each): compiled for sm_90, phase 3 of 8192 x 4096
+#: needs ~98 at P = 2 (16 values) and spills at 128 with P = 8 (64 values).
+BASE_REGISTERS = 96
+#: Registers per SM (Hopper).
+SM_REGISTERS = 65536
 
 
 class NormTiling(NamedTuple):
     """``rows`` whole rows per tile, ``padded_row_groups`` groups of each per
-    chunk, ``num_warps`` warps per program."""
+    chunk, ``num_warps`` warps per program, ``values_per_thread`` row
+    values a thread holds (every chunk)."""
 
     rows: int
     padded_row_groups: int
     num_warps: int
+    values_per_thread: int = VALUES_PER_THREAD
 
     @property
     def groups_per_tile(self) -> int:
@@ -54,8 +62,11 @@ class NormTiling(NamedTuple):
         return -(-layout.rows // self.rows)
 
     def per_sm(self) -> int:
-        """Programs of the fused kernel resident per SM."""
-        return max(1, NORM_WARPS_PER_SM // self.num_warps)
+        """Programs of the fused kernel resident per SM: as many as
+        :data:`NORM_WARPS_PER_SM` warps allow, each thread with
+        :data:`BASE_REGISTERS` plus one register per value it holds."""
+        regs = SM_REGISTERS // (self.num_warps * 32 * (BASE_REGISTERS + self.values_per_thread))
+        return max(1, min(NORM_WARPS_PER_SM // self.num_warps, regs))
 
 
 def _next_power_of_2(n: int) -> int:
@@ -76,9 +87,9 @@ def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
     if per_thread > VALUES_PER_THREAD:
         return None, (f"rows of {layout.cols} values over {layout.world_size} ranks need {per_thread} values a "
                       f"thread (at most {VALUES_PER_THREAD})")
-    return NormTiling(rows, rgp, warps), (f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, "
+    return NormTiling(rows, rgp, warps, per_thread), (f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, "
                                           f"{warps} warp(s)")
 
 
-__all__ = ["MAX_NORM_COLS", "MAX_WARPS", "NORM_WARPS_PER_SM", "NormTiling", "VALUES_PER_THREAD", "WARP_VALUES",
+__all__ = ["BASE_REGISTERS", "MAX_NORM_COLS", "MAX_WARPS", "NORM_WARPS_PER_SM", "NormTiling", "VALUES_PER_THREAD", "WARP_VALUES",
            "norm_tiling"]

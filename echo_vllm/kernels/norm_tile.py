@@ -96,12 +96,16 @@ def fixed_shift(m):
 
 
 @triton.jit
-def row_total(s, up, K: tl.constexpr, RGP: tl.constexpr):
-    """``[K]`` int64: the sum over each row of ``trunc(s * up)`` (``s [BG,
-    L]``, ``up [BG]`` the row's ``2**k``, 0 for a non-finite row), exact in
-    any order."""
+def fixed(s, up):
+    """``trunc(s * up)`` in int64 (``s [BG, L]``, ``up [BG]`` the row's
+    ``2**k``, 0 for a non-finite row, whose terms are then 0)."""
     u = up[:, None]
-    t = (tl.where(u > 0, s, 0.0) * u).to(tl.int64)  # truncates toward 0 (never NaN: a poison cast)
+    return (tl.where(u > 0, s, 0.0) * u).to(tl.int64)  # truncates toward 0 (never NaN: a poison cast)
+
+
+@triton.jit
+def row_total(t, K: tl.constexpr, RGP: tl.constexpr):
+    """``[K]`` int64: the sum of each row's terms ``t [BG, L]`` (exact, any order)."""
     return tl.sum(tl.sum(_rows_of(tl.sum(t, 1), K, RGP), 2), 1)
 
 
@@ -143,7 +147,6 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     # j's arithmetic)
     xs = ()
     sums = ()
-    mx = tl.zeros((K,), tl.float32)
     words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
                                chunk_groups, G, RESIDUAL)
     for j in tl.static_range(P):
@@ -157,19 +160,24 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
             store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
         x = tl.where(as_lanes(m, G), x, 0.0)  # padding lanes and columns past the row: not in the row
         sq = lane_sums(x * x)
-        mx = tl.maximum(mx, row_max(sq, K, RGP), propagate_nan=tl.PropagateNan.ALL)
+        # the chunks' lanes combined in registers first: one reduction across the program per row statistic
+        if j == 0:
+            lanes_max = sq
+        else:
+            lanes_max = tl.maximum(lanes_max, sq, propagate_nan=tl.PropagateNan.ALL)
         xs = xs + (x,)
         sums = sums + (sq,)
         if j + 1 < P:
             words, s, r, m = words_n, s_n, r_n, m_n
     # pass 2: the rows' sums of squares, as integers scaled by their largest lane sum
+    mx = row_max(lanes_max, K, RGP)
     finite = mx < float("inf")  # false for inf and NaN
     k = fixed_shift(tl.where(finite, mx, 0.0))
     up = to_groups(tl.where(finite, _power_of_two(k), 0.0), RGP)  # a non-finite row's terms are 0
-    total = tl.zeros((K,), tl.int64)
-    for j in tl.static_range(P):
-        total += row_total(sums[j], up, K, RGP)
-    ssq = tl.where(finite, total.to(tl.float32) * _power_of_two(-k), mx)
+    terms = fixed(sums[0], up)
+    for j in tl.static_range(1, P):
+        terms += fixed(sums[j], up)  # exact: the sum stays below 2**53
+    ssq = tl.where(finite, row_total(terms, K, RGP).to(tl.float32) * _power_of_two(-k), mx)
     rstd = tl.math.rsqrt(tl.math.div_rn(ssq, cols.to(tl.float32)) + eps)
     rstd = to_groups(rstd, RGP)[:, None, None]
     # pass 3: normalise, weight, store
