@@ -17,7 +17,7 @@ import torch
 from test_fused import reference_chain, run_forked_ranks
 from test_kernels import CUDA, DEVICE, DTYPES, FB_DTYPES, _feedback, _interpreter_pool, _reporting, _values, \
     assert_same_bits, in_kernel_process
-from test_output_norm import EPS, expected, norm_operands
+from test_output_norm import EPS, expected, norm_operands, partials
 
 from echo_vllm import quant
 from echo_vllm.backends import fused as fused_mod
@@ -168,7 +168,7 @@ def _one_launch_matches_composed(rows, cols, world, residual):
     sms = torch.cuda.get_device_properties(0).multi_processor_count // world
     plan = fk.plan_for_norm(lay, tiling, sms)
     table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
-    x = _values((world, lay.numel), 8).to(torch.bfloat16).cuda()
+    x = partials((world, lay.numel), 8).to(torch.bfloat16)
     fb = _feedback(world, lay, torch.bfloat16, 9)
     fb_c = fb.clone()
     res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 10)
