@@ -101,11 +101,11 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    la, plan = onk._plan(lay, tiling, True, True)
+    la, plan = onk._plan(lay, tiling, True, True, True)
     composed = la.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
     fplan = fk.plan_for_norm(lay, tiling, 132)
-    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True)
+    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True, True)
     x, fb = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
     ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
     fused = lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),

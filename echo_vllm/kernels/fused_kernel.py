@@ -375,7 +375,7 @@ def _fused_kernel(
 def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
-                 RESIDUAL: tl.constexpr):
+                 RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
@@ -383,7 +383,7 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
         output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
-                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL)
+                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, ALIGNED)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
@@ -393,7 +393,7 @@ def _fused_norm_kernel(
     row_groups, cols, msg_groups, chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -421,7 +421,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL)
+                     RESIDUAL, ALIGNED)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -579,7 +579,8 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int,
-                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool) -> _Plan:
+                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
+                      aligned: bool) -> _Plan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``plan.norm`` set)."""
     la = _launcher(plan.num_warps, plan.registers, True)
     t = plan.norm
@@ -590,7 +591,7 @@ def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **launch.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
-            PHASE=phase, RESIDUAL=residual,
+            PHASE=phase, RESIDUAL=residual, ALIGNED=aligned,
         ),
     )
 
@@ -738,11 +739,12 @@ def fused_all_reduce_norm(
     emulated = ranks if ranks > 1 else 0
     out, residual_out = check_norm_operands(layout, x.dtype, weight, residual, out, residual_out, ranks=emulated)
     launch.check_device(x, feedback, table, weight, residual, out, residual_out)
-    lp = _norm_launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                           bool(has_incoming), phase, residual is not None)
     fb = feedback if feedback is not None else x
     res = residual if residual is not None else out  # unused pointers without a residual
     res_out = residual_out if residual_out is not None else out
+    lp = _norm_launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+                           bool(has_incoming), phase, residual is not None,
+                           launch.rows_aligned(layout.cols, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
     _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)

@@ -97,6 +97,19 @@ def check_rows(name: str, t: torch.Tensor, rows: int, min_cols: int, dtypes) -> 
         raise ValueError(f"{name}: the last dimension must be contiguous")
 
 
+def rows_aligned(cols: int, *tensors: torch.Tensor) -> bool:
+    """Whether every message row of ``tensors`` (``[R, numel]`` or
+    ``[numel]``) starts on 16 bytes, as Triton can prove from its
+    specializations (pointers, ``cols`` and row strides divisible by 16):
+    only then are the message's loads and stores in the lane layout of
+    ``tile``, and the kernels use lane shuffles (``tile.lanes_hold``); other
+    rows take the layout-agnostic butterflies, same bits."""
+    if cols % 16:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.shape[0] == 1 or t.stride(0) % 16 == 0)
+               for t in tensors)
+
+
 def check_feedback(feedback: torch.Tensor, rows: int, layout: WireLayout) -> None:
     """A buffer of ``rows`` rows in one of ``quant``'s formats, long enough
     for the message's ``padded_numel`` values (int8: its blocks,

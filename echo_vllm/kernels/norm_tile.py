@@ -134,13 +134,16 @@ def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j
 @triton.jit
 def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
                      row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
-                     K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr):
+                     K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
+                     ALIGNED: tl.constexpr):
     """The tile's rows (groups ``lg``, :func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
     residual into ``res_out_ptr`` (``RESIDUAL``), the normalised rows into
-    ``out_ptr`` (message layout, ``out_ptr``'s dtype; module docstring)."""
+    ``out_ptr`` (message layout, ``out_ptr``'s dtype; module docstring).
+    ``ALIGNED``: ``launch.rows_aligned`` of the rows' tensors (else the
+    decode takes the layout-agnostic butterflies, same bits)."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty)
+    SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and ALIGNED
     offs, c, live = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
     # pass 1: decode, add the residual, store the new one; each row's
     # largest lane sum of squares (chunk j + 1's loads issued before chunk
