@@ -27,6 +27,8 @@ from .capture import capturing
 from .config import EchoConfig, EchoConfigError
 from .envs import EchoEnv
 from .feedback import FeedbackChain
+from .norm import NormOperands
+from .norm_plan import norm_tiling
 from .quant import WireLayout
 from .transport import Transport
 
@@ -143,6 +145,30 @@ class EchoAllReduce:
         if chain is not None:
             chain.record(call_index, key, left_error=fb is not None)
         return y.reshape(shape)
+
+    def all_reduce_norm(
+        self, x: torch.Tensor, norm: NormOperands, chain: FeedbackChain | None = None, call_index: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+        """:meth:`all_reduce` followed by the residual add and RMSNorm of
+        ``norm`` (``norm.NormOperands``): ``(out, new residual, how)``,
+        ``how`` being ``"fused"`` (in the backend's output phase) or why
+        not (``norm_plan.norm_tiling``'s reason); the same bits either way."""
+        cfg = self.config
+        xs = self._local(x)
+        key = self.chain_key(xs)
+        self._check(key)
+        lay = self.message_layout(key[0])
+        r = xs.shape[0]
+        fb, incoming = None, False
+        if chain is not None and cfg.feedback:
+            incoming = chain.take(call_index, key)
+            fb = chain.buffer(lay.padded_numel)
+        tiling, reason = norm_tiling(lay)
+        out, res = self.backend(xs.device).all_reduce_norm(xs.reshape(r, lay.numel), lay, fb, norm, tiling,
+                                                           has_incoming=incoming)
+        if chain is not None:
+            chain.record(call_index, key, left_error=fb is not None)
+        return out, res, "fused" if tiling is not None else reason
 
     def absorb(
         self, xs: torch.Tensor, chain: FeedbackChain | None, call_index: int | None

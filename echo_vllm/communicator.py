@@ -24,9 +24,14 @@ from .config import EchoConfig
 from .envs import EchoEnv
 from .feedback import FeedbackChain
 from .health import HealthCounters, sampled
+from .norm import NormOperands
 from .policy import CallInfo, Decision, Path, Reason, decide
 from .stats import CallRecord, CallSink, EchoStats
 from .transport import Transport
+
+
+#: ``CallRecord.norm`` of a call on the exact path: the norm runs after vLLM's 16-bit all-reduce.
+EXACT_PATH_NORM = "exact path"
 
 
 class EchoCommunicator:
@@ -135,6 +140,35 @@ class EchoCommunicator:
             return y
         return self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn, side=decision.side)
 
+    def all_reduce_norm(
+        self,
+        x: torch.Tensor,
+        norm: NormOperands,
+        call_index: int | None,
+        *,
+        last_call: bool = False,
+        exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`all_reduce` of a residual-stream call followed by the
+        residual add and RMSNorm of ``norm`` (vLLM's ``fused_add_rms_norm``,
+        ``rms_norm`` without a residual): ``(out, new residual)``. On Echo's
+        path the norm runs in its output phase where the row fits
+        (``norm_plan.norm_tiling``), else after it; on the exact path after
+        it; the record says which (``CallRecord.norm``)."""
+        decision = self.should_echo(x, call_index, last_call=last_call, residual=True)
+        if decision.path is Path.ECHO:
+            out, res, how = self.echo.all_reduce_norm(x, norm, self.chain, call_index)
+            checked = (self.health is not None and sampled(call_index, self.config.health_every)
+                       and self.health.observe(x, out))
+            lay = self.echo.message_layout(tuple(out.shape))
+            self.sink(CallRecord("echo", decision.reason.value, wire_bytes=lay.wire_bytes_per_rank,
+                                 equiv_bytes=lay.ring_bytes_per_rank(out.element_size()), checked=checked, norm=how,
+                                 **self._chain_outcome()))
+            return out, res
+        y = self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn, side=decision.side,
+                       norm=EXACT_PATH_NORM)
+        return norm.apply(y)
+
     def exact(
         self,
         x: torch.Tensor,
@@ -143,15 +177,17 @@ class EchoCommunicator:
         reason: Reason | str,
         exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         side: bool = False,
+        norm: str = "",
     ) -> torch.Tensor:
         """16-bit path, recorded under ``reason``: it consumes the chain's
         pending error, or, for a ``side`` call (outside the residual
         stream, :data:`~echo_vllm.policy.SIDE_REASONS`), leaves the chain as
-        it is for the stream's next call."""
+        it is for the stream's next call. ``norm``: the record's
+        ``CallRecord.norm``."""
         per_rank = x[0] if self.transport.is_virtual else x
         y = self.echo.exact_all_reduce(x, None if side else self.chain, call_index, exact_fn)
         self.sink(CallRecord("exact", getattr(reason, "value", reason),
-                             nbytes=per_rank.numel() * per_rank.element_size(), **self._chain_outcome()))
+                             nbytes=per_rank.numel() * per_rank.element_size(), norm=norm, **self._chain_outcome()))
         return y
 
     def _chain_outcome(self) -> dict:

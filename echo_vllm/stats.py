@@ -46,6 +46,10 @@ class CallRecord:
     checked: bool = False
     """The call's input and output were checked for non-finite values
     (:mod:`echo_vllm.health`)."""
+    norm: str = ""
+    """A call followed by the residual add and RMSNorm
+    (``EchoCommunicator.all_reduce_norm``): ``"fused"``, or why the norm ran
+    after the all-reduce instead; empty for a plain all-reduce."""
 
 
 #: Where a communicator hands its records.
@@ -72,6 +76,9 @@ class EchoStats:
     """Pending errors no call absorbed, by reason (``feedback.Drop`` values)."""
     health_checked: int = 0
     """Calls checked for non-finite values (:mod:`echo_vllm.health`)."""
+    norm_calls: Counter = field(default_factory=Counter)
+    """Calls followed by the residual add and RMSNorm, by how the norm ran
+    (``"fused"`` or the reason it was not)."""
     health: Any = field(default=None, repr=False)
     """The :class:`~echo_vllm.health.HealthCounters` those checks add into
     (device-side; read by :meth:`snapshot`), or None."""
@@ -91,6 +98,11 @@ class EchoStats:
             self.health_checked += rec.checked
             if rec.dropped:
                 self.feedback_dropped[rec.dropped] += 1
+            if rec.norm:
+                self.norm_calls[rec.norm] += 1
+            first_norm = rec.norm not in ("", "fused") and ("norm", rec.norm) not in self._logged
+            if first_norm:
+                self._logged.add(("norm", rec.norm))
             first = rec.path != "echo" and rec.reason not in self._logged
             if first:
                 self._logged.add(rec.reason)
@@ -100,6 +112,9 @@ class EchoStats:
         if first:
             logger.info("echo: all-reduce falls back to the exact path (reason=%s); "
                         "counted in echo stats, logged once per reason", rec.reason)
+        if first_norm:
+            logger.info("echo: the residual add and RMSNorm run after the all-reduce, not fused into it "
+                        "(reason=%s); counted in norm_calls, logged once per reason", rec.norm)
         if first_drop:
             logger.warning("echo: a carried error was dropped (reason=%s): a chain broke, one call's 4-bit error "
                            "stays in the residual stream; counted in feedback_dropped, logged once per reason",
@@ -129,5 +144,6 @@ class EchoStats:
                 "feedback_carried": self.feedback_carried,
                 "feedback_dropped": dict(sorted(self.feedback_dropped.items())),
                 "health_checked": self.health_checked,
+                "norm_calls": dict(sorted(self.norm_calls.items())),
                 "nonfinite": nonfinite,
             }

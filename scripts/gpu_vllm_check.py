@@ -20,7 +20,12 @@ counters and switch the emulation's variant between requests):
    Echo run's bit for bit, and the counters must include the replays;
 4. ``graphs``: vLLM's default torch.compile + CUDA-graph mode
    (FULL_AND_PIECEWISE; capture sizes 1-8) with Echo, against eager Echo;
-5. ``graphs_exact``: the same compiled mode with the exact 16-bit sum, against
+5. ``graphs_norm_off``: ``graphs`` with ``echo_fuse_norm`` off: vLLM's norm
+   after each reduce instead of Echo's output phase doing it (``graphs``
+   runs the norm fusion pass, on by default: its counters must show fused
+   calls, and its tokens must equal this phase's or differ no more than
+   compilation alone makes them differ);
+6. ``graphs_exact``: the same compiled mode with the exact 16-bit sum, against
    eager exact: shows how much torch.compile alone changes the numerics.
 
 Prints a table and writes ``gpu_vllm_check.json`` (+ per-phase logs) under
@@ -46,7 +51,7 @@ if str(REPO) not in sys.path:  # the package, from a checkout (the GPU host inst
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
-PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_exact": 200}
+PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_norm_off": 300, "graphs_exact": 200}
 
 #: CUDA graphs without torch.compile: vLLM's compilation mode NONE with
 #: full-model graphs for uniform decode batches (prefills stay eager). The
@@ -84,9 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--budget-s", type=float, default=560,
-                   help="wall-clock budget of all phases (the four took 223 s on an H200)")
-    p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_exact")
+    p.add_argument("--budget-s", type=float, default=600,
+                   help="wall-clock budget of all phases (four took 223 s on an H200)")
+    p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_norm_off,graphs_exact")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -146,11 +151,13 @@ def run_phase(args) -> None:
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    graphs = args.phase in ("graphs", "graphs_exact", "graphs_eager_ops")
+    graphs = args.phase in ("graphs", "graphs_norm_off", "graphs_exact", "graphs_eager_ops")
     # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
     # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
     tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
     extra = {"tp_comm_emulate_measure": True} if not graphs else {}
+    if args.phase == "graphs_norm_off":
+        extra["echo_fuse_norm"] = False
     kwargs = dict(
         model=args.model,
         tensor_parallel_size=1,
@@ -268,6 +275,7 @@ def compare(out: pathlib.Path, res: dict) -> dict:
     # graph-mode runs against the eager run of the same variant
     for phase, name, label in (("graphs_eager_ops", "echo", "graphs(no compile)/echo vs eager/echo"),
                                ("graphs", "echo", "graphs/echo vs eager/echo"),
+                               ("graphs_norm_off", "echo", "graphs/echo norm off vs eager/echo"),
                                ("graphs_exact", "exact", "graphs/exact vs eager/exact")):
         g = res.get(phase, {}).get("variants", {}).get(name)
         if g is None or name not in eager:
@@ -279,9 +287,44 @@ def compare(out: pathlib.Path, res: dict) -> dict:
             forwards_replayed=s.get("forwards_replayed"),
             forwards_observed=s.get("forwards_observed"),
             calls=s.get("calls"),
+            norm_calls=s.get("norm_calls"),
+            norm_sites=s.get("norm_sites"),
         )
         table[label] = row
+    # the norm fused into Echo (graphs) against vLLM's norm after it (graphs_norm_off)
+    on = res.get("graphs", {}).get("variants", {}).get("echo")
+    off = res.get("graphs_norm_off", {}).get("variants", {}).get("echo")
+    if on is not None and off is not None:
+        row = diff(off["tokens"], on["tokens"], load("graphs_norm_off", "echo"), load("graphs", "echo"))
+        row.update(tokens_identical=on["tokens"] == off["tokens"], norm_calls=on["stats"].get("norm_calls"),
+                   norm_sites=on["stats"].get("norm_sites"))
+        table[NORM_ROW] = row
     return table
+
+
+#: The comparison row of the norm fusion pass (on) against the same compiled engine without it.
+NORM_ROW = "graphs/echo norm fused vs norm off"
+
+
+def norm_verdict(table: dict) -> str | None:
+    """Why the norm fusion check failed (None: it passed, or was not run):
+    the pass-on run must have fused calls, and its tokens must equal the
+    pass-off run's or agree with them at least as well as compilation alone
+    keeps the exact sum's tokens (graphs/exact vs eager/exact)."""
+    row = table.get(NORM_ROW)
+    if row is None:
+        return None
+    if not (row.get("norm_calls") or {}).get("fused"):
+        return f"the norm fusion pass fused no call (norm_calls {row.get('norm_calls')}, sites {row.get('norm_sites')})"
+    if row["tokens_identical"]:
+        return None
+    base = table.get("graphs/exact vs eager/exact")
+    if base is None:
+        return "tokens differ with the norm fused, and no graphs_exact run to compare with"
+    if row["mean_agreeing_prefix"] < base["mean_agreeing_prefix"]:
+        return (f"tokens with the norm fused agree with the unfused run over {row['mean_agreeing_prefix']:.2f} of "
+                f"their length, less than compilation alone keeps ({base['mean_agreeing_prefix']:.2f})")
+    return None
 
 
 def print_table(table: dict) -> None:
@@ -366,6 +409,10 @@ def main(argv=None) -> int:
     if "graphs" in results and not g.get("tokens_identical_to_eager"):
         print("NOTE: torch.compile'd CUDA-graph Echo tokens differ from eager Echo tokens (see logit diffs; "
               "compare graphs/exact vs eager/exact for what compilation alone changes)")
+    verdict = norm_verdict(report["comparison"])
+    if verdict is not None:
+        print(f"FAIL: {verdict}")
+        ok = False
     gn = report["comparison"].get("graphs(no compile)/echo vs eager/echo")
     if gn is not None and not (gn["tokens_identical_to_eager"] and gn.get("logit_max_abs_diff") == 0.0):
         print("FAIL: CUDA-graph replay of the eager kernels did not reproduce eager Echo bit for bit")

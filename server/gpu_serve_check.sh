@@ -7,7 +7,9 @@
 #      the server keeps serving), /metrics before/after,
 #   4. load: vLLM's own `vllm bench serve`, streaming chat completions,
 #      random prompt lengths, 64 concurrent streams,
-#   5. /metrics again: Echo's counters must have moved,
+#   5. /metrics again: Echo's counters must have moved, and under compilation
+#      (no --enforce-eager / --no-echo-fuse-norm in SERVE_EXTRA) calls must have
+#      run the norm fused into Echo (echo:norm_calls_total{how="fused"}),
 #   6. a short summary, last.
 #
 # Usage (repository root):  OUT=/some/dir bash server/gpu_serve_check.sh
@@ -118,9 +120,14 @@ timeout 300 "$PY" -m vllm.entrypoints.cli.main bench serve \
   > "$OUT/bench.log" 2>&1
 log "load test exit status $? (log: bench.log)"
 
-# -- 5./6. final scrape and summary (summary prints last)
+# -- 5./6. final scrape and summary (summary prints last); the norm fusion
+#    pass runs where vLLM compiles and it is not switched off
+case " $SERVE_EXTRA " in
+  *" --enforce-eager "*|*" --no-echo-fuse-norm "*) EXPECT_NORM=() ;;
+  *) EXPECT_NORM=(--expect-fused-norm) ;;
+esac
 "$PY" -m echo_vllm.server.probe summary --base-url "$BASE" --out "$OUT" --bench "$OUT/bench.json" \
-  > "$OUT/summary.txt" 2>&1
+  ${EXPECT_NORM[@]+"${EXPECT_NORM[@]}"} > "$OUT/summary.txt" 2>&1
 STATUS=$?
 stop_server
 grep -iE "echo|error|traceback" "$OUT/server.log" | grep -v "GET /metrics\|POST /v1" | tail -15 > "$OUT/server_echo_lines.txt"

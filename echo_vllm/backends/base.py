@@ -22,6 +22,8 @@ import abc
 import torch
 
 from ..config import EchoConfig
+from ..norm import NormOperands
+from ..norm_plan import NormTiling
 from ..quant import WireLayout
 from ..transport import Transport
 
@@ -55,6 +57,25 @@ class EchoBackend(abc.ABC):
         """Echo of local inputs ``xs [R, numel]`` -> ``[numel]`` of ``xs.dtype``.
         ``feedback``: ``[R, >= padded_numel]`` or None (no feedback); its
         first ``padded_numel`` values are added first if ``has_incoming``."""
+
+    def all_reduce_norm(
+        self,
+        xs: torch.Tensor,
+        layout: WireLayout,
+        feedback: torch.Tensor | None,
+        norm: NormOperands,
+        tiling: NormTiling | None,
+        *,
+        has_incoming: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`all_reduce` followed by the residual add and RMSNorm of
+        ``norm`` (``norm.NormOperands.apply``): ``(out, new residual)``,
+        shaped as ``norm.residual`` (``[rows, cols]`` without one). With a
+        ``tiling`` (``echo_vllm.norm_plan.norm_tiling``'s) a backend may do
+        the norm in its output phase; the bits are the same either way.
+        This default runs them one after the other."""
+        y = self.all_reduce(xs, layout, feedback, has_incoming=has_incoming)
+        return norm.apply(y.view(layout.rows, layout.cols))
 
     @abc.abstractmethod
     def consume(self, xs: torch.Tensor, layout: WireLayout, feedback: torch.Tensor) -> torch.Tensor:

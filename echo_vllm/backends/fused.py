@@ -489,6 +489,7 @@ class FusedSymmMemBackend(EchoBackend):
         if self.buffers.rank != self.rank:
             raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
         self._plans = functools.lru_cache(maxsize=1024)(self._plan)
+        self._norm_plans = functools.lru_cache(maxsize=1024)(self._norm_plan)
         self.status = fused_kernel.trap_word()
         self._status_word = self.status.numpy()  # read per call: a numpy element costs no torch dispatch
         self._trap_reported = False
@@ -533,24 +534,54 @@ class FusedSymmMemBackend(EchoBackend):
     def _plan(self, layout: WireLayout):
         return self._k.plan_for(layout, self.sms, self.sm)
 
-    def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
-        if not self.fits(layout):
-            if self.fallback is not None:
-                return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
-            raise MessageTooLarge(
-                f"message of {layout.numel} values ({layout.rows} rows of {layout.cols}, P={layout.world_size}): "
-                f"chunks of {layout.chunk_bytes} bytes, the fused buffers hold {self.buffers.chunk_bytes}")
+    def _norm_plan(self, layout: WireLayout, tiling):
+        return self._k.plan_for_norm(layout, tiling, self.sms, self.sm)
+
+    def _too_large(self, layout: WireLayout) -> MessageTooLarge:
+        return MessageTooLarge(
+            f"message of {layout.numel} values ({layout.rows} rows of {layout.cols}, P={layout.world_size}): "
+            f"chunks of {layout.chunk_bytes} bytes, the fused buffers hold {self.buffers.chunk_bytes}")
+
+    def _ready(self) -> tuple[EchoConfig, SymmBuffers]:
+        """Before a launch: refuse after a trap, claim the buffers' stream."""
         cfg, b = self.config, self.buffers
         if self._status_word[0]:  # an earlier call trapped: the CUDA context is gone
             self.report_trap()
             raise FusedTimeoutError(self.trap_error())
         if not capturing():  # a captured launch runs where its graph is replayed: no host code there
             b.owner.claim(_current_stream(b.buffer.device))
+        return cfg, b
+
+    def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
+        if not self.fits(layout):
+            if self.fallback is not None:
+                return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
+            raise self._too_large(layout)
+        cfg, b = self._ready()
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
             out=out, sms=self.sms, status=self.status,
         )
+
+    def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
+        """The norm in the kernel's phase 3 (``fused_kernel.fused_all_reduce_norm``)
+        when ``tiling`` allows; a message that does not fit goes to the fallback."""
+        if tiling is None:
+            return super().all_reduce_norm(xs, layout, feedback, norm, tiling, has_incoming=has_incoming)
+        if not self.fits(layout):
+            if self.fallback is not None:
+                return self.fallback.all_reduce_norm(xs, layout, feedback, norm, tiling, has_incoming=has_incoming)
+            raise self._too_large(layout)
+        cfg, b = self._ready()
+        out, res = self._k.fused_all_reduce_norm(
+            xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
+            gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
+            plan=self._norm_plans(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
+            residual_out=norm.residual_out, sms=self.sms, status=self.status,
+        )
+        shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)
+        return out.view(shape), res.view(shape) if res is not None else None
 
     def consume(self, xs, layout, feedback):
         return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)

@@ -3,8 +3,9 @@
 A :class:`StageOps` runs the stages of one Echo call on local data, with no
 communication: ``stage1`` (rotate, add the carried error, quantize, write
 the wire), ``stage2`` (decode P chunks, sum in rank order, requantize),
-``output`` (decode, unrotate, cast) and ``consume`` (the input of an exact
-call absorbing the carried error). Every implementation returns the bits of
+``output`` (decode, unrotate, cast), ``output_norm`` (the same, then the
+residual add and RMSNorm that follow the all-reduce in a transformer) and
+``consume`` (the input of an exact call absorbing the carried error). Every implementation returns the bits of
 the torch references in :mod:`echo_vllm.quant`, which are the specification:
 
 * :class:`ReferenceStages` -- the references themselves (any device; the
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 
 from .. import quant
+from ..norm import norm_into
 from ..quant import WireLayout
 
 
@@ -48,12 +50,28 @@ class StageOps(Protocol):
     def consume(self, x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *,
                 hadamard: bool, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def output_norm(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype,
+                    weight: torch.Tensor, eps: float, *, hadamard: bool, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None,
+                    residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``output``, then the residual add and RMSNorm of
+        ``norm.norm_into`` (signature of ``kernels.output_norm``)."""
+
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     if out is None:
         return value
     out.copy_(value.view(out.shape))
     return out
+
+
+def _output_then_norm(stages, gathered, layout, out_dtype, weight, eps, *, hadamard, residual=None, out=None,
+                      residual_out=None):
+    """``output_norm`` as the stages' ``output`` followed by ``norm.norm_into``
+    (the same bits as the fused kernel, by its specification)."""
+    y = stages.output(gathered, layout, out_dtype, hadamard=hadamard).view(layout.rows, layout.cols)
+    o, r = norm_into(y, weight, eps, residual=residual, out=out, residual_out=residual_out)
+    return o.view(layout.numel), r.view(layout.numel) if r is not None else None
 
 
 def _no_noise(name: str, noise: torch.Tensor | None) -> None:
@@ -80,6 +98,8 @@ class ReferenceStages:
 
     def consume(self, x, feedback, layout, *, hadamard, out=None):
         return _into(out, quant.consume_reference(x, feedback, layout, hadamard=hadamard))
+
+    output_norm = _output_then_norm
 
 
 class TritonStages:
@@ -110,6 +130,11 @@ class TritonStages:
     def consume(self, x, feedback, layout, *, hadamard, out=None):
         return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out)
 
+    def output_norm(self, gathered, layout, out_dtype, weight, eps, *, hadamard, residual=None, out=None,
+                    residual_out=None):
+        return self._k.output_norm(gathered, layout, out_dtype, weight, eps, hadamard=hadamard, residual=residual,
+                                   out=out, residual_out=residual_out)
+
 
 class NumbaStages:
     """The fused numba CPU loops of :mod:`echo_vllm.kernels.cpu_loops`."""
@@ -138,6 +163,8 @@ class NumbaStages:
 
     def consume(self, x, feedback, layout, *, hadamard, out=None):
         return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out)
+
+    output_norm = _output_then_norm
 
 
 __all__ = ["NumbaStages", "ReferenceStages", "StageOps", "TritonStages"]

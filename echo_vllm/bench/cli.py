@@ -1,4 +1,4 @@
-"""``echo-vllm bench <kernels|allreduce> [options]``.
+"""``echo-vllm bench <kernels|fused|norm|allreduce> [options]``.
 
 * ``kernels``: one GPU; every stage kernel for P virtual ranks at sizes up
   to 1 GiB, achieved bytes/s against a measured copy, and a labelled
@@ -6,6 +6,9 @@
 * ``fused``: one GPU; the fused kernel's phases, its P ranks emulated in
   one launch, and the stage kernels against their memory roofline and a
   speed-of-light kernel of the same byte mix.
+* ``norm``: one GPU; Echo with the residual add and RMSNorm fused into
+  its output phase against Echo then the norm, each phase against its
+  roofline, and a labelled projection of the time to first token.
 * ``allreduce``: 16-bit vs naive 4-bit vs Echo; NCCL under torchrun on N
   GPUs, gloo processes on CPU (``--backend gloo --world-size 4``); on one
   GPU without torchrun it prints the kernel table.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import allreduce_bench, fused_bench, kernels_bench
+from . import allreduce_bench, fused_bench, kernels_bench, norm_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     fused_bench.add_arguments(sub.add_parser("fused", help="the fused kernel vs its roofline on one GPU",
                                              description=fused_bench.__doc__,
                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+    norm_bench.add_arguments(sub.add_parser("norm", help="Echo + add + RMSNorm fused vs unfused on one GPU",
+                                            description=norm_bench.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     allreduce_bench.add_arguments(sub.add_parser("allreduce", help="all-reduce: NCCL (torchrun) or gloo (CPU)"))
     return ap
 
@@ -38,4 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         return kernels_bench.run(args)
     if args.what == "fused":
         return fused_bench.run(args)
+    if args.what == "norm":
+        return norm_bench.run(args)
     return allreduce_bench.run(args)

@@ -133,6 +133,25 @@ def sm_clock_mhz() -> str:
         return f"unknown ({type(e).__name__})"
 
 
+def verified(command: str, bad: list[str], against: str, line: str) -> bool:
+    """Refuse to time a kernel with mismatches ``bad`` (printed), else print ``line``."""
+    if bad:
+        print(f"{command}: the kernel differs from {against}, refusing to time it: " + "; ".join(bad),
+              file=sys.stderr)
+        return False
+    print(f"verified: {line}", flush=True)
+    return True
+
+
+def device_line(sets: int) -> tuple[float, str]:
+    """``(copy bandwidth GB/s, device name)``, printed with the SM clock."""
+    gbps = copy_gbps(1 << 30, sets)
+    name = torch.cuda.get_device_name(0)
+    print(f"device: {name}; SM clock (current, max): {sm_clock_mhz()}; copy {gbps:.0f} GB/s (read + write)",
+          flush=True)
+    return gbps, name
+
+
 # -- the measured cases --------------------------------------------------------------
 
 
@@ -322,15 +341,10 @@ def run(args: argparse.Namespace) -> int:
     worlds, sizes = args.world_sizes, args.sizes
     if not args.skip_verify:
         bad = [b for p in worlds for b in verify(p, args.hidden, fb_dtype)]
-        if bad:
-            print("bench fused: the kernel differs from the references, refusing to time it: " + "; ".join(bad),
-                  file=sys.stderr)
+        if not verified("bench fused", bad, "the references",
+                        f"emulated whole kernel == references bit for bit, flags reset (P={worlds})"):
             return 1
-        print(f"verified: emulated whole kernel == references bit for bit, flags reset (P={worlds})", flush=True)
-    gbps = copy_gbps(1 << 30, args.buffer_sets)
-    name = torch.cuda.get_device_name(0)
-    print(f"device: {name}; SM clock (current, max): {sm_clock_mhz()}; copy {gbps:.0f} GB/s (read + write)",
-          flush=True)
+    gbps, name = device_line(args.buffer_sets)
     cases = []
     for p in worlds:
         for z in sizes:

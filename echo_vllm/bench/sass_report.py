@@ -9,7 +9,9 @@ kernel: registers and static shared memory (``cuobjdump
 --dump-resource-usage``), the SASS instruction count of one thread (the
 kernels have no loops, so that is what each thread executes, for
 ``GROUPS_PER_PROGRAM * G / (32 * NUM_WARPS)`` values), and its global and
-shared memory instructions with their widths.
+shared memory instructions with their widths. ``--norm`` adds the output
+phase with the residual add + RMSNorm (``output_norm`` and the fused
+kernel's phase 3 with the norm, 8192 x 4096 at P = 8 and 2).
 
 Why it matters: on the H200 the Echo kernels are partly issue-bound. One
 SM issues 4 warp-instructions per cycle: at 1.98 GHz, 253 G thread-
@@ -85,6 +87,48 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
+def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
+    """The output-norm kernel and the fused kernel's phase 3 with the norm,
+    compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default)."""
+    from ..kernels import fused_kernel as fk
+    from ..kernels import output_norm_kernel as onk
+    from ..norm_plan import norm_tiling
+    from ..quant import WireLayout
+
+    lay = WireLayout(rows * cols, world_size, 32, cols)
+    tiling, reason = norm_tiling(lay)
+    if tiling is None:
+        raise ValueError(reason)
+    res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
+    out = torch.empty(lay.numel, dtype=torch.bfloat16)
+    la, plan = onk._plan(lay, tiling, True, True, True)
+    composed = la.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
+                          (*plan.ints, 1e-6), plan.constexprs)
+    fplan = fk.plan_for_norm(lay, tiling, 132)
+    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True, True)
+    x, fb = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
+    ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
+    fused = lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
+                                ints, lp.constexprs)
+    return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}": composed,
+            f"fused phase 3 norm P={world_size}": fused}
+
+
+def norm_report(world_sizes: tuple[int, ...] = (8, 2)) -> list[dict]:
+    """One row per norm kernel (:func:`_norm_kernels`) and P: SASS per row
+    value a thread holds."""
+    rows = []
+    with compile_only():
+        for p in world_sizes:
+            kernels = _norm_kernels(p)
+            per_thread = kernels.pop("values_per_thread")
+            for name, k in kernels.items():
+                r = kernel_report(k)
+                rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / per_thread,
+                             "maxnreg": k.metadata.maxnreg})
+    return rows
+
+
 def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """One row per kernel, feedback in ``fb_dtype``: the stage kernels (no loops: the SASS count is
     what a thread executes, for ``TILE_VALUES / threads`` values) and the
@@ -115,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feedback-dtype", default="bfloat16",
                     help="comma-separated feedback buffer formats to compile for (of " + ", ".join(FEEDBACK_STORAGE)
                          + "), one table each")
+    ap.add_argument("--norm", action="store_true",
+                    help="also the output phase with the residual add + RMSNorm (8192 x 4096, P = 8 and 2)")
     args = ap.parse_args(argv)
     dtypes = args.feedback_dtype.split(",")
     if not set(dtypes) <= set(FEEDBACK_STORAGE):
@@ -126,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in report(FEEDBACK_STORAGE[dt]):
             mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
             print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
+                  f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+    if args.norm:
+        print("with the residual add + RMSNorm (bf16 feedback):")
+        for r in norm_report():
+            mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
+            print(f"{r['kernel']:<24} {r['registers']:>4}/{r['maxnreg'] or '-'} {r['shared_bytes']:>6} {r['sass']:>5} "
                   f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
     return 0
 

@@ -2,7 +2,8 @@
 
 ``stage1``, ``stage2``, ``output`` and ``consume`` take the same arguments as
 the references (plus optional ``out`` buffers, so a CUDA graph can capture a
-call without allocations) and return the same bits. ``echo_vllm.backends`` picks
+call without allocations) and return the same bits; ``output_norm`` is
+``output`` followed by the norm of ``echo_vllm.norm`` (``norm_into``). ``echo_vllm.backends`` picks
 them for CUDA tensors. ``AVAILABLE`` is False when Triton cannot be imported;
 the references then serve every device.
 
@@ -23,7 +24,8 @@ else:
 if AVAILABLE:
     from .consume_kernel import consume
     from .output_kernel import output
+    from .output_norm_kernel import output_norm
     from .stage1_kernel import stage1
     from .stage2_kernel import stage2
 
-__all__ = ["AVAILABLE", "consume", "output", "stage1", "stage2"]
+__all__ = ["AVAILABLE", "consume", "output", "output_norm", "stage1", "stage2"]

@@ -99,6 +99,8 @@ from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
+from ..norm_plan import NORM_WARPS_PER_SM, NormTiling
+from .norm_tile import output_norm_tile, tile_groups
 from .tile import block_offsets, group_rows, store_chunk_groups
 
 #: Compiled kernels bound their barrier waits with ``%globaltimer`` and
@@ -262,12 +264,14 @@ def _peer_buffer(table_ptr, i):
 def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr):
+            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr,
+            K: tl.constexpr = 0, RGP: tl.constexpr = 0):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
-    owner's buffer address) are issued before this chunk's arithmetic."""
+    owner's buffer address) are issued before this chunk's arithmetic.
+    Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``norm_tile.tile_groups``)."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
         rows = group_rows(lg, row_groups)
         # rank r starts with chunk r + 1: at any moment the ranks write to
         # different peers instead of all to the same one
@@ -288,16 +292,16 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
 
 
 @triton.jit
-def _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-            n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HAS_FB: tl.constexpr):
+def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
+            payload_bytes, n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
     ``gathered`` slot ``rank``; the P peer bases are loaded together before
     the stores, one latency per tile instead of one per peer (kept out of
     the loop they would hold 2 P registers through the sum)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
         words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
                                     lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
         gmask = lg < chunk_groups
@@ -340,8 +344,7 @@ def _fused_kernel(
     rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # one rank per launch (grid [programs, 1]), or every rank of one address
     # space in one launch (grid [programs, P], rank = program_id(1), the
@@ -360,13 +363,67 @@ def _fused_kernel(
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
-        _phase2(fb_ptr, table_ptr, rank, gathered_offset, chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-                n_tiles, P, G, BG, INV_QMAX, HAS_FB)
+        _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
                 payload_bytes, n_tiles, G, BG, P, HADAMARD, ALIGNED)
+
+
+@triton.jit
+def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
+                 msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
+                 P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
+                 RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr):
+    """Phase 3 with the residual add and RMSNorm: each tile's whole rows
+    from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
+    the composed output-norm kernel's device code)."""
+    mine = _peer_buffer(table_ptr, rank)
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
+        output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
+                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, ALIGNED)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
+def _fused_norm_kernel(
+    x_ptr, fb_ptr, table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, out_rank_stride, res_rank_stride, gathered_offset,
+    row_groups, cols, msg_groups, chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps,
+    P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
+    RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    # :func:`_fused_kernel` with whole rows per tile in every phase (a
+    # program reads in phase 3 only what its twins on the peers wrote) and
+    # phase 3 followed by the residual add and RMSNorm
+    emulated = tl.program_id(1)
+    rank = rank + emulated
+    x_ptr += emulated.to(tl.int64) * x_rank_stride
+    fb_ptr += emulated.to(tl.int64) * fb_rank_stride
+    out_ptr += emulated.to(tl.int64) * out_rank_stride
+    res_ptr += emulated.to(tl.int64) * res_rank_stride
+    res_out_ptr += emulated.to(tl.int64) * res_rank_stride
+    chunk_bytes = chunk_bytes.to(tl.int64)
+    gathered_offset = gathered_offset.to(tl.int64)
+    BG: tl.constexpr = K * RGP
+    if PHASE == 0 or PHASE == 1:
+        _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED, K,
+                RGP)
+    if PHASE == 0:
+        _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
+    if PHASE == 0 or PHASE == 2:
+        _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP)
+    if PHASE == 0:
+        _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
+    if PHASE == 0 or PHASE == 3:
+        _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
+                     msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
+                     RESIDUAL, ALIGNED)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -397,8 +454,9 @@ TILE_TABLE: tuple[TileRow, ...] = (
 
 
 def max_per_sm() -> int:
-    """The most programs per SM any :data:`TILE_TABLE` row asks for (sizes the flag areas)."""
-    return max(r.per_sm for r in TILE_TABLE)
+    """The most programs per SM any :data:`TILE_TABLE` row or norm plan
+    (:func:`plan_for_norm`) asks for (sizes the flag areas)."""
+    return max(max(r.per_sm for r in TILE_TABLE), NORM_WARPS_PER_SM)
 
 
 class FusedPlan(NamedTuple):
@@ -411,8 +469,12 @@ class FusedPlan(NamedTuple):
     num_warps: int
     programs: int
     registers: int = 255
+    norm: NormTiling | None = None
+    """Whole rows per tile (:func:`fused_all_reduce_norm`), or None."""
 
     def tiles(self, layout: WireLayout) -> int:
+        if self.norm is not None:
+            return self.norm.tiles(layout)
         return -(-layout.chunk_groups // self.groups_per_tile)
 
 
@@ -462,21 +524,35 @@ def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPl
     least 1): the :data:`TILE_TABLE` row of its chunk size, one program per
     tile up to ``per_sm`` programs on each of the ``sms``, compiled for the
     registers that let them all be resident at once."""
-    if sms < 1:
-        raise ValueError(f"sms={sms}: need at least one SM")
     row = next(r for r in TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
     groups = row.tile_values // layout.group_size
-    tiles = -(-layout.chunk_groups // groups)
-    rounds = -(-tiles // (sms * row.per_sm))  # tiles per program; then as few programs as give every one that many
-    return FusedPlan(groups, row.num_warps, -(-tiles // rounds), register_cap(row.per_sm, row.num_warps, sm))
+    return _persistent(-(-layout.chunk_groups // groups), groups, row.num_warps, row.per_sm, sms, sm)
+
+
+def plan_for_norm(layout: WireLayout, tiling: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedPlan:
+    """:func:`plan_for` with the residual add and RMSNorm: ``tiling``'s whole
+    rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
+    ``tiling.per_sm()`` programs per SM."""
+    return _persistent(tiling.tiles(layout), tiling.groups_per_tile, tiling.num_warps, tiling.per_sm(), sms, sm,
+                       tiling)
+
+
+def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, sm: SMLimits,
+                norm: NormTiling | None = None) -> FusedPlan:
+    """One program per tile up to ``per_sm`` programs on each of the ``sms``."""
+    if sms < 1:
+        raise ValueError(f"sms={sms}: need at least one SM")
+    rounds = -(-tiles // (sms * per_sm))  # tiles per program; then as few programs as give every one that many
+    return FusedPlan(groups, num_warps, -(-tiles // rounds), register_cap(per_sm, num_warps, sm), norm)
 
 
 # -- launch ------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher(num_warps: int, registers: int) -> Launcher:
-    return Launcher(_fused_kernel, {**launch.LAUNCH_OPTIONS, "num_warps": num_warps, "maxnreg": registers})
+def _launcher(num_warps: int, registers: int, norm: bool = False) -> Launcher:
+    return Launcher(_fused_norm_kernel if norm else _fused_kernel,
+                    {**launch.LAUNCH_OPTIONS, "num_warps": num_warps, "maxnreg": registers})
 
 
 class _Plan(NamedTuple):
@@ -499,6 +575,25 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, BG=plan.groups_per_tile, **launch.qmax_constants(qmax),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, ALIGNED=aligned,
+        ),
+    )
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int,
+                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
+                      aligned: bool) -> _Plan:
+    """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``plan.norm`` set)."""
+    la = _launcher(plan.num_warps, plan.registers, True)
+    t = plan.norm
+    return _Plan(
+        launcher=la,
+        grid=(plan.programs, ranks, 1),
+        ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
+        constexprs=la.constexprs(
+            P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
+            **launch.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
+            PHASE=phase, RESIDUAL=residual, ALIGNED=aligned,
         ),
     )
 
@@ -590,6 +685,78 @@ def fused_all_reduce(
     ``status`` (:func:`trap_word`): where a program that times out at a
     barrier leaves its :class:`TrapStatus` before it traps (none: 0 there).
     """
+    ranks = _check_call(x, feedback, table, layout, rank, gathered_offset, phase, status)
+    if out is None:
+        out = torch.empty(ranks, layout.numel, dtype=x.dtype, device=x.device)
+    elif out.dtype != x.dtype or out.numel() != ranks * layout.numel or not out.is_contiguous():
+        raise ValueError(f"out: expected {ranks * layout.numel} contiguous {x.dtype} values, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    launch.check_device(x, feedback, table, out)
+    lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+                      bool(has_incoming), phase, launch.rows_aligned(layout.cols, x, out))
+    fb = feedback if feedback is not None else x
+    ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
+                       status_addr=status.data_ptr() if status is not None else 0)
+    _launch(lp, (x, fb, out, table), ints, x, phase, sms)
+    return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
+
+
+def fused_all_reduce_norm(
+    x: torch.Tensor,
+    feedback: torch.Tensor | None,
+    table: torch.Tensor,
+    layout: WireLayout,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    rank: int,
+    gathered_offset: int,
+    qmax: int,
+    hadamard: bool,
+    has_incoming: bool,
+    plan: FusedPlan,
+    timeout_ns: int,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    phase: int = ALL_PHASES,
+    sms: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`fused_all_reduce` followed by the residual add and RMSNorm in
+    its phase 3: ``(out, new residual)``, the bits of its output then
+    ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
+    (``norm.rms_norm`` and None without ``residual``), the same as the
+    composed ``output_norm`` kernel's. ``plan``: :func:`plan_for_norm`'s
+    (whole rows per tile in every phase). ``residual`` (``[numel]``
+    values, ``[P, numel]`` for every rank in one launch) gets the new
+    residual in place unless ``residual_out`` is given; ``out`` likewise
+    shaped. ``x``, ``feedback``, ``phase``, ``sms``, ``status``: as
+    :func:`fused_all_reduce`'s."""
+    from .output_norm_kernel import check_norm_operands
+
+    if plan.norm is None:
+        raise ValueError("plan: not a norm plan (plan_for_norm)")
+    ranks = _check_call(x, feedback, table, layout, rank, gathered_offset, phase, status)
+    emulated = ranks if ranks > 1 else 0
+    out, residual_out = check_norm_operands(layout, x.dtype, weight, residual, out, residual_out, ranks=emulated)
+    launch.check_device(x, feedback, table, weight, residual, out, residual_out)
+    fb = feedback if feedback is not None else x
+    res = residual if residual is not None else out  # unused pointers without a residual
+    res_out = residual_out if residual_out is not None else out
+    lp = _norm_launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+                           bool(has_incoming), phase, residual is not None,
+                           launch.rows_aligned(layout.cols, x, out, weight, res, res_out))
+    ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
+            layout.numel, layout.numel, *lp.ints, float(eps))
+    _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)
+    shape = (layout.numel,) if ranks == 1 else (ranks, layout.numel)
+    return out.view(shape), residual_out.view(shape) if residual_out is not None else None
+
+
+def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offset: int, phase: int,
+                status) -> int:
+    """The host checks every fused launch shares; returns the ranks in the launch."""
     p = layout.world_size
     ranks = x.shape[0] if x.dim() == 2 else 0
     if ranks not in (1, p) or (ranks == p > 1 and rank != 0):
@@ -609,32 +776,24 @@ def fused_all_reduce(
                          f"{p} chunks of {layout.chunk_bytes} bytes")
     if phase not in PHASES:
         raise ValueError(f"phase={phase}: one of {PHASES}")
-    if out is None:
-        out = torch.empty(ranks, layout.numel, dtype=x.dtype, device=x.device)
-    elif out.dtype != x.dtype or out.numel() != ranks * layout.numel or not out.is_contiguous():
-        raise ValueError(f"out: expected {ranks * layout.numel} contiguous {x.dtype} values, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    launch.check_device(x, feedback, table, out)
     if status is not None and (status.dtype != torch.int64 or status.numel() != 1 or status.is_cuda
                                or (x.is_cuda and not status.is_pinned())):
         raise ValueError(f"status: expected one int64 of host memory{', pinned' if x.is_cuda else ''} "
                          f"(trap_word()), got {status.dtype} {tuple(status.shape)} on {status.device}")
-    lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase, launch.rows_aligned(layout.cols, x, out))
-    fb = feedback if feedback is not None else x
-    tensors = (x, fb, out, table)
-    ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
-                       status_addr=status.data_ptr() if status is not None else 0)
+    return ranks
+
+
+def _launch(lp: _Plan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
+    """Launch, a grid with barriers checked resident first (:func:`check_resident`)."""
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
                        sm_limits(x.device))
     lp.launcher(lp.grid, tensors, ints, lp.constexprs)
-    return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
 
 
 __all__ = [
     "ALL_PHASES", "BARRIER_PHASES", "FusedPlan", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow",
     "TrapStatus", "buffer_bytes", "check_resident", "compiled_resources", "decode_trap", "fused_all_reduce",
-    "launch_ints", "max_per_sm", "plan_for", "register_cap", "resident_programs", "signal_slots", "sm_limits",
-    "trap_word",
+    "fused_all_reduce_norm", "launch_ints", "max_per_sm", "plan_for", "plan_for_norm", "register_cap",
+    "resident_programs", "signal_slots", "sm_limits", "trap_word",
 ]

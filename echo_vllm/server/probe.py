@@ -179,8 +179,15 @@ def _percentiles(bench: dict, metric: str) -> str:
     return " ".join(parts)
 
 
-def summarize(base_url: str, out: Path, bench_file: Path | None) -> tuple[bool, list[str]]:
-    """All checks in one list of lines; True when every one passed."""
+NORM_CALLS = ECHO_PREFIX + "norm_calls_total"
+NORM_SITES = ECHO_PREFIX + "norm_fusion_sites"
+
+
+def summarize(base_url: str, out: Path, bench_file: Path | None,
+              expect_fused_norm: bool = False) -> tuple[bool, list[str]]:
+    """All checks in one list of lines; True when every one passed.
+    ``expect_fused_norm``: the norm fusion pass is on (compiled engine, the
+    default ``--echo-fuse-norm``): calls must have run it fused."""
     probe = json.loads((out / "probe.json").read_text())
     lines, ok = [], True
 
@@ -214,6 +221,16 @@ def summarize(base_url: str, out: Path, bench_file: Path | None) -> tuple[bool, 
     reasons = {k.split('reason="')[1].split('"')[0]: v for k, v in final.items()
                if k.startswith(CALLS) and 'reason="' in k}
     lines.append("       calls by reason: " + ", ".join(f"{r}={v:.0f}" for r, v in sorted(reasons.items())))
+    norm = {k.split('how="')[1].split('"')[0]: v for k, v in final.items()
+            if k.startswith(NORM_CALLS) and 'how="' in k}
+    sites = {k.split('outcome="')[1].split('"')[0]: v for k, v in final.items()
+             if k.startswith(NORM_SITES) and 'outcome="' in k}
+    text = (f"norm after the all-reduce: calls by how it ran {dict(sorted(norm.items())) or '{}'}; compiled sites "
+            f"{dict(sorted(sites.items())) or '{}'}")
+    if expect_fused_norm:
+        line(norm.get("fused", 0) > 0, "fused into Echo (" + text + ")")
+    else:
+        lines.append("       " + text)
     (out / "summary.json").write_text(json.dumps({"ok": ok, "lines": lines, "echo_final": final}, indent=2))
     return ok, lines
 
@@ -234,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--model", required=True, help="served model name")
         if name == "summary":
             p.add_argument("--bench", type=Path, default=None, help="vllm bench serve result JSON")
+            p.add_argument("--expect-fused-norm", action="store_true",
+                           help="fail unless calls ran the norm fused into Echo (echo:norm_calls_total{how=fused})")
     args = parser.parse_args(argv)
     base = args.base_url.rstrip("/")
     if args.command == "wait":
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in result["checks"]:
             print(f"{c['check']}: HTTP {c['status']} {'ok' if c['ok'] else 'FAILED'}")
         return 0 if all(c["ok"] for c in result["checks"]) else 1
-    ok, lines = summarize(base, args.out, args.bench)
+    ok, lines = summarize(base, args.out, args.bench, args.expect_fused_norm)
     print("\n".join(lines))
     return 0 if ok else 1
 

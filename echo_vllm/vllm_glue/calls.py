@@ -28,7 +28,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..capture import capturing
-from ..communicator import EchoCommunicator
+from ..communicator import EXACT_PATH_NORM, EchoCommunicator
+from ..norm import NormOperands
 from ..numbering import CallSlot
 from ..policy import ECHO_DTYPES, Reason
 from ..stats import CallRecord
@@ -72,10 +73,8 @@ class CallSequence:
     def __call__(self, x: torch.Tensor) -> Reduced:
         """Reduce ``x`` (this rank's message; stacked ``[P, ...]`` partials
         over virtual ranks)."""
-        per_rank = x[0] if self.comm.transport.is_virtual else x
-        residual = self.is_residual(per_rank)
-        slot = self.tracker.next_call(compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0,
-                                      residual=residual)
+        per_rank, residual = self._message(x)
+        slot = self._slot(per_rank, residual)
         if not x.is_floating_point():
             self.tracker.on_record(CallRecord("exact", Reason.DTYPE.value,
                                               nbytes=per_rank.numel() * per_rank.element_size()))
@@ -90,6 +89,38 @@ class CallSequence:
         else:
             y = self.comm.exact(x, slot.index, reason=Reason.DISABLED, exact_fn=self.exact_fn)
         return Reduced(y, slot, residual)
+
+    def norm(self, x: torch.Tensor, norm: NormOperands) -> tuple[torch.Tensor, torch.Tensor | None, CallSlot]:
+        """Reduce ``x`` and apply the residual add and RMSNorm of ``norm``
+        (the compiled graph's fused op, :mod:`.norm_fusion`): ``(out, new
+        residual, slot)``. Steps 1-5 as for any call; on Echo's path the norm
+        runs in its output phase where the row fits
+        (``EchoCommunicator.all_reduce_norm``), else after the reduce. A
+        message that is not a residual-stream one reduces as usual, then
+        the norm runs."""
+        per_rank, residual = self._message(x)
+        if not residual:
+            reduced = self(x)
+            return (*norm.apply(reduced.output), reduced.slot)
+        slot = self._slot(per_rank, residual)
+        self._reserve_once(per_rank)
+        if self.echo:
+            out, res = self.comm.all_reduce_norm(x, norm, slot.index, last_call=slot.last_call,
+                                                 exact_fn=self.exact_fn)
+        else:
+            out, res = norm.apply(self.comm.exact(x, slot.index, reason=Reason.DISABLED, exact_fn=self.exact_fn,
+                                                  norm=EXACT_PATH_NORM))
+        return out, res, slot
+
+    def _message(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """This rank's message and whether it is a residual-stream one (step 1)."""
+        per_rank = x[0] if self.comm.transport.is_virtual else x
+        return per_rank, self.is_residual(per_rank)
+
+    def _slot(self, per_rank: torch.Tensor, residual: bool) -> CallSlot:
+        """The call's slot in its forward pass (step 2)."""
+        return self.tracker.next_call(compat.forward_kwargs(), per_rank.shape[0] if per_rank.dim() else 0,
+                                      residual=residual)
 
     def is_residual(self, per_rank: torch.Tensor) -> bool:
         """A residual-stream message: ``[tokens, hidden]``, not empty, in a

@@ -29,6 +29,7 @@ from ..config import EchoConfig
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
 from ..health import HealthCounters
+from ..norm import NormOperands
 from ..policy import ECHO_DTYPES
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport, Transport
@@ -117,6 +118,12 @@ class TpEchoCommunicator:
             return y
         out.copy_(y)
         return out
+
+    def all_reduce_norm(self, inp: torch.Tensor, norm: NormOperands) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`all_reduce` followed by the residual add and RMSNorm of
+        ``norm`` (the compiled graph's fused op): ``(out, new residual)``."""
+        out, res, _ = self.calls.norm(inp, norm)
+        return out, res
 
     def close(self) -> None:
         self.comm.close()

@@ -14,6 +14,8 @@ import importlib.metadata
 import re
 from typing import Any, Callable
 
+import torch
+
 #: Oldest vLLM the glue runs on, and the first version not yet read.
 MIN_VERSION = (0, 26)
 UNTESTED_FROM = (0, 34)
@@ -261,6 +263,54 @@ def custom_op_registrar() -> Callable | None:
     except ImportError:
         return None
     return direct_register_custom_op
+
+
+def group_by_name(name: str) -> Any:
+    """The live ``GroupCoordinator`` vLLM registered as ``name`` (what its
+    ``all_reduce`` op looks up)."""
+    from vllm.distributed import parallel_state
+
+    ref = parallel_state._groups.get(name)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise ValueError(f"echo: no live vLLM group named {name!r}")
+    return group
+
+
+def register_custom_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
+    """Define op ``name`` of ``lib``: vLLM's helper (dispatch key of the current
+    platform); plain torch.library where a vLLM version lacks it."""
+    registrar = custom_op_registrar()
+    if registrar is None:
+        lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+        return
+    registrar(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
+
+
+def inductor_compile_config(vllm_config: Any) -> dict | None:
+    """The engine's ``compilation_config.inductor_compile_config`` (where
+    ``post_grad_custom_post_pass`` goes), or None where it has none."""
+    config = getattr(getattr(vllm_config, "compilation_config", None), "inductor_compile_config", None)
+    return config if isinstance(config, dict) else None
+
+
+def ir_norm_ops() -> dict:
+    """vLLM's IR norm ops as a compiled graph holds them before its IR
+    lowering -> their names (``vllm/ir/ops/layernorm.py``)."""
+    import vllm.ir  # noqa: F401  (defines torch.ops.vllm_ir.*)
+
+    return {torch.ops.vllm_ir.fused_add_rms_norm.default: "fused_add_rms_norm",
+            torch.ops.vllm_ir.rms_norm.default: "rms_norm"}
+
+
+def inductor_pass_base() -> type:
+    """vLLM's ``InductorPass``: what ``post_grad_custom_post_pass`` must be
+    (its backend adds it to the post-grad pass manager)."""
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    return InductorPass
 
 
 def batch_invariant_enabled() -> bool:

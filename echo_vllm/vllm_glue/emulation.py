@@ -39,11 +39,13 @@ from ..communicator import EchoCommunicator
 from ..config import EchoConfigError
 from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..health import HealthCounters
+from ..norm import NormOperands
 from ..numbering import CallSlot
 from ..transport import VirtualTransport
 from . import compat
 from . import session as sessions
 from .calls import CallSequence
+from .norm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
 from .session import EchoSession
 from .settings import TpCommSettings
 
@@ -84,6 +86,18 @@ class EmulationSession(EchoSession):
         if self.settings.emulate_measure:
             self._measure(partials, y, slot, residual)
         return y
+
+    def reduce_norm(self, partials: torch.Tensor, norm: NormOperands) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+        """:meth:`reduce`, then the residual add and RMSNorm of ``norm`` (in
+        Echo's output phase where it can: the compiled graph's fused op).
+        With ``emulate_measure`` the reduce and the norm run one after the
+        other (the measurement needs the reduced output)."""
+        if self.settings.emulate_measure:
+            return norm.apply(self.reduce(partials))
+        if capturing():
+            self.captured = True
+        out, res, _ = self._sequence(partials.device).norm(partials, norm)
+        return out, res
 
     def _sequence(self, device: torch.device) -> CallSequence:
         if self.calls is None or self.calls.comm.chain.device != device:
@@ -207,6 +221,40 @@ def _vocab_embedding_fake(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
+def _row_parallel_norm_impl(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor, epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _session()
+    partials = row_parallel_partials(x, weight, s.world_size, bias)
+    return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
+                    residual, norm_weight, epsilon)
+
+
+def _row_parallel_norm_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor, epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return outputs_like((*x.shape[:-1], weight.shape[0]), x.dtype, x.device, residual)
+
+
+def _vocab_embedding_norm_impl(
+    ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _session()
+    partials = vocab_parallel_partials(ids.long(), weight, s.world_size)
+    return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
+                    residual, norm_weight, epsilon)
+
+
+def _vocab_embedding_norm_fake(
+    ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return outputs_like((*ids.shape, weight.shape[1]), weight.dtype, weight.device, residual)
+
+
 def register_ops() -> None:
     """Define ``torch.ops.echo.emulated_*`` once per process."""
     global _LIB
@@ -216,21 +264,11 @@ def register_ops() -> None:
     for name, impl, fake in (
         (ROW_OP, _row_parallel_impl, _row_parallel_fake),
         (VOCAB_OP, _vocab_embedding_impl, _vocab_embedding_fake),
+        (ROW_NORM_OP, _row_parallel_norm_impl, _row_parallel_norm_fake),
+        (VOCAB_NORM_OP, _vocab_embedding_norm_impl, _vocab_embedding_norm_fake),
     ):
-        _register_op(lib, name, impl, fake)
+        compat.register_custom_op(lib, name, impl, fake)
     _LIB = lib
-
-
-def _register_op(lib: Any, name: str, impl: Any, fake: Any) -> None:
-    """vLLM's helper (dispatch key of the current platform); plain
-    torch.library where a vLLM version lacks it."""
-    direct_register_custom_op = compat.custom_op_registrar()
-    if direct_register_custom_op is None:
-        lib.define(name + torch.library.infer_schema(impl, mutates_args=()))
-        lib.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-        return
-    direct_register_custom_op(name, impl, mutates_args=[], fake_impl=fake, target_lib=lib)
 
 
 # ---------------------------------------------------------------------------

@@ -53,6 +53,13 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   ``echo:health_checked_total{rank}`` sampled Echo calls checked for
   NaN/Inf, ``echo:nonfinite_total{rank,where}`` those whose input / output
   held one (``echo_vllm.health``)
+- the norm after the all-reduce (``norm_fusion``): ``echo:norm_calls_total{rank,how}``
+  residual calls whose norm ran inside Echo (``how="fused"``) or after the
+  reduce (the reason: the row too wide, ``exact path``), CUDA-graph replays
+  included; ``echo:norm_fusion_sites{rank,outcome}`` Echo's all-reduces in
+  the compiled graphs by what the pass did (``fused`` or why not), summed
+  over the graphs compiled at start (empty when the compilation came from
+  vLLM's cache)
 - ``echo:model_bypass{rank,path}`` = 1 for each of the model's fused
   all-reduce paths that do not reach Echo's hook (logged at start;
   ``vllm_glue.bypass``)
@@ -240,6 +247,12 @@ class EchoMetrics:
         self.bypass = Gauge(PREFIX + "model_bypass", "The model's fused all-reduce paths that do not reach "
                             "Echo's hook (1 per path; logged at start).", rank + ["path"], registry=registry,
                             multiprocess_mode="mostrecent")
+        self.norm_calls = Counter(PREFIX + "norm_calls", "Residual all-reduces followed by the add + RMSNorm, by "
+                                  "how the norm ran (fused into Echo, or why not).", rank + ["how"],
+                                  registry=registry)
+        self.norm_sites = Gauge(PREFIX + "norm_fusion_sites", "Echo's all-reduces in the compiled graphs by what "
+                                "the norm fusion pass did (fused, or why not).", rank + ["outcome"],
+                                registry=registry, multiprocess_mode="mostrecent")
         self._last: dict[tuple, Any] = {}
         self._last_snapshot: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -314,13 +327,16 @@ class EchoMetrics:
             delta = self._advance((r, name), int(snapshot.get(name) or 0))
             if delta:
                 counter.labels(r).inc(delta)
-        for family, counter in (("feedback_dropped", self.dropped), ("nonfinite", self.nonfinite)):
+        for family, counter in (("feedback_dropped", self.dropped), ("nonfinite", self.nonfinite),
+                                ("norm_calls", self.norm_calls)):
             for label, total in (snapshot.get(family) or {}).items():
                 delta = self._advance((r, family, label), int(total))
                 if delta:
                     counter.labels(r, str(label)).inc(delta)
         for path in snapshot.get("bypasses") or ():
             self.bypass.labels(r, str(path)).set(1)
+        for outcome, n in (snapshot.get("norm_sites") or {}).items():
+            self.norm_sites.labels(r, str(outcome)).set(int(n))
 
 
 _FORWARD_KINDS = {"forwards_observed": "observed", "forwards_replayed": "replayed",

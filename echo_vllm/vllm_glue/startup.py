@@ -7,7 +7,8 @@ acts only on the group named ``tp`` (in the worker, inside
 conflicting engine settings (:mod:`.guards`) and model code that goes
 around the hook (:mod:`.bypass`: refused, or logged and exported), and
 activates the process's session (:mod:`.session`): real TP, or the
-one-device emulation.
+one-device emulation; then registers the compilation pass that folds the
+norm after each all-reduce into Echo (:mod:`.norm_fusion`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..postnorm import module_tree
+from ..postnorm import decide_postnorm, module_tree
 from . import compat, emulation, session
 from .bypass import ModelFacts, model_bypasses
 from .guards import EchoEngineConfigError, check_engine_config
@@ -50,7 +51,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     hf_config = compat.model_hf_config(vllm_config)
     trust = bool(getattr(getattr(vllm_config, "model_config", None), "trust_remote_code", False))
     modules = module_tree(hf_config, trust_remote_code=trust) if settings.mode == "echo" else None
-    settings, note = settings.for_model(compat.model_architectures(vllm_config), hf_config, modules)
+    architectures = compat.model_architectures(vllm_config)
+    postnorm = settings.mode == "echo" and decide_postnorm(architectures, hf_config, modules).postnorm
+    settings, note = settings.for_model(architectures, hf_config, modules)
     if note:
         logger.warning("echo: %s", note)
     if not settings.active:
@@ -87,6 +90,10 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     else:
         # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
+    from . import norm_fusion  # vLLM's compilation modules: only in the engine that runs Echo
+
+    logger.info("echo: %s", norm_fusion.install(vllm_config, settings.mode, settings.echo.fuse_norm, postnorm,
+                                                None if settings.emulated else coordinator.unique_name))
     active.model_note = note
     active.stats.bypasses = tuple(sorted({b.path for b in bypasses}))
 

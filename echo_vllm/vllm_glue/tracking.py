@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..capture import capturing
@@ -98,6 +99,14 @@ class StepStats(EchoStats):
     bypasses: tuple[str, ...] = ()
     """The model's fused all-reduce paths that go around Echo's hook
     (``bypass.Bypass.path``; logged at start)."""
+    norm_sites: Counter = field(default_factory=Counter)
+    """Echo's all-reduces in the compiled graphs by what the norm fusion
+    pass did with them (``"fused"`` or why not; ``norm_fusion``), summed
+    over the graphs compiled (a cached compilation runs no pass)."""
+
+    def add_norm_sites(self, outcomes: Counter) -> None:
+        with self._lock:
+            self.norm_sites.update(outcomes)
 
     def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
         with self._lock:
@@ -132,6 +141,7 @@ class StepStats(EchoStats):
                 min_bytes=self.min_bytes,
                 max_bytes=self.max_bytes,
                 bypasses=list(self.bypasses),
+                norm_sites=dict(sorted(self.norm_sites.items())),
             )
         return snap
 

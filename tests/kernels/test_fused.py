@@ -138,6 +138,39 @@ def test_phases_special_values_match_reference(fb):
 # -- the whole kernel, barriers included, over processes sharing memory ---------------
 
 
+def run_forked_ranks(world, one_rank, deadline_s):
+    """Fork ``world`` processes of this (interpreter worker) process, each
+    running ``one_rank(rank)``; assert that each exited cleanly. A failed
+    rank leaves its peers waiting, and a lost flag would hang the
+    interpreter's unbounded wait: everyone still running then, or at the
+    deadline, is stopped."""
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # one rank; never returns into the worker's code
+            code = 1
+            try:
+                one_rank(rank)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    deadline, codes = time.monotonic() + deadline_s, {}
+    while len(codes) < world and time.monotonic() < deadline and not any(codes.values()):
+        for pid in pids:
+            done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for pid in set(pids) - set(codes):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert list(codes.values()) == [0] * world, (
+        f"emulated ranks' exit codes {codes} (missing: still waiting after {deadline_s} s or stopped)")
+
+
 def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadamard=True, deadline_s=60.0,
                    fb_dtype="fp32"):
     """In the interpreter worker: ``world`` forked processes (one per rank)
@@ -157,36 +190,13 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
     fbs = fb0.clone().share_memory_()
     ys = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
     plan = fk.FusedPlan(tile_groups, 2, programs)
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:  # one rank; never returns into the worker's code
-            code = 1
-            try:
-                for c in range(calls):
-                    fk.fused_all_reduce(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, rank=rank,
-                                        gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=hadamard,
-                                        has_incoming=c > 0, plan=plan, timeout_ns=0, out=ys[c, rank])
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    # a failed rank leaves its peers waiting, and a lost flag would hang the
-    # interpreter's unbounded wait: stop everyone then, or at the deadline
-    deadline, codes = time.monotonic() + deadline_s, {}
-    while len(codes) < world and time.monotonic() < deadline and not any(codes.values()):
-        for pid in pids:
-            done, status = os.waitpid(pid, os.WNOHANG) if pid not in codes else (0, 0)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    for pid in set(pids) - set(codes):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    assert list(codes.values()) == [0] * world, (
-        f"emulated ranks' exit codes {codes} (missing: still waiting after {deadline_s} s or stopped)")
+    def one_rank(rank):
+        for c in range(calls):
+            fk.fused_all_reduce(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, rank=rank,
+                                gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=hadamard,
+                                has_incoming=c > 0, plan=plan, timeout_ns=0, out=ys[c, rank])
+
+    run_forked_ranks(world, one_rank, deadline_s)
     fb_ref = fb0.clone()
     for c in range(calls):
         _, _, y = reference_chain(xs[c], fb_ref, lay, hadamard=hadamard, incoming=c > 0)

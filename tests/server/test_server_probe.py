@@ -19,6 +19,7 @@ from echo_vllm.server import probe
 class FakeVllm(BaseHTTPRequestHandler):
     calls = 0
     lenient = False  # True: accept malformed requests (a broken server)
+    fused_norm = True  # False: every norm ran after the all-reduce (the pass off)
     lock = threading.Lock()
 
     def log_message(self, *args):  # keep pytest output clean
@@ -45,6 +46,11 @@ class FakeVllm(BaseHTTPRequestHandler):
                     f'echo:wire_bytes_total{{rank="0"}} {1152 * n}\n'
                     "# HELP echo:equiv_16bit_bytes_total e\n# TYPE echo:equiv_16bit_bytes_total counter\n"
                     f'echo:equiv_16bit_bytes_total{{rank="0"}} {4096 * n}\n'
+                    "# HELP echo:norm_calls_total n\n# TYPE echo:norm_calls_total counter\n"
+                    f'echo:norm_calls_total{{how="{"fused" if self.fused_norm else "exact path"}",rank="0"}} '
+                    f'{6 * n}\n'
+                    "# HELP echo:norm_fusion_sites s\n# TYPE echo:norm_fusion_sites gauge\n"
+                    'echo:norm_fusion_sites{outcome="fused",rank="0"} 16.0\n'
                     "# HELP vllm:num_requests_running r\n# TYPE vllm:num_requests_running gauge\n"
                     'vllm:num_requests_running{model_name="tiny"} 0.0\n')
             return self._send(200, text, "text/plain; version=0.0.4")
@@ -69,7 +75,7 @@ class FakeVllm(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    FakeVllm.calls, FakeVllm.lenient = 0, False
+    FakeVllm.calls, FakeVllm.lenient, FakeVllm.fused_norm = 0, False, True
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVllm)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -130,3 +136,16 @@ def test_wait_gives_up(tmp_path):
         probe.wait_healthy("http://127.0.0.1:9", timeout_s=0.2, poll_s=0.05)
     with pytest.raises(RuntimeError, match="exited"):
         probe.wait_healthy("http://127.0.0.1:9", timeout_s=5, pid=2**22 + 12345)
+
+
+def test_summary_checks_the_fused_norm_when_the_pass_is_on(server, tmp_path):
+    probe.run_probe(server, "tiny", tmp_path)
+    ok, lines = probe.summarize(server, tmp_path, None, expect_fused_norm=True)
+    assert ok, lines
+    assert any(l.startswith("[PASS] fused into Echo (norm after the all-reduce: calls by how it ran {'fused': ")
+               and "compiled sites {'fused': 16.0}" in l for l in lines), lines
+    FakeVllm.fused_norm = False
+    ok, lines = probe.summarize(server, tmp_path, None, expect_fused_norm=True)
+    assert not ok and any(l.startswith("[FAIL] fused into Echo") for l in lines)
+    ok, lines = probe.summarize(server, tmp_path, None)  # the pass off: reported, not required
+    assert ok and any("norm after the all-reduce: calls by how it ran {'exact path'" in l for l in lines)

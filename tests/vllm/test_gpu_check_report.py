@@ -49,3 +49,30 @@ def test_compare_rows_and_identity(tmp_path):
     differ = table["graphs/echo vs eager/echo"]
     assert not differ["tokens_identical_to_eager"] and differ["sequences_identical"] == "1/2"
     assert differ["logit_max_abs_diff"] == 0.5 and differ["mean_agreeing_prefix"] == (1 + 1 / 3) / 2
+
+
+def test_norm_fusion_row_and_verdict(tmp_path):
+    """The pass-on compiled run against the pass-off one: no fused call fails;
+    different tokens fail only where they agree less than compilation alone
+    keeps the exact sum's."""
+    check = _script()
+    logits = [torch.zeros(3, 8)]
+    tokens, other = [[1, 2, 3, 4]], [[1, 2, 9, 9]]
+    fused = {"norm_calls": {"fused": 12}, "norm_sites": {"fused": 16, "not followed by vLLM's RMSNorm": 1}}
+
+    def table(on_tokens, on_stats, exact_tokens=None):
+        res = {"graphs": {"variants": _phase(tmp_path, "graphs", "echo", on_tokens, logits, **on_stats)},
+               "graphs_norm_off": {"variants": _phase(tmp_path, "graphs_norm_off", "echo", tokens, logits)}}
+        if exact_tokens is not None:
+            res["eager"] = {"variants": _phase(tmp_path, "eager", "exact", tokens, logits)}
+            res["graphs_exact"] = {"variants": _phase(tmp_path, "graphs_exact", "exact", exact_tokens, logits)}
+        return check.compare(tmp_path, res)
+
+    same = table(tokens, fused)
+    assert same[check.NORM_ROW]["tokens_identical"] and check.norm_verdict(same) is None
+    assert same[check.NORM_ROW]["norm_sites"] == fused["norm_sites"]
+    assert "fused no call" in check.norm_verdict(table(tokens, {"norm_calls": {"exact path": 3}}))
+    assert "no graphs_exact run" in check.norm_verdict(table(other, fused))
+    assert check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]])) is None  # compilation moves more
+    assert "less than compilation alone" in check.norm_verdict(table(other, fused, exact_tokens=tokens))
+    assert check.norm_verdict({}) is None

@@ -248,3 +248,22 @@ def test_judge_multiprocess_dir():
         assert problem and "nothing of yours is removed" in problem and stale == []
     problem, stale = metrics.judge_multiprocess_dir("d", [("counter_1.db", True), ("summary_7.db", True)], live)
     assert "running process(es) [7]" in problem and stale == []
+    assert metrics.prepare_multiprocess_dir() == path  # an existing directory is kept
+
+
+def test_norm_calls_and_sites():
+    """How each call's norm ran (a counter, replays included through the
+    records) and what the compilation pass did with the sites (a gauge)."""
+    registry = CollectorRegistry()
+    m = EchoMetrics(registry)
+    stats = make_stats(0, 0, [])
+    for how in ("fused", "fused", "exact path"):
+        stats.record(CallRecord("echo" if how == "fused" else "exact", "echo", norm=how))
+    snap = dict(stats.snapshot(), norm_sites={"fused": 16, "the reduced output is used beyond the norm": 1})
+    m.publish(snap, rank=0)
+    m.publish(snap, rank=0)  # same totals: nothing moves
+    s = scrape(registry)
+    assert s['echo:norm_calls_total{how="fused",rank="0"}'] == 2
+    assert s['echo:norm_calls_total{how="exact path",rank="0"}'] == 1
+    assert s['echo:norm_fusion_sites{outcome="fused",rank="0"}'] == 16
+    assert s['echo:norm_fusion_sites{outcome="the reduced output is used beyond the norm",rank="0"}'] == 1

@@ -24,7 +24,7 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     )
     report = json.loads((tmp_path / "gpu_vllm_check.json").read_text())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for phase in ("eager", "graphs_eager_ops", "graphs", "graphs_exact"):
+    for phase in ("eager", "graphs_eager_ops", "graphs", "graphs_norm_off", "graphs_exact"):
         assert report["phases"][phase]["skipped_layers"] == {}
     table = report["comparison"]
     echo = table["eager/echo vs exact"]
@@ -41,3 +41,9 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     # differ too, see BENCHMARKS.md 4.1): only the accounting is asserted there
     graphs = table["graphs/echo vs eager/echo"]
     assert graphs["forwards_replayed"] > 0 and graphs["calls"] == echo["calls"]
+    # the norm fused into Echo by the compilation pass (on by default): every
+    # layer's o_proj and down_proj site, calls counted as fused, and tokens as
+    # the unfused compiled run's (or as close as compilation alone keeps them)
+    fused = table["graphs/echo norm fused vs norm off"]
+    assert fused["norm_sites"].get("fused", 0) >= 2 * LAYERS and fused["norm_calls"].get("fused", 0) > 0
+    assert "fused" not in (table["graphs/echo norm off vs eager/echo"]["norm_calls"] or {})

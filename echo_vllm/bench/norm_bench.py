@@ -1,0 +1,379 @@
+"""Echo with the residual add and RMSNorm fused into its output phase, against Echo then the norm, on one GPU.
+
+``echo-vllm bench norm [--world-sizes 8,4,2] [--tokens 1024,4096,8192] [--hidden 4096] [--out DIR]``
+
+For each P and prompt length T (bf16 rows of ``--hidden`` values, Qwen3-8B's
+4096 by default), the per-rank time of:
+
+* **(a) Echo, then the norm**: the fused kernel (every rank of P emulated
+  in one launch, time over P) plus one rank's ``fused_add_rms_norm`` of the
+  ``[T, hidden]`` output: vLLM's op as it serves it under compilation
+  (its IR op's ``native`` code compiled by Inductor: ``norm.add_rms_norm``
+  under ``torch.compile``), and vLLM's eager CUDA kernel
+  (``torch.ops._C.fused_add_rms_norm``) where vLLM is importable -- the
+  same bytes (two reads, two writes) with the sum rounded before the
+  variance; the table says which ran;
+* **(b) the fused Echo + add + norm** (``fused_all_reduce_norm``, every
+  rank in one launch, time over P), and Echo alone, the same way (the
+  goal: (b) within 10% of Echo alone);
+* **(c) the phases of (b)** alone (one rank, no barriers), each against its
+  memory roofline: the bytes it must move (:func:`norm_phase_bytes`) at the
+  copy bandwidth measured in the same run.
+
+The emulation measures the kernels' HBM traffic, not NVLink: every "remote"
+store lands in local memory. Before timing, the emulated norm kernel is
+checked bit for bit against the composed stage kernels (``output_norm``),
+and the run stops on a mismatch.
+
+``--layer-us TP:T:us,...`` (the layer's compute -- GEMMs and attention at
+the TP shard sizes, measured on the GPU) adds a **projection** of Qwen3-8B's
+time to first token (:func:`ttft_projection`, labelled as one) at TP = 2, 4,
+8 with NCCL at 370 and 480 GB/s bus bandwidth. Prints tables; with
+``--out DIR`` writes ``norm.json`` and, with matplotlib, ``norm.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..quant import WireLayout
+from . import timing
+from .fused_bench import device_line, phase_bytes, sm_clock_mhz, verified
+from .projection import echo_time_s, nccl_time_s
+
+#: Qwen3-8B: decoder layers, hidden size, all-reduces per layer (attention and MLP outputs).
+QWEN3_8B_LAYERS = 36
+QWEN3_8B_HIDDEN = 4096
+ALLREDUCES_PER_LAYER = 2
+#: NCCL bus bandwidths the projection assumes (GB/s): measured-like and best case on 8 x H200 NVLink.
+NCCL_BUSBW_GBPS = (370.0, 480.0)
+EPS = 1e-6
+
+
+def norm_phase_bytes(layout: WireLayout, fb_dtype: torch.dtype = torch.bfloat16,
+                     elem_bytes: int = 2) -> dict[str, tuple[int, int]]:
+    """``(read, written)`` bytes per rank: ``fused_bench.phase_bytes``' phases
+    1-2, phase 3 with the norm (the gathered chunks, the residual and the
+    weight in; the new residual and the normalised rows out), and the
+    unfused norm after Echo (``y`` and the residual in, both out)."""
+    b = phase_bytes(layout, fb_dtype, elem_bytes)
+    n, w = layout.numel * elem_bytes, layout.cols * elem_bytes
+    return {
+        "phase1": b["phase1"], "phase2": b["phase2"], "phase3": b["phase3"],
+        "phase3_norm": (b["phase3"][0] + n + w, 2 * n),
+        "norm": (2 * n + w, 2 * n),
+    }
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """What one decoder layer of a TP rank spends, per prompt (seconds)."""
+
+    compute_s: float
+    """GEMMs and attention at the shard sizes (measured; an input)."""
+    allreduce_s: float
+    """All-reduce time, each of :data:`ALLREDUCES_PER_LAYER`."""
+    norm_s: float
+    """The add + norm after each all-reduce, when it is not fused (else 0)."""
+
+    def total_s(self) -> float:
+        return self.compute_s + ALLREDUCES_PER_LAYER * (self.allreduce_s + self.norm_s)
+
+
+def ttft_projection(tp: int, tokens: int, layer_compute_us: float, *, echo_us: float, echo_norm_us: float,
+                    norm_us: float, busbw_gbps: float, hidden: int = QWEN3_8B_HIDDEN,
+                    layers: int = QWEN3_8B_LAYERS, overlapped: bool = False) -> dict:
+    """A **projection** of the prefill time (time to first token, less the
+    embedding, lm_head and scheduling) of a ``layers``-layer model at
+    tensor parallelism ``tp`` for a ``tokens``-token prompt: ``layers *
+    (compute + 2 * (all-reduce + norm))`` with
+
+    * NCCL: ``fused_bench``'s bus-bandwidth model of a 16-bit all-reduce of
+      ``tokens x hidden`` bf16, then the norm (``norm_us``, measured);
+    * Echo: its kernel (``echo_us``, measured per rank) plus the 4-bit wire
+      at the same bus bandwidth (serial, or ``overlapped``), then the norm;
+    * Echo + norm: the fused kernel (``echo_norm_us``) plus the wire, no norm.
+
+    Returns the three times (us) and the speedups over NCCL."""
+    lay = WireLayout(tokens * hidden, tp, 32, hidden)
+    wire = lay.wire_bytes_per_rank
+    per = {
+        "nccl": LayerTimes(layer_compute_us * 1e-6, nccl_time_s(tokens * hidden * 2, tp, busbw_gbps), norm_us * 1e-6),
+        "echo": LayerTimes(layer_compute_us * 1e-6, echo_time_s(echo_us * 1e-6, wire, busbw_gbps,
+                                                                 overlapped=overlapped), norm_us * 1e-6),
+        "echo_norm": LayerTimes(layer_compute_us * 1e-6, echo_time_s(echo_norm_us * 1e-6, wire, busbw_gbps,
+                                                                      overlapped=overlapped), 0.0),
+    }
+    us = {k: layers * v.total_s() * 1e6 for k, v in per.items()}
+    return {"projection": True, "tp": tp, "tokens": tokens, "busbw_gbps": busbw_gbps, "overlapped": overlapped,
+            "layer_compute_us": layer_compute_us, "ttft_us": us,
+            "speedup_echo": us["nccl"] / us["echo"], "speedup_echo_norm": us["nccl"] / us["echo_norm"]}
+
+
+def parse_layer_us(spec: str) -> dict[tuple[int, int], float]:
+    """``"TP:T:us,..."`` -> ``{(tp, tokens): us}`` (the layer compute the lead measures)."""
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            tp_s, tokens_s, us_s = item.split(":")
+            tp, tokens, us = int(tp_s), int(tokens_s), float(us_s)
+        except ValueError:
+            raise ValueError(f"--layer-us {item!r}: expected TP:TOKENS:MICROSECONDS") from None
+        if tp < 2 or tokens < 1 or us <= 0:
+            raise ValueError(f"--layer-us {item!r}: TP >= 2, TOKENS >= 1 and a positive time")
+        out[(tp, tokens)] = us
+    return out
+
+
+# -- measured on the GPU ---------------------------------------------------------------
+
+
+@dataclass
+class NormCase:
+    world_size: int
+    tokens: int
+    hidden: int
+    plan: dict
+    bytes: dict
+    times_us: dict = field(default_factory=dict)
+    norm_impls: dict = field(default_factory=dict)
+    """The unfused norm's time by implementation (us)."""
+
+    def roof(self, key: str, gbps: float) -> float:
+        b = self.bytes.get(key)
+        return sum(b) / (gbps * 1e3) / self.times_us[key] if b and self.times_us.get(key) else float("nan")
+
+
+def _norm_impls(w: torch.Tensor) -> dict:
+    """The unfused norms to time: ``name -> fn(y, residual)`` (in place or not: the same bytes)."""
+    from .. import norm
+
+    impls = {"inductor": torch.compile(lambda y, r: norm.add_rms_norm(y, r, w, EPS), dynamic=False)}
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+        impls["vllm_c"] = lambda y, r: torch.ops._C.fused_add_rms_norm(y, r, w, EPS)
+    except Exception:  # pragma: no cover - depends on the host
+        pass
+    return impls
+
+
+def verify_norm(world: int, hidden: int) -> list[str]:
+    """Every rank of the norm kernel in one launch (barriers on) against
+    the composed stage kernels and ``output_norm``: bits of the output, the
+    new residual and the feedback."""
+    from .. import kernels
+    from ..backends.fused import local_buffers
+    from ..kernels import fused_kernel as fk
+    from ..norm_plan import norm_tiling
+
+    lay = WireLayout(37 * hidden, world, 32, hidden)
+    tiling, reason = norm_tiling(lay)
+    if tiling is None:
+        return [f"P={world} hidden={hidden}: {reason}"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // world
+    plan = fk.plan_for_norm(lay, tiling, sms)
+    table, bufs, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+    x = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16)
+    fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
+    fb_c = fb.clone()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    res = torch.randn(lay.numel, device="cuda").to(torch.bfloat16)
+    ress = res.repeat(world, 1)
+    out, _ = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=ress, rank=0,
+                                      gathered_offset=bufs[0].numel() // 2, qmax=7, hadamard=True,
+                                      has_incoming=False, plan=plan, timeout_ns=10 * 10**9)
+    wire = kernels.stage1(x, fb_c, lay, qmax=7, hadamard=True, has_incoming=False)
+    q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=7)
+    want, want_res = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res)
+    bad = []
+    for r in range(world):
+        if not torch.equal(out[r].view(torch.int16), want.view(torch.int16)):
+            bad.append(f"P={world} rank {r}: normed output bits differ")
+        if not torch.equal(ress[r].view(torch.int16), want_res.view(torch.int16)):
+            bad.append(f"P={world} rank {r}: new residual bits differ")
+    if not torch.equal(fb.view(torch.int16), fb_c.view(torch.int16)):
+        bad.append(f"P={world}: feedback bits differ")
+    return bad
+
+
+def measure_norm(world: int, tokens: int, hidden: int, sets: int) -> NormCase:
+    from ..backends.fused import local_buffers
+    from ..kernels import fused_kernel as fk
+    from ..norm_plan import norm_tiling
+
+    lay = WireLayout(tokens * hidden, world, 32, hidden)
+    tiling, reason = norm_tiling(lay)
+    if tiling is None:
+        raise ValueError(f"P={world} hidden={hidden}: {reason}")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    emul, emul_norm = fk.plan_for(lay, sms // world), fk.plan_for_norm(lay, tiling, sms // world)
+    one_norm = fk.plan_for_norm(lay, tiling, sms)
+    case = NormCase(world, tokens, hidden, plan=emul_norm._asdict(), bytes=norm_phase_bytes(lay))
+    slots = fk.signal_slots(sms * fk.max_per_sm(), world)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    bufs = []
+    for _ in range(sets):
+        x = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16)
+        table, peer, _ = local_buffers(world, lay.chunk_bytes, slots, "cuda")
+        bufs.append(dict(x=x, fb=torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda"),
+                         y=torch.empty_like(x), res=torch.randn_like(x), out=torch.empty_like(x), table=table,
+                         peer=peer))
+    kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
+              timeout_ns=10 * 10**9)
+
+    def echo(i):
+        b = bufs[i % sets]
+        fk.fused_all_reduce(b["x"], b["fb"], b["table"], lay, rank=0, plan=emul, out=b["y"], **kw)
+
+    def echo_norm(i):
+        b = bufs[i % sets]
+        fk.fused_all_reduce_norm(b["x"], b["fb"], b["table"], lay, w, EPS, residual=b["res"], rank=0,
+                                 plan=emul_norm, out=b["out"], **kw)
+
+    case.times_us["echo"] = timing.cuda_graph_time(echo, iters=5, calls_per_graph=sets).median_s * 1e6 / world
+    case.times_us["echo_norm"] = timing.cuda_graph_time(echo_norm, iters=5, calls_per_graph=sets).median_s * 1e6 / world
+    for ph in (1, 2, 3):
+        def run(i, ph=ph):
+            b = bufs[i % sets]
+            fk.fused_all_reduce_norm(b["x"][:1], b["fb"][:1], b["table"], lay, w, EPS, residual=b["res"][0],
+                                     rank=0, plan=one_norm, out=b["out"][0], phase=ph, **kw)
+        case.times_us[f"phase{ph}" if ph < 3 else "phase3_norm"] = (
+            timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6)
+    for name, fn in _norm_impls(w).items():
+        def run(i, fn=fn):
+            b = bufs[i % sets]
+            fn(b["y"][0].view(tokens, hidden), b["res"][0].view(tokens, hidden))
+        case.norm_impls[name] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
+    case.times_us["norm"] = case.norm_impls["inductor"]
+    case.times_us["echo_then_norm"] = case.times_us["echo"] + case.times_us["norm"]
+    return case
+
+
+def table(cases: list[NormCase], gbps: float) -> str:
+    head = (f"{'P':>2} {'T':>5} | {'(a) Echo+norm':>13} | {'(b) fused':>9} | {'Echo alone':>10} | {'b/Echo':>6} | "
+            f"{'saved':>6} | (c) phases alone, us (%roof): phase1, phase2, phase3+norm | norm impls, us")
+    lines = [head, "-" * len(head)]
+    for c in cases:
+        t = c.times_us
+        phases = ", ".join(f"{t[k]:.1f} ({100 * c.roof(k, gbps):.0f}%)" for k in ("phase1", "phase2", "phase3_norm"))
+        impls = ", ".join(f"{k} {v:.1f}" for k, v in c.norm_impls.items())
+        lines.append(f"{c.world_size:>2} {c.tokens:>5} | {t['echo_then_norm']:13.1f} | {t['echo_norm']:9.1f} | "
+                     f"{t['echo']:10.1f} | {t['echo_norm'] / t['echo']:6.2f} | "
+                     f"{t['echo_then_norm'] - t['echo_norm']:6.1f} | {phases} | {impls}")
+    lines.append("(a) = Echo alone + the inductor norm (what vLLM runs under compilation); per rank, P ranks emulated "
+                 "in one launch")
+    return "\n".join(lines)
+
+
+def projection_table(rows: list[dict]) -> str:
+    lines = ["PROJECTION (not measured): Qwen3-8B prefill, 36 layers x (compute + 2 x (all-reduce + norm)), "
+             "NCCL by its bus-bandwidth model, Echo = measured kernel + 4-bit wire at the same bandwidth",
+             f"{'TP':>2} {'T':>5} {'busbw':>6} | {'NCCL ms':>8} | {'Echo ms':>8} {'x':>5} | {'Echo+norm ms':>12} {'x':>5}"]
+    for r in rows:
+        us = r["ttft_us"]
+        lines.append(f"{r['tp']:>2} {r['tokens']:>5} {r['busbw_gbps']:>6.0f} | {us['nccl'] / 1e3:8.2f} | "
+                     f"{us['echo'] / 1e3:8.2f} {r['speedup_echo']:5.2f} | {us['echo_norm'] / 1e3:12.2f} "
+                     f"{r['speedup_echo_norm']:5.2f}")
+    return "\n".join(lines)
+
+
+def projections(cases: list[NormCase], layer_us: dict[tuple[int, int], float]) -> list[dict]:
+    """:func:`ttft_projection` of every measured (P, T) with a layer time, at each NCCL bandwidth."""
+    rows = []
+    for c in cases:
+        compute = layer_us.get((c.world_size, c.tokens))
+        if compute is None:
+            continue
+        for bw in NCCL_BUSBW_GBPS:
+            rows.append(ttft_projection(c.world_size, c.tokens, compute, echo_us=c.times_us["echo"],
+                                        echo_norm_us=c.times_us["echo_norm"], norm_us=c.times_us["norm"],
+                                        busbw_gbps=bw, hidden=c.hidden))
+    return rows
+
+
+def plot(cases: list[NormCase], path: Path) -> bool:
+    """Bars of (a), (b) and Echo alone per case; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
+    labels = [f"P={c.world_size}\nT={c.tokens}" for c in cases]
+    xs = range(len(cases))
+    for k, (key, name) in enumerate([("echo_then_norm", "(a) Echo, then the norm"), ("echo_norm", "(b) fused"),
+                                     ("echo", "Echo alone")]):
+        ax.bar([x + 0.27 * (k - 1) for x in xs], [c.times_us[key] for c in cases], width=0.27, label=name)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("us per rank (emulated)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--world-sizes", default="8,4,2")
+    ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths (rows of the all-reduce)")
+    ap.add_argument("--hidden", type=int, default=QWEN3_8B_HIDDEN, help="values per row (Qwen3-8B: 4096)")
+    ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
+    ap.add_argument("--layer-us", default="", help="measured layer compute per TP and prompt, TP:T:us,... "
+                                                   "(e.g. 8:8192:725): adds the TTFT projection")
+    ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--out", default="")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        layer_us = parse_layer_us(args.layer_us)
+    except ValueError as e:
+        print(f"bench norm: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench norm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    worlds = [int(w) for w in args.world_sizes.split(",") if w]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    if not args.skip_verify:
+        bad = [b for p in worlds for b in verify_norm(p, args.hidden)]
+        if not verified("bench norm", bad, "the composed kernels",
+                        f"emulated norm kernel == composed output_norm bit for bit (P={worlds})"):
+            return 1
+    gbps, name = device_line(args.buffer_sets)
+    cases = []
+    for p in worlds:
+        for t in tokens:
+            cases.append(measure_norm(p, t, args.hidden, args.buffer_sets))
+            print(json.dumps(asdict(cases[-1])), flush=True)
+    print(table(cases, gbps))
+    proj = projections(cases, layer_us)
+    if proj:
+        print(projection_table(proj))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "norm.json").write_text(json.dumps(
+            {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "cases": [asdict(c) for c in cases],
+             "projection": proj}, indent=1))
+        plot(cases, out / "norm.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="echo-vllm bench norm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""Device code of Echo's output with the residual add and RMSNorm: whole rows per tile.
+
+A tile is ``K`` rows (:mod:`echo_vllm.norm_plan`): of every chunk, the ``K *
+RGP`` groups ``lg`` of those rows (:func:`tile_groups`), in the lane layout
+of :mod:`.tile`. :func:`output_norm_tile` decodes the tile's groups of every
+chunk (``tile.decode_output``: Echo's output, rounded to the output dtype),
+adds the residual in fp32, stores the new residual, and once the rows'
+mean squares are known stores ``rmsnorm(sum) * weight`` -- the bits of
+``quant.output_reference`` followed by ``norm.add_rms_norm(...,
+variance="kernel")`` (``norm.rms_norm`` without a residual). The composed
+output kernel (:mod:`.output_norm_kernel`) and the fused kernel's phase 3
+share it, so the two give the same bits by construction.
+
+The mean square is ``norm.kernel_mean_square``: each lane's 8 squares
+summed in registers as its pairwise tree (:func:`lane_sums`), the lanes'
+sums of a row combined as integers (:func:`row_total`), which ``tl.sum``
+may add in any order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..norm import FIXED_BITS as _FIXED_BITS
+from ..norm import MAX_SHIFT as _MAX_SHIFT
+from .bodies import output_load
+from .tile import (
+    as_lanes, block_offsets, block_shift, decode_output, from_f32, group_amax, group_rows, lanes_hold, load_values,
+    store_values, to_f32,
+)
+
+FIXED_BITS: tl.constexpr = tl.constexpr(_FIXED_BITS)
+MAX_SHIFT: tl.constexpr = tl.constexpr(_MAX_SHIFT)
+
+
+@triton.jit
+def tile_groups(t, BG: tl.constexpr, row_groups, chunk_groups, K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+    """int64 groups ``[BG]`` of tile ``t`` of every chunk: ``BG`` consecutive
+    groups (``K == 0``), or whole rows: element ``k * RGP + b`` is group
+    ``(t * K + k) * row_groups + b``, and ``chunk_groups`` (masked by every
+    load and store) where ``b >= row_groups``."""
+    if K == 0:
+        return tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
+    else:
+        tl.static_assert(K * RGP == BG, "a row tile is K rows of RGP groups")
+        i = tl.arange(0, BG)
+        b = i % RGP
+        row = tl.cast(t, tl.int64) * K + i // RGP
+        return tl.where(b < row_groups, row * row_groups + b, tl.cast(chunk_groups, tl.int64))
+
+
+@triton.jit
+def lane_sums(sq):
+    """``[BG, L, V]`` -> ``[BG, L]``: each lane's ``V`` (8) values summed as
+    ``norm.block_sums``' tree, in registers."""
+    BG: tl.constexpr = sq.shape[0]
+    L: tl.constexpr = sq.shape[1]
+    a, b = tl.split(tl.reshape(sq, (BG, L, 4, 2)))  # (0, 1) (2, 3) (4, 5) (6, 7)
+    a, b = tl.split(tl.reshape(a + b, (BG, L, 2, 2)))  # (01, 23) (45, 67)
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
+def _rows_of(v, K: tl.constexpr, RGP: tl.constexpr):
+    """``[BG]`` -> ``[K, RGP, 1]`` (a row's groups along the second axis)."""
+    return tl.reshape(v, (K, RGP))[:, :, None]
+
+
+@triton.jit
+def to_groups(v, RGP: tl.constexpr):
+    """A row value ``[K]`` on each of its groups: ``[K * RGP]``."""
+    K: tl.constexpr = v.shape[0]
+    return tl.reshape(tl.broadcast_to(v[:, None], (K, RGP)), (K * RGP,))
+
+
+@triton.jit
+def row_max(s, K: tl.constexpr, RGP: tl.constexpr):
+    """``[K]``: the largest lane sum of each row (``s [BG, L] >= 0``; NaN if any is)."""
+    return group_amax(_rows_of(group_amax(s[:, :, None]), K, RGP))
+
+
+@triton.jit
+def _power_of_two(k):
+    """fp32 ``2**k`` for int32 ``k`` in [-126, 127], from its bits."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fixed_shift(m):
+    """int32 ``k`` of ``norm.fixed_shift``: rows whose largest lane sum is
+    ``m`` (>= 0, finite) scale by ``2**k`` to integers below ``2**FIXED_BITS``."""
+    field = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(FIXED_BITS - (tl.maximum(field, 1) - 126), MAX_SHIFT)
+
+
+@triton.jit
+def fixed(s, up):
+    """``trunc(s * up)`` in int64 (``s [BG, L]``, ``up [BG]`` the row's
+    ``2**k``, 0 for a non-finite row, whose terms are then 0)."""
+    u = up[:, None]
+    return (tl.where(u > 0, s, 0.0) * u).to(tl.int64)  # truncates toward 0 (never NaN: a poison cast)
+
+
+@triton.jit
+def row_total(t, K: tl.constexpr, RGP: tl.constexpr):
+    """``[K]`` int64: the sum of each row's terms ``t [BG, L]`` (exact, any order)."""
+    return tl.sum(tl.sum(_rows_of(tl.sum(t, 1), K, RGP), 2), 1)
+
+
+@triton.jit
+def weighted(n, w, dtype: tl.constexpr):
+    """``norm``'s step 5: ``dtype(w.dtype(n) * w)``, each product of two
+    16-bit values exact in fp32 (one rounding, as torch's)."""
+    p = to_f32(from_f32(n, w.dtype)) * to_f32(w)
+    return from_f32(to_f32(from_f32(p, w.dtype)), dtype)
+
+
+@triton.jit
+def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j, row_groups, cols, chunk_groups,
+              G: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Chunk ``j``'s loads: ``(words, scales, residual, mask [BG, G])``
+    (the residual: the mask itself when there is none)."""
+    words, s = output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G)
+    d, limit = block_shift(j, row_groups, cols, G)
+    m = live & (c < limit)
+    r = m
+    if RESIDUAL:
+        r = load_values(res_ptr + d, offs, m, G)
+    return words, s, r, m
+
+
+@triton.jit
+def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
+                     row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
+                     K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+    """The tile's rows (groups ``lg``, :func:`tile_groups`) from the gathered
+    chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
+    residual into ``res_out_ptr`` (``RESIDUAL``), the normalised rows into
+    ``out_ptr`` (message layout, ``out_ptr``'s dtype; module docstring).
+    ``ALIGNED``: ``launch.rows_aligned`` of the rows' tensors (else the
+    decode takes the layout-agnostic butterflies, same bits)."""
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and ALIGNED
+    offs, c, live = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
+    # pass 1: decode, add the residual, store the new one; each row's
+    # largest lane sum of squares (chunk j + 1's loads issued before chunk
+    # j's arithmetic)
+    xs = ()
+    sums = ()
+    words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
+                               chunk_groups, G, RESIDUAL)
+    for j in tl.static_range(P):
+        if j + 1 < P:
+            words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + (j + 1) * chunk_bytes, payload_bytes, res_ptr, offs,
+                                               c, live, lg, j + 1, row_groups, cols, chunk_groups, G, RESIDUAL)
+        x = to_f32(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE))
+        if RESIDUAL:
+            x = x + to_f32(r)
+            d, _ = block_shift(j, row_groups, cols, G)
+            store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
+        x = tl.where(as_lanes(m, G), x, 0.0)  # padding lanes and columns past the row: not in the row
+        sq = lane_sums(x * x)
+        # the chunks' lanes combined in registers first: one reduction across the program per row statistic
+        if j == 0:
+            lanes_max = sq
+        else:
+            lanes_max = tl.maximum(lanes_max, sq, propagate_nan=tl.PropagateNan.ALL)
+        xs = xs + (x,)
+        sums = sums + (sq,)
+        if j + 1 < P:
+            words, s, r, m = words_n, s_n, r_n, m_n
+    # pass 2: the rows' sums of squares, as integers scaled by their largest lane sum
+    mx = row_max(lanes_max, K, RGP)
+    finite = mx < float("inf")  # false for inf and NaN
+    k = fixed_shift(tl.where(finite, mx, 0.0))
+    up = to_groups(tl.where(finite, _power_of_two(k), 0.0), RGP)  # a non-finite row's terms are 0
+    terms = fixed(sums[0], up)
+    for j in tl.static_range(1, P):
+        terms += fixed(sums[j], up)  # exact: the sum stays below 2**53
+    ssq = tl.where(finite, row_total(terms, K, RGP).to(tl.float32) * _power_of_two(-k), mx)
+    rstd = tl.math.rsqrt(tl.math.div_rn(ssq, cols.to(tl.float32)) + eps)
+    rstd = to_groups(rstd, RGP)[:, None, None]
+    # pass 3: normalise, weight, store
+    for j in tl.static_range(P):
+        d, limit = block_shift(j, row_groups, cols, G)
+        m = live & (c < limit)
+        w = load_values(w_ptr + d, c, m, G)
+        store_values(out_ptr + d, offs, m, weighted(xs[j] * rstd, w, OUT))

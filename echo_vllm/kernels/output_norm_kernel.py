@@ -1,0 +1,126 @@
+"""Output with the residual add and RMSNorm: Echo's output phase that also
+does vLLM's ``fused_add_rms_norm`` (or ``rms_norm``) on the rows it decodes.
+
+Every rank runs this on the same gathered bytes, so every rank returns the
+same bits. Specification: ``quant.output_reference`` followed by
+``norm.add_rms_norm(..., variance="kernel")`` (``norm.rms_norm`` without a
+residual); the device code is :func:`.norm_tile.output_norm_tile`, shared
+with the fused kernel's phase 3. Rows must be whole in one program: the
+tile plan is :func:`echo_vllm.norm_plan.norm_tiling` (a layout it refuses
+raises here; callers ask it first and take the unfused path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import WireLayout
+from . import launch
+from .direct_launch import Launcher
+from ..norm_plan import NormTiling, norm_tiling
+from .norm_tile import output_norm_tile, tile_groups
+
+
+@triton.jit
+def _output_norm_kernel(
+    gathered_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
+    P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
+    RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP)
+    output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, ALIGNED)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(num_warps: int) -> Launcher:
+    return Launcher(_output_norm_kernel, {**launch.LAUNCH_OPTIONS, "num_warps": num_warps})
+
+
+
+@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool,
+          aligned: bool) -> tuple[Launcher, launch.Plan]:
+    """``ints``: :func:`launch.message_ints`' ``row_groups, cols, msg_groups``,
+    then ``chunk_groups, chunk_bytes, payload_bytes``."""
+    la = _launcher(tiling.num_warps)
+    return la, launch.Plan(
+        grid=(tiling.row_tiles(layout), 1, 1),
+        ints=(*launch.message_ints(layout), layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes),
+        constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
+                                 RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
+                                 ALIGNED=aligned),
+        wire_shape=(layout.world_size, layout.chunk_bytes),
+    )
+
+
+def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torch.Tensor,
+                        residual: torch.Tensor | None, out: torch.Tensor | None,
+                        residual_out: torch.Tensor | None, *, ranks: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check the norm's tensors against ``layout`` (``ranks`` > 0: ``[ranks,
+    numel]``-shaped per-rank copies, else ``numel`` values) and return
+    ``(out, residual_out)``, allocated when not given (the new residual goes
+    into ``residual`` itself when ``residual_out`` is None)."""
+    if out_dtype not in launch.INPUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
+    if weight.dim() != 1 or weight.numel() != layout.cols or not weight.is_contiguous():
+        raise ValueError(f"weight: expected {layout.cols} contiguous values, got {tuple(weight.shape)}")
+    if weight.dtype not in launch.INPUT_DTYPES:
+        raise TypeError(f"weight: dtype {weight.dtype} not in {launch.INPUT_DTYPES}")
+    numel = layout.numel * max(ranks, 1)
+    shape = (ranks, layout.numel) if ranks else (layout.numel,)
+
+    def message(name, t, dtypes):
+        if t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{name}: expected {numel} contiguous values, got {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}: dtype {t.dtype} not in {dtypes}")
+
+    if residual is not None:
+        message("residual", residual, launch.INPUT_DTYPES)
+        if residual_out is None:
+            residual_out = residual
+        message("residual_out", residual_out, (out_dtype,))
+    elif residual_out is not None:
+        raise ValueError("residual_out without residual")
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=weight.device)
+    message("out", out, (out_dtype,))
+    return out, residual_out
+
+
+def output_norm(
+    gathered: torch.Tensor,
+    layout: WireLayout,
+    out_dtype: torch.dtype,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    hadamard: bool,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel version of ``quant.output_reference`` then
+    ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``:
+    ``gathered [P, chunk_bytes]`` -> ``(out [numel], new residual [numel])``
+    of ``out_dtype`` (without ``residual``: ``norm.rms_norm``, and None).
+    The new residual goes into ``residual_out``, by default ``residual``
+    itself (in place, as vLLM's op)."""
+    tiling, reason = norm_tiling(layout)
+    if tiling is None:
+        raise ValueError(f"output_norm: {reason}")
+    out, residual_out = check_norm_operands(layout, out_dtype, weight, residual, out, residual_out)
+    res = residual if residual is not None else out  # unused pointers without a residual
+    rows = (out, weight, res, residual_out if residual_out is not None else out)
+    la, plan = _plan(layout, tiling, bool(hadamard), residual is not None, launch.rows_aligned(layout.cols, *rows))
+    launch.check_wire("gathered", gathered, plan.wire_shape)
+    launch.check_device(gathered, weight, residual, out, residual_out)
+    la(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),
+       (*plan.ints, float(eps)), plan.constexprs)
+    return out.view(layout.numel), residual_out.view(layout.numel) if residual_out is not None else None

@@ -1,0 +1,61 @@
+"""``echo-vllm bench norm``: the bytes its roofline divides by, the TTFT
+projection's arithmetic, its arguments (pure, no GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from echo_vllm.bench import norm_bench
+from echo_vllm.bench.projection import nccl_time_s
+from echo_vllm.quant import WireLayout
+
+
+def test_norm_phase_bytes():
+    """Phase 3 with the norm reads the gathered chunks, the residual and the
+    weight, writes the new residual and the output; the unfused norm reads
+    y and the residual and writes both: fusing saves one write and one read of y."""
+    lay = WireLayout(8192 * 4096, 8, 32, 4096)
+    b = norm_bench.norm_phase_bytes(lay)
+    n, chunk = 2 * lay.numel, lay.chunk_bytes
+    assert b["phase3"] == (8 * chunk, n)
+    assert b["phase3_norm"] == (8 * chunk + n + 2 * 4096, 2 * n)
+    assert b["norm"] == (2 * n + 2 * 4096, 2 * n)
+    unfused = sum(b["phase3"]) + sum(b["norm"])
+    assert unfused - sum(b["phase3_norm"]) == 2 * n  # y written once and read once less: ~134 MB here
+    assert 2 * n == 134217728
+
+
+def test_ttft_projection_is_the_stated_sum():
+    """36 layers x (compute + 2 x (all-reduce + norm)), labelled a projection."""
+    p = norm_bench.ttft_projection(8, 8192, 725.0, echo_us=102.0, echo_norm_us=110.0, norm_us=75.0, busbw_gbps=480.0)
+    assert p["projection"] is True
+    nccl_us = nccl_time_s(8192 * 4096 * 2, 8, 480.0) * 1e6
+    assert p["ttft_us"]["nccl"] == pytest.approx(36 * (725 + 2 * (nccl_us + 75)))
+    wire_us = WireLayout(8192 * 4096, 8, 32, 4096).wire_bytes_per_rank / 480e9 * 1e6
+    assert p["ttft_us"]["echo"] == pytest.approx(36 * (725 + 2 * (102 + wire_us + 75)))
+    assert p["ttft_us"]["echo_norm"] == pytest.approx(36 * (725 + 2 * (110 + wire_us)))
+    assert p["speedup_echo_norm"] > p["speedup_echo"] > 1
+    over = norm_bench.ttft_projection(8, 8192, 725.0, echo_us=102.0, echo_norm_us=110.0, norm_us=75.0,
+                                      busbw_gbps=480.0, overlapped=True)
+    assert over["ttft_us"]["echo_norm"] == pytest.approx(36 * (725 + 2 * max(110, wire_us)))
+
+
+def test_layer_times_parse_and_refuse_by_name():
+    assert norm_bench.parse_layer_us("8:8192:725, 2:1024:90.5") == {(8, 8192): 725.0, (2, 1024): 90.5}
+    assert norm_bench.parse_layer_us("") == {}
+    with pytest.raises(ValueError, match="'8:8192'"):
+        norm_bench.parse_layer_us("8:8192")
+    with pytest.raises(ValueError, match="'1:8192:5'"):
+        norm_bench.parse_layer_us("1:8192:5")
+
+
+def test_cli_help_and_bad_layer_times():
+    out = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "bench", "norm", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--layer-us" in out.stdout and "roofline" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "bench", "norm", "--layer-us", "8:x:1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bench norm: --layer-us '8:x:1'" in bad.stderr and "Traceback" not in bad.stderr

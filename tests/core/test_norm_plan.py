@@ -1,0 +1,34 @@
+"""The fused norm's tile plan: whole rows per program within the register
+budget, the unfused path for rows it cannot hold, with the reason."""
+
+import pytest
+
+from echo_vllm.norm_plan import (BASE_REGISTERS, MAX_NORM_COLS, NORM_WARPS_PER_SM, SM_REGISTERS, VALUES_PER_THREAD,
+                                 norm_tiling)
+from echo_vllm.quant import WireLayout
+
+
+@pytest.mark.parametrize("cols", [4096, 5120, 8192, 16384, 2880, 1, 100])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
+    lay = WireLayout(cols * 3, world, group, cols)
+    t, reason = norm_tiling(lay)
+    assert t is not None, reason
+    assert t.padded_row_groups >= lay.row_groups and t.padded_row_groups & (t.padded_row_groups - 1) == 0
+    assert t.rows * t.padded_row_groups * group >= 256 * t.num_warps  # a warp's lanes hold whole groups
+    assert world * t.groups_per_tile * group == t.values_per_thread * 32 * t.num_warps
+    assert t.values_per_thread <= VALUES_PER_THREAD
+    # the fused kernel's programs per SM: within the warp limit, each thread its registers
+    per_sm = t.per_sm()
+    assert per_sm * t.num_warps <= max(NORM_WARPS_PER_SM, t.num_warps)
+    assert per_sm == 1 or per_sm * t.num_warps * 32 * (BASE_REGISTERS + t.values_per_thread) <= SM_REGISTERS
+    assert t.tiles(lay) * t.rows * lay.row_groups >= lay.chunk_groups  # every group of a chunk in some tile
+    assert t.row_tiles(lay) * t.rows >= lay.rows
+
+
+def test_tiling_refuses_wide_rows_with_a_reason():
+    t, reason = norm_tiling(WireLayout(MAX_NORM_COLS + 1, 2, 32))
+    assert t is None and f"rows of {MAX_NORM_COLS + 1} values" in reason
+    t, reason = norm_tiling(WireLayout(4096, 16, 32))
+    assert t is None and "16 ranks" in reason

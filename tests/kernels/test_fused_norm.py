@@ -1,0 +1,231 @@
+"""The fused kernel with the residual add and RMSNorm in its phase 3
+(``fused_kernel.fused_all_reduce_norm``): every phase against the
+reference pipeline, the output and new residual against the composed
+``output_norm`` spec, bit for bit; whole rows per tile in every phase.
+
+On CPU (Triton's interpreter) the ranks' phases run one at a time, as in
+``test_fused.py``, and the whole kernel with its barriers runs in forked
+processes sharing memory; the ``gpu`` cases run every rank of Qwen3-8B's
+8192 x 4096 in one launch with barriers (P = 8 and P = 2) against the
+composed kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused import reference_chain, run_forked_ranks
+from test_kernels import CUDA, DEVICE, DTYPES, FB_DTYPES, _feedback, _interpreter_pool, _reporting, _values, \
+    assert_same_bits, in_kernel_process
+from test_output_norm import EPS, expected, norm_operands, partials
+
+from echo_vllm import quant
+from echo_vllm.backends import fused as fused_mod
+from echo_vllm.norm_plan import NormTiling, norm_tiling
+from echo_vllm.quant import WireLayout
+
+QMAX = 7
+
+
+def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
+                       w_dt=None, special=False):
+    from echo_vllm.kernels import fused_kernel as fk
+
+    dtype = DTYPES[dt]
+    lay = WireLayout(rows * cols, world, group, cols)
+    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
+    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual}"
+    x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
+    fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
+    fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
+    cb = lay.chunk_bytes + 48
+    table, bufs, _ = fused_mod.local_buffers(world, cb, fk.signal_slots(programs, world), DEVICE)
+    for b in bufs:
+        b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
+    plan = fk.FusedPlan(tiling.groups_per_tile, 1, programs, norm=tiling)
+    assert plan.tiles(lay) > programs or programs == 1
+    res0, w = norm_operands(rows, cols, dtype, DTYPES[w_dt or dt], 5)
+    ress = [res0.clone() if residual else None for _ in range(world)]
+    outs = [torch.empty(lay.numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    fb1 = None
+    if fb_dtype:  # the reference's feedback after stage 1 alone
+        fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
+    want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard)
+    n = world * lay.chunk_bytes
+    for phase in (1, 2, 3):
+        for r in range(world):
+            got_out, got_res = fk.fused_all_reduce_norm(
+                x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
+                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, plan=plan, timeout_ns=0, out=outs[r], phase=phase)
+        for r in range(world):
+            if phase == 1:
+                assert_same_bits(bufs[r][:n].view(world, lay.chunk_bytes), wire[:, r], f"phase 1 recv {r} [{tag}]")
+            if phase == 2:
+                gathered = bufs[r][world * cb:world * cb + n].view(world, lay.chunk_bytes)
+                assert_same_bits(gathered, q2, f"phase 2 gathered of rank {r} [{tag}]")
+            if phase < 3 and fb_dtype:
+                want_fb = fb1 if phase == 1 else fb_ref
+                assert_same_bits(fbs[r], want_fb[r:r + 1], f"phase {phase} feedback of rank {r} [{tag}]")
+            if phase < 3 and residual:
+                assert_same_bits(ress[r], res0, f"residual before phase 3 [{tag}]")
+            if phase == 3:
+                assert got_out.data_ptr() == outs[-1].data_ptr()
+                assert_same_bits(outs[r].view(rows, cols), want_out, f"normed output of rank {r} [{tag}]",
+                                 nan_any=True)
+                if residual:
+                    assert_same_bits(ress[r], want_res, f"new residual of rank {r} [{tag}]", nan_any=True)
+
+
+# rows, cols, P, g, dtype, feedback, hadamard, incoming, rows per tile, programs: the chunks' padding
+# groups are virtual rows of the last tiles; rows of a non-power-of-two group count (padded lanes);
+# one column; more tiles than programs (programs loop over tiles)
+NORM_PHASE_CASES = [
+    (7, 77, 3, 16, "bf16", "bf16", True, True, 2, 3),
+    (5, 100, 2, 32, "fp16", "fp32", True, False, 1, 2),
+    (3, 160, 2, 16, "fp32", "int8", True, True, 1, 2),
+    (9, 1, 2, 64, "fp32", "fp32", False, True, 4, 2),
+    (4, 256, 4, 32, "bf16", None, True, False, 1, 1),
+]
+
+
+@pytest.mark.parametrize("rows,cols,world,group,dt,fb,hadamard,incoming,tile_rows,programs", NORM_PHASE_CASES)
+def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs):
+    in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs)
+
+
+def test_norm_phases_without_residual_and_fp32_weight():
+    """rms_norm (the embedding's all-reduce), a fp32 weight under bf16."""
+    in_kernel_process(_norm_phases_match, 6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2, residual=False,
+                      w_dt="fp32")
+
+
+def test_norm_phases_special_values():
+    in_kernel_process(_norm_phases_match, 3, 450, 2, 32, "bf16", "fp32", True, True, 1, 2, special=True)
+
+
+# -- the whole kernel with its barriers, over processes sharing memory ---------------
+
+
+def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, deadline_s=60.0):
+    """``world`` forked ranks run ``calls`` chained calls of the whole norm
+    kernel (barriers, tiles looped over fewer programs, the residual
+    updated in place call after call) on shared-memory buffers."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(rows * cols, world, group, cols)
+    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
+    plan = fk.FusedPlan(tiling.groups_per_tile, 1, programs, norm=tiling)
+    table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
+    for t in (*bufs, *pads):
+        t.share_memory_()
+    table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64)
+    xs = torch.stack([_values((world, lay.numel), 60 + c, special=c == 1).to(torch.bfloat16) for c in range(calls)])
+    fb0 = _feedback(world, lay, torch.float32, 61, device="cpu")
+    fbs = fb0.clone().share_memory_()
+    res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 62, device="cpu")
+    ress = res0.reshape(1, -1).repeat(world, 1).share_memory_()
+    outs = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
+    def one_rank(rank):
+        for c in range(calls):
+            fk.fused_all_reduce_norm(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, w, EPS,
+                                     residual=ress[rank], rank=rank, gathered_offset=bufs[0].numel() // 2,
+                                     qmax=QMAX, hadamard=True, has_incoming=c > 0, plan=plan, timeout_ns=0,
+                                     out=outs[c, rank])
+
+    run_forked_ranks(world, one_rank, deadline_s)
+    fb_ref, res = fb0.clone(), res0.clone()
+    for c in range(calls):
+        _, q2, _ = reference_chain(xs[c], fb_ref, lay, hadamard=True, incoming=c > 0)
+        want_out, res = expected(q2, lay, torch.bfloat16, res, w, hadamard=True)
+        for r in range(world):
+            assert_same_bits(outs[c, r].view(rows, cols), want_out, f"call {c}, rank {r}", nan_any=True)
+    for r in range(world):
+        assert_same_bits(ress[r].view(rows, cols), res, f"residual of rank {r} after the chain", nan_any=True)
+    assert_same_bits(fbs, fb_ref, "feedback after the chain")
+    assert all(int(p.abs().sum()) == 0 for p in pads), [p.tolist() for p in pads]
+
+
+def test_whole_norm_kernel_with_barriers_over_processes():
+    """P = 3 processes, 3 chained calls (NaN/Inf in call 1), 4 tiles of two
+    rows on 2 programs: outputs, residuals, feedback as the reference
+    chain; every flag back to 0."""
+    _interpreter_pool().submit(_reporting, _emulate_norm_ranks, world=3, rows=7, cols=77, group=16, calls=3,
+                               tile_rows=2, programs=2).result(timeout=300)
+
+
+# -- every rank in one launch on the GPU ---------------------------------------------------
+
+
+def _one_launch_matches_composed(rows, cols, world, residual):
+    from echo_vllm import kernels
+    from echo_vllm.kernels import fused_kernel as fk
+
+    lay = WireLayout(rows * cols, world, 32, cols)
+    tiling, reason = norm_tiling(lay)
+    assert tiling is not None, reason
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // world
+    plan = fk.plan_for_norm(lay, tiling, sms)
+    table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+    x = partials((world, lay.numel), 8).to(torch.bfloat16)
+    fb = _feedback(world, lay, torch.bfloat16, 9)
+    fb_c = fb.clone()
+    res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 10)
+    res = res0.reshape(1, -1).repeat(world, 1) if residual else None
+    out, new_res = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=res, rank=0,
+                                            gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=True,
+                                            has_incoming=True, plan=plan, timeout_ns=10**10, sms=sms * world)
+    # the composed stage kernels on the same inputs
+    wire = kernels.stage1(x, fb_c, lay, qmax=QMAX, hadamard=True, has_incoming=True)
+    q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=QMAX)
+    res_c = res0.clone().reshape(-1) if residual else None
+    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c)
+    torch.cuda.synchronize()
+    for r in range(world):
+        assert_same_bits(out[r], want_out, f"rank {r} normed output", nan_any=True)
+        if residual:
+            assert_same_bits(new_res[r], res_c, f"rank {r} new residual", nan_any=True)
+    assert_same_bits(fb, fb_c, "feedback")
+    # and the composed kernel against the spec
+    spec_out, spec_res = expected(q2, lay, torch.bfloat16, res0 if residual else None, w, hadamard=True)
+    assert_same_bits(want_out.view(rows, cols), spec_out, "composed output_norm vs spec", nan_any=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world", [8, 2])
+@pytest.mark.parametrize("residual", [True, False])
+def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual):
+    _one_launch_matches_composed(8192, 4096, world, residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,cols,world", [(1, 4096, 8), (333, 5120, 8), (64, 16384, 2), (100, 2880, 3)])
+def test_one_launch_other_shapes_on_gpu(rows, cols, world):
+    _one_launch_matches_composed(rows, cols, world, True)
+
+
+# -- the plan ---------------------------------------------------------------------------
+
+
+def test_norm_plan_covers_every_group_with_resident_programs():
+    from echo_vllm.kernels import fused_kernel as fk
+
+    for rows, cols in [(1, 4096), (8192, 4096), (333, 5120), (4096, 8192), (64, 16384), (7, 77)]:
+        for world in (2, 3, 8):
+            lay = WireLayout(rows * cols, world, 32, cols)
+            tiling, _ = norm_tiling(lay)
+            for sms in (1, 66, 132):
+                plan = fk.plan_for_norm(lay, tiling, sms)
+                assert plan.norm == tiling and plan.groups_per_tile == tiling.groups_per_tile
+                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm()
+                assert plan.tiles(lay) == tiling.tiles(lay)
+                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm()
+                assert plan.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
+    with pytest.raises(ValueError, match="not a norm plan"):
+        lay = WireLayout(64, 2, 32)
+        fk.fused_all_reduce_norm(torch.zeros(1, 64), None, torch.zeros(2, 2, dtype=torch.int64), lay,
+                                 torch.ones(64), EPS, rank=0, gathered_offset=1024, qmax=QMAX, hadamard=True,
+                                 has_incoming=False, plan=fk.plan_for(lay, 1), timeout_ns=0)
