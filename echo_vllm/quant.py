@@ -123,6 +123,15 @@ ALIGN_GROUPS = 8
 #: 1 / scale stays finite; an all-zero group quantizes to zeros exactly.
 FLT_MIN = 2.0**-126
 
+#: The smallest fp32 that rounds to bf16 infinity (bf16 max plus half its
+#: last place, a tie that rounds to even, up): a group whose scale reaches it
+#: is treated as non-finite (module docstring, Range).
+BF16_SCALE_LIMIT = float.fromhex("0x1.ff0000p+127")
+
+#: The output is ``rot(D(q2)) * OUTPUT_SCALE``: the stages hold the values at
+#: half their size (:func:`input_scale`).
+OUTPUT_SCALE = 2.0
+
 #: (y + RNE_MAGIC) - RNE_MAGIC rounds y to the nearest integer, ties to even,
 #: for |y| <= 2**22 in fp32 arithmetic.
 RNE_MAGIC = 12582912.0
@@ -147,6 +156,20 @@ def inv_qmax_f32(qmax: int) -> torch.Tensor:
     """fp32(1 / qmax): scales are ``amax * inv_qmax`` (a multiply, identical
     in every backend) rather than ``amax / qmax``."""
     return torch.tensor(1.0 / qmax, dtype=torch.float32)
+
+
+def input_scale(group_size: int, hadamard: bool) -> float:
+    """The power of two stage 1 multiplies the input by before anything else:
+    ``1 / (2 g)`` with the rotation (``W W = g I``: ``W(x / (2 g))`` holds
+    ``x`` at half its size, and no butterfly exceeds ``max |x| / 2``), ``1 / 2``
+    without; :data:`OUTPUT_SCALE` undoes it (module docstring, Range)."""
+    return 0.5 / group_size if hadamard else 0.5
+
+
+def stage2_shift(world_size: int) -> int:
+    """``k = ceil(log2 P)``: stage 2 sums the P decoded chunks at ``2**-k`` of
+    their size, so no partial sum exceeds the largest decoded value."""
+    return (world_size - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -248,7 +271,7 @@ def from_wire_order(v: torch.Tensor, layout: WireLayout) -> torch.Tensor:
 
 
 def quantize_groups(
-    u: torch.Tensor, qmax: int, noise: torch.Tensor | None = None
+    u: torch.Tensor, qmax: int, noise: torch.Tensor | None = None, *, shift: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize fp32 ``u[..., G, g]`` group-wise.
 
@@ -257,49 +280,62 @@ def quantize_groups(
     non-finite groups (their scale is NaN). ``noise`` (uniform [0, 1), same
     shape as ``u``) switches to stochastic rounding ``floor(y + noise)``.
 
+    ``shift``: ``u`` holds the values to quantize times ``2**-shift`` (stage
+    2's sum, :func:`stage2_shift`); scales and codes are those of the values
+    themselves, ``err`` is in ``u``'s units. Every step is the unshifted one
+    times a power of two (the scale's multiplier ``fp32(1/qmax) * 2**shift``,
+    the rounding's magic number ``RNE_MAGIC * 2**-shift``): the same bits
+    wherever the unshifted arithmetic does not overflow.
+
     Error bound: for finite groups, |err| <= scale / 2 element-wise for
     round-to-nearest (< scale for stochastic), scale = bf16(amax / qmax).
     """
     assert u.dtype == torch.float32
-    scales, s, inv, bad = group_scales(u, qmax)
-    y = u * inv.unsqueeze(-1)
-    y = torch.clamp(y, -float(qmax), float(qmax))
+    scales, s, inv, bad = group_scales(u, qmax, shift)
+    unit = 2.0**-shift
+    y = u * inv.unsqueeze(-1)  # code * 2**-shift
+    y = torch.clamp(y, -qmax * unit, qmax * unit)
     if noise is None:
-        r = round_half_even(y)
+        r = round_half_even(y, shift)
     else:
-        r = torch.clamp(torch.floor(y + noise), -float(qmax), float(qmax))
+        r = torch.clamp(torch.floor(y * 2.0**shift + noise), -float(qmax), float(qmax)) * unit
     r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
-    codes = (r + CODE_OFFSET).to(WIRE_DTYPE)
+    codes = (r * 2.0**shift + CODE_OFFSET).to(WIRE_DTYPE)
     err = fma_exact_product(-r, s.unsqueeze(-1), u)
     err = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=err.dtype), err)
     return codes, scales, err
 
 
 def group_scales(
-    u: torch.Tensor, qmax: int
+    u: torch.Tensor, qmax: int, shift: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scale of each group of fp32 ``u[..., G, g]`` for codes in
-    [-qmax, qmax]: ``(scales bf16 [..., G], s fp32, inv fp32, bad bool)``.
+    """The scale of each group of fp32 ``u[..., G, g]`` (values times
+    ``2**-shift``, :func:`quantize_groups`) for codes in [-qmax, qmax]:
+    ``(scales bf16 [..., G], s fp32, inv fp32, bad bool)``.
 
-    ``s = bf16(max(amax * fp32(1/qmax), FLT_MIN))`` over the finite values,
-    ``inv = fp32(1 / s)`` (one correctly rounded division per group),
-    ``bad``: the group holds NaN or Inf; ``scales`` is ``s`` with NaN where
-    ``bad``. Shared by the wire format and the int8 feedback buffer."""
+    ``s = bf16(max(amax * (fp32(1/qmax) * 2**shift), FLT_MIN))`` over the
+    finite values, ``inv = fp32(1 / s)`` (one correctly rounded division per
+    group), ``bad``: the group holds NaN or Inf, or its scale reaches
+    :data:`BF16_SCALE_LIMIT` (it would round to infinity); ``scales`` is
+    ``s`` with NaN where ``bad``. Shared by the wire format and the int8
+    feedback buffer."""
     finite = torch.isfinite(u)
-    bad = ~finite.all(dim=-1)
     amax = torch.where(finite, u.abs(), torch.zeros((), dtype=u.dtype)).amax(dim=-1)
-    s32 = torch.clamp_min(amax * inv_qmax_f32(qmax), FLT_MIN)
-    s16 = s32.to(SCALE_DTYPE)
+    s_raw = amax * (inv_qmax_f32(qmax) * 2.0**shift)
+    bad = ~finite.all(dim=-1) | ~(s_raw < BF16_SCALE_LIMIT)
+    s16 = torch.clamp_min(s_raw, FLT_MIN).to(SCALE_DTYPE)
     s = s16.float()
     inv = 1.0 / s
     scales = torch.where(bad, torch.full((), float("nan"), dtype=SCALE_DTYPE), s16)
     return scales, s, inv, bad
 
 
-def round_half_even(y: torch.Tensor) -> torch.Tensor:
-    """fp32 ``y`` rounded to the nearest integer, ties to even, by the
-    magic-number identity (exact for |y| <= 2**22; what the kernels compute)."""
-    return (y + RNE_MAGIC) - RNE_MAGIC
+def round_half_even(y: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """fp32 ``y`` rounded to the nearest multiple of ``2**-shift``, ties to
+    even, by the magic-number identity (exact for |y| <= 2**(22 - shift);
+    what the kernels compute)."""
+    magic = RNE_MAGIC * 2.0**-shift
+    return (y + magic) - magic
 
 
 def fma_exact_product(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -465,10 +501,10 @@ def stage1_reference(
     :func:`feedback_row_len`) or None (no feedback). If ``has_incoming`` the
     buffer's first ``padded_numel`` values are added to the (rotated) input;
     the new stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
-    Order: u = rot(wire_order(x)) [+ e]; quantize; e <- u - dequant(q).
+    Order: u = rot(wire_order(x) * input_scale) [+ e]; quantize; e <- u - dequant(q).
     """
     r, np_, g = x.shape[0], layout.padded_numel, layout.group_size
-    u = to_wire_order(x.float(), layout)
+    u = to_wire_order(x.float(), layout) * input_scale(g, hadamard)  # exact for 16-bit inputs
     if hadamard:
         u = _rotate(u, g)
     if feedback is not None and has_incoming:
@@ -494,22 +530,26 @@ def stage2_reference(
 
     ``recv``: [R, P, chunk_bytes], ``recv[r, i]`` = rank i's chunk for local
     rank r (whose chunk index is ``own_chunks[r]``). The sum runs in fp32 in
-    rank order 0..P-1 (the same order on every rank and in every transport).
-    The requantization error is added (in fp32) to the feedback buffer's own
-    chunk, which is stored again in the buffer's format.
-    Returns wire [R, chunk_bytes].
+    rank order 0..P-1 (the same order on every rank and in every transport),
+    at ``2**-k`` of its size (:func:`stage2_shift`; each scale times ``2**-k``,
+    exact), and is requantized as of its full size (``quantize_groups(shift=k)``).
+    The requantization error, times ``2**k``, is added (one fp32 rounding) to
+    the feedback buffer's own chunk, which is stored again in the buffer's
+    format. Returns wire [R, chunk_bytes].
     """
     r, p = recv.shape[0], recv.shape[1]
     c, g = layout.chunk_numel, layout.group_size
+    k = stage2_shift(p)
     acc = torch.zeros(r, c // g, g, dtype=torch.float32, device=recv.device)
-    for i in range(p):  # acc + code * scale, rounded once (the product is exact)
+    for i in range(p):  # acc + code * scale * 2**-k, rounded once (the product is exact)
         q, s = decode_codes(recv[:, i], layout)
-        acc = fma_exact_product(q, s, acc)
-    codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g))
+        acc = fma_exact_product(q, s * 2.0**-k, acc)
+    codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g), shift=k)
     if feedback is not None:
-        for k, j in enumerate(own_chunks):
-            row = feedback[k : k + 1]
-            write_feedback(row, j * c, read_feedback(row, j * c, c, g) + err[k].reshape(1, c), g)
+        for n, j in enumerate(own_chunks):
+            row = feedback[n : n + 1]
+            e = fma_exact_product(err[n].reshape(1, c), torch.tensor(2.0**k), read_feedback(row, j * c, c, g))
+            write_feedback(row, j * c, e, g)
     return encode_chunks(codes.reshape(r, c), scales.reshape(r, -1), layout)[:, 0]
 
 
@@ -517,24 +557,35 @@ def output_reference(
     gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool = False
 ) -> torch.Tensor:
     """Decode the all-gathered chunks [P, chunk_bytes] into [numel] values of
-    ``out_dtype``: y = rot(q2) * (scale / g) with rotation, q2 * scale
-    without, cast with round-to-nearest. Every step before the cast is exact
-    (integers below 2**8 times a bf16 scale and a power of two), so this is
-    rot(dequant(q2)) / g, without the overflow of its intermediate sums."""
+    ``out_dtype``: y = rot(q2 * OUTPUT_SCALE) * scale with rotation,
+    q2 * OUTPUT_SCALE * scale without, then :func:`saturate`. Every step
+    before the cast is exact (integers below 2**11 times a bf16 scale), so
+    this is rot(dequant(q2)) * OUTPUT_SCALE rounded once."""
     q, s = decode_codes(gathered, layout)
-    if hadamard:
-        v = fwht(q) * (s * (1.0 / layout.group_size))
-    else:
-        v = q * s
-    return from_wire_order(v.reshape(1, layout.padded_numel), layout)[0].to(out_dtype)
+    q = q * OUTPUT_SCALE
+    v = (fwht(q) if hadamard else q) * s
+    return saturate(from_wire_order(v.reshape(1, layout.padded_numel), layout)[0], out_dtype)
 
 
 def consume_reference(
     x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *, hadamard: bool = False
 ) -> torch.Tensor:
     """The input of an exact (16-bit) call that absorbs the carried error:
-    x + rot^-1(e), rounded to x's dtype. ``x``: [R, numel]."""
+    x + rot(e) * OUTPUT_SCALE (the error at its full size, unrotated),
+    rounded to x's dtype; where x is finite the sum saturates
+    (:func:`saturate`), an infinite x stays infinite. ``x``: [R, numel]."""
     e = read_feedback(feedback, 0, layout.padded_numel, layout.group_size)
     if hadamard:
-        e = _rotate(e, layout.group_size) * (1.0 / layout.group_size)
-    return (x.float() + from_wire_order(e, layout)).to(x.dtype)
+        e = _rotate(e, layout.group_size)
+    e = e * OUTPUT_SCALE
+    return saturate(x.float() + from_wire_order(e, layout), x.dtype, where=~torch.isinf(x))
+
+
+def saturate(v: torch.Tensor, dtype: torch.dtype, where: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``v`` rounded to ``dtype`` (nearest even), values beyond its
+    finite range (infinities included) to its largest finite value of the
+    same sign (only ``where`` true, if given); NaN stays NaN. Clamping first
+    or after the cast gives the same: what a saturating conversion computes."""
+    big = torch.finfo(dtype).max
+    clamped = torch.clamp(v, -big, big)
+    return (clamped if where is None else torch.where(where, clamped, v)).to(dtype)
