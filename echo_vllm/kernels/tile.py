@@ -167,17 +167,19 @@ def clamp_finite(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def saturate(v, dtype: tl.constexpr):
+def saturate(v, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
     """fp32 -> ``dtype`` as ``quant.saturate``: round to nearest even, values
     beyond the finite range (infinities too) to its largest finite value of
-    their sign, NaN stays NaN. Compiled, 16-bit types convert two values in
-    one ``cvt.rn.satfinite`` (what the plain conversion costs); otherwise
+    their sign, NaN stays NaN. Compiled, on a tile in the lane layout
+    (``PAIRS``: a lane's values in pairs), 16-bit types convert two values
+    in one ``cvt.rn.satfinite`` (as the plain conversion, plus a byte
+    permute a pair to put the halves in memory order); otherwise
     :func:`clamp_finite`, then the cast (the same bits)."""
-    if COMPILED and dtype == tl.bfloat16:
+    if COMPILED and PAIRS and dtype == tl.bfloat16:
         # cvt's first source goes to the upper half: element 1 ($2), element 0 ($1) below
         return tl.inline_asm_elementwise("cvt.rn.satfinite.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v],
                                          dtype=tl.bfloat16, is_pure=True, pack=2)
-    elif COMPILED and dtype == tl.float16:
+    elif COMPILED and PAIRS and dtype == tl.float16:
         return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [v],
                                          dtype=tl.float16, is_pure=True, pack=2)
     else:
@@ -823,4 +825,4 @@ def decode_output(words, s, dtype: tl.constexpr, G: tl.constexpr, HADAMARD: tl.c
         q = codes_of(words, LOG2_OUTPUT_SCALE)
         if HADAMARD:
             q = fwht(q, G, SHUFFLE)
-        return saturate(q * s[:, :, None], dtype)
+        return saturate(q * s[:, :, None], dtype, SHUFFLE)

@@ -5,9 +5,10 @@ within the dtype's range, in three patterns: a magnitude sweep (one rank's
 rows at 2**e for e from the dtype's smallest subnormal up to its largest
 finite value, the dtype's max itself included; the other ranks smaller and
 of the opposite sign, so the sum never leaves the range), cancelling pairs
-(ranks 2i and 2i + 1 near the top of the range and of opposite signs:
-partial sums overflow, the total does not) and subnormals (every rank
-below the dtype's smallest normal). :func:`one_call_bound` is the analytic
+(rank i and rank i + P/2 near the top of the range and of opposite signs,
+the first half of the ranks one sign: partial sums in rank order overflow,
+the total does not) and subnormals (every rank below the dtype's smallest
+normal). :func:`one_call_bound` is the analytic
 bound on ``|y - S|`` of one call without carried error, from the scales
 that call put on the wire (``echo_vllm.quant``, Range).
 """
@@ -53,12 +54,11 @@ def extreme_inputs(pattern: str, world: int, rows: int, cols: int, dtype: torch.
         e = torch.linspace(math.log2(big) - 8, math.log2(big), rows, dtype=torch.float64)[:, None]
         a = torch.minimum(mant[0] * 2.0 ** (e + 1), torch.tensor(big))
         x = torch.zeros(world, rows, cols, dtype=torch.float64)
-        for r in range(0, world - 1, 2):
-            x[r] = sign[r] * a
-            x[r + 1] = -x[r] * (1.0 - 2.0**-4 * torch.rand(rows, cols, generator=gen, dtype=torch.float64))
+        half = world // 2
+        for r in range(half):  # rank r and rank r + half: the same magnitude, opposite signs
+            x[r] = sign[0] * a
+            x[r + half] = -x[r] * (1.0 - 2.0**-4 * torch.rand(rows, cols, generator=gen, dtype=torch.float64))
         x[:, :, ::5] = x[:, :, ::5].sign() * big  # exact cancellation at the top: +max - max
-        if world % 2:
-            x[-1] = 0.0
     elif pattern == "subnormal":
         e = torch.linspace(math.log2(sub), math.log2(fi.tiny) + 1, rows, dtype=torch.float64)[:, None]
         x = sign * mant * 2.0**e
