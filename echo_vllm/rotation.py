@@ -6,10 +6,13 @@ crushes its neighbours to zero. The transform used on the wire is the
 *unnormalized* fast Walsh-Hadamard transform ``W`` (entries +-1, ``W @ W =
 g * I``): it needs only adds and subtracts, so the rotated values are exact
 functions of the input, the same in torch and in the Triton kernels, and the
-inverse is ``W / g`` with ``1/g`` a power of two (an exact multiply). The
-orthonormal rotation is ``W / sqrt(g)``; Echo never needs it because group
-quantization is scale-invariant, but :func:`hadamard_orthonormal` is here for
-tests and users.
+inverse is ``W / g`` with ``1/g`` a power of two (an exact multiply). Echo
+rotates the input times ``1 / (2 g)`` (``quant.input_scale``), so no
+butterfly exceeds half the input's largest value, and undoes both with ``W``
+times 2 (``quant.OUTPUT_SCALE``). The orthonormal rotation is ``W /
+sqrt(g)``; Echo never needs it because group quantization is
+scale-invariant, but :func:`hadamard_orthonormal` is here for tests and
+users.
 
 The butterfly order (stride 1, 2, 4, ...; outputs ``(a + b, a - b)``) is part
 of the kernel specification: the Triton kernels perform the same adds in the

@@ -11,11 +11,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import quant
+
 from .tile import (
-    accumulate_chunk, as_groups, block_shift, chunk_lanes, codes_of, decode_output, feedback_values, from_f32, fwht,
-    group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes, load_values, message_offsets, quantize,
-    store_chunk_groups, store_feedback, store_values, to_f32,
+    LOG2_OUTPUT_SCALE, accumulate_chunk, as_groups, block_shift, chunk_lanes, clamp_finite, codes_of, decode_output,
+    feedback_values, from_f32, fwht, group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes, load_values,
+    message_offsets, quantize, store_chunk_groups, store_feedback, store_values, to_f32,
 )
+
+
+#: ``quant.input_scale`` and ``quant.stage2_shift``, evaluated at compile time.
+_input_scale = triton.constexpr_function(quant.input_scale)
+_stage2_shift = triton.constexpr_function(quant.stage2_shift)
+
+
+@triton.constexpr_function
+def _exact_times_power_of_two(dtype) -> bool:
+    """Whether every value of ``dtype`` times ``quant.input_scale`` is exact
+    in fp32: 16-bit types (their smallest subnormals are far above fp32's)."""
+    return dtype.primitive_bitwidth <= 16
 
 
 @triton.jit
@@ -37,15 +51,35 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
 def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
                   G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
                   HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr):
-    """u = rot(x) [+ e]; quantize; the new error into the feedback buffer
-    (wire order), the codes and scales into the chunk at byte ``wire_first``.
-    ``ALIGNED``: ``launch.rows_aligned`` of the message."""
+    """u = rot(x * c) [+ e] (``c = quant.input_scale``); quantize; the new
+    error into the feedback buffer (wire order), the codes and scales into
+    the chunk at byte ``wire_first`` (``ALIGNED``: ``launch.rows_aligned`` of
+    the message). A 16-bit ``x`` times ``c`` is exact,
+    so the product is fused into the first butterflies, or into the add of
+    the error (no extra instruction); an fp32 ``x`` is multiplied first."""
     SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty) and ALIGNED
+    C: tl.constexpr = _input_scale(G, HADAMARD)
+    FUSED: tl.constexpr = _exact_times_power_of_two(x.dtype)
     u = to_f32(x)
     if HADAMARD:
-        u = fwht(u, G, SHUFFLE)
-    if HAS_FB and HAS_INCOMING:
-        u = u + feedback_values(fb_ptr, e)
+        if x.dtype == tl.float16 and HAS_FB and HAS_INCOMING:
+            # fp16's rotation cannot overflow and stays normal, so rot(x) * c is
+            # rot(x * c) exactly: the product goes into the add of the error
+            u = tl.fma(fwht(u, G, SHUFFLE), C, feedback_values(fb_ptr, e))
+        else:
+            if FUSED:
+                u = fwht(u, G, SHUFFLE, C)
+            else:
+                u = fwht(u * C, G, SHUFFLE)
+            if HAS_FB and HAS_INCOMING:
+                u = u + feedback_values(fb_ptr, e)
+    elif HAS_FB and HAS_INCOMING:
+        if FUSED:
+            u = tl.fma(u, C, feedback_values(fb_ptr, e))
+        else:
+            u = u * C + feedback_values(fb_ptr, e)
+    else:
+        u = u * C
     words, s_bits, err = quantize(u, INV_QMAX)
     gmask = lg < chunk_groups
     if HAS_FB:
@@ -67,23 +101,27 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
     # memory right at its load, which would wait for it there and double the
     # conversions
     EARLY: tl.constexpr = lanes_hold(fb_ptr.dtype.element_ty)
-    # the reference's 0 + dequant(chunk 0) is dequant(chunk 0) (never -0)
+    # the sum at 2**-K of its size (quant.stage2_shift), the power of two in
+    # the codes' unit (free); the reference's 0 + dequant(chunk 0) is
+    # dequant(chunk 0) (never -0)
+    K: tl.constexpr = _stage2_shift(P)
     wp, sp = chunk_lanes(recv_ptr, recv_first, payload_bytes, lg, G)
     words, s = load_lanes(wp, sp, gmask)
     if HAS_FB and EARLY:
         e = load_feedback(fb_ptr, own_first, lg, gmask, G)
-    acc = codes_of(words) * s[:, :, None]
+    acc = codes_of(words, -K) * s[:, :, None]
     # chunk i's pointers are chunk 0's plus i chunks (in words, in scales:
     # chunk_bytes is a multiple of 16), added in the loop: the sums
     # base + i * chunk_bytes, loop-invariant, would be hoisted out of a
     # caller's tile loop into 2 registers per chunk and per pointer
     for i in tl.static_range(1, P):  # rank order: the reference's sum
-        acc = accumulate_chunk(acc, wp + i * (chunk_bytes // 4), sp + i * (chunk_bytes // 2), gmask)
-    words, s_bits, err = quantize(acc, INV_QMAX)
+        acc = accumulate_chunk(acc, wp + i * (chunk_bytes // 4), sp + i * (chunk_bytes // 2), gmask, -K)
+    words, s_bits, err = quantize(acc, INV_QMAX, K)
     if HAS_FB:
         if not EARLY:
             e = load_feedback(fb_ptr, own_first, lg, gmask, G)
-        store_feedback(fb_ptr, own_first, lg, gmask, feedback_values(fb_ptr, e) + err)
+        # the error at its full size (exact), one rounding with the sum
+        store_feedback(fb_ptr, own_first, lg, gmask, tl.fma(err, 2.0 ** K, feedback_values(fb_ptr, e)))
     return words, s_bits
 
 
@@ -109,12 +147,15 @@ def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr,
 @triton.jit
 def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, chunk_numel, G: tl.constexpr,
                  HADAMARD: tl.constexpr, ALIGNED: tl.constexpr):
-    """out = x + rot^-1(e) for groups ``lg`` of chunk ``j`` (e in wire order);
+    """out = x + rot(e) * OUTPUT_SCALE for groups ``lg`` of chunk ``j`` (e in
+    wire order), as ``quant.consume_reference``: saturated where x is finite;
     ``ALIGNED``: ``launch.rows_aligned`` of ``x`` and ``out``."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:
         SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty) and ALIGNED
-        e = fwht(e, G, SHUFFLE) * (1.0 / G)
+        e = fwht(e, G, SHUFFLE)
     x = to_f32(load_values(x_ptr, xi, xm, G))
-    store_values(out_ptr, xi, xm, from_f32(x + e, x_ptr.dtype.element_ty))
+    y = x + e * (2.0 ** LOG2_OUTPUT_SCALE)
+    y = tl.where(tl.abs(x) == float("inf"), y, clamp_finite(y, x_ptr.dtype.element_ty))
+    store_values(out_ptr, xi, xm, from_f32(y, x_ptr.dtype.element_ty))

@@ -47,6 +47,10 @@ CODE_BIAS = _F(8.0)
 NAN_BF16 = np.uint16(0x7FC0)
 #: fp32(1/127): the int8 feedback format's scale multiplier (quant.group_scales).
 FB_INV_QMAX = _F(float(quant.inv_qmax_f32(FEEDBACK_QMAX)))
+#: A group whose unrounded scale reaches this is non-finite (quant.BF16_SCALE_LIMIT).
+SCALE_LIMIT = _F(quant.BF16_SCALE_LIMIT)
+#: quant.OUTPUT_SCALE.
+OUTPUT_SCALE = _F(quant.OUTPUT_SCALE)
 #: Feedback buffer formats, as the loops are told them.
 FB_F32, FB_BF16, FB_INT8 = 0, 1, 2
 
@@ -105,8 +109,8 @@ def _fwht(u, g):
 @_njit
 def _group_scale(ub, g, inv_qmax, one, one_bits):
     """bf16 bits of ``quant.group_scales``' scale of the fp32 group whose
-    bits are ``ub[:g]``: ``NAN_BF16`` if it holds NaN or Inf (no finite
-    group rounds to it). ``one``/``one_bits`` are a 1-element fp32 array
+    bits are ``ub[:g]``: ``NAN_BF16`` if it holds NaN or Inf or its scale
+    reaches ``SCALE_LIMIT`` (no finite scale rounds to it). ``one``/``one_bits`` are a 1-element fp32 array
     and its uint32 view."""
     amax_bits = np.uint32(0)
     bad = False
@@ -120,6 +124,8 @@ def _group_scale(ub, g, inv_qmax, one, one_bits):
         return NAN_BF16
     one_bits[0] = amax_bits
     s32 = one[0] * inv_qmax
+    if not s32 < SCALE_LIMIT:  # it would round to infinity
+        return NAN_BF16
     if s32 < FLT_MIN:
         s32 = FLT_MIN
     one[0] = s32
@@ -127,10 +133,16 @@ def _group_scale(ub, g, inv_qmax, one, one_bits):
 
 
 @_njit
-def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
-    """Quantize ``u[:g]`` as ``quant.quantize_groups``; fills ``codes`` and
-    ``err``, returns the scale's bf16 bits (0x7FC0 for a non-finite group)."""
-    s_bits = _group_scale(ub, g, inv_qmax, one, one_bits)
+def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits, shift=0):
+    """Quantize ``u[:g]`` as ``quant.quantize_groups`` (``shift``: ``u`` holds
+    the values times 2**-shift; ``inv_qmax`` is the unshifted multiplier);
+    fills ``codes`` and ``err``, returns the scale's bf16 bits (0x7FC0 for a
+    non-finite group)."""
+    up = np.float64(2.0) ** shift  # exact powers of two
+    unit = _F(1.0 / up)
+    lim = qmax * unit
+    magic = MAGIC * unit
+    s_bits = _group_scale(ub, g, _F(inv_qmax * _F(up)), one, one_bits)
     if s_bits == NAN_BF16:
         for k in range(g):
             codes[k] = 8
@@ -141,29 +153,30 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits):
     inv = _F(1.0) / s
     for k in range(g):
         y = u[k] * inv
-        y = min(max(y, -qmax), qmax)
-        r = (y + MAGIC) - MAGIC
-        codes[k] = np.int32(r) + 8
+        y = min(max(y, -lim), lim)
+        r = (y + magic) - magic
+        codes[k] = np.int32(np.float64(r) * up) + 8
         err[k] = _F(np.float64(u[k]) - np.float64(r) * np.float64(s))  # one rounding (the product is exact)
     return s_bits
 
 
 @_njit
-def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate, scale=True):
+def _decode_group(wire, chunk_first, pb, lg, g, dst, one, one_bits, accumulate, scale=True, unit=_F(1.0)):
     """Dequantize group ``lg`` of the chunk at byte ``chunk_first`` into
-    ``dst`` (``dst += value`` if ``accumulate``; ``code - 8`` alone if not
-    ``scale``); returns the group's scale."""
+    ``dst`` (``dst += value * unit`` if ``accumulate``, ``unit`` a power of
+    two; ``code - 8`` alone if not ``scale``); returns the group's scale."""
     so = chunk_first + pb + 2 * lg
     one_bits[0] = (np.uint32(wire[so]) | (np.uint32(wire[so + 1]) << np.uint32(8))) << np.uint32(16)
     s = one[0]
+    su = s * unit  # exact: a bf16 scale times a power of two stays above fp32's last place
     po = chunk_first + lg * (g // 2)
     for k in range(g // 2):
         byte = wire[po + k]
         q0 = _F(byte & 0x0F) - CODE_BIAS
         q1 = _F(byte >> 4) - CODE_BIAS
-        if accumulate:  # dst + q * s rounded once (the product is exact)
-            dst[2 * k] = _F(np.float64(dst[2 * k]) + np.float64(q0) * np.float64(s))
-            dst[2 * k + 1] = _F(np.float64(dst[2 * k + 1]) + np.float64(q1) * np.float64(s))
+        if accumulate:  # dst + q * s * unit rounded once (the product is exact)
+            dst[2 * k] = _F(np.float64(dst[2 * k]) + np.float64(q0) * np.float64(su))
+            dst[2 * k + 1] = _F(np.float64(dst[2 * k + 1]) + np.float64(q1) * np.float64(su))
         elif scale:
             dst[2 * k] = q0 * s
             dst[2 * k + 1] = q1 * s
@@ -300,7 +313,8 @@ def _scratch(g):
 
 
 @_njit
-def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard):
+def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard,
+                prescale):
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
@@ -308,6 +322,8 @@ def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb,
         j = gi // groups_per_chunk
         src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
         _load_group(x, x_bf16, src, valid, u, ub, g)
+        for k in range(g):  # quant.input_scale (exact for 16-bit inputs)
+            u[k] = u[k] * prescale
         if hadamard:
             _fwht(u, g)
         if has_fb and incoming:
@@ -321,46 +337,56 @@ def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb,
 
 
 @_njit
-def _stage2_row(recv, p, fb, fbq, fb_kind, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax):
+def _stage2_row(recv, p, fb, fbq, fb_kind, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax, shift):
     acc, ab, e, eb, codes, one, one_bits = _scratch(g)
     err = np.empty(g, np.float32)
+    up = np.float64(2.0) ** shift
+    unit = _F(1.0 / up)
     for lg in range(c // g):
         for k in range(g):
             acc[k] = _F(0.0)
-        for i in range(p):
-            _decode_group(recv, i * cb, pb, lg, g, acc, one, one_bits, True)
-        s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits)
+        for i in range(p):  # the sum at 2**-shift of its size (quant.stage2_reference)
+            _decode_group(recv, i * cb, pb, lg, g, acc, one, one_bits, True, True, unit)
+        s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits, shift)
         if has_fb:
             gi = own * (c // g) + lg
             _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
-            for k in range(g):
-                e[k] = e[k] + err[k]
+            for k in range(g):  # the error at its full size, one rounding with the sum
+                e[k] = _F(np.float64(e[k]) + np.float64(err[k]) * up)
             _store_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         _write_group(out, 0, pb, lg, g, codes, s_bits)
 
 
 @_njit
-def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard):
+def _clamp(v, big):
+    """``v`` clamped to [-big, big]; NaN stays NaN."""
+    if v > big:
+        return big
+    if v < -big:
+        return -big
+    return v
+
+
+@_njit
+def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard, big):
     v, vb, _, _, _, one, one_bits = _scratch(g)
-    inv_g = _F(1.0) / _F(g)
     for j in range(p):
         for lg in range(c // g):
-            if hadamard:  # rot(q) * (scale / g): quant.output_reference
-                s = _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False, False)
+            # rot(q * OUTPUT_SCALE) * scale, saturated to +-big: quant.output_reference
+            s = _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False, False)
+            for k in range(g):
+                v[k] = v[k] * OUTPUT_SCALE
+            if hadamard:
                 _fwht(v, g)
-                sg = s * inv_g
-                for k in range(g):
-                    v[k] = v[k] * sg
-            else:
-                _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False)
+            for k in range(g):
+                v[k] = _clamp(v[k] * s, big)
             dst, valid = _message_group(j, lg, msg[0], msg[1], msg[2], g)
             _store_group(out, out_bf16, dst, valid, v, vb, g)
 
 
 @_njit
-def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard):
+def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard, big):
     u, ub, e, eb, _, one, one_bits = _scratch(g)
-    inv_g = _F(1.0) / _F(g)
     groups_per_chunk = c // g
     for gi in range(p * groups_per_chunk):
         j = gi // groups_per_chunk
@@ -370,11 +396,10 @@ def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard):
         _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         if hadamard:
             _fwht(e, g)
-            for k in range(g):
-                e[k] = e[k] * inv_g
         _load_group(x, x_bf16, src, valid, u, ub, g)
-        for k in range(valid):
-            u[k] = u[k] + e[k]
+        for k in range(valid):  # x + rot(e) * OUTPUT_SCALE, saturated where x is finite
+            y = u[k] + e[k] * OUTPUT_SCALE
+            u[k] = y if abs(u[k]) == np.inf else _clamp(y, big)
         _store_group(out, x_bf16, src, valid, u, ub, g)
 
 
@@ -429,11 +454,12 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     wire_np = wire.numpy()
+    c = _F(quant.input_scale(layout.group_size, bool(hadamard)))
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
         _stage1_row(xr, x_bf16, launch.message_ints(layout), fb[r], fbq[r], kind,
                     feedback is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
-                    layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard))
+                    layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard), c)
     return wire
 
 
@@ -457,7 +483,7 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
     for r in range(rows):
         _stage2_row(recv_np[r].reshape(-1), p, fb[r], fbq[r], kind, feedback is not None,
                     int(own_chunks[r]), out_np[r], layout.chunk_numel, layout.chunk_bytes,
-                    layout.payload_bytes, layout.group_size, q, inv_q)
+                    layout.payload_bytes, layout.group_size, q, inv_q, quant.stage2_shift(p))
     return wire
 
 
@@ -471,7 +497,8 @@ def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
     buf = torch.empty(layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     dst = buf.numpy().view(np.uint16) if bf16 else buf.numpy()
     _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, launch.message_ints(layout),
-                layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard))
+                layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard),
+                _F(torch.finfo(out_dtype).max))
     y = buf.view(torch.bfloat16) if bf16 else buf.to(out_dtype)
     if out is None:
         return y
@@ -492,7 +519,7 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     for r in range(rows):
         xr, _ = _as_loop_input(x[r])
         _consume_row(xr, bf16, launch.message_ints(layout), fb[r], fbq[r], kind, res_np[r], layout.world_size,
-                      layout.chunk_numel, layout.group_size, bool(hadamard))
+                      layout.chunk_numel, layout.group_size, bool(hadamard), _F(torch.finfo(x.dtype).max))
     y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
     if out is None:
         return y

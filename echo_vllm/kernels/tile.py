@@ -37,21 +37,33 @@ gives the same bits:
 * butterflies run in the order of ``echo_vllm.rotation.fwht`` (stride 1, 2,
   4, ...; outputs ``(a + b, a - b)``); a cross-lane one is
   ``fma(+-1, mine, partner)``, exactly ``a + b`` or ``a - b``.
+* a power of two the reference multiplies by is folded into an operation
+  the kernel makes anyway wherever that gives the same bits: stage 1's
+  ``x * input_scale`` (exact for 16-bit inputs) into the first butterflies
+  (:func:`fwht`'s ``PRESCALE``) or the add of the carried error; stage 2's
+  ``2**-k`` and the output's ``OUTPUT_SCALE`` into the exponent under which
+  the codes are unpacked (:func:`codes_of`'s ``UNIT``), the quantizer's
+  multiplier and magic number (:func:`quantize`'s ``SHIFT``) and the
+  ``fma`` that adds stage 2's error to the buffer.
+* outputs saturate (``quant.saturate``): compiled, a 16-bit cast is one
+  ``cvt.rn.satfinite`` per two values, as the plain cast.
 * compiled, the output decode to bf16 of groups up to 32 runs in bf16x2
-  (:func:`_packed_output_asm`, two values a register, about 6 instructions
-  a value instead of 11) and gives the fp32 path's bits: with ``u = 1/G``
-  (1 without rotation) every intermediate is an integer multiple of ``u``
+  (:func:`_packed_output_asm`, two values a register, about 6.5 instructions
+  a value instead of 11) and gives the fp32 path's bits: with ``u =
+  OUTPUT_SCALE`` (2) every intermediate is an integer multiple of ``u``
   of at most 256 in magnitude (8 significant bits), exact in bf16, so the
   butterflies may run in any order; a code decodes as ``magic | c`` =
   ``2**7 u + c u`` (the magic's unit in the last place is ``u``) and loses
   its offset in the first butterfly (``x0 - x1``; ``2 x0 - 2 off - (x0 -
   x1)``); the one rounding is ``(n u) * scale``, the exact real
-  ``n * scale / G`` rounded to nearest even with subnormals kept -- the
-  fp32 path's exact product then cast. Taking ``u`` into the codes rather
-  than ``scale / G`` into the scale keeps that true for every scale (``scale
-  / G`` is inexact in bf16 below ``2**-126 * G``). Zero signs match (no
-  intermediate is -0; ``+0 * scale + -0`` has the sign of the scale) and
-  NaN or infinite scales give NaN or infinities as the fp32 path does.
+  ``2 n * scale`` rounded to nearest even with subnormals kept -- the
+  fp32 path's exact product then cast -- and ``min.NaN.xorsign.abs`` with
+  bf16 max saturates it as ``cvt.rn.satfinite`` would (an infinity from
+  the rounding becomes bf16 max, a NaN stays NaN). Taking ``u`` into the
+  codes rather than into the scale keeps that true for every scale (a
+  scale times 2 would overflow bf16 at the top of its range). Zero signs
+  match (no intermediate is -0; ``+0 * scale + -0`` has the sign of the
+  scale) and NaN scales give NaN as the fp32 path does.
   ``tests/kernels/test_packed_output.py`` runs the PTX in an emulator
   against the reference on every bf16 scale.
 """
@@ -65,7 +77,9 @@ import triton.language as tl
 from triton import knobs
 
 from ..quant import ALIGN_GROUPS as _ALIGN_GROUPS
+from ..quant import BF16_SCALE_LIMIT as _BF16_SCALE_LIMIT
 from ..quant import FEEDBACK_QMAX, inv_qmax_f32
+from ..quant import OUTPUT_SCALE as _OUTPUT_SCALE
 
 #: Compiled (not Triton's interpreter): hardware conversions and lane shuffles.
 COMPILED: tl.constexpr = tl.constexpr(not knobs.runtime.interpret)
@@ -78,6 +92,8 @@ RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 FLT_MIN: tl.constexpr = tl.constexpr(2.0**-126)
 #: bf16 NaN written for the scale of a non-finite group (torch's NaN bits).
 BF16_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC0)
+#: bf16's largest finite value, as bits (what outputs saturate to).
+BF16_MAX_BITS: tl.constexpr = tl.constexpr(0x7F7F)
 #: Eight codes of value 0 (code 8 each): a non-finite group's word.
 ZERO_WORD: tl.constexpr = tl.constexpr(0x88888888)
 #: float(0x4B000000 | code) == 2**23 + code; minus this gives code - 8.
@@ -86,6 +102,10 @@ CODE_MAGIC: tl.constexpr = tl.constexpr(8388616.0)
 ALIGN_GROUPS: tl.constexpr = tl.constexpr(_ALIGN_GROUPS)
 #: fp32(1/127): the int8 feedback format's scale multiplier (``quant.group_scales``).
 FB_INV_QMAX: tl.constexpr = tl.constexpr(float(inv_qmax_f32(FEEDBACK_QMAX)))
+#: A group whose unrounded scale reaches this is non-finite (``quant.BF16_SCALE_LIMIT``).
+BF16_SCALE_LIMIT: tl.constexpr = tl.constexpr(_BF16_SCALE_LIMIT)
+#: log2 of ``quant.OUTPUT_SCALE``: decoded codes come out times 2**this.
+LOG2_OUTPUT_SCALE: tl.constexpr = tl.constexpr(int(_OUTPUT_SCALE).bit_length() - 1)
 
 
 # -- conversions -------------------------------------------------------------
@@ -127,6 +147,43 @@ def from_f32(v, dtype: tl.constexpr):
         return v.to(tl.float16)
     else:
         return v
+
+
+@triton.constexpr_function
+def _finite_max(dtype) -> float:
+    """The largest finite value of the float type ``dtype``."""
+    if dtype.is_bf16():
+        return float.fromhex("0x1.fep127")
+    if dtype.is_fp16():
+        return 65504.0
+    return float.fromhex("0x1.fffffep127")
+
+
+@triton.jit
+def clamp_finite(v, dtype: tl.constexpr):
+    """fp32 ``v`` clamped to ``dtype``'s finite range (NaN stays NaN)."""
+    big: tl.constexpr = _finite_max(dtype)
+    return tl.clamp(v, -big, big, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def saturate(v, dtype: tl.constexpr, PAIRS: tl.constexpr = False):
+    """fp32 -> ``dtype`` as ``quant.saturate``: round to nearest even, values
+    beyond the finite range (infinities too) to its largest finite value of
+    their sign, NaN stays NaN. Compiled, on a tile in the lane layout
+    (``PAIRS``: a lane's values in pairs), 16-bit types convert two values
+    in one ``cvt.rn.satfinite`` (as the plain conversion, plus a byte
+    permute a pair to put the halves in memory order); otherwise
+    :func:`clamp_finite`, then the cast (the same bits)."""
+    if COMPILED and PAIRS and dtype == tl.bfloat16:
+        # cvt's first source goes to the upper half: element 1 ($2), element 0 ($1) below
+        return tl.inline_asm_elementwise("cvt.rn.satfinite.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif COMPILED and PAIRS and dtype == tl.float16:
+        return tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;", "=r,r,r", [v],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        return from_f32(clamp_finite(v, dtype), dtype)
 
 
 # -- addressing --------------------------------------------------------------
@@ -399,17 +456,29 @@ def lane_partner(v, M: tl.constexpr, L: tl.constexpr, SHUFFLE: tl.constexpr):
 
 
 @triton.jit
-def fwht(v, G: tl.constexpr, SHUFFLE: tl.constexpr = False):
+def fwht(v, G: tl.constexpr, SHUFFLE: tl.constexpr = False, PRESCALE: tl.constexpr = 1.0):
     """Unnormalized Walsh-Hadamard transform of each group of ``v [BG, L, V]``,
     butterfly for butterfly as ``echo_vllm.rotation.fwht``: strides below
     ``V`` in registers (split/join), the others across lanes (shuffles when
-    ``SHUFFLE``, see :func:`lane_partner`)."""
+    ``SHUFFLE``, see :func:`lane_partner`).
+
+    ``PRESCALE`` (a power of two): the transform of ``v * PRESCALE``, the
+    products fused into the first butterflies, ``fma(b, c, a * c)`` and
+    ``fma(b, -c, a * c)`` (one instruction a pair more than the plain
+    butterflies, half of a multiply per value): the bits of ``fwht(v * c)``
+    wherever ``a * c`` is exact, i.e. for every value of a 16-bit input
+    (the caller's business: an fp32 input multiplies first)."""
     BG: tl.constexpr = v.shape[0]
     L: tl.constexpr = G // V
     for i in tl.static_range(3):  # strides h = 1, 2, 4 (V = 8)
         w = tl.permute(tl.reshape(v, (BG, L, V // (2 << i), 2, 1 << i)), (0, 1, 2, 4, 3))
         a, b = tl.split(w)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BG, L, V))
+        if i == 0 and PRESCALE != 1.0:
+            ac = a * PRESCALE  # in a's register: the pair needs no third one
+            v = tl.reshape(tl.permute(tl.join(tl.fma(b, PRESCALE, ac), tl.fma(b, -PRESCALE, ac)), (0, 1, 2, 4, 3)),
+                           (BG, L, V))
+        else:
+            v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (BG, L, V))
     lane = tl.arange(0, L)[None, :, None]
     for i in tl.static_range(4):  # strides 8, 16, 32, 64: lane masks 1, 2, 4, 8
         if (1 << i) < L:
@@ -437,20 +506,23 @@ def group_amax(u):
 def group_scale(u, INV_QMAX: tl.constexpr):
     """``(good, scale bits uint16, scale fp32, 1 / scale)``, each ``[BG]``, of
     the groups of fp32 ``u [BG, L, V]`` for codes in ``[-qmax, qmax]``, as
-    ``quant.group_scales``: ``bf16(max(amax * INV_QMAX, FLT_MIN))``, one
-    correctly rounded division; ``good`` false for a group holding NaN or
-    Inf (whose scale bits the caller replaces by NaN)."""
+    ``quant.group_scales`` (``INV_QMAX``: its multiplier, ``fp32(1/qmax) *
+    2**shift``): ``bf16(max(amax * INV_QMAX, FLT_MIN))``, one correctly
+    rounded division; ``good`` false for a group holding NaN or Inf or whose
+    scale would round to infinity (the caller replaces its bits by NaN)."""
     amax = group_amax(u)
-    good = amax < float("inf")  # false for inf and NaN
-    s_bits = f32_to_bf16_bits(tl.maximum(amax * INV_QMAX, FLT_MIN))
+    s32 = amax * INV_QMAX
+    good = s32 < BF16_SCALE_LIMIT  # false for inf and NaN too
+    s_bits = f32_to_bf16_bits(tl.maximum(s32, FLT_MIN))
     s = bf16_bits_to_f32(s_bits)
     return good, s_bits, s, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
 
 @triton.jit
-def quantize(u, INV_QMAX: tl.constexpr):
+def quantize(u, INV_QMAX: tl.constexpr, SHIFT: tl.constexpr = 0):
     """Group-quantize fp32 ``u [BG, L, V]`` as ``quant.quantize_groups``
-    (round to nearest).
+    (round to nearest; ``u`` holds the values times ``2**-SHIFT``: the scale's
+    multiplier and the rounding's magic number are scaled, nothing else).
 
     Returns ``(words uint32 [BG, L], scale bits uint16 [BG], err fp32 [BG, L, V])``:
     a lane's ``V`` codes packed in one word (value ``k`` in bits ``4k..4k+3``).
@@ -458,12 +530,13 @@ def quantize(u, INV_QMAX: tl.constexpr):
     ``scale >= amax / qmax * (1 - 2**-9)`` bounds it by ``qmax + 0.03``,
     which rounds to ``qmax`` anyway.
     """
-    good, s_bits, s, inv = group_scale(u, INV_QMAX)
-    t = u * inv[:, None, None] + RNE_MAGIC
-    r = t - RNE_MAGIC
+    good, s_bits, s, inv = group_scale(u, INV_QMAX * 2.0 ** SHIFT)
+    MAGIC: tl.constexpr = RNE_MAGIC * 2.0 ** -SHIFT
+    t = u * inv[:, None, None] + MAGIC
+    r = t - MAGIC
     err = tl.where(good[:, None, None], tl.fma(r, -s[:, None, None], u), 0.0)
-    # t = 1.5 * 2**23 + r exactly: its low 4 bits are r mod 16, and
-    # (r mod 16) ^ 8 = r + 8, the code
+    # t = 1.5 * 2**(23 - SHIFT) + r exactly, its last place 2**-SHIFT: its
+    # low 4 bits are the code's r mod 16, and (r mod 16) ^ 8 = r + 8, the code
     words = tl.where(good[:, None], pack_codes(t.to(tl.uint32, bitcast=True) & 0xF) ^ ZERO_WORD, ZERO_WORD)
     return words, tl.where(good, s_bits, BF16_NAN_BITS).to(tl.uint16), err
 
@@ -492,36 +565,48 @@ def _values8(v0, v1, v2, v3, v4, v5, v6, v7):
     return tl.reshape(tl.join(a, b), (v0.shape[0], v0.shape[1], V))
 
 
+@triton.constexpr_function
+def _field_exponent(UNIT: int) -> int:
+    """The fp32 exponent bits of 2**(23 + UNIT): a 23-bit mantissa under
+    them counts in units of 2**UNIT."""
+    return (127 + 23 + UNIT) << 23
+
+
 @triton.jit
-def _nibble_fields(words):
+def _nibble_fields(words, UNIT: tl.constexpr = 0):
     """``(lo, hi)``: the word's low and high 16 bits as the mantissa of
-    2**23 (exponent bits set): one AND then isolates a code in place."""
-    return (words & 0xFFFF) | 0x4B000000, (words >> 16) | 0x4B000000
+    2**(23 + UNIT) (exponent bits set): one AND then isolates a code in
+    place, in units of 2**UNIT."""
+    E: tl.constexpr = _field_exponent(UNIT)
+    return (words & 0xFFFF) | E, (words >> 16) | E
 
 
 @triton.jit
-def _code_shifted(fields, K: tl.constexpr):
-    """``(code - 8) * 16**(K % 4)`` of value ``K`` of each word (exact):
-    float(2**23 + code * 16**k) - (2**23 + 8 * 16**k), the code masked in
-    place in its 16-bit half (:func:`_nibble_fields`): one AND, no shift."""
+def _code_shifted(fields, K: tl.constexpr, UNIT: tl.constexpr = 0):
+    """``(code - 8) * 16**(K % 4) * 2**UNIT`` of value ``K`` of each word
+    (exact): float(2**(23 + UNIT) + code * 16**k * 2**UNIT) minus its
+    offset, the code masked in place in its 16-bit half
+    (:func:`_nibble_fields` of the same ``UNIT``): one AND, no shift."""
     lo, hi = fields
     w = lo if K < 4 else hi
     k: tl.constexpr = K % 4
-    return (w & (0x4B000000 | (0xF << (4 * k)))).to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (16 ** k))
+    E: tl.constexpr = _field_exponent(UNIT)
+    return (w & (E | (0xF << (4 * k)))).to(tl.float32, bitcast=True) - (2.0 ** (23 + UNIT) + 8.0 * (16 ** k) * 2.0 ** UNIT)
 
 
 @triton.jit
-def _code(fields, K: tl.constexpr):
-    """``code - 8`` of value ``K`` (exact): :func:`_code_shifted` times 16**-k."""
-    return _code_shifted(fields, K) * (1.0 / (16 ** (K % 4)))
+def _code(fields, K: tl.constexpr, UNIT: tl.constexpr = 0):
+    """``(code - 8) * 2**UNIT`` of value ``K`` (exact): :func:`_code_shifted` times 16**-k."""
+    return _code_shifted(fields, K, UNIT) * (1.0 / (16 ** (K % 4)))
 
 
 @triton.jit
-def codes_of(words):
-    """``[BG, L]`` words -> ``[BG, L, V]`` fp32 ``code - 8`` (exact)."""
-    f = _nibble_fields(words)
-    return _values8(_code(f, 0), _code(f, 1), _code(f, 2), _code(f, 3), _code(f, 4), _code(f, 5), _code(f, 6),
-                    _code(f, 7))
+def codes_of(words, UNIT: tl.constexpr = 0):
+    """``[BG, L]`` words -> ``[BG, L, V]`` fp32 ``(code - 8) * 2**UNIT``
+    (exact; the power of two costs nothing: :func:`_nibble_fields`)."""
+    f = _nibble_fields(words, UNIT)
+    return _values8(_code(f, 0, UNIT), _code(f, 1, UNIT), _code(f, 2, UNIT), _code(f, 3, UNIT), _code(f, 4, UNIT),
+                    _code(f, 5, UNIT), _code(f, 6, UNIT), _code(f, 7, UNIT))
 
 
 # -- the wire ----------------------------------------------------------------
@@ -590,18 +675,19 @@ def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.cons
 
 
 @triton.jit
-def accumulate_chunk(acc, wp, sp, gmask):
-    """``acc + dequant(chunk groups)`` at the pointers of :func:`chunk_lanes`
-    with one rounding per value (the product of a code and a scale is
-    exact). Value k's code comes scaled by 16**(k % 4)
+def accumulate_chunk(acc, wp, sp, gmask, UNIT: tl.constexpr = 0):
+    """``acc + dequant(chunk groups) * 2**UNIT`` at the pointers of
+    :func:`chunk_lanes` with one rounding per value (the product of a code
+    and a scale is exact). Value k's code comes scaled by 16**(k % 4) * 2**UNIT
     (:func:`_code_shifted`) and meets the scale times 16**-(k % 4) (exact:
     a power of two, kept subnormal if need be): the same product, one
     instruction fewer per value."""
     words, s = load_lanes(wp, sp, gmask)
     s1, s2, s3 = s * 0.0625, s * 0.00390625, s * 0.000244140625
-    f = _nibble_fields(words)
-    q = _values8(_code_shifted(f, 0), _code_shifted(f, 1), _code_shifted(f, 2), _code_shifted(f, 3),
-                 _code_shifted(f, 4), _code_shifted(f, 5), _code_shifted(f, 6), _code_shifted(f, 7))
+    f = _nibble_fields(words, UNIT)
+    q = _values8(_code_shifted(f, 0, UNIT), _code_shifted(f, 1, UNIT), _code_shifted(f, 2, UNIT),
+                 _code_shifted(f, 3, UNIT), _code_shifted(f, 4, UNIT), _code_shifted(f, 5, UNIT),
+                 _code_shifted(f, 6, UNIT), _code_shifted(f, 7, UNIT))
     return tl.fma(q, _values8(s, s1, s2, s3, s, s1, s2, s3), acc)
 
 
@@ -623,25 +709,31 @@ def _bf16x2(x: float) -> int:
 
 
 @triton.constexpr_function
-def _packed_top(G: int, HADAMARD: bool) -> tuple[float, float]:
+def _packed_top() -> tuple[float, float]:
     """``(top, u)``: a power of two and its bf16 unit in the last place,
-    ``u = 1 / G`` with rotation (1 without)."""
-    k = _log2(G) if HADAMARD else 0
-    return 2.0 ** (7 - k), 2.0 ** -k
+    ``u = quant.OUTPUT_SCALE`` (with rotation or without)."""
+    u = 2.0 ** LOG2_OUTPUT_SCALE.value
+    return 2.0**7 * u, u
 
 
 @triton.constexpr_function
-def _packed_magic(G: int, HADAMARD: bool) -> int:
+def _packed_magic() -> int:
     """bf16x2 ``top`` (:func:`_packed_top`): ``magic | c`` in a half is
     ``top + c * u``, exactly."""
-    return _bf16x2(_packed_top(G, HADAMARD)[0])
+    return _bf16x2(_packed_top()[0])
 
 
 @triton.constexpr_function
-def _packed_offset(G: int, HADAMARD: bool) -> float:
+def _packed_offset() -> float:
     """``top + 8 u``: a decoded half minus this is ``(code - 8) * u``."""
-    top, u = _packed_top(G, HADAMARD)
+    top, u = _packed_top()
     return top + 8.0 * u
+
+
+@triton.constexpr_function
+def _bf16x2_bits(b: int) -> int:
+    """Both halves of a 32-bit word hold the bf16 of bits ``b``."""
+    return b | b << 16
 
 
 @triton.constexpr_function
@@ -657,13 +749,17 @@ def _packed_output_asm(G: int, HADAMARD: bool) -> str:
     (the codes of values ``k, k + 4`` in bits 0..3 and 16..19), ``$12`` the
     scale in both halves, ``$16`` and ``$24`` the butterfly signs of lane
     masks 1 and 2 (:func:`_lane_signs`). All arithmetic is ``fma.rn.bf16x2``
-    (sm_80 has no bf16x2 add or mul; ptxas picks HADD2/HMUL2 where it can)."""
-    off = _packed_offset(G, HADAMARD)
-    consts = (f"magic, {_packed_magic(G, HADAMARD):#010x}", f"one, {_bf16x2(1.0):#010x}",
+    (sm_80 has no bf16x2 add or mul; ptxas picks HADD2/HMUL2 where it can),
+    but the saturation: ``min.NaN.xorsign.abs.bf16x2`` with bf16 max, the
+    magnitude clamped, the sign and NaN kept (sm_86 and later)."""
+    off = _packed_offset()
+    consts = (f"magic, {_packed_magic():#010x}", f"one, {_bf16x2(1.0):#010x}",
               f"mone, {_bf16x2(-1.0):#010x}", f"two, {_bf16x2(2.0):#010x}", f"mzero, {_bf16x2(-0.0):#010x}",
-              f"moff, {_bf16x2(-off):#010x}", f"moff2, {_bf16x2(-2.0 * off):#010x}")
-    asm = ("{ .reg .b32 magic, one, mone, two, mzero, moff, moff2, p, e, x0, x1, x2, x3, a0, a1, a2, a3, "
-           "b0, b1, b2, b3, m0, m1, m2, m3, y0, y1, y2, y3; " + "".join(f"mov.b32 {c}; " for c in consts))
+              f"moff, {_bf16x2(-off):#010x}", f"moff2, {_bf16x2(-2.0 * off):#010x}",
+              f"big, {_bf16x2_bits(BF16_MAX_BITS.value):#010x}")
+    asm = ("{ .reg .b32 magic, one, mone, two, mzero, moff, moff2, big, p, e, x0, x1, x2, x3, a0, a1, a2, a3, "
+           "b0, b1, b2, b3, m0, m1, m2, m3, y0, y1, y2, y3, z0, z1, z2, z3; "
+           + "".join(f"mov.b32 {c}; " for c in consts))
     for i in range(4):  # magic | code of values i, i + 4 (one LOP3: (w & 0x000F000F) | magic)
         asm += f"lop3.b32 x{i}, ${i + 4}, 0x000F000F, magic, 0xEA; "
     if HADAMARD:
@@ -687,8 +783,8 @@ def _packed_output_asm(G: int, HADAMARD: bool) -> str:
     if HADAMARD:
         for i in (0, 1):  # stride 4, now between registers
             asm += _fma(f"y{i}", f"m{i + 2}", "one", f"m{i}") + _fma(f"y{i + 2}", f"m{i + 2}", "mone", f"m{i}")
-    for i in range(4):  # the one rounding: (n u) * scale (+ -0 keeps the product's zero sign)
-        asm += _fma(f"${i}", f"y{i}", "$12", "mzero")
+    for i in range(4):  # the one rounding: (n u) * scale (+ -0 keeps the product's zero sign), saturated
+        asm += _fma(f"z{i}", f"y{i}", "$12", "mzero") + f"min.NaN.xorsign.abs.bf16x2 ${i}, z{i}, big; "
     return asm + "}"
 
 
@@ -738,14 +834,14 @@ def decode_output(words, s, dtype: tl.constexpr, G: tl.constexpr, HADAMARD: tl.c
                   SHUFFLE: tl.constexpr = False):
     """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
     :func:`load_chunk_groups` returns them) as ``quant.output_reference``,
-    in ``dtype``: ``fwht(q) * (scale / G)`` with rotation, else ``q * scale``
-    (each exact until this one product), rounded to ``dtype``; compiled,
-    bf16 of groups up to 32 in bf16x2 (:func:`_decode_output_bf16`)."""
+    in ``dtype``: ``fwht(2 q) * scale`` with rotation, else ``2 q * scale``
+    (``quant.OUTPUT_SCALE``; each exact until this one product), saturated
+    to ``dtype`` (:func:`saturate`); compiled, bf16 of groups up to 32 in
+    bf16x2 (:func:`_decode_output_bf16`)."""
     if COMPILED and SHUFFLE and dtype == tl.bfloat16 and G <= 32:
         return _decode_output_bf16(words, s, G, HADAMARD)
     else:
-        q = codes_of(words)
+        q = codes_of(words, LOG2_OUTPUT_SCALE)
         if HADAMARD:
-            return from_f32(fwht(q, G, SHUFFLE) * (s * (1.0 / G))[:, :, None], dtype)
-        else:
-            return from_f32(q * s[:, :, None], dtype)
+            q = fwht(q, G, SHUFFLE)
+        return saturate(q * s[:, :, None], dtype, SHUFFLE)

@@ -2,6 +2,8 @@
 virtual ranks: same bits everywhere, error within the derived bound, clear
 errors for bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -182,3 +184,79 @@ def test_each_rank_alone_computes_the_virtual_ranks_bits():
     # every rank's all-gather assembles these same bytes (chunk i from rank
     # i), and decoding is a pure function of them: one decode covers all ranks
     assert torch.equal(quant.output_reference(torch.stack(chunks), lay, torch.bfloat16, hadamard=True), y)
+
+
+# -- any shape, dtype and magnitude: finite in, finite out, every CPU backend the same --
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from support.extremes import PATTERNS, extreme_inputs  # noqa: E402
+
+from echo_vllm.config import FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES  # noqa: E402
+
+try:
+    import numba  # noqa: F401
+except Exception:  # pragma: no cover - depends on the installation
+    CPU_BACKENDS = ("reference",)
+else:
+    CPU_BACKENDS = ("reference", "numba")
+
+
+def _scaled_inputs(world, rows, cols, dtype, seed, log2_magnitude):
+    """Log-normal values around 2**log2_magnitude, clipped to max / P per
+    rank (so the exact sum is within the range), of ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.finfo(dtype).max
+    x = torch.randn(world, rows, cols, generator=gen, dtype=torch.float64)
+    x = x * torch.exp(2 * torch.randn(world, rows, 1, generator=gen, dtype=torch.float64)) * 2.0**log2_magnitude
+    return x.clamp(-big / world, big / world).to(dtype)
+
+
+@st.composite
+def echo_calls(draw):
+    """A chain of 1-3 calls on P virtual ranks: group size, dtype, rotation,
+    feedback format, message shape, and per call an input pattern of
+    support.extremes or log-normal values at any magnitude of the dtype."""
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    world = draw(st.sampled_from([2, 3, 4, 8]))
+    rows, cols = draw(st.integers(1, 3)), draw(st.integers(1, 300))
+    fi = torch.finfo(dtype)
+    lo, hi = int(math.log2(fi.tiny * fi.eps)), int(math.log2(fi.max))
+    xs = []
+    for _ in range(draw(st.integers(1, 3)) + 1):  # the last one is absorbed by an exact call
+        seed = draw(st.integers(0, 2**16))
+        pattern = draw(st.sampled_from((*PATTERNS, "scaled")))
+        if pattern == "scaled":
+            xs.append(_scaled_inputs(world, rows, cols, dtype, seed, draw(st.integers(lo, hi))))
+        else:  # rows of a 12-row sweep (or of cancelling pairs, subnormals), any of its magnitudes
+            picked = draw(st.lists(st.integers(0, 11), min_size=rows, max_size=rows))
+            xs.append(extreme_inputs(pattern, world, 12, cols, dtype, seed)[:, picked])
+    cfg = dict(group_size=draw(st.sampled_from(SUPPORTED_GROUP_SIZES)), hadamard=draw(st.booleans()),
+               feedback_dtype=draw(st.sampled_from(FEEDBACK_DTYPES)))
+    return world, cfg, xs
+
+
+def _run_chain(world, cfg, xs, backend):
+    config = EchoConfig(min_bytes=0, first_exact_calls=0, backend=backend, **cfg)
+    ar = EchoAllReduce(config, VirtualTransport(world))
+    chain = FeedbackChain.of(config, world, "cpu")
+    outs = [ar.all_reduce(x, chain, t) for t, x in enumerate(xs[:-1])]
+    return outs + [ar.absorb(xs[-1], chain, len(xs) - 1)]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(echo_calls())
+def test_any_finite_input_gives_finite_outputs_the_same_on_every_cpu_backend(case):
+    """Echo calls of any shape, dtype, group size and magnitude (inputs
+    finite, each call's exact sum within the range, P <= 8: the envelope of
+    quant's Range section): every output is finite, every rank's input plus
+    the carried error an exact call absorbs is finite, and the numba loops
+    give the references' bits."""
+    world, cfg, xs = case
+    results = {b: _run_chain(world, cfg, xs, b) for b in CPU_BACKENDS}
+    for t, y in enumerate(results["reference"]):
+        assert torch.isfinite(y).all(), f"call {t} of {len(xs)} ({cfg}, P={world}, {xs[t].dtype}): non-finite"
+    for b in CPU_BACKENDS[1:]:
+        for t, (a, r) in enumerate(zip(results[b], results["reference"])):
+            assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                               r.view(torch.int16 if r.element_size() == 2 else torch.int32)), f"{b}, call {t}"

@@ -19,10 +19,12 @@ from echo_vllm import (
 )
 from echo_vllm.quant import (
     ALIGN_GROUPS,
+    OUTPUT_SCALE,
     decode_chunks,
     feedback_block_bytes,
     feedback_row_len,
     from_wire_order,
+    input_scale,
     read_feedback,
     to_wire_order,
 )
@@ -81,18 +83,20 @@ def _echo_call_slack(xs, y, rec, e_in, e_out, lay, *, hadamard, incoming) -> tor
     counted anyway); the stage-2 fp32 sum in rank order (U_32 per partial
     sum, |partial_k| <= sum_{r<=k} |D1_r|); the stage-1 error stored in the
     buffer dtype (u_store |E1_r|); the owner's E1 + err2 in fp32, then
-    stored ((U_32 (1 + u_store) + u_store) |E_out|); the inverse rotation W/g
-    of the sum (gamma_5 sum_grp |D2| / g; /g is a power of two) and the cast
-    to y's dtype (u_out |y|). The inverse rotation maps a rotated-domain
-    error v to |(W v / g)_i| <= sum_grp |v| / g. Everything is computed in
-    wire order (the buffers' order) and returned in the message's order.
+    stored ((U_32 (1 + u_store) + u_store) |E_out|); the inverse rotation
+    2 W of the sum (gamma_5 2 sum_grp |D2|; the 2 is a power of two) and the
+    cast to y's dtype (u_out |y|). The wire domain holds rot(x_r * c)
+    (c = quant.input_scale: exact), so |rot(x_r c)| <= c sum_grp |x_r|, and
+    the output maps a wire-domain error v to |(2 W v)_i| <= 2 sum_grp |v|
+    (2 |v_i| without rotation). Everything is computed in wire order (the
+    buffers' order) and returned in the message's order.
     """
     n, np_, c = lay.numel, lay.padded_numel, lay.chunk_numel
     u_store = 0.0 if e_out.dtype == torch.float32 else U_B
     u_out = 0.0 if y.dtype == torch.float32 else torch.finfo(y.dtype).eps / 2
     gam = GAMMA_5 if hadamard else 0.0
-    x_abs = to_wire_order(xs.double().reshape(P, n).abs(), lay)
-    rx = _group_abs_sum(x_abs) if hadamard else x_abs  # >= |rot(x_r)|
+    x_abs = to_wire_order(xs.double().reshape(P, n).abs(), lay) * input_scale(G, hadamard)
+    rx = _group_abs_sum(x_abs) if hadamard else x_abs  # >= |rot(x_r c)|
     d1 = decode_chunks(rec["sent"], lay).reshape(P, np_).double().abs()
     d2 = decode_chunks(rec["gathered"], lay).reshape(np_).double().abs()
     e1 = rec["fb1"][:, :np_].double().abs()
@@ -107,22 +111,22 @@ def _echo_call_slack(xs, y, rec, e_in, e_out, lay, *, hadamard, incoming) -> tor
     slack += U_32 * ((1 + u_store) * e1.sum(0) + (1 + 2**-7) * e_own + e1_own)
     slack += u_store * e1.sum(0) + (U_32 * (1 + u_store) + u_store) * e_own
     if hadamard:
-        slack = (_group_abs_sum(slack) + gam * _group_abs_sum(d2)) / G
+        slack = _group_abs_sum(slack) + gam * _group_abs_sum(d2)
     # (1 + 2^-20) covers the (1 + u)^k growth of the magnitudes bounded above
-    slack = from_wire_order(slack.unsqueeze(0), lay)[0]
+    slack = OUTPUT_SCALE * from_wire_order(slack.unsqueeze(0), lay)[0]
     return slack * (1 + 2**-20) + u_out * y.double().reshape(n).abs()
 
 
 def _exact_call_slack(absorbed, y, e_in, lay, *, hadamard) -> torch.Tensor:
     """Per-element bound [numel] on |y - S - rot^-1(E_in)| for the exact call
-    that consumes E_in (bf16 inputs): per rank, rot^-1(E_in) in fp32
-    (gamma_5 sum_grp |E| / g), x + that in fp32 (U_32), rounded to bf16
+    that consumes E_in (bf16 inputs): per rank, rot^-1(E_in) = 2 W(E_in) in
+    fp32 (gamma_5 2 sum_grp |E|), x + that in fp32 (U_32), rounded to bf16
     (U_B |absorbed|); the fp32 rank-order sum (U_32 per partial sum, each <=
     sum |absorbed|) and its bf16 rounding (U_B |y|)."""
     n = y.numel()
     a = absorbed.double().reshape(P, n).abs().sum(0)
     e_abs = _group_abs_sum(e_in[:, : lay.padded_numel].double())
-    rot = GAMMA_5 * from_wire_order(e_abs, lay).sum(0) / G if hadamard else 0.0
+    rot = GAMMA_5 * OUTPUT_SCALE * from_wire_order(e_abs, lay).sum(0) if hadamard else 0.0
     rounded = rot + (U_B + U_32 * (1 + 2**-7)) * a + (P - 1) * U_32 * a
     return rounded * (1 + 2**-20) + U_B * y.double().reshape(n).abs()
 
@@ -186,10 +190,11 @@ def test_telescoping_identity_holds_exactly():
         )
         res += y.double().reshape(-1)
         ref += xs.double().sum(0).reshape(-1)
-        carried = from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double(), lay).sum(0)
+        # the buffer holds the error at 1 / OUTPUT_SCALE of its size (quant, Range)
+        carried = OUTPUT_SCALE * from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double(), lay).sum(0)
         # fp64: per call 3 adds in sum(0) and 2 +=; then carried's 3 and the -
         mag += xs.double().abs().sum(0).reshape(-1) + y.double().abs().reshape(-1)
-        stored = from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double().abs(), lay)
+        stored = OUTPUT_SCALE * from_wire_order(chain.buffer(n)[:, : lay.padded_numel].double().abs(), lay)
         fp64 = _fp64_slack(5 * (t + 1) + 4, mag + stored.sum(0))
         err = (res - (ref - carried)).abs()
         assert bool((err <= slack + fp64).all()), (t, (err - slack - fp64).max().item())
@@ -259,7 +264,7 @@ def test_exact_call_mid_chain_consumes_pending_error():
     # what the exact path reduced: x + rot^-1(e), rounded per rank to bf16
     from echo_vllm.rotation import fwht
 
-    e = fwht(pending.float().reshape(P, -1, 32)).reshape(P, -1) / 32  # wire order
+    e = fwht(pending.float().reshape(P, -1, 32)).reshape(P, -1) * OUTPUT_SCALE  # wire order
     e = from_wire_order(e, lay).reshape(P, TOKENS, HIDDEN)
     absorbed = (xs1.float() + e).bfloat16()
     assert torch.equal(transport.log[-1]["absorbed"], absorbed)
@@ -451,12 +456,12 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
                                   lay, hadamard=False, incoming=t > 0)
         t1 = _int8_steps(rec["fb1"], np_).sum(0)
         t2 = _int8_steps(chain.buffer(n), np_).gather(0, owner).squeeze(0)
-        storage += from_wire_order(((t1 + t2) * STEPS).unsqueeze(0), lay)[0] * (1 + 2**-10)
+        storage += OUTPUT_SCALE * from_wire_order(((t1 + t2) * STEPS).unsqueeze(0), lay)[0] * (1 + 2**-10)
         res += y.double().reshape(-1)
         ref += xs.double().sum(0).reshape(-1)
-        carried = from_wire_order(e_out.double(), lay).sum(0)
+        carried = OUTPUT_SCALE * from_wire_order(e_out.double(), lay).sum(0)
         mag += xs.double().abs().sum(0).reshape(-1) + y.double().abs().reshape(-1)
-        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + from_wire_order(e_out.double().abs(), lay).sum(0))
+        fp64 = _fp64_slack(5 * (t + 1) + 4, mag + OUTPUT_SCALE * from_wire_order(e_out.double().abs(), lay).sum(0))
         err = (res - (ref - carried)).abs()
         assert bool((err <= slack + storage + fp64).all()), (t, (err - slack - storage - fp64).max().item())
     # not vacuous: the storage errors are there (fp32 roundings alone do not

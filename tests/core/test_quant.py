@@ -151,3 +151,157 @@ def test_encode_decode_chunks_round_trip():
     assert torch.equal(back, dequantize_groups(codes, scales).reshape(2, -1))
     # wire bits per value: 4 + 16/g
     assert lay.chunk_bytes * 8 / lay.chunk_numel == pytest.approx(4 + 16 / 32)
+
+
+# -- range: finite in, finite out (quant's docstring, Range) ---------------------------
+
+from support.extremes import PATTERNS, exact_sum, extreme_inputs, one_call_bound  # noqa: E402
+
+from echo_vllm import EchoAllReduce, EchoCommunicator, EchoConfig, FeedbackChain, VirtualTransport  # noqa: E402
+from echo_vllm import quant  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("case", ["one rank at 7e37", "+-3e38 cancelling", "two pairs of +-3e38"])
+def test_the_reported_inputs_come_out_finite(case, hadamard):
+    """Values whose exact sum is finite (7e37 on one rank of 4; +3e38 and
+    -3e38, or two such pairs, cancelling to 0): finite and within the
+    call's bound, not NaN (the unnormalized rotation overflowed above
+    ~3.4e38 / g, the rank-order sum when large values cancelled)."""
+    x = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
+    if case == "one rank at 7e37":
+        x[0] = 7e37
+    elif case == "+-3e38 cancelling":
+        x[0], x[1] = 3e38, -3e38
+    else:
+        x[0], x[1], x[2], x[3] = 3e38, 3e38, -3e38, -3e38
+    comm = EchoCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=hadamard), VirtualTransport(4))
+    y = comm.all_reduce(x, 7)
+    assert comm.stats.snapshot()["calls"] == {"echo/echo": 1}
+    assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} non-finite outputs"
+    lay = WireLayout(512, 4, 32, 256)
+    y_ref, s, bound = one_call_bound(x.reshape(4, -1), lay, torch.bfloat16, hadamard=hadamard)
+    assert torch.equal(y.reshape(-1).view(torch.int16), y_ref.view(torch.int16))
+    assert ((y_ref.double() - s).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_one_call_is_within_its_bound_at_every_magnitude(pattern, dt, world, hadamard):
+    """From the dtype's smallest subnormal to its largest finite value (one
+    rank, the others pulling the sum inward), cancelling pairs at the top of
+    the range, subnormals on every rank: every output is finite and within
+    the analytic bound of one call (support.extremes.one_call_bound: relative
+    to the wire scales, so absolute for tiny groups, whose scales clamp)."""
+    g, dtype = 32, DTYPES[dt]
+    x = extreme_inputs(pattern, world, 12, 2 * g + 5, dtype, seed=world)
+    lay = WireLayout(x[0].numel(), world, g, x.shape[-1])
+    y, s, bound = one_call_bound(x.reshape(world, -1), lay, dtype, hadamard=hadamard)
+    assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} non-finite outputs of finite sums"
+    err = (y.double() - s).abs()
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), f"|y - S| = {err[worst].item():g} > {bound[worst].item():g} at {worst} (S = {s[worst].item():g})"
+
+
+@pytest.mark.parametrize("fb", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_chains_stay_finite_at_every_magnitude(pattern, dt, world, fb):
+    """Four Echo calls of one chain (each call's error carried into the
+    next: the worst case of quant's Range analysis) and an exact call that
+    absorbs the last error, every call at the edges of the range: every
+    Echo output is finite, the carried error stays finite, and so does
+    each rank's input plus that error (saturated; what the 16-bit sum then
+    makes of inputs near the top is the transport's: partial sums of fp32
+    rank order overflow as they would without Echo)."""
+    dtype = DTYPES[dt]
+    for hadamard in (True, False):
+        cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=fb)
+        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        chain = FeedbackChain.of(cfg, world, "cpu")
+        for t in range(4):
+            x = extreme_inputs(pattern, world, 12, 69, dtype, seed=10 * t + world)
+            y = ar.all_reduce(x, chain, t)
+            assert torch.isfinite(y).all(), f"call {t} (had={hadamard}): {int((~torch.isfinite(y)).sum())} non-finite"
+        lay = ar.message_layout((12, 69))
+        fb_now = chain.buffer(lay.padded_numel).clone()
+        assert torch.isfinite(quant.read_feedback(fb_now, 0, lay.padded_numel, 32)).all()
+        x = extreme_inputs(pattern, world, 12, 69, dtype, seed=99)
+        consumed = quant.consume_reference(x.reshape(world, -1), fb_now, lay, hadamard=hadamard)
+        assert torch.isfinite(consumed).all(), f"input plus carried error (had={hadamard})"
+        assert torch.equal(ar.absorb(x.clone(), chain, 4).reshape(world, -1), consumed)
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_outputs_saturate_at_the_top_of_the_range(dt, hadamard):
+    """An exact sum at the dtype's max, whose 4-bit error may push it past
+    (one value at max among smaller ones), and sums beyond the range (every
+    rank at max): the output is +-max where it would overflow, never +-inf;
+    a NaN input still comes out NaN."""
+    dtype = DTYPES[dt]
+    big = torch.finfo(dtype).max
+    lay = WireLayout(4 * 32, 4, 32)
+    x = torch.zeros(4, 4 * 32, dtype=torch.float64)
+    x[0, :32] = big * torch.linspace(-1, 1, 32, dtype=torch.float64)  # -max .. max in one group
+    x[:, 32:64] = big  # the sum is 4 max
+    x[:, 64:96] = -big
+    x[0, 96:128] = big
+    x[0, 100] = float("nan")  # a non-finite group stays non-finite
+    x = x.to(dtype)
+    wire = quant.stage1_reference(x, None, lay, hadamard=hadamard)
+    q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), None, [0, 1, 2, 3], lay)
+    y = quant.output_reference(q2, lay, dtype, hadamard=hadamard)
+    assert torch.isfinite(y[:96]).all() and not torch.isinf(y).any()
+    assert (y[32:64] == big).all() and (y[64:96] == -big).all()
+    assert torch.isnan(y[96:128]).all()
+
+
+def test_consume_saturates_finite_inputs_and_keeps_infinities():
+    """The exact path's input plus the carried error: past the top of the
+    range only because of the error, it saturates; an infinite input stays
+    infinite (and NaN NaN)."""
+    lay = WireLayout(64, 2, 32)
+    fb = torch.full((2, lay.padded_numel), 64.0)  # carried error +64 (wire domain) on every value
+    x = torch.full((2, 64), 65504.0, dtype=torch.float16)
+    x[0, 1], x[0, 2], x[1, 3] = float("inf"), float("-inf"), float("nan")
+    for hadamard in (False, True):
+        c = quant.consume_reference(x, fb, lay, hadamard=hadamard)
+        assert c[0, 1] == float("inf") and c[0, 2] == float("-inf") and torch.isnan(c[1, 3])
+        finite = torch.isfinite(x)
+        assert (c[finite] == 65504.0).all(), "x + error past fp16 max saturates"
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_quantizing_at_a_power_of_two_is_the_full_size_quantizer_scaled(shift):
+    """quantize_groups(u * 2**-k, shift=k): the codes and scales of
+    quantize_groups(u), the error times 2**-k (normal-range u); and at the top,
+    where u itself is not representable in fp32, still finite."""
+    torch.manual_seed(shift)
+    u = torch.randn(500, 32) * torch.exp(4 * torch.randn(500, 1))
+    codes, scales, err = quantize_groups(u, QMAX)
+    codes_k, scales_k, err_k = quantize_groups(u * 2.0**-shift, QMAX, shift=shift)
+    assert torch.equal(codes, codes_k) and torch.equal(scales, scales_k)
+    assert torch.equal(err * 2.0**-shift, err_k)
+    top = torch.full((1, 32), 1.5e38) * torch.linspace(-1, 1, 32)  # values 2**shift x larger: past fp32 for k >= 2
+    codes_t, scales_t, err_t = quantize_groups(top, QMAX, shift=shift)
+    assert torch.isfinite(scales_t.float()).all() and torch.isfinite(err_t).all()
+    assert scales_t.float().item() == pytest.approx(1.5e38 * 2**shift / 7, rel=2**-8)
+    assert (err_t.abs() <= scales_t.float() * 2.0**-shift / 2).all()
+
+
+def test_a_scale_that_would_round_to_bf16_infinity_makes_the_group_non_finite():
+    """A group whose scale reaches quant.BF16_SCALE_LIMIT (only a stage-2 sum
+    far beyond the range can): NaN scale, codes 0, no carried error --
+    as a group holding Inf, never a finite decode."""
+    u = torch.zeros(2, 32)
+    u[0, 0] = 3.0e38  # its full-size value 3e38 * 2**3: scale 3.4e38 rounds to bf16 infinity
+    u[1, 0] = 3.0e38 / 8
+    codes, scales, err = quantize_groups(u, QMAX, shift=3)
+    assert torch.isnan(scales[0].float()) and (codes[0] == 8).all() and (err[0] == 0).all()
+    assert torch.isfinite(scales[1].float()) and quant.BF16_SCALE_LIMIT == float.fromhex("0x1.ff0000p+127")

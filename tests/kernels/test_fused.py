@@ -41,6 +41,8 @@ from test_kernels import (
     in_kernel_process,
 )
 
+from support.extremes import PATTERNS, extreme_inputs
+
 from echo_vllm import quant
 from echo_vllm.backends import BACKENDS, choose_backend
 from echo_vllm.backends import fused as fused_mod
@@ -65,12 +67,16 @@ def reference_chain(xs, fb, layout, *, hadamard, incoming):
 
 
 def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, incoming, tile_groups, programs,
-                            special=False):
+                            special=False, pattern=None):
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(numel, world, group, cols)
     tag = f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming}"
-    x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
+    if pattern is None:
+        x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
+    else:  # the edges of the range (support.extremes)
+        x = extreme_inputs(pattern, world, lay.rows, lay.cols, DTYPES[dt], numel).reshape(world, numel).to(DEVICE)
+        tag += f" {pattern}"
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
     # buffers sized for larger chunks, as the backend's are: this call's
@@ -133,6 +139,25 @@ def test_phases_special_values_match_reference(fb):
     as the reference."""
     in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", fb, True, True, 8, 2,
                       special=True)  # 3 tiles on 2 programs
+
+
+@pytest.mark.parametrize("pattern,dt,hadamard,fb", [("sweep", "bf16", True, "bf16"), ("cancel", "fp32", False, "int8"),
+                                                   ("subnormal", "fp16", True, "fp32")])
+def test_phases_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb):
+    """Magnitudes up to the dtype's max, cancelling pairs, subnormals
+    (support.extremes): every phase of every rank gives the references' bits."""
+    in_kernel_process(_phases_match_reference, 6 * 40, 3, 16, 40, dt, fb, hadamard, True, 4, 2, pattern=pattern)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fb", ["bf16", "int8"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_phases_at_the_edges_of_the_range_on_gpu(pattern, dt, fb):
+    """The same compiled (the bf16x2 output decode and its saturation, the
+    fused prescale of stage 1), 1000 rows of 2880 over 8 ranks."""
+    _phases_match_reference(1000 * 2880, 8, 32, 2880, dt, fb, True, True, 64, 132, pattern=pattern)
 
 
 # -- the whole kernel, barriers included, over processes sharing memory ---------------

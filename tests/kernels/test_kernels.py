@@ -26,6 +26,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+from support.extremes import PATTERNS, extreme_inputs
+
 from echo_vllm import quant
 from echo_vllm.quant import WireLayout
 
@@ -482,21 +484,29 @@ def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype):
 
 
 def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, seed, calls=3, cols=0,
-                          special=False, fb=None, impl="cpu"):
+                          special=False, fb=None, impl="cpu", pattern=None):
     """``calls`` Echo calls of one chain, the numba loops (or the Triton
     kernels, ``impl="triton"``) against references, stage by stage and bit
     for bit: the feedback buffers carry each call's error into the next
     call's stage 1 (both sides evolve on their own, so a difference anywhere
     compounds and shows), then an exact call consumes the last one. ``fb``:
-    a starting buffer (default :func:`_feedback`)."""
+    a starting buffer (default :func:`_feedback`); ``pattern``: inputs at
+    the edges of the range (``support.extremes``) instead of :func:`_values`."""
     K, device = stages(impl), _device(impl)
     lay = WireLayout(numel, world, group, cols)
+
+    def values(seed):
+        if pattern is not None:
+            return extreme_inputs(pattern, world, lay.rows, lay.cols, dtype, seed).reshape(world, numel).to(device)
+        return _values((world, numel), seed, special=special).to(dtype).to(device)
+
     fb_ref = (fb.to(device) if fb is not None else _feedback(world, lay, fb_dtype, seed + 1, device=device))
     fb_ker = fb_ref.clone()
     own = list(range(world))
     for t in range(calls):
-        tag = f"call {t} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} fb={fb_dtype}"
-        x = _values((world, numel), seed + t, special=special).to(dtype).to(device)
+        tag = (f"call {t} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} fb={fb_dtype}"
+               f"{' ' + pattern if pattern else ''}")
+        x = values(seed + t)
         inc = t > 0 or fb is not None
         wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
         wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
@@ -509,7 +519,7 @@ def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, see
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
         y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
         assert_same_bits(K.output(q2_ref, lay, dtype, hadamard=hadamard), y_ref, f"output [{tag}]", nan_any=True)
-    x = _values((world, numel), seed + calls, special=special).to(dtype).to(device)
+    x = values(seed + calls)
     c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
     assert_same_bits(K.consume(x, fb_ker, lay, hadamard=hadamard), c_ref, f"consume [{tag}]", nan_any=True)
     return fb_ref
@@ -557,6 +567,52 @@ def test_int8_feedback_special_values_match_reference(impl, dt, hadamard):
     through a chain whose int8 buffer carries them."""
     run_impl(impl, run_chain_and_compare, 40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=torch.int8,
              seed=3, special=True, impl=impl)
+
+
+# -- the edges of each dtype's range ------------------------------------------------
+#
+# Inputs from the smallest subnormal to the largest finite value, cancelling
+# pairs at the top, subnormals (support.extremes): every implementation
+# gives the references' bits (which are finite: tests/core/test_quant.py),
+# stage by stage over a chain. Interpreter cases pairwise over the axes, as
+# CASES; the numba loops over the full product.
+EXTREME_CASES = [
+    # pattern, dtype, P, g, hadamard, fb dtype, rows, cols (P <= 3: stage 1 and consume launch P * P programs)
+    ("sweep", "bf16", 3, 32, True, "bf16", 4, 37),
+    ("sweep", "fp32", 2, 16, False, "int8", 4, 21),
+    ("cancel", "fp16", 2, 16, True, "int8", 4, 35),
+    ("cancel", "bf16", 3, 32, False, "fp32", 3, 40),
+    ("subnormal", "fp32", 2, 32, True, "bf16", 3, 40),
+]
+
+
+@pytest.mark.parametrize("pattern,dt,world,group,hadamard,fb,rows,cols", EXTREME_CASES)
+def test_kernels_at_the_edges_of_the_range_match_reference(pattern, dt, world, group, hadamard, fb, rows, cols):
+    in_kernel_process(run_chain_and_compare, rows * cols, world, group, DTYPES[dt], hadamard=hadamard,
+                      fb_dtype=FB_DTYPES[fb], seed=rows + cols, calls=2, cols=cols, impl="triton", pattern=pattern)
+
+
+@needs_numba
+@pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cpu_loops_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb):
+    run_chain_and_compare(12 * 69, 4, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb], seed=7,
+                          cols=69, pattern=pattern)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fb", ["bf16", "int8", "fp32"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("world,group,hadamard", [(8, 32, True), (4, 128, True), (3, 16, False)])
+def test_kernels_at_the_edges_of_the_range_on_gpu(world, group, hadamard, pattern, dt, fb):
+    """The compiled kernels (bf16x2 output decode, satfinite casts, fused
+    prescale) at prefill sizes."""
+    run_chain_and_compare(1024 * 1000, world, group, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb],
+                          seed=world, calls=3, cols=1000, impl="triton", pattern=pattern)
 
 
 def _arbitrary_int8_feedback_bytes_as_the_reference(group, impl):

@@ -2,9 +2,9 @@
 ``quant.output_reference``, bit for bit.
 
 Triton's interpreter cannot run inline assembly, so on CPU the PTX that the
-compiled kernels run is executed here by a small emulator of its six
+compiled kernels run is executed here by a small emulator of its seven
 instructions (bf16 arithmetic rounded once, to nearest even, subnormals
-kept: what ``fma.rn.bf16x2`` does) on crafted gathered bytes: every bf16
+kept: what ``fma.rn.bf16x2`` does; the saturating ``min.NaN.xorsign.abs``) on crafted gathered bytes: every bf16
 scale pattern (subnormal, 2**-126 and its small multiples, huge, inf, NaN,
 negative) under random codes, and code patterns that reach the transform's
 extremes under edge scales. On a CUDA host the output kernel and the fused
@@ -82,6 +82,17 @@ def _fma(a, b, c):
     return _round_bf16(a0 * b0 + c0) | _round_bf16(a1 * b1 + c1) << 16
 
 
+def _min_xorsign_abs(a, b):
+    """``min.NaN.xorsign.abs.bf16x2``: per half, the smaller magnitude with
+    the sign of ``a`` xor ``b``'s; NaN (canonical) if either is NaN."""
+    out = torch.zeros_like(a)
+    for shift, (x, y) in zip((0, 16), zip(_halves(a), _halves(b))):
+        sign = ((a >> shift) ^ (b >> shift)) & 0x8000
+        half = torch.where(x.isnan() | y.isnan(), 0x7FFF, _round_bf16(torch.minimum(x.abs(), y.abs())) | sign)
+        out |= half << shift
+    return out
+
+
 def _prmt(a, b, sel):
     both = a | b << 32
     return sum((both >> (8 * ((sel >> (4 * i)) & 7)) & 0xFF) << (8 * i) for i in range(4))
@@ -117,6 +128,8 @@ def emulate(asm: str, operands: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             regs[d] = _lop3(*src)
         elif op == "fma.rn.bf16x2":
             regs[d] = _fma(*src)
+        elif op == "min.NaN.xorsign.abs.bf16x2":
+            regs[d] = _min_xorsign_abs(*src)
         elif op == "prmt.b32":
             regs[d] = _prmt(*src)
         elif op == "shfl.sync.bfly.b32":

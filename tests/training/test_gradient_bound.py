@@ -37,13 +37,14 @@ import torch
 from torch import nn
 
 from echo_vllm import EchoConfig
+from echo_vllm.quant import input_scale
 from echo_vllm.training import TPComm, TPCommConfig, TPGroup, copy_to_tp, reduce_from_tp
 from echo_vllm.training.layers import ColumnParallelLinear, RowParallelLinear
 
 P, G = 4, 32
 T, H, FF = 64, 128, 256  # T*H = 8192: a multiple of P * 8 * G, so no padding
 U32, UB, U64 = 2.0**-24, 2.0**-8, 2.0**-53  # unit roundoffs: fp32, bf16, fp64
-FLT_MIN = 2.0**-126  # Echo clamps scales to it
+FLT_MIN = 2.0**-126  # Echo clamps scales to it, in its wire domain (x times quant.input_scale)
 GAMMA5_32 = 5 * U32 / (1 - 5 * U32)  # an fp32 Walsh-Hadamard of 32 = 2^5 values: 5 rounded levels
 # |e| <= CQ * s per quantization: 1/2 for round-to-nearest, plus the fp32
 # rounding of u * fl(1/s) (2 roundings of a value |u/s| <= 7.03: < 2^-20)
@@ -133,8 +134,9 @@ def _echo_call(x: torch.Tensor, y: torch.Tensor, ein: torch.Tensor | None, hadam
     if ein is not None:  # u = fl32(rot x + e)
         ux = (ux + ein) * (1 + U32)
         rho1 = rho1 + U32 * ux
-    s1 = (_grp(ux).amax(-1) / 7 * (1 + U32) ** 2 * (1 + UB)).clamp_min(FLT_MIN)  # [P, groups]
-    s2 = (s1.sum(0) * (1 + (P - 1) * U32) * (1 + U32) ** 2 * (1 + UB)).clamp_min(FLT_MIN)  # [groups]
+    floor = FLT_MIN / input_scale(G, hadamard)  # the clamp, in the units of x used here
+    s1 = (_grp(ux).amax(-1) / 7 * (1 + U32) ** 2 * (1 + UB)).clamp_min(floor)  # [P, groups]
+    s2 = (s1.sum(0) * (1 + (P - 1) * U32) * (1 + U32) ** 2 * (1 + UB)).clamp_min(floor)  # [groups]
     rho2 = _per_elem(U32 * (P - 1) * 7 * s1.sum(0))  # the fp32 rank-order sum of |D1| <= 7 s1
     own = torch.arange(n) // (n // P)  # chunk j is reduced by rank j
     eout = CQ * _per_elem(s1) + CQ * _per_elem(s2).unsqueeze(0) * (own.unsqueeze(0) == torch.arange(P).unsqueeze(1))
