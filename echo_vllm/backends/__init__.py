@@ -170,13 +170,13 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     """
     peers = transport if peers is None else peers
     stochastic = config.rounding == "stochastic"
+    choice = dict(device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
+                  interpreted=env.triton_interpret)
     p2p, why = False, ""
     # probe only where the answer could be fused (the pure choice says, before any collective)
-    if choose_backend(config.backend, device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
-                      p2p=True)[0] == "fused":
+    if choose_backend(config.backend, p2p=True, **choice)[0] == "fused":
         p2p, why = fused_support(peers, device_type)
-    name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
-                                  env_kernels=env.kernels, p2p=p2p, p2p_reason=why, interpreted=env.triton_interpret)
+    name, reason = choose_backend(config.backend, p2p=p2p, p2p_reason=why, **choice)
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 
