@@ -13,7 +13,7 @@
 #      `bench fused` at P = 8, 64 MiB against the floor recorded in
 #      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first),
 #      and `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
-#      hidden 4096, T = 1k/4k/8k, P = 8 and 2; verifies first).
+#      hidden 4096, T = 1k and 8k, P = 8 and 2; verifies first).
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, lost peers, and the shape sweep
 #      at P = 2, 3, 4, 8), then every other GPU-marked test that needs no
@@ -51,12 +51,12 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores
-  step kernel_tests 280 "$PY" -m pytest -q -p no:cacheprovider -n 8 tests/kernels -k "not test_gpu_check" \
+  step kernel_tests 280 "$PY" -m pytest -q -p no:cacheprovider -n 12 tests/kernels -k "not test_gpu_check" \
     --tb=line
   step bench_fused 110 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 20 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
-  step bench_norm 120 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,4096,8192 \
+  step bench_norm 120 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 \
     --out "$OUT/norm"
 elif [ "$RUN" = 2 ]; then
   step fused_check 330 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
