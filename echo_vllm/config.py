@@ -161,15 +161,17 @@ class EchoConfig:
     (``echo:nonfinite_total`` on /metrics; ``echo_vllm.health``). 0 turns
     the checks off."""
 
-    fuse_norm: bool = True
-    """Under vLLM's compilation (not ``--enforce-eager``), fold the residual
+    fuse_norm: bool = False
+    """Off by default: not yet proven on the GPU on the tree that ships it,
+    and measured slower than Echo + vLLM's norm at P = 8 for 8k x 4096
+    (BENCHMARKS.md, "Echo + residual add + RMSNorm"). When on, under vLLM's compilation (not ``--enforce-eager``), fold the residual
     add and RMSNorm that follow each residual all-reduce into Echo's output
     phase (a compilation pass on pre-norm models, ``vllm_glue.norm_fusion``):
     the output is not written and read again, ~2 x tokens x hidden x 2
     bytes less HBM traffic per call. The bits are Echo's output followed by
     vLLM's norm with the variance of Echo's kernels (``echo_vllm.norm``),
     which rounds its sum in another order than Inductor's kernel. False
-    keeps vLLM's norm after the all-reduce."""
+    (the default) keeps vLLM's norm after the all-reduce."""
 
     timeout_s: float = 60.0
     """Seconds a fused-backend kernel waits for a peer at a barrier before it

@@ -20,17 +20,17 @@ counters and switch the emulation's variant between requests):
    Echo run's bit for bit, and the counters must include the replays;
 4. ``graphs``: vLLM's default torch.compile + CUDA-graph mode
    (FULL_AND_PIECEWISE; capture sizes 1-8) with Echo, against eager Echo;
-5. ``graphs_norm_off``: ``graphs`` with ``echo_fuse_norm`` off: vLLM's norm
-   after each reduce instead of Echo's output phase doing it (``graphs``
-   runs the norm fusion pass, on by default: its counters must show fused
-   calls, and its tokens must equal this phase's or differ no more than
-   compilation alone makes them differ);
+5. ``graphs_norm_on``: ``graphs`` with ``echo_fuse_norm`` on: Echo's output
+   phase does the residual add + RMSNorm instead of vLLM's norm after each
+   reduce (``graphs`` keeps vLLM's norm, the default): its counters must show
+   fused calls, and its tokens must equal ``graphs``' or differ no more than
+   compilation alone makes them differ;
 6. ``graphs_exact``: the same compiled mode with the exact 16-bit sum, against
    eager exact: shows how much torch.compile alone changes the numerics.
 
 Prints a table and writes ``gpu_vllm_check.json`` (+ per-phase logs) under
-``--out`` (default ``$OUT``). All four phases took 223 s on an H200
-(2026-11-29; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled).
+``--out`` (default ``$OUT``). Four phases took 223 s on an H200
+(2026-11-29, before ``graphs_norm_on``; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled).
 
     PYTHONPATH=<vllm bundle>:<repo> python scripts/gpu_vllm_check.py --out $OUT
 """
@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:  # the package, from a checkout (the GPU host inst
 
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
-PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_norm_off": 300, "graphs_exact": 200}
+PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_norm_on": 300, "graphs_exact": 200}
 
 #: CUDA graphs without torch.compile: vLLM's compilation mode NONE with
 #: full-model graphs for uniform decode batches (prefills stay eager). The
@@ -91,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget-s", type=float, default=600,
                    help="wall-clock budget of all phases (four took 223 s on an H200)")
-    p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_norm_off,graphs_exact")
+    p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_norm_on,graphs_exact")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -151,13 +151,13 @@ def run_phase(args) -> None:
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    graphs = args.phase in ("graphs", "graphs_norm_off", "graphs_exact", "graphs_eager_ops")
+    graphs = args.phase in ("graphs", "graphs_norm_on", "graphs_exact", "graphs_eager_ops")
     # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
     # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
     tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
     extra = {"tp_comm_emulate_measure": True} if not graphs else {}
-    if args.phase == "graphs_norm_off":
-        extra["echo_fuse_norm"] = False
+    if args.phase == "graphs_norm_on":
+        extra["echo_fuse_norm"] = True
     kwargs = dict(
         model=args.model,
         tensor_parallel_size=1,
@@ -275,7 +275,7 @@ def compare(out: pathlib.Path, res: dict) -> dict:
     # graph-mode runs against the eager run of the same variant
     for phase, name, label in (("graphs_eager_ops", "echo", "graphs(no compile)/echo vs eager/echo"),
                                ("graphs", "echo", "graphs/echo vs eager/echo"),
-                               ("graphs_norm_off", "echo", "graphs/echo norm off vs eager/echo"),
+                               ("graphs_norm_on", "echo", "graphs/echo norm fused vs eager/echo"),
                                ("graphs_exact", "exact", "graphs/exact vs eager/exact")):
         g = res.get(phase, {}).get("variants", {}).get(name)
         if g is None or name not in eager:
@@ -291,11 +291,11 @@ def compare(out: pathlib.Path, res: dict) -> dict:
             norm_sites=s.get("norm_sites"),
         )
         table[label] = row
-    # the norm fused into Echo (graphs) against vLLM's norm after it (graphs_norm_off)
-    on = res.get("graphs", {}).get("variants", {}).get("echo")
-    off = res.get("graphs_norm_off", {}).get("variants", {}).get("echo")
+    # the norm fused into Echo (graphs_norm_on) against vLLM's norm after it (graphs)
+    on = res.get("graphs_norm_on", {}).get("variants", {}).get("echo")
+    off = res.get("graphs", {}).get("variants", {}).get("echo")
     if on is not None and off is not None:
-        row = diff(off["tokens"], on["tokens"], load("graphs_norm_off", "echo"), load("graphs", "echo"))
+        row = diff(off["tokens"], on["tokens"], load("graphs", "echo"), load("graphs_norm_on", "echo"))
         row.update(tokens_identical=on["tokens"] == off["tokens"], norm_calls=on["stats"].get("norm_calls"),
                    norm_sites=on["stats"].get("norm_sites"))
         table[NORM_ROW] = row

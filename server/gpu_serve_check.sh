@@ -7,9 +7,10 @@
 #      the server keeps serving), /metrics before/after,
 #   4. load: vLLM's own `vllm bench serve`, streaming chat completions,
 #      random prompt lengths, 64 concurrent streams,
-#   5. /metrics again: Echo's counters must have moved, and under compilation
-#      (no --enforce-eager / --no-echo-fuse-norm in SERVE_EXTRA) calls must have
-#      run the norm fused into Echo (echo:norm_calls_total{how="fused"}),
+#   5. /metrics again: Echo's counters must have moved, and with the norm
+#      fusion asked for under compilation (--echo-fuse-norm in SERVE_EXTRA,
+#      no --enforce-eager) calls must have run the norm fused into Echo
+#      (echo:norm_calls_total{how="fused"}),
 #   6. a short summary, last.
 #
 # Usage (repository root):  OUT=/some/dir bash server/gpu_serve_check.sh
@@ -121,10 +122,11 @@ timeout 300 "$PY" -m vllm.entrypoints.cli.main bench serve \
 log "load test exit status $? (log: bench.log)"
 
 # -- 5./6. final scrape and summary (summary prints last); the norm fusion
-#    pass runs where vLLM compiles and it is not switched off
+#    pass runs where it is asked for and vLLM compiles
 case " $SERVE_EXTRA " in
   *" --enforce-eager "*|*" --no-echo-fuse-norm "*) EXPECT_NORM=() ;;
-  *) EXPECT_NORM=(--expect-fused-norm) ;;
+  *" --echo-fuse-norm "*) EXPECT_NORM=(--expect-fused-norm) ;;
+  *) EXPECT_NORM=() ;;
 esac
 "$PY" -m echo_vllm.server.probe summary --base-url "$BASE" --out "$OUT" --bench "$OUT/bench.json" \
   ${EXPECT_NORM[@]+"${EXPECT_NORM[@]}"} > "$OUT/summary.txt" 2>&1

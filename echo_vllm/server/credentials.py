@@ -13,7 +13,7 @@ token, what ``--hf-token TOKEN`` passes). ``--hf-token`` without a value
 
 from __future__ import annotations
 
-from .rewrite import ServeArgsError
+from .flags import ServeArgsError
 
 #: vLLM's secret options -> the environment variable vLLM reads instead.
 SECRET_OPTIONS = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}

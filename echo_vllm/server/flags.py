@@ -29,6 +29,11 @@ from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
 from ..vllm_glue.settings import MODES as TP_COMM_CHOICES
 
+
+class ServeArgsError(ValueError):
+    """A command line ``echo-vllm serve`` refuses; the message is one line."""
+
+
 ECHO_KEY_PREFIX = "echo_"
 """additional_config keys ``echo_<EchoConfig field>`` carry Echo's options."""
 

@@ -48,8 +48,10 @@ from .flags import (
     POSTNORM_KEY,
     TP_COMM_KEY,
     Flag,
+    ServeArgsError,
     flags_by_option,
 )
+from .credentials import secret_option
 
 ADDITIONAL_CONFIG = "--additional-config"
 COMPILATION_CONFIG = "--compilation-config"
@@ -68,10 +70,6 @@ BYPASS_PASSES_0_26 = tuple(BYPASS_PASSES)
 #: vLLM 0.33 removed enable_sp / fuse_gemm_comms (passing them errors there).
 BYPASS_PASSES_0_33 = ("fuse_allreduce_rms",)
 _SP_REMOVED_IN = (0, 33)
-
-
-class ServeArgsError(ValueError):
-    """A command line ``echo-vllm serve`` refuses; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +348,6 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
         raise ServeArgsError(f"--config {path}: {' '.join(str(e).split())}") from None
     if not isinstance(raw, Mapping):
         raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
-    from .credentials import secret_option  # it raises this module's ServeArgsError
 
     table = flags_by_option()
     for key, value in raw.items():

@@ -61,8 +61,9 @@ def test_norm_fusion_row_and_verdict(tmp_path):
     fused = {"norm_calls": {"fused": 12}, "norm_sites": {"fused": 16, "not followed by vLLM's RMSNorm": 1}}
 
     def table(on_tokens, on_stats, exact_tokens=None):
-        res = {"graphs": {"variants": _phase(tmp_path, "graphs", "echo", on_tokens, logits, **on_stats)},
-               "graphs_norm_off": {"variants": _phase(tmp_path, "graphs_norm_off", "echo", tokens, logits)}}
+        res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", on_tokens, logits,
+                                                     **on_stats)},
+               "graphs": {"variants": _phase(tmp_path, "graphs", "echo", tokens, logits)}}
         if exact_tokens is not None:
             res["eager"] = {"variants": _phase(tmp_path, "eager", "exact", tokens, logits)}
             res["graphs_exact"] = {"variants": _phase(tmp_path, "graphs_exact", "exact", exact_tokens, logits)}

@@ -24,7 +24,7 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     )
     report = json.loads((tmp_path / "gpu_vllm_check.json").read_text())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for phase in ("eager", "graphs_eager_ops", "graphs", "graphs_norm_off", "graphs_exact"):
+    for phase in ("eager", "graphs_eager_ops", "graphs", "graphs_norm_on", "graphs_exact"):
         assert report["phases"][phase]["skipped_layers"] == {}
     table = report["comparison"]
     echo = table["eager/echo vs exact"]
