@@ -116,8 +116,12 @@ def kernel_sum_squares(x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_mean_square(x: torch.Tensor) -> torch.Tensor:
-    """``[..., H]`` fp32 -> ``[..., 1]``: :func:`kernel_sum_squares` / H."""
-    return kernel_sum_squares(x) / x.shape[-1]
+    """``[..., H]`` fp32 -> ``[..., 1]``: :func:`kernel_sum_squares` / H,
+    an IEEE division on every device (as the kernels' ``div_rn``)."""
+    total = kernel_sum_squares(x)
+    # a tensor divisor: CUDA divides by a Python number as a multiply by
+    # fp32(1 / H), which is another rounding where H is not a power of two
+    return total / torch.full_like(total, x.shape[-1])
 
 
 def _normalize(s: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype,

@@ -82,7 +82,8 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
     x, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     plan = fk.plan_for(lay, 132)
-    lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase)
+    lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
+                         fk.plan_lanes(plan, lay, x, y))
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
@@ -91,6 +92,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
     """The output-norm kernel and the fused kernel's phase 3 with the norm,
     compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default)."""
     from ..kernels import fused_kernel as fk
+    from ..kernels import launch
     from ..kernels import output_norm_kernel as onk
     from ..norm_plan import norm_tiling
     from ..quant import WireLayout
@@ -101,11 +103,13 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    la, plan = onk._plan(lay, tiling, True, True, True)
+    la, plan = onk._plan(lay, tiling, True, True, launch.lane_layout(lay.cols, tiling.groups_per_tile * 32,
+                                                                     tiling.num_warps, res, w, out))
     composed = la.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
     fplan = fk.plan_for_norm(lay, tiling, 132)
-    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True, True)
+    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True,
+                              fk.plan_lanes(fplan, lay, res, w, out))
     x, fb = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
     ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
     fused = lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),

@@ -50,14 +50,14 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
 @triton.jit
 def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
                   G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
-                  HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr):
+                  HAS_INCOMING: tl.constexpr, LANES: tl.constexpr):
     """u = rot(x * c) [+ e] (``c = quant.input_scale``); quantize; the new
     error into the feedback buffer (wire order), the codes and scales into
-    the chunk at byte ``wire_first`` (``ALIGNED``: ``launch.rows_aligned`` of
+    the chunk at byte ``wire_first`` (``LANES``: ``launch.lane_layout`` of
     the message). A 16-bit ``x`` times ``c`` is exact,
     so the product is fused into the first butterflies, or into the add of
     the error (no extra instruction); an fp32 ``x`` is multiplied first."""
-    SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty) and ALIGNED
+    SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty) and LANES
     C: tl.constexpr = _input_scale(G, HADAMARD)
     FUSED: tl.constexpr = _exact_times_power_of_two(x.dtype)
     u = to_f32(x)
@@ -133,11 +133,11 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 
 @triton.jit
 def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  LANES: tl.constexpr):
     """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
-    (:func:`tile.block_offsets`) of chunk ``j``. ``ALIGNED``: ``launch.rows_aligned`` of ``y``."""
+    (:func:`tile.block_offsets`) of chunk ``j``. ``LANES``: ``launch.lane_layout`` of ``y``."""
     offs, c, live = y_tile
-    SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty) and ALIGNED
+    SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty) and LANES
     v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
     d, limit = block_shift(j, row_groups, cols, G)
     # the scalar added to the pointer first: one add per chunk
@@ -146,14 +146,14 @@ def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr,
 
 @triton.jit
 def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, chunk_numel, G: tl.constexpr,
-                 HADAMARD: tl.constexpr, ALIGNED: tl.constexpr):
+                 HADAMARD: tl.constexpr, LANES: tl.constexpr):
     """out = x + rot(e) * OUTPUT_SCALE for groups ``lg`` of chunk ``j`` (e in
     wire order), as ``quant.consume_reference``: saturated where x is finite;
-    ``ALIGNED``: ``launch.rows_aligned`` of ``x`` and ``out``."""
+    ``LANES``: ``launch.lane_layout`` of ``x`` and ``out``."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:
-        SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty) and ALIGNED
+        SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty) and LANES
         e = fwht(e, G, SHUFFLE)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     y = x + e * (2.0 ** LOG2_OUTPUT_SCALE)

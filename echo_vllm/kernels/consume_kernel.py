@@ -20,27 +20,27 @@ from .bodies import consume_tile
 def _consume_kernel(
     x_ptr, fb_ptr, out_ptr,
     x_row_stride, fb_row_stride, out_row_stride, row_groups, cols, msg_groups, chunk_numel,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, ALIGNED: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, LANES: tl.constexpr,
 ):
     # program (block of groups, chunk j, local rank r): the error is in wire order
     j = tl.program_id(1).to(tl.int64)
     r = tl.program_id(2).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     consume_tile(x_ptr + r * x_row_stride, fb_ptr + r * fb_row_stride, out_ptr + r * out_row_stride, j, lg,
-                 row_groups, cols, msg_groups, chunk_numel, G, HADAMARD, ALIGNED)
+                 row_groups, cols, msg_groups, chunk_numel, G, HADAMARD, LANES)
 
 
 _LAUNCH = Launcher(_consume_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, hadamard: bool, aligned: bool) -> launch.Plan:
+def _plan(layout: WireLayout, rows: int, hadamard: bool, lanes: bool) -> launch.Plan:
     """``ints``: :func:`launch.message_ints`, chunk_numel (the rows' strides are per call)."""
     return launch.Plan(
         grid=(launch.programs(layout), layout.world_size, rows),
         ints=(*launch.message_ints(layout), layout.chunk_numel),
         constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard,
-                                      ALIGNED=aligned),
+                                      LANES=lanes),
         wire_shape=(),
     )
 
@@ -64,7 +64,7 @@ def consume(
     else:
         launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
     launch.check_device(x, feedback, out)
-    plan = _plan(layout, rows, bool(hadamard), launch.rows_aligned(layout.cols, x, out))
+    plan = _plan(layout, rows, bool(hadamard), launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, x, out))
     _LAUNCH(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
             plan.constexprs)
     return out

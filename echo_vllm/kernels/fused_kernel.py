@@ -256,7 +256,7 @@ def trap_word() -> torch.Tensor:
 
 @triton.jit
 def _peer_buffer(table_ptr, i):
-    """Rank ``i``'s symmetric buffer, as bytes (16-byte aligned allocations)."""
+    """Rank ``i``'s symmetric buffer, as bytes (16-byte lanes allocations)."""
     return tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.uint8)), 16)
 
 
@@ -264,7 +264,7 @@ def _peer_buffer(table_ptr, i):
 def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr,
+            HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
             K: tl.constexpr = 0, RGP: tl.constexpr = 0):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
@@ -286,7 +286,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
                                        chunk_groups, G, HAS_FB, HAS_INCOMING)
                 dest_n = _peer_buffer(table_ptr, j_n)
             stage1_finish(x, e, fb_ptr, dest, rank * chunk_bytes, payload_bytes, j, lg,
-                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED)
+                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
             if k + 1 < P:
                 x, e, j, dest = x_n, e_n, j_n, dest_n
 
@@ -316,7 +316,7 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, c
 @triton.jit
 def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr,
-            ALIGNED: tl.constexpr):
+            LANES: tl.constexpr):
     """Decode every chunk's tiles from the local ``gathered`` area into y,
     the loads of the chunk after next issued before this chunk's arithmetic
     (a chunk's codes are only 6 bytes per lane: one ahead leaves too few
@@ -331,7 +331,7 @@ def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_group
             if j + 2 < P:
                 w2, s2 = output_load(mine, gathered_offset + (j + 2) * chunk_bytes, payload_bytes, lg,
                                      chunk_groups, G)
-            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD, ALIGNED)
+            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD, LANES)
             if j + 1 < P:
                 w0, s0 = w1, s1
             if j + 2 < P:
@@ -344,7 +344,7 @@ def _fused_kernel(
     rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr, ALIGNED: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr, LANES: tl.constexpr,
 ):
     # one rank per launch (grid [programs, 1]), or every rank of one address
     # space in one launch (grid [programs, P], rank = program_id(1), the
@@ -359,7 +359,7 @@ def _fused_kernel(
     gathered_offset = gathered_offset.to(tl.int64)
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
@@ -369,14 +369,14 @@ def _fused_kernel(
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, G, BG, P, HADAMARD, ALIGNED)
+                payload_bytes, n_tiles, G, BG, P, HADAMARD, LANES)
 
 
 @triton.jit
 def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
-                 RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr):
+                 RESIDUAL: tl.constexpr, LANES: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
@@ -384,7 +384,7 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
         output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
-                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, ALIGNED)
+                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
@@ -394,7 +394,7 @@ def _fused_norm_kernel(
     row_groups, cols, msg_groups, chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
-    RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr,
+    RESIDUAL: tl.constexpr, LANES: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -411,7 +411,7 @@ def _fused_norm_kernel(
     BG: tl.constexpr = K * RGP
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED, K,
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, K,
                 RGP)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
@@ -423,7 +423,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, ALIGNED)
+                     RESIDUAL, LANES)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -549,6 +549,11 @@ def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, 
 # -- launch ------------------------------------------------------------------------
 
 
+def plan_lanes(plan: FusedPlan, layout: WireLayout, *tensors: torch.Tensor) -> bool:
+    """:func:`launch.lane_layout` of ``plan``'s tiles over ``tensors``."""
+    return launch.lane_layout(layout.cols, plan.groups_per_tile * layout.group_size, plan.num_warps, *tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(num_warps: int, registers: int, norm: bool = False) -> Launcher:
     return Launcher(_fused_norm_kernel if norm else _fused_kernel,
@@ -564,7 +569,7 @@ class _Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, phase: int, aligned: bool = True) -> _Plan:
+                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool) -> _Plan:
     """``ints`` after :func:`launch_ints`' per-call ones:
     gathered_offset, :func:`launch.message_ints`, :func:`launch.chunk_ints`, tiles."""
     la = _launcher(plan.num_warps, plan.registers)
@@ -574,7 +579,7 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
         ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, BG=plan.groups_per_tile, **launch.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, ALIGNED=aligned,
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, LANES=lanes,
         ),
     )
 
@@ -582,7 +587,7 @@ def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offse
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int,
                       hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
-                      aligned: bool) -> _Plan:
+                      lanes: bool) -> _Plan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``plan.norm`` set)."""
     la = _launcher(plan.num_warps, plan.registers, True)
     t = plan.norm
@@ -593,7 +598,7 @@ def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **launch.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
-            PHASE=phase, RESIDUAL=residual, ALIGNED=aligned,
+            PHASE=phase, RESIDUAL=residual, LANES=lanes,
         ),
     )
 
@@ -693,7 +698,7 @@ def fused_all_reduce(
                          f"{tuple(out.shape)}")
     launch.check_device(x, feedback, table, out)
     lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase, launch.rows_aligned(layout.cols, x, out))
+                      bool(has_incoming), phase, plan_lanes(plan, layout, x, out))
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
@@ -746,7 +751,7 @@ def fused_all_reduce_norm(
     res_out = residual_out if residual_out is not None else out
     lp = _norm_launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                            bool(has_incoming), phase, residual is not None,
-                           launch.rows_aligned(layout.cols, x, out, weight, res, res_out))
+                           plan_lanes(plan, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
     _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)

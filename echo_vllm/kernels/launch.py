@@ -97,14 +97,26 @@ def check_rows(name: str, t: torch.Tensor, rows: int, min_cols: int, dtypes) -> 
         raise ValueError(f"{name}: the last dimension must be contiguous")
 
 
-def rows_aligned(cols: int, *tensors: torch.Tensor) -> bool:
-    """Whether every message row of ``tensors`` (``[R, numel]`` or
-    ``[numel]``) starts on 16 bytes, as Triton can prove from its
-    specializations (pointers, ``cols`` and row strides divisible by 16):
-    only then are the message's loads and stores in the lane layout of
-    ``tile``, and the kernels use lane shuffles (``tile.lanes_hold``); other
-    rows take the layout-agnostic butterflies, same bits."""
-    if cols % 16:
+#: Threads of a warp.
+WARP_THREADS = 32
+#: Values of a group one thread holds in the lane layout (``tile.V``).
+LANE_VALUES = 8
+
+
+def lane_layout(cols: int, tile_values: int, num_warps: int, *tensors: torch.Tensor) -> bool:
+    """Whether a program's tile of ``tile_values`` values on ``num_warps``
+    warps is in the lane layout of ``tile`` (a thread holds 8 consecutive
+    values of a group, a group's lanes on consecutive threads), so that the
+    kernels may use lane shuffles (``tile.lanes_hold``); otherwise they take
+    the layout-agnostic butterflies, same bits. It needs both:
+
+    - a lane for every thread (``tile_values >= 8 * 32 * num_warps``): a
+      smaller tile spreads the threads along a lane's values;
+    - every message row of ``tensors`` (``[R, numel]`` or ``[numel]``)
+      starting on 16 bytes, as Triton can prove from its specializations
+      (pointers, ``cols`` and row strides divisible by 16): else it lays the
+      loads and stores out in narrower pieces."""
+    if tile_values < LANE_VALUES * WARP_THREADS * num_warps or cols % 16:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.shape[0] == 1 or t.stride(0) % 16 == 0)
                for t in tensors)

@@ -135,15 +135,15 @@ def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j
 def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
                      row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
                      K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+                     LANES: tl.constexpr):
     """The tile's rows (groups ``lg``, :func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
     residual into ``res_out_ptr`` (``RESIDUAL``), the normalised rows into
     ``out_ptr`` (message layout, ``out_ptr``'s dtype; module docstring).
-    ``ALIGNED``: ``launch.rows_aligned`` of the rows' tensors (else the
+    ``LANES``: ``launch.lane_layout`` of the rows' tensors (else the
     decode takes the layout-agnostic butterflies, same bits)."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and ALIGNED
+    SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and LANES
     offs, c, live = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
     # pass 1: decode, add the residual, store the new one; each row's
     # largest lane sum of squares (chunk j + 1's loads issued before chunk
@@ -181,7 +181,8 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     for j in tl.static_range(1, P):
         terms += fixed(sums[j], up)  # exact: the sum stays below 2**53
     ssq = tl.where(finite, row_total(terms, K, RGP).to(tl.float32) * _power_of_two(-k), mx)
-    rstd = tl.math.rsqrt(tl.math.div_rn(ssq, cols.to(tl.float32)) + eps)
+    # tl.cast: a width of 1 comes in as a constant int
+    rstd = tl.math.rsqrt(tl.math.div_rn(ssq, tl.cast(cols, tl.float32)) + eps)
     rstd = to_groups(rstd, RGP)[:, None, None]
     # pass 3: normalise, weight, store
     for j in tl.static_range(P):

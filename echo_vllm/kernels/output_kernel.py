@@ -23,26 +23,26 @@ from .tile import block_offsets, group_rows
 def _output_kernel(
     gathered_ptr, out_ptr, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, ALIGNED: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, LANES: tl.constexpr,
 ):
     j = tl.program_id(1)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     words, s = output_load(gathered_ptr, j.to(tl.int64) * chunk_bytes, payload_bytes, lg, chunk_groups, G)
     output_finish(words, s, out_ptr, block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G), j,
-                  row_groups, cols, G, HADAMARD, ALIGNED)
+                  row_groups, cols, G, HADAMARD, LANES)
 
 
 _LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, hadamard: bool, aligned: bool) -> launch.Plan:
+def _plan(layout: WireLayout, hadamard: bool, lanes: bool) -> launch.Plan:
     """``ints``: :func:`launch.message_ints`, then :func:`launch.chunk_ints`."""
     return launch.Plan(
         grid=(launch.programs(layout), layout.world_size, 1),
         ints=(*launch.message_ints(layout), *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard,
-                                      ALIGNED=aligned),
+                                      LANES=lanes),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -66,7 +66,7 @@ def output(
             f"out: expected {layout.numel} contiguous {out_dtype} values, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    plan = _plan(layout, bool(hadamard), launch.rows_aligned(layout.cols, out))
+    plan = _plan(layout, bool(hadamard), launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, out))
     launch.check_wire("gathered", gathered, plan.wire_shape)
     launch.check_device(gathered, out)
     _LAUNCH(plan.grid, (gathered, out), plan.ints, plan.constexprs)

@@ -30,11 +30,11 @@ def _output_norm_kernel(
     gathered_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
-    RESIDUAL: tl.constexpr, ALIGNED: tl.constexpr,
+    RESIDUAL: tl.constexpr, LANES: tl.constexpr,
 ):
     lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP)
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, ALIGNED)
+                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +45,7 @@ def _launcher(num_warps: int) -> Launcher:
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool,
-          aligned: bool) -> tuple[Launcher, launch.Plan]:
+          lanes: bool) -> tuple[Launcher, launch.Plan]:
     """``ints``: :func:`launch.message_ints`' ``row_groups, cols, msg_groups``,
     then ``chunk_groups, chunk_bytes, payload_bytes``."""
     la = _launcher(tiling.num_warps)
@@ -54,7 +54,7 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
         ints=(*launch.message_ints(layout), layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes),
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
-                                 ALIGNED=aligned),
+                                 LANES=lanes),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -118,7 +118,8 @@ def output_norm(
     out, residual_out = check_norm_operands(layout, out_dtype, weight, residual, out, residual_out)
     res = residual if residual is not None else out  # unused pointers without a residual
     rows = (out, weight, res, residual_out if residual_out is not None else out)
-    la, plan = _plan(layout, tiling, bool(hadamard), residual is not None, launch.rows_aligned(layout.cols, *rows))
+    lanes = launch.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *rows)
+    la, plan = _plan(layout, tiling, bool(hadamard), residual is not None, lanes)
     launch.check_wire("gathered", gathered, plan.wire_shape)
     launch.check_device(gathered, weight, residual, out, residual_out)
     la(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),

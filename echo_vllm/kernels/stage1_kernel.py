@@ -26,7 +26,7 @@ def _stage1_kernel(
     x_row_stride, fb_row_stride, wire_row_stride, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
     G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, ALIGNED: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
 ):
     # program (block of groups, destination chunk j, local rank r)
     j = tl.program_id(1).to(tl.int64)
@@ -36,7 +36,7 @@ def _stage1_kernel(
     x, e = stage1_load(x_ptr + r * x_row_stride, fb_row, j, lg, group_rows(lg, row_groups), row_groups, cols,
                        msg_groups, chunk_numel, chunk_groups, G, HAS_FB, HAS_INCOMING)
     stage1_finish(x, e, fb_row, wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, j, lg, chunk_numel,
-                  chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, ALIGNED)
+                  chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
 
 
 _LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
@@ -44,7 +44,7 @@ _LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
 
 @functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
-          aligned: bool) -> launch.Plan:
+          lanes: bool) -> launch.Plan:
     """``ints``: wire_row_stride, :func:`launch.message_ints`, :func:`launch.chunk_ints`."""
     p = layout.world_size
     return launch.Plan(
@@ -52,7 +52,7 @@ def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool
         ints=(p * layout.chunk_bytes, *launch.message_ints(layout), *launch.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
             G=layout.group_size, BG=launch.groups_per_program(layout), **launch.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, ALIGNED=aligned,
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, LANES=lanes,
         ),
         wire_shape=(rows, p, layout.chunk_bytes),
     )
@@ -78,7 +78,7 @@ def stage1(
         launch.check_feedback(feedback, rows, layout)
     launch.check_device(x, feedback, out)
     plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
-                 launch.rows_aligned(layout.cols, x))
+                 launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, x))
     wire = launch.wire_or_new(out, plan.wire_shape, x)
     fb = feedback if feedback is not None else x
     _LAUNCH(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)

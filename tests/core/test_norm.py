@@ -175,3 +175,21 @@ def test_bad_arguments_are_refused_by_name():
         norm.rms_norm(torch.ones(1, 8), None, 1e-6, variance="exact")
     with pytest.raises(ValueError, match=f"rows of {norm.MAX_COLS + 8} values"):
         norm.kernel_sum_squares(torch.ones(1, norm.MAX_COLS + 8))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("cols", [160, 2880, 5120])
+def test_kernel_mean_square_divides_as_ieee_on_every_device(device, cols):
+    """The mean square is the sum over an IEEE division by H, as the
+    kernels' ``div_rn``: an fp32 quotient of fp32 operands rounded once
+    from fp64 is the correctly rounded one (fp64 holds more than 2 x 24 + 2
+    bits). CUDA turns a division by a Python number into a multiply by
+    fp32(1 / H), another rounding where H is not a power of two: 1-ulp
+    differences on the H200 that this test catches there."""
+    s = _rows(4096, cols, cols).to(device)
+    total = norm.kernel_sum_squares(s)
+    want = (total.double() / cols).float()
+    assert_same(norm.kernel_mean_square(s), want, f"mean square, H={cols}, {device}")
+    reciprocal = total * torch.tensor(1 / cols, dtype=torch.float32)
+    assert (reciprocal != want).any(), "these rows must tell the two roundings apart"

@@ -37,8 +37,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_kernels import (
-    CUDA, DEVICE, DTYPES, FB_DTYPES, _compiler_pool, _feedback, _interpreter_pool, _reporting, _values, assert_same_bits,
-    in_kernel_process,
+    CUDA, DEVICE, DTYPES, FB_DTYPES, INTERPRETER_ONLY, _compiler_pool, _feedback, _interpreter_pool, _reporting,
+    _values, assert_same_bits, in_kernel_process,
 )
 
 from support.extremes import PATTERNS, extreme_inputs
@@ -231,6 +231,7 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
     assert all(int(p.abs().sum()) == 0 for p in pads), [p.tolist() for p in pads]
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("fb", ["fp32", "int8"])
 def test_whole_kernel_with_barriers_over_processes(fb):
     """P = 3 processes run 3 chained calls of the whole kernel (two programs
@@ -254,7 +255,8 @@ def _compiled_ptx(fp_fusion: bool = False) -> str:
     x, fb, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     with compile_only():
         plan = fk.plan_for(lay, 132)
-        lp = fk._launch_plan(lay, plan, 1, 4 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES)
+        lp = fk._launch_plan(lay, plan, 1, 4 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES,
+                             fk.plan_lanes(plan, lay, x, y))
         options = lp.launcher.options
         try:
             lp.launcher.options = {**options, "enable_fp_fusion": fp_fusion}
@@ -361,7 +363,7 @@ def test_a_grid_that_cannot_be_resident_is_refused():
 
     lay = WireLayout(4096 * 8192, 8, 32, 8192)
     plan = fk.plan_for(lay, 132)
-    lp = fk._launch_plan(lay, plan, 1, 8 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES)
+    lp = fk._launch_plan(lay, plan, 1, 8 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES, True)
     try:
         fk._RESIDENT[lp] = (plan.registers, 0, 0)
         fk.check_resident(lp, (), (), 132, fk.SMLimits())  # as planned: fits

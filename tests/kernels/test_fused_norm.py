@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_fused import reference_chain, run_forked_ranks
-from test_kernels import CUDA, DEVICE, DTYPES, FB_DTYPES, _feedback, _interpreter_pool, _reporting, _values, \
-    assert_same_bits, in_kernel_process
+from test_kernels import (CUDA, DEVICE, DTYPES, FB_DTYPES, INTERPRETER_ONLY, _feedback, _interpreter_pool, _reporting,
+                          _values, assert_same_bits, in_kernel_process)
 from test_output_norm import EPS, expected, norm_operands, partials
 
 from echo_vllm import quant
@@ -147,6 +147,7 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
     assert all(int(p.abs().sum()) == 0 for p in pads), [p.tolist() for p in pads]
 
 
+@INTERPRETER_ONLY
 def test_whole_norm_kernel_with_barriers_over_processes():
     """P = 3 processes, 3 chained calls (NaN/Inf in call 1), 4 tiles of two
     rows on 2 programs: outputs, residuals, feedback as the reference

@@ -11,6 +11,8 @@ shared memory, shuffles off; not checked here.)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_kernels import _compiler_pool, _reporting
@@ -94,7 +96,7 @@ def test_fused_kernel_fits_its_register_cap_and_int8_spills_no_more():
 
 import re  # noqa: E402
 
-#: (rows, cols): width 1, odd widths below / above one group, a wide aligned row.
+#: (rows, cols): width 1, odd widths below / above one group, a wide lanes row.
 SHAPES = [(2, 1), (1, 1), (3, 3), (2, 33), (2, 4096)]
 
 
@@ -173,7 +175,7 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
             y = torch.empty(1, lay.numel, dtype=dtype)
             for incoming in (True, False):
                 lp = fused_kernel._launch_plan(lay, plan, 1, world * lay.chunk_bytes, 7, True, True, incoming,
-                                               fused_kernel.ALL_PHASES, launch.rows_aligned(cols, x[:1], y))
+                                               fused_kernel.ALL_PHASES, fused_kernel.plan_lanes(plan, lay, x[:1], y))
                 k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
                                         fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
                                         lp.constexprs)
@@ -214,3 +216,84 @@ def test_the_layout_reader_tells_the_lane_layout_apart():
     packed = "{ prmt.b32 m0, a0, a1, 0x5410; shfl.sync.bfly.b32 p, a0, 1, 0x1f, -1; }"
     assert shuffle_layout_problems(ir(lane, packed)) == []
     assert len(shuffle_layout_problems(ir(linear, packed))) == 1  # registers reversed: pairs would mix
+
+
+# -- every small-shape test case, as the GPU compiles it -----------------------------------
+
+
+def _jit_functions() -> list:
+    from echo_vllm.kernels import (consume_kernel, fused_kernel, output_kernel, output_norm_kernel, stage1_kernel,
+                                   stage2_kernel)
+
+    fns = [fused_kernel._fused_kernel, fused_kernel._fused_norm_kernel]
+    fns += [m._LAUNCH.fn for m in (stage1_kernel, stage2_kernel, output_kernel, consume_kernel)]
+    return fns + [f for f in vars(output_norm_kernel).values() if hasattr(f, "device_caches")]
+
+
+def _compiled() -> dict:
+    return {(f.__name__, key): k for f in _jit_functions() for cache in f.device_caches.values()
+            for key, k in cache[0].items()}
+
+
+def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+    """Run a kernel test's body with launches compiled for sm_90 but not run
+    (``compile_only``; its comparisons skipped: nothing ran) and return the
+    shuffle layout problems of every kernel it compiled. A compilation
+    error propagates."""
+    import importlib
+    from unittest import mock
+
+    from echo_vllm.bench.host_overhead import compile_only
+
+    before = set(_compiled())
+    skip = mock.patch.multiple  # the bodies compare results; no result exists here
+    mods = [importlib.import_module(m) for m in ("test_kernels", "test_fused", "test_fused_norm", "test_output_norm")]
+    with compile_only(), contextlib.ExitStack() as stack:
+        for m in mods:
+            stack.enter_context(skip(m, assert_same_bits=lambda *a, **k: None))
+        getattr(importlib.import_module(module), fn)(*args, **kwargs)
+    return {f"{name}": p for (name, key), k in _compiled().items() if (name, key) not in before
+            if (p := shuffle_layout_problems(k.asm["ttgir"]))}
+
+
+def _small_cases() -> list:
+    from test_fused import PHASE_CASES
+    from test_fused_norm import NORM_PHASE_CASES
+    from test_output_norm import CASES
+
+    cases = [pytest.param("test_fused", "_phases_match_reference", c, {}, id=f"phases{c}") for c in PHASE_CASES]
+    cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
+    cases.append(pytest.param("test_fused_norm", "_norm_phases_match", (6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2),
+                              {"residual": False, "w_dt": "fp32"}, id="norm without residual"))
+    return cases + [pytest.param("test_output_norm", "_output_norm_matches", c, {}, id=f"output_norm{c}")
+                    for c in CASES]
+
+
+@pytest.mark.parametrize("module,fn,args,kwargs", _small_cases())
+def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, fn, args, kwargs):
+    """The GPU runs these small cases compiled. Two defects only the H200
+    showed: a tile smaller than its threads (8 groups of 32 on 2 warps)
+    spread the threads along a lane's values and the shuffles paired wrong
+    values (``launch.lane_layout`` now turns them off there); a width of 1
+    came into the norm kernels as a constant int and failed to compile."""
+    problems = _compiler_pool().submit(_reporting, _case_problems, module, fn, args, kwargs).result(timeout=600)
+    assert problems == {}, problems
+
+
+def test_lane_layout_needs_a_lane_per_thread_and_aligned_rows():
+    from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.kernels import launch
+    from echo_vllm.quant import WireLayout
+
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16)
+    assert launch.lane_layout(4096, 2048, 4, x) and launch.lane_layout(4096, 256, 1, x)
+    assert not launch.lane_layout(4096, 255, 1, x) and not launch.lane_layout(4096, 256, 2, x)  # threads > lanes
+    assert not launch.lane_layout(4088, 2048, 4, torch.zeros(2, 4088, dtype=torch.bfloat16))  # rows 8 bytes apart
+    assert launch.lane_layout(4096, 2048, 4, x.view(-1)[8:4104])  # a row starting 16 bytes in
+    assert not launch.lane_layout(4096, 2048, 4, x.view(-1)[4:4100])  # a row starting 8 bytes in
+    lay = WireLayout(3 * 96, 4, 32, 96)
+    assert not fk.plan_lanes(fk.FusedPlan(8, 2, 1), lay, x)  # the test plan the H200 showed wrong
+    assert fk.plan_lanes(fk.FusedPlan(8, 1, 1), lay, x)
+    for numel, world, cols in [(4096 * 8192, 8, 8192), (1 << 20, 2, 4096), (4096, 8, 4096)]:
+        lay = WireLayout(numel, world, 32, cols)  # every plan the table makes fits its lanes
+        assert fk.plan_lanes(fk.plan_for(lay, 132), lay, torch.zeros(1, numel, dtype=torch.bfloat16))
