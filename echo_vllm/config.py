@@ -122,11 +122,11 @@ class EchoConfig:
     buffer's memory traffic (stage 1 reads and rewrites it: 8 -> 4 bytes per
     value) and rounds each carried error to 8 significant bits, at most a 2^-8
     relative change of an already small term (no measured accuracy cost:
-    EVAL.md, section 1). float32 keeps the telescoping exact to fp32
-    rounding. int8 stores each group's error as int8 codes with one bf16
+    EVAL.md, "Why the defaults are what they are"). float32 keeps the
+    telescoping exact to fp32 rounding. int8 stores each group's error as int8 codes with one bf16
     scale per group (1 + 2/g bytes per value: 1.06 at g=32), moving each
     value by at most half a step of 1/127 of its group's largest error
-    (``echo_vllm.quant``; EVAL.md, section 9). Every backend implements
+    (``echo_vllm.quant``; EVAL.md, "Feedback storage"). Every backend implements
     all three, bit for bit."""
 
     batch_invariant: bool = False
@@ -151,8 +151,8 @@ class EchoConfig:
     covers the embedding and the first two layers (o_proj, down_proj each)
     of a 1 + 2L-call transformer: there the residual stream is only one or
     two updates, so one call's 4-bit error is a large relative perturbation
-    that the early MLPs amplify (the measured effect: EVAL.md, section 1).
-    0 quantizes every call."""
+    that the early MLPs amplify (the measured effect: EVAL.md, "Why the
+    defaults are what they are"). 0 quantizes every call."""
 
     health_every: int = 16
     """Check every k-th call of a forward pass (call indices k-1, 2k-1, ...)
@@ -164,7 +164,8 @@ class EchoConfig:
     fuse_norm: bool = False
     """Off by default: not yet proven on the GPU on the tree that ships it,
     and measured slower than Echo + vLLM's norm at P = 8 for 8k x 4096
-    (BENCHMARKS.md, "Echo + residual add + RMSNorm"). When on, under vLLM's compilation (not ``--enforce-eager``), fold the residual
+    (BENCHMARKS.md, "Echo + residual add + RMSNorm"). When on, under
+    vLLM's compilation (not ``--enforce-eager``), fold the residual
     add and RMSNorm that follow each residual all-reduce into Echo's output
     phase (a compilation pass on pre-norm models, ``vllm_glue.norm_fusion``):
     the output is not written and read again, ~2 x tokens x hidden x 2

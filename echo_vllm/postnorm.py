@@ -6,7 +6,7 @@ the sum over calls telescopes. Post-norm decoders (Gemma-2/3/4, OLMo-2/3,
 EXAONE-4, ...) normalise each attention / MLP output before the residual add,
 so call k's output -- carried error included -- is rescaled by that call's
 own per-token RMS: the errors no longer cancel, they are added back at the
-wrong scale. Measured on Gemma-3-270M at emulated TP=4 (EVAL.md section 4):
+wrong scale. Measured on Gemma-3-270M at emulated TP=4 (EVAL.md, "Post-norm models"):
 perplexity +19% with feedback off, 1.5e5 (diverged) with it on.
 
 Without feedback 4-bit still costs such a model far more than a pre-norm

@@ -87,7 +87,7 @@ storage formats (``EchoConfig.feedback_dtype``, :data:`FEEDBACK_STORAGE`):
   stored error moves by at most ``s / 506``, 1/253 of the quantization error
   it carries; unlike that error it does not telescope, and adds up over
   the calls of a forward pass like independent roundings (measured:
-  EVAL.md, section 9).
+  EVAL.md, "Feedback storage").
 
 Range (finite in, finite out)
 -----------------------------

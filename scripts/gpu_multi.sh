@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements that need several GPUs of one host, one command (issue 13):
+# The measurements one GPU cannot make (a real link between GPUs), one command:
 # run it the moment a multi-GPU machine is lent (nvidia-h200-x2 / -x4 / -x8).
 #
 #   OUT=/tmp/m bash scripts/gpu_multi.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Echo for tensor-parallel training on ONE GPU (issue 14): a Qwen3-architecture
+# Echo for tensor-parallel training on ONE GPU: a Qwen3-architecture
 # model of tens of millions of parameters trained from scratch three times --
 # exact 16-bit, naive 4-bit, Echo all-reduces -- at emulated TP=4, the three
 # runs concurrently (same seed, same data order), then the report.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU-host check of `echo-vllm serve --tp-comm echo` (issue 5), ~5-8 minutes
+# GPU-host check of `echo-vllm serve --tp-comm echo` (CI has no GPU), ~5-8 minutes
 # on one H200:
 #   1. build a tiny random-weight Qwen3 (echo_vllm.testing_models),
 #   2. start `echo-vllm serve` with Echo on in one-GPU emulation of TP=4,

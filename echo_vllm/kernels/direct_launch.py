@@ -5,7 +5,7 @@ when the arguments' *specialization* changes: it binds the arguments into a
 dict, specializes each one, builds and hashes a cache key from them and the
 options, builds a launch-metadata dict and calls two (empty) launch-hook
 chains. On the H200 that host time exceeded the kernels' device time below
-16 MiB (BENCHMARKS.md, 2.4), and vLLM runs prefill batches above its
+16 MiB (BENCHMARKS.md, appendix, "Triton's per-call dispatch"), and vLLM runs prefill batches above its
 CUDA-graph sizes eagerly.
 
 How: a :class:`Launcher` wraps one ``@triton.jit`` function. A call it has

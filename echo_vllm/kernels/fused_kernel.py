@@ -443,8 +443,9 @@ class TileRow(NamedTuple):
 #: Chunk size -> tile, warps and programs per SM, first row that fits.
 #: Small chunks (decode) take small tiles, so that even they spread over
 #: several programs; large ones fill every SM with ``per_sm`` programs
-#: (measured: BENCHMARKS.md sections 11, 12). Tile sizes are powers of two of
-#: at least 256 values (32 lanes of 8), so every group size gives a
+#: (measured: BENCHMARKS.md, the roofline table and the appendix's entry on
+#: programs per SM). Tile sizes are powers of two of at least 256 values
+#: (32 lanes of 8), so every group size gives a
 #: power-of-two number of whole groups and a warp holds whole groups.
 TILE_TABLE: tuple[TileRow, ...] = (
     TileRow(max_chunk_numel=1 << 12, tile_values=1 << 8, num_warps=1, per_sm=4),

@@ -14,7 +14,7 @@ depends only on the shapes and options (grid, layout-derived integers,
 constexprs) is a :class:`Plan`, cached per wrapper, and the launch itself
 goes through ``direct_launch.Launcher``, which skips Triton's per-call
 dispatch once a specialization is compiled (host time per eager call:
-BENCHMARKS.md, 2.7).
+BENCHMARKS.md, appendix, "Triton's per-call dispatch").
 """
 
 from __future__ import annotations

@@ -90,19 +90,27 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+#: Constants whose value is a sentinel: the help shows the spelling a user types.
+_SHOWN_AS = {"AUTO_BYTES": "auto"}
+
+
 def _with_values(text: str) -> str:
-    """``text`` with each ````NAME```` of a constant of :mod:`echo_vllm.config`
-    written as its value: the docstrings name the constant (one source),
-    the help shows what it holds."""
+    """``text`` as a terminal shows it: each ````NAME```` of a constant of
+    :mod:`echo_vllm.config` written as its value (the docstrings name the
+    constant, one source; the help shows what it holds), and every other
+    reStructuredText literal ````x```` as `x`."""
     from .. import config
 
     def value(match: re.Match) -> str:
-        held = getattr(config, match.group(1), None)
+        name = match.group(1)
+        if name in _SHOWN_AS:
+            return _SHOWN_AS[name]
+        held = getattr(config, name, None) if name.isupper() else None
         if isinstance(held, tuple):
             return ", ".join(map(str, held))
-        return match.group(0) if held is None else str(held)
+        return f"`{name}`" if held is None else str(held)
 
-    return re.sub(r"``([A-Z][A-Z0-9_]+)``", value, text)
+    return re.sub(r"``([^`]+)``", value, text)
 
 
 @functools.lru_cache(maxsize=1)

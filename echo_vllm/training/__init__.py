@@ -1,4 +1,4 @@
-"""Echo for tensor-parallel training (issue 14).
+"""Echo for tensor-parallel training: Megatron-style TP in plain PyTorch.
 
 * :mod:`.collectives` -- Megatron's f/g as autograd functions whose
   all-reduces run through Echo, one feedback chain per direction;

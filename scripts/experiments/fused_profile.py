@@ -5,7 +5,7 @@ rows of 8192, every peer's buffer local), and each composed stage kernel
     ncu --clock-control none --section SpeedOfLight --section Occupancy \
         --section WarpStateStats -k regex:'_fused|stage|output' python scripts/experiments/fused_profile.py
 
-An experiment (BENCHMARKS.md section 11 reports what it showed), not a tool.
+An experiment (BENCHMARKS.md, "Kernels against the memory roofline", reports what it showed), not a tool.
 """
 
 from __future__ import annotations

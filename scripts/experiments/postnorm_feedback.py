@@ -7,7 +7,7 @@ lands there, to first order, as J_k * d with J_k = (1 + w_k) / rms(y_k) (per
 token and channel; the Jacobian's radial term is ignored). Echo feeds call
 k's error E_k into call k+1, so the residual receives J_{k+1} E_k - J_k E_k:
 no cancellation, and since consecutive J differ by orders of magnitude it
-diverges (EVAL.md section 4). Rescaling the carried error by
+diverges (EVAL.md, "Post-norm models"). Rescaling the carried error by
 c = J_k / J_{k+1} before call k+1 restores the telescoping to first order.
 
 J_k is known after call k (its output's rms); J_{k+1} needs rms(y_{k+1})
