@@ -134,7 +134,7 @@ class EchoCommunicator:
             checked = (self.health is not None and sampled(call_index, self.config.health_every)
                        and self.health.observe(x, y))
             lay = self.echo.message_layout(tuple(y.shape))
-            self.sink(CallRecord("echo", decision.reason.value, wire_bytes=lay.wire_bytes_per_rank,
+            self.sink(CallRecord("echo", self._echo_reason(decision, lay, y), wire_bytes=lay.wire_bytes_per_rank,
                                  equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked,
                                  **self._chain_outcome()))
             return y
@@ -161,7 +161,7 @@ class EchoCommunicator:
             checked = (self.health is not None and sampled(call_index, self.config.health_every)
                        and self.health.observe(x, out))
             lay = self.echo.message_layout(tuple(out.shape))
-            self.sink(CallRecord("echo", decision.reason.value, wire_bytes=lay.wire_bytes_per_rank,
+            self.sink(CallRecord("echo", self._echo_reason(decision, lay, out), wire_bytes=lay.wire_bytes_per_rank,
                                  equiv_bytes=lay.ring_bytes_per_rank(out.element_size()), checked=checked, norm=how,
                                  **self._chain_outcome()))
             return out, res
@@ -189,6 +189,13 @@ class EchoCommunicator:
         self.sink(CallRecord("exact", getattr(reason, "value", reason),
                              nbytes=per_rank.numel() * per_rank.element_size(), norm=norm, **self._chain_outcome()))
         return y
+
+    def _echo_reason(self, decision: Decision, layout, y: torch.Tensor) -> str:
+        """The record's reason of a call Echo ran: the decision's, unless the
+        backend's own kernels could not take the message (its fallback ran it)."""
+        if self.echo.backend(y.device).fits(layout):
+            return decision.reason.value
+        return Reason.EXCEEDS_FUSED_BUFFERS.value
 
     def _chain_outcome(self) -> dict:
         """The record fields of what the chain did in the call just run."""

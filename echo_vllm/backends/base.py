@@ -82,6 +82,12 @@ class EchoBackend(abc.ABC):
         """``xs + rot^-1(e)`` rounded to ``xs.dtype`` (``[R, numel]``): the input
         of an exact call that absorbs the carried error."""
 
+    def fits(self, layout: WireLayout) -> bool:
+        """Whether this backend's own kernels run a message of ``layout``
+        (False: its fallback does, recorded under
+        ``policy.Reason.EXCEEDS_FUSED_BUFFERS``)."""
+        return True
+
     def exact_all_reduce(self, xs: torch.Tensor) -> torch.Tensor:
         """The 16-bit all-reduce of local inputs ``xs [R, ...]``."""
         return self.transport.all_reduce_exact(xs)

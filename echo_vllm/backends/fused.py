@@ -528,7 +528,8 @@ class FusedSymmMemBackend(EchoBackend):
         return self.fallback is None or self.fallback.capturable
 
     def fits(self, layout: WireLayout) -> bool:
-        """Whether ``layout``'s chunks fit the buffers' slots."""
+        """Whether ``layout``'s chunks fit the buffers' slots (else the
+        fallback runs the message, or :class:`MessageTooLarge`)."""
         return layout.world_size == self.world_size and layout.chunk_bytes <= self.buffers.chunk_bytes
 
     def _plan(self, layout: WireLayout):
