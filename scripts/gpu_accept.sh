@@ -11,14 +11,15 @@
 #      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
 #      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values), and
 #      `bench fused` at P = 8, 64 MiB against the floor recorded in
-#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first),
-#      and `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
-#      hidden 4096, T = 1k and 8k, P = 8 and 2; verifies first).
+#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first).
+#      The kernel tests took 399 s at -n 14 on an H200 (2026-12-02).
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, lost peers, and the shape sweep
 #      at P = 2, 3, 4, 8), then every other GPU-marked test that needs no
 #      vLLM (health counters under CUDA-graph replay, training collectives,
-#      benchmarks, eval).
+#      benchmarks, eval), and `bench norm` (Echo + add + RMSNorm fused vs
+#      Echo then the norm, hidden 4096, T = 1k and 8k, P = 8 and 2;
+#      verifies first).
 #   3  vLLM: the bundle unpacked (parts stashed by runs 1 and 2, the last one
 #      carried), then scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
@@ -51,29 +52,29 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores
-  step kernel_tests 280 "$PY" -m pytest -q -p no:cacheprovider -n 12 tests/kernels -k "not test_gpu_check" \
+  step kernel_tests 430 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
     --tb=line
-  step bench_fused 110 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
+  step bench_fused 80 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 20 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
-  step bench_norm 120 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 \
-    --out "$OUT/norm"
 elif [ "$RUN" = 2 ]; then
-  step fused_check 330 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
+  step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
     --json "$OUT/fused_check.json"
-  step gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
+  step gpu_tests 110 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
+  step bench_norm 110 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 \
+    --out "$OUT/norm"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
-  step bundle 120 "$PY" "$STASH/install.py" /tmp/echo-accept/site "$STASH"
+  step bundle 90 "$PY" "$STASH/install.py" /tmp/echo-accept/site "$STASH"
   export PYTHONPATH="/tmp/echo-accept/site:$PYTHONPATH"
   mkdir -p "$OUT/vllm" "$OUT/serve"
   # side by side: each engine takes 0.3 of the GPU's memory
-  ( step vllm_check 480 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 460
+  ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420
     printf '%s\n' "${status[@]}" > "$OUT/.vllm_status" ) &
   vllm_pid=$!
   sleep 20  # the first engine claims its memory before the second starts
-  step serve_check 460 env OUT="$OUT/serve" bash server/gpu_serve_check.sh
+  step serve_check 440 env OUT="$OUT/serve" bash server/gpu_serve_check.sh
   wait $vllm_pid
   [ -f "$OUT/.vllm_status" ] && mapfile -t -O "${#status[@]}" status < "$OUT/.vllm_status"
 fi
