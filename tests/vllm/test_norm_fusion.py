@@ -24,7 +24,9 @@ import torch
 
 EPS = 1e-6
 HIDDEN = 64
-TP_ECHO = {"tp_comm": "echo", "echo_min_bytes": 0, "echo_first_exact_calls": 0, "echo_exact_last_call": False}
+# the pass is asked for (echo_fuse_norm is off by default)
+TP_ECHO = {"tp_comm": "echo", "echo_min_bytes": 0, "echo_first_exact_calls": 0, "echo_exact_last_call": False,
+           "echo_fuse_norm": True}
 
 
 def _nf():
