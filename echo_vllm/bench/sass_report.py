@@ -103,7 +103,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    la, plan = onk._plan(lay, tiling, True, True, launch.lane_layout(lay.cols, tiling.groups_per_tile * 32,
+    la, plan = onk._plan(lay, tiling, True, True, launch.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
                                                                      tiling.num_warps, res, w, out))
     composed = la.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)

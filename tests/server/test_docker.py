@@ -73,26 +73,24 @@ def stage_args() -> dict[str, str | None]:
     return out
 
 
-def labels() -> dict[str, str]:
+def key_values(instruction: str) -> dict[str, str]:
+    """The KEY=value pairs of every ``instruction`` (LABEL, ENV) of the build stage."""
     out = {}
     for word, args in stage():
-        if word == "LABEL":
+        if word == instruction:
             for pair in shlex.split(args):
                 key, eq, value = pair.partition("=")
-                assert eq, f"LABEL {pair!r} is not key=value"
+                assert eq, f"{instruction} {pair!r}: use the KEY=value form"
                 out[key] = value
     return out
+
+
+def labels() -> dict[str, str]:
+    return key_values("LABEL")
 
 
 def env() -> dict[str, str]:
-    out = {}
-    for word, args in stage():
-        if word == "ENV":
-            for pair in shlex.split(args):
-                key, eq, value = pair.partition("=")
-                assert eq, f"ENV {pair!r}: use the KEY=value form"
-                out[key] = value
-    return out
+    return key_values("ENV")
 
 
 def install_run() -> tuple[int, str]:
