@@ -2,17 +2,21 @@
 
 Core objects (no vLLM needed)::
 
-    from echo_vllm import EchoConfig, EchoCommunicator, VirtualTransport
-    comm = EchoCommunicator(EchoConfig(), VirtualTransport(4))
-    y = comm.all_reduce(partials_stacked_4xTxH, call_index=t)   # t-th call of a forward
+    from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
+    comm = StackedCommunicator(EchoConfig(), VirtualTransport(4))   # 4 ranks on one device
+    y = comm.all_reduce(partials_stacked_4xTxH, slot=CallSlot(t))    # t-th call of a forward
     # pass: 4-bit from t = first_exact_calls (5) on, for messages >= min_bytes
+
+One rank of a real group: ``EchoCommunicator(config, ProcessGroupTransport())``,
+its input that rank's tensor.
 """
 
-from .allreduce import EchoAllReduce
 from .backends import BACKENDS, EchoBackend, choose_backend, make_backend
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
+from .emulation import StackedCommunicator
 from .feedback import FeedbackChain
+from .numbering import CallSlot
 from .policy import CallInfo, Decision, Path, Reason, decide
 from .quant import WireLayout
 from .stats import CallRecord, EchoStats
@@ -23,9 +27,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "CallInfo",
+    "CallSlot",
     "CallRecord",
     "Decision",
-    "EchoAllReduce",
     "EchoBackend",
     "EchoCommunicator",
     "EchoConfig",
@@ -36,6 +40,7 @@ __all__ = [
     "Path",
     "ProcessGroupTransport",
     "Reason",
+    "StackedCommunicator",
     "Transport",
     "VirtualTransport",
     "WireLayout",

@@ -1,52 +1,93 @@
-"""EchoCommunicator: which path each call takes, running it, one record per call.
+"""EchoCommunicator: Echo for one group's all-reduces, in vLLM's communicator shape.
 
-This is the dispatcher everything user-facing goes through (the vLLM glue,
-the demo, the benchmarks, training): ``should_echo`` asks the policy
-(:func:`echo_vllm.policy.decide`), ``all_reduce`` runs the chosen path
-(:class:`~echo_vllm.allreduce.EchoAllReduce`, or the exact path that absorbs
-the chain's pending error; a side call's exact path leaves the chain alone)
-and hands one :class:`~echo_vllm.stats.CallRecord` to its sink, saying what
-the chain did (carried, dropped) and whether the call's health was checked
-(:mod:`echo_vllm.health`), so that a CUDA-graph replay of the records
-counts the same.
+Built like vLLM's ``CustomAllreduce`` / ``QuickAllReduce``: one object per
+group and stream of calls, ``disabled``, a pure ``should_echo(inp, slot)``,
+``all_reduce(inp, *, out=None)``, ``close()``. Its input is always one
+rank's tensor; the one-process emulation of P ranks stacks them in its own
+subclass (:class:`echo_vllm.emulation.StackedCommunicator`).
+
+One call, start to end (:meth:`EchoCommunicator.all_reduce`):
+
+1. whether it is a residual-stream message (``[tokens, hidden]`` in
+   bf16/fp16 when the model's ``hidden_size`` is known); anything else is a
+   *side call* (an fp32 norm statistic, a Mamba2 ``[T, 1]`` sum, integers),
+   which takes the exact path and leaves the feedback chain alone;
+2. its slot: its index among the pass's residual calls and whether it is
+   the last (given, or from ``numbering``: the vLLM session's tracker);
+3. with a fixed capacity (vLLM), the feedback buffer reserved once at its
+   largest size on the first residual call outside graph capture (vLLM's
+   profiling run, so vLLM's memory profiler sees it);
+4. the policy's path (:func:`echo_vllm.policy.decide`): Echo through the
+   backend (:mod:`echo_vllm.backends`) with the chain rule, or the exact
+   path, which first absorbs the chain's pending error;
+5. one :class:`~echo_vllm.stats.CallRecord` to the sink, saying what the
+   chain did and whether the call's health was checked
+   (:mod:`echo_vllm.health`), so that a CUDA-graph replay counts the same.
+
+The chain rule: each Echo call returns ``S + E_in - E_out`` (exact sum,
+plus the error carried in, minus the error carried out), so a residual
+stream fed by a chain of calls holds one call's error at any depth
+(:mod:`echo_vllm.feedback`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
-from .allreduce import EchoAllReduce
-from .backends import EchoBackend
+from . import crossover, envs
+from .backends import EchoBackend, make_backend
 from .capture import capturing
-from .config import EchoConfig
+from .config import EchoConfig, EchoConfigError
 from .envs import EchoEnv
 from .feedback import FeedbackChain
 from .health import HealthCounters, sampled
 from .norm import NormOperands
-from .policy import CallInfo, Decision, Path, Reason, decide
+from .norm_plan import norm_tiling
+from .numbering import NO_PASS, CallSlot
+from .policy import ECHO_DTYPES, CallInfo, Decision, Path, Reason, decide
+from .quant import WireLayout
 from .stats import CallRecord, CallSink, EchoStats
 from .transport import Transport
 
-
-#: ``CallRecord.norm`` of a call on the exact path: the norm runs after vLLM's 16-bit all-reduce.
+#: ``CallRecord.norm`` of a call on the exact path: the norm runs after the 16-bit all-reduce.
 EXACT_PATH_NORM = "exact path"
+
+#: ``numbering(rows, residual) -> CallSlot``: the slot of the next call (the vLLM tracker's).
+Numbering = Callable[[int, bool], CallSlot]
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _no_pass(rows: int, residual: bool) -> CallSlot:
+    return NO_PASS
 
 
 class EchoCommunicator:
-    """Echo for one stream of calls (a model's forward pass, or one direction
-    of a training step) over one transport.
+    """Echo over ``transport`` for one stream of calls (a model's forward
+    passes, or one direction of a training step); see the module docstring.
 
-    ``capacity_numel``: feedback values per rank to allocate now. With
+    ``backend``: a built backend, or None to build the one ``config.backend``
+    names per device type of the tensors, on first use (with ``env``,
+    default :func:`echo_vllm.envs.read` now). ``exact``: the 16-bit
+    all-reduce of one rank's tensor (vLLM's own for a TP group; default the
+    backend's). ``numbering``: the slot of a call given none (default: no
+    pass, so the exact path). ``hidden_size``: residual messages are
+    ``[tokens, hidden_size]`` (None: any width). ``residual_ndim``: residual
+    messages have this many dimensions (vLLM's: 2; None: any).
+    ``max_num_tokens``: the largest batch (sizes the buffer, step 3).
+    ``capacity_numel``: feedback values per rank to allocate now; with
     ``fixed_capacity`` (default: when a capacity is given) the buffer never
-    grows: a message that does not fit takes the exact path, counted (vLLM
-    sizes it once, before CUDA-graph capture, with :meth:`reserve`).
-    ``sink``: where each call's record goes (default ``stats.record``).
-    ``health``: where the sampled checks of Echo calls
-    (``config.health_every``) count non-finite values (default: none
-    checked).
+    grows: a message that does not fit takes the exact path, counted.
+    ``enabled=False``: every call exact (the 16-bit baseline of the
+    emulation). ``sink``: where each record goes (default ``stats.record``).
+    ``health``: where sampled checks count non-finite values (default: none).
     """
+
+    #: Inputs are one rank's tensor (False) or stacked ``[R, ...]`` over this process's ranks.
+    stacked = False
 
     def __init__(
         self,
@@ -54,148 +95,231 @@ class EchoCommunicator:
         transport: Transport,
         *,
         device: torch.device | str = "cpu",
-        capacity_numel: int = 0,
-        fixed_capacity: bool | None = None,
-        stats: EchoStats | None = None,
-        sink: CallSink | None = None,
         backend: EchoBackend | None = None,
         env: EchoEnv | None = None,
+        exact: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        numbering: Numbering | None = None,
+        hidden_size: int | None = None,
+        residual_ndim: int | None = None,
+        max_num_tokens: int | None = None,
+        capacity_numel: int = 0,
+        fixed_capacity: bool | None = None,
+        enabled: bool = True,
+        stats: EchoStats | None = None,
+        sink: CallSink | None = None,
         health: HealthCounters | None = None,
     ):
+        if transport.world_size < 2:
+            raise EchoConfigError(f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}")
+        local = len(transport.local_ranks)
+        if local != 1 and not self.stacked:
+            raise EchoConfigError(
+                f"EchoCommunicator takes one rank's tensor, but this transport holds {local} ranks of "
+                f"{transport.world_size}: use echo_vllm.emulation.StackedCommunicator (inputs stacked [R, ...])")
         self.config = config
         self.transport = transport
-        self.echo = EchoAllReduce(config, transport, backend=backend, env=env)
-        self.chain = FeedbackChain.of(config, len(transport.local_ranks), device, capacity_numel)
+        self.world_size = transport.world_size
+        self.disabled = False
+        self.env = env if env is not None else envs.read()
+        self.exact_fn = exact
+        self.numbering = numbering or _no_pass
+        self.hidden_size = hidden_size
+        self.residual_ndim = residual_ndim
+        self.max_num_tokens = max_num_tokens
+        self.enabled = enabled
+        self.chain = FeedbackChain.of(config, local, device, capacity_numel)
+        self.fixed_capacity = capacity_numel > 0 if fixed_capacity is None else fixed_capacity
         self.stats = stats if stats is not None else EchoStats()
         self.sink: CallSink = sink if sink is not None else self.stats.record
-        self.fixed_capacity = capacity_numel > 0 if fixed_capacity is None else fixed_capacity
         self.health = health
+        self._backend = backend
+        self._backends: dict[str, EchoBackend] = {}
+        self._layouts: dict[tuple[int, int], WireLayout] = {}
+        self._checked: set[tuple] = set()
+        self._reserved = False
 
-    @property
-    def disabled(self) -> bool:
-        """Nothing to reduce with Echo (vLLM's communicator convention)."""
-        return self.transport.world_size < 2
+    # -- the one rank's message and the local stack the backends take ---------
 
-    def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
-        """Replace the size thresholds (a measured crossover, ``echo_vllm.crossover``)."""
-        self.config = self.config.replace(min_bytes=min_bytes, max_bytes=max_bytes)
+    def _message(self, inp: torch.Tensor) -> torch.Tensor:
+        """One rank's message (the stacked subclass: rank 0's)."""
+        return inp
 
-    def reserve(self, rows: int, cols: int) -> None:
-        """Size the feedback buffer for messages of up to ``rows`` rows of
-        ``cols`` (and allocate the health counter: both before any capture)."""
-        if self.config.feedback:
-            self.chain.reserve(self.echo.layout(rows * cols, cols).padded_numel)
-        if self.health is not None:
-            self.health.allocate()
+    def _local(self, inp: torch.Tensor) -> torch.Tensor:
+        """The backends' input ``[R, ...]`` over this process's ranks."""
+        return inp.unsqueeze(0)
 
-    def should_echo(
-        self,
-        x: torch.Tensor,
-        call_index: int | None,
-        *,
-        last_call: bool = False,
-        residual: bool = True,
-    ) -> Decision:
-        """The policy's path for ``x`` (no side effects)."""
-        per_rank = x[0] if self.transport.is_virtual else x
-        numel = per_rank.numel()
-        fits = True
-        if self.fixed_capacity and self.config.feedback and numel:
-            fits = self.chain.fits(self.echo.message_layout(tuple(per_rank.shape)).padded_numel)
-        return decide(
-            CallInfo(
-                nbytes=numel * per_rank.element_size(),
-                dtype=per_rank.dtype,
-                world_size=self.transport.world_size,
-                capturing=capturing(),
-                call_index=call_index,
-                last_call=last_call,
-                residual=residual and numel > 0,
-                fits_buffer=fits,
-                transport_capturable=self.transport.capturable,
-            ),
-            self.config,
-        )
+    def _unlocal(self, xs: torch.Tensor) -> torch.Tensor:
+        """What the caller's ``exact`` takes: one rank's tensor."""
+        return xs[0]
 
-    def all_reduce(
-        self,
-        x: torch.Tensor,
-        call_index: int | None,
-        *,
-        last_call: bool = False,
-        residual: bool = True,
-        exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Reduce ``x`` on the path the policy picks. ``exact_fn`` replaces the
-        transport's 16-bit all-reduce (the vLLM hook passes vLLM's own)."""
-        decision = self.should_echo(x, call_index, last_call=last_call, residual=residual)
-        if decision.path is Path.ECHO:
-            y = self.echo.all_reduce(x, self.chain, call_index)
-            checked = (self.health is not None and sampled(call_index, self.config.health_every)
-                       and self.health.observe(x, y))
-            lay = self.echo.message_layout(tuple(y.shape))
-            self.sink(CallRecord("echo", self._echo_reason(decision, lay, y), wire_bytes=lay.wire_bytes_per_rank,
-                                 equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked,
-                                 **self._chain_outcome()))
-            return y
-        return self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn, side=decision.side)
+    # -- decisions --------------------------------------------------------------
 
-    def all_reduce_norm(
-        self,
-        x: torch.Tensor,
-        norm: NormOperands,
-        call_index: int | None,
-        *,
-        last_call: bool = False,
-        exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`all_reduce` of a residual-stream call followed by the
-        residual add and RMSNorm of ``norm`` (vLLM's ``fused_add_rms_norm``,
-        ``rms_norm`` without a residual): ``(out, new residual)``. On Echo's
-        path the norm runs in its output phase where the row fits
-        (``norm_plan.norm_tiling``), else after it; on the exact path after
-        it; the record says which (``CallRecord.norm``)."""
-        decision = self.should_echo(x, call_index, last_call=last_call, residual=True)
-        if decision.path is Path.ECHO:
-            out, res, how = self.echo.all_reduce_norm(x, norm, self.chain, call_index)
-            checked = (self.health is not None and sampled(call_index, self.config.health_every)
-                       and self.health.observe(x, out))
-            lay = self.echo.message_layout(tuple(out.shape))
-            self.sink(CallRecord("echo", self._echo_reason(decision, lay, out), wire_bytes=lay.wire_bytes_per_rank,
-                                 equiv_bytes=lay.ring_bytes_per_rank(out.element_size()), checked=checked, norm=how,
-                                 **self._chain_outcome()))
-            return out, res
-        y = self.exact(x, call_index, reason=decision.reason, exact_fn=exact_fn, side=decision.side,
-                       norm=EXACT_PATH_NORM)
-        return norm.apply(y)
+    def is_residual(self, msg: torch.Tensor) -> bool:
+        """A residual-stream message (step 1): not empty, bf16/fp16 (an fp32
+        message is a norm's statistic, not the stream), of ``residual_ndim``
+        dimensions and ``hidden_size`` wide where they are given."""
+        return (msg.dtype in ECHO_DTYPES and msg.numel() > 0
+                and (self.residual_ndim is None or msg.dim() == self.residual_ndim)
+                and (self.hidden_size is None or msg.shape[-1] == self.hidden_size))
 
-    def exact(
-        self,
-        x: torch.Tensor,
-        call_index: int | None,
-        *,
-        reason: Reason | str,
-        exact_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        side: bool = False,
-        norm: str = "",
-    ) -> torch.Tensor:
-        """16-bit path, recorded under ``reason``: it consumes the chain's
-        pending error, or, for a ``side`` call (outside the residual
-        stream, :data:`~echo_vllm.policy.SIDE_REASONS`), leaves the chain as
-        it is for the stream's next call. ``norm``: the record's
-        ``CallRecord.norm``."""
-        per_rank = x[0] if self.transport.is_virtual else x
-        y = self.echo.exact_all_reduce(x, None if side else self.chain, call_index, exact_fn)
-        self.sink(CallRecord("exact", getattr(reason, "value", reason),
-                             nbytes=per_rank.numel() * per_rank.element_size(), norm=norm, **self._chain_outcome()))
+    def should_echo(self, inp: torch.Tensor, slot: CallSlot) -> Decision:
+        """The policy's path for ``inp`` at ``slot`` (no side effects)."""
+        msg = self._message(inp)
+        numel = msg.numel()
+        lay = self.message_layout(tuple(msg.shape)) if numel and msg.is_floating_point() else None
+        fits = not (self.fixed_capacity and self.config.feedback and lay is not None) or \
+            self.chain.fits(lay.padded_numel)
+        return decide(CallInfo(
+            nbytes=numel * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
+            capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
+            residual=self.is_residual(msg), fits_buffer=fits, transport_capturable=self.transport.capturable,
+        ), self.config, enabled=self.enabled)
+
+    def _slot(self, msg: torch.Tensor, slot: CallSlot | None) -> CallSlot:
+        """Steps 2-3: the call's slot, and the buffer reserved once."""
+        residual = self.is_residual(msg)
+        if slot is None:
+            slot = self.numbering(msg.shape[0] if msg.dim() else 0, residual)
+        if residual and self.fixed_capacity and not self._reserved and not capturing():
+            self.reserve(max(self.max_num_tokens or 0, msg.shape[0]), msg.shape[-1])
+            self._reserved = True
+        return slot
+
+    # -- the public calls ---------------------------------------------------------
+
+    def all_reduce(self, inp: torch.Tensor, *, out: torch.Tensor | None = None,
+                   slot: CallSlot | None = None, exact_reason: Reason | None = None) -> torch.Tensor:
+        """Reduce ``inp`` on the path the policy picks (Echo, or the exact path
+        after absorbing the pending error); ``out``, if given, receives the
+        result. ``slot``: the call's place in its pass (default: ``numbering``'s).
+        ``exact_reason``: the exact path, recorded under it, whatever the policy says."""
+        msg = self._message(inp)
+        slot = self._slot(msg, slot)
+        decision = self.should_echo(inp, slot) if exact_reason is None else Decision(Path.EXACT, exact_reason)
+        if decision.path is not Path.ECHO:
+            y = self.exact_all_reduce(inp, None if decision.side else self.chain, slot.index)
+            self._record_exact(msg, decision.reason)
+            return y if out is None else out.copy_(y)
+        # the backend is called from here (not through echo_all_reduce): hook -> here -> backend -> launch
+        xs = self._local(inp)
+        key, lay, fb, incoming = self._enter(xs, self.chain, slot.index)
+        y = self.backend(xs.device).all_reduce(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming,
+                                               out=None if out is None else out.view(lay.numel))
+        y = self._leave(y, key, self.chain, slot.index, fb, out)
+        self._record_echo(decision, inp, y, slot)
         return y
 
-    def _echo_reason(self, decision: Decision, layout, y: torch.Tensor) -> str:
-        """The record's reason of a call Echo ran: the decision's, unless the
-        backend's own kernels could not take the message (its fallback ran it)."""
-        if self.echo.backend(y.device).fits(layout):
-            return decision.reason.value
-        return Reason.EXCEEDS_FUSED_BUFFERS.value
+    def all_reduce_norm(self, inp: torch.Tensor, norm: NormOperands, *,
+                        slot: CallSlot | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`all_reduce` followed by the residual add and RMSNorm of
+        ``norm`` (vLLM's ``fused_add_rms_norm``, ``rms_norm`` without a
+        residual): ``(out, new residual)``. On Echo's path the norm runs in
+        the backend's output phase where the row fits
+        (``norm_plan.norm_tiling``), else after it; on the exact path after
+        it; the record says which (``CallRecord.norm``)."""
+        msg = self._message(inp)
+        if not self.is_residual(msg):
+            return norm.apply(self.all_reduce(inp, slot=slot))
+        slot = self._slot(msg, slot)
+        decision = self.should_echo(inp, slot)
+        if decision.path is not Path.ECHO:
+            y = self.exact_all_reduce(inp, None if decision.side else self.chain, slot.index)
+            self._record_exact(msg, decision.reason, norm=EXACT_PATH_NORM)
+            return norm.apply(y)
+        out, res, how = self.echo_all_reduce_norm(inp, norm, self.chain, slot.index)
+        self._record_echo(decision, inp, out, slot, norm=how)
+        return out, res
+
+    # -- the two paths: Echo with the chain rule, and the exact path ---------------
+
+    def echo_all_reduce(self, inp: torch.Tensor, chain: FeedbackChain | None = None,
+                        call_index: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Echo of ``inp``, whatever the policy says (benchmarks, sweeps).
+        With a ``chain``, absorbs the error the previous call of the chain
+        left and leaves this call's error."""
+        if not inp.is_floating_point():
+            raise TypeError(f"Echo all-reduce needs a floating-point tensor, got {inp.dtype}")
+        xs = self._local(inp)
+        key, lay, fb, incoming = self._enter(xs, chain, call_index)
+        y = self.backend(xs.device).all_reduce(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming,
+                                               out=None if out is None else out.view(lay.numel))
+        return self._leave(y, key, chain, call_index, fb, out)
+
+    def echo_all_reduce_norm(self, inp: torch.Tensor, norm: NormOperands, chain: FeedbackChain | None = None,
+                             call_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+        """:meth:`echo_all_reduce` followed by the residual add and RMSNorm of
+        ``norm``: ``(out, new residual, how)``, ``how`` being ``"fused"`` (in
+        the backend's output phase) or why not (``norm_plan.norm_tiling``'s
+        reason); the same bits either way."""
+        xs = self._local(inp)
+        key, lay, fb, incoming = self._enter(xs, chain, call_index)
+        tiling, reason = norm_tiling(lay)
+        out, res = self.backend(xs.device).all_reduce_norm(xs.reshape(xs.shape[0], lay.numel), lay, fb, norm, tiling,
+                                                           has_incoming=incoming)
+        if chain is not None:
+            chain.record(call_index, key, left_error=fb is not None)
+        return out, res, "fused" if tiling is not None else reason
+
+    def exact_all_reduce(self, inp: torch.Tensor, chain: FeedbackChain | None = None,
+                         call_index: int | None = None) -> torch.Tensor:
+        """The 16-bit all-reduce (``exact``, else the backend's), after adding
+        the chain's pending error to the input; it leaves none. Without a
+        chain (a side call) the chain is left as it is."""
+        xs = self._local(inp)
+        if chain is not None and xs.is_floating_point():
+            xs = self.absorb(xs, chain, call_index)
+        if self.exact_fn is not None:
+            return self.exact_fn(self._unlocal(xs))
+        return self.backend(xs.device).exact_all_reduce(xs)
+
+    def _enter(self, xs: torch.Tensor, chain: FeedbackChain | None, call_index: int | None):
+        """An Echo call's key, layout, feedback buffer and whether it takes an error."""
+        key = self.chain_key(xs)
+        self._check(key)
+        lay = self.message_layout(key[0])
+        fb, incoming = None, False
+        if chain is not None and self.config.feedback:
+            incoming = chain.take(call_index, key)
+            fb = chain.buffer(lay.padded_numel)
+        return key, lay, fb, incoming
+
+    def _leave(self, y: torch.Tensor, key: tuple, chain: FeedbackChain | None, call_index: int | None,
+               fb: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        """After an Echo call: the chain told whether it left an error; the output shaped as the message."""
+        if chain is not None:
+            chain.record(call_index, key, left_error=fb is not None)
+        return y.reshape(key[0]) if out is None else out
+
+    def absorb(self, xs: torch.Tensor, chain: FeedbackChain, call_index: int | None) -> torch.Tensor:
+        """``xs [R, ...]`` plus the chain's pending error (rounded to their
+        dtype), the chain marked empty: what an exact call does."""
+        if not self.config.feedback or xs.numel() == 0:
+            chain.record(call_index, None, left_error=False)
+            return xs
+        key = self.chain_key(xs)
+        if chain.take(call_index, key):
+            lay = self.message_layout(key[0])
+            xs = self.backend(xs.device).consume(xs.reshape(xs.shape[0], lay.numel), lay,
+                                                 chain.buffer(lay.padded_numel)).reshape(xs.shape)
+        chain.record(call_index, key, left_error=False)
+        return xs
+
+    # -- records ----------------------------------------------------------------
+
+    def _record_echo(self, decision: Decision, inp: torch.Tensor, y: torch.Tensor, slot: CallSlot,
+                     norm: str = "") -> None:
+        checked = (self.health is not None and sampled(slot.index, self.config.health_every)
+                   and self.health.observe(inp, y))
+        lay = self.message_layout(tuple(y.shape))
+        # the backend's own kernels may not take the message: its fallback ran it
+        reason = decision.reason if self.backend(y.device).fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
+        self.sink(CallRecord("echo", reason.value, wire_bytes=lay.wire_bytes_per_rank,
+                             equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked, norm=norm,
+                             **self._chain_outcome()))
+
+    def _record_exact(self, msg: torch.Tensor, reason: Reason, norm: str = "") -> None:
+        self.sink(CallRecord("exact", reason.value, nbytes=msg.numel() * msg.element_size(), norm=norm,
+                             **self._chain_outcome()))
 
     def _chain_outcome(self) -> dict:
         """The record fields of what the chain did in the call just run."""
@@ -204,7 +328,98 @@ class EchoCommunicator:
             return {}
         return {"carried": take.incoming, "dropped": take.dropped.value if take.dropped else ""}
 
+    # -- layouts, agreement, backends ---------------------------------------------
+
+    def layout(self, numel: int, cols: int = 0) -> WireLayout:
+        """Layout of a message of ``numel`` values in rows of ``cols`` (0: one row)."""
+        lay = self._layouts.get((numel, cols))
+        if lay is None:
+            lay = self._layouts[(numel, cols)] = WireLayout(numel, self.world_size, self.config.group_size, cols)
+        return lay
+
+    def message_layout(self, shape: tuple[int, ...]) -> WireLayout:
+        """Layout of a message of ``shape`` (one rank's): rows along the last dim."""
+        return self.layout(math.prod(shape), shape[-1] if shape else 0)
+
+    def chain_key(self, xs: torch.Tensor) -> tuple:
+        """The chain's key of local inputs ``xs [R, ...]``: shape, dtype, padded size."""
+        shape = tuple(xs.shape[1:])
+        return (shape, xs.dtype, self.message_layout(shape).padded_numel)
+
+    def _check(self, key: tuple) -> None:
+        """Ranks must agree on the message: checked once per new shape with a
+        tiny all-gather (none afterwards), never under graph capture. Catches
+        a rank that enters with another size before the all-to-all could hang
+        or mix garbage (ranks in one process share the call: a no-op)."""
+        if key in self._checked or capturing():
+            return
+        shape, dtype, _ = key
+        self.transport.check_same([math.prod(shape), len(shape), shape[-1] if shape else 1,
+                                   _DTYPE_CODES.get(dtype, 99)])
+        self._checked.add(key)
+
+    def backend(self, device: torch.device) -> EchoBackend:
+        """The backend that reduces tensors on ``device`` (built once per device type)."""
+        if self._backend is not None:
+            return self._backend
+        b = self._backends.get(device.type)
+        if b is None:
+            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env)
+            self._backends[device.type] = b
+        return b
+
+    # -- sizing and thresholds ------------------------------------------------------
+
+    def reserve(self, rows: int, cols: int) -> None:
+        """Size the feedback buffer for messages of up to ``rows`` rows of
+        ``cols`` (and allocate the health counter: both before any capture)."""
+        if self.config.feedback:
+            self.chain.reserve(self.layout(rows * cols, cols).padded_numel)
+        if self.health is not None:
+            self.health.allocate()
+
+    def set_thresholds(self, min_bytes: int, max_bytes: int) -> None:
+        """Replace the size thresholds (a measured crossover, ``echo_vllm.crossover``)."""
+        self.config = self.config.replace(min_bytes=min_bytes, max_bytes=max_bytes)
+        self.stats.set_thresholds(min_bytes, max_bytes)
+
+    def calibrate(self, dtype: torch.dtype) -> crossover.Crossover | None:
+        """Measure where Echo beats the exact all-reduce on this group and set
+        the thresholds (``min_bytes="auto"`` only; every rank must call it at
+        the same point: it runs collectives). Messages are rows of the
+        model's width in ``dtype``, up to its largest batch. None when
+        nothing was measured (thresholds as configured)."""
+        cfg = self.config
+        cols, max_tokens = self.hidden_size, self.max_num_tokens
+        if self.disabled or not cfg.min_bytes_auto or cfg.batch_invariant or not cols or not max_tokens:
+            return None
+        dtype = dtype if dtype in ECHO_DTYPES else torch.bfloat16
+        row_bytes = cols * torch.finfo(dtype).bits // 8
+        chain = FeedbackChain.of(cfg, 1, self.chain.device)
+
+        def run_echo(x: torch.Tensor) -> None:
+            # the steady state of a forward pass: call 1 absorbs call 0's error
+            chain.record(0, self.chain_key(x.unsqueeze(0)), left_error=True)
+            self.echo_all_reduce(x, chain, 1)
+
+        def run_exact(x: torch.Tensor) -> torch.Tensor:
+            return self.exact_all_reduce(x)
+
+        points = crossover.calibrate(run_exact, run_echo, crossover.ladder(max_tokens * row_bytes, row_bytes),
+                                     cols=cols, dtype=dtype, device=self.chain.device,
+                                     slowest=self.transport.max_over_ranks)
+        chain.release()
+        result = crossover.decide(points)
+        self.set_thresholds(result.min_bytes, result.max_bytes)
+        return result
+
     def close(self) -> None:
-        """Release the backend's resources and the feedback buffer."""
-        self.echo.close()
+        """Release the backend(s) and the feedback buffer; later calls go to vLLM."""
+        for b in [self._backend] if self._backend is not None else self._backends.values():
+            b.close()
+        self._backends.clear()
         self.chain.release()
+        self.disabled = True
+
+
+__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering"]

@@ -73,6 +73,30 @@ def vocab_parallel_partials(
     return torch.stack(parts)
 
 
+class StackedCommunicator(EchoCommunicator):
+    """:class:`~echo_vllm.communicator.EchoCommunicator` over this process's
+    R ranks at once: every input is stacked ``[R, ...]`` (R = P over a
+    :class:`~echo_vllm.transport.VirtualTransport`: the emulation of P GPUs
+    on one; R = 1 for one rank of a real group, training's rank-stacked
+    tensors). Outputs, the policy and the records are one rank's, as in
+    real tensor parallelism; ``exact`` takes the stack."""
+
+    stacked = True
+
+    def _message(self, inp: torch.Tensor) -> torch.Tensor:
+        return inp[0] if inp.dim() else inp
+
+    def _local(self, inp: torch.Tensor) -> torch.Tensor:
+        ranks = len(self.transport.local_ranks)
+        if inp.dim() < 2 or inp.shape[0] != ranks:
+            raise ValueError(f"{ranks} local ranks of a group of {self.world_size} expect inputs stacked as "
+                             f"[{ranks}, ...], got shape {tuple(inp.shape)}")
+        return inp
+
+    def _unlocal(self, xs: torch.Tensor) -> torch.Tensor:
+        return xs
+
+
 @dataclass
 class EmulatedTP:
     """P virtual ranks reduced by Echo, with the per-forward call counter.
@@ -96,8 +120,8 @@ class EmulatedTP:
     def __post_init__(self) -> None:
         if self.mode not in ("echo", "exact"):
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        self.comm = EchoCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
-                                     device=self.device)
+        self.comm = StackedCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
+                                        device=self.device)
         self.counter = CallCounter(self.calls_per_forward)
         """Numbers the calls of each forward pass (holds the learned count)."""
 
@@ -118,4 +142,4 @@ class EmulatedTP:
         slot = self.counter.next() if slot is None else slot
         if self.mode == "exact":
             return self.comm.transport.all_reduce_exact(partials)
-        return self.comm.all_reduce(partials, slot.index, last_call=slot.last_call)
+        return self.comm.all_reduce(partials, slot=slot)

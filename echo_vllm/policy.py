@@ -39,6 +39,9 @@ class Reason(str, enum.Enum):
     CAPTURE_UNSUPPORTED = "capture_unsupported"
     FIRST_EXACT_CALLS = "first_exact_calls"
     LAST_CALL = "exact_last_call"
+    FORCED_EXACT = "forced_exact_calls"
+    """A caller's rule put this call on the exact path (the evaluation's
+    ``exact_calls``: ``EchoCommunicator.all_reduce(exact_reason=...)``)."""
     EXCEEDS_FUSED_BUFFERS = "exceeds_fused_buffers"
     """Echo's path, but the chunks exceed the fused backend's buffers: its
     fallback (the Triton stage kernels) ran the call (``EchoBackend.fits``)."""

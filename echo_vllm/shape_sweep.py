@@ -14,7 +14,7 @@ without a feedback buffer, each case a
 chain of :data:`CALLS` calls with the error carried.
 
 One case is run by :func:`run_case` through Echo's 4-bit path
-(:class:`~echo_vllm.EchoAllReduce` with a feedback chain) on a chosen
+(``EchoCommunicator.echo_all_reduce`` with a feedback chain) on a chosen
 ``backend`` (composed Triton stages, fused, numba, reference) and compared with
 :func:`reference_outputs` by :func:`differences`; the GPU tests
 (``tests/kernels/test_shape_sweep.py``), their interpreter twin in CI and
@@ -157,14 +157,15 @@ def stacked_inputs(case: SweepCase, call: int) -> torch.Tensor:
 def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=None, rank: int | None = None,
              echo=None) -> list[torch.Tensor]:
     """The chain's outputs (CPU tensors), one per call, from ``backend``:
-    Echo's 4-bit path itself (:class:`~echo_vllm.EchoAllReduce` and a
+    Echo's 4-bit path itself (``EchoCommunicator.echo_all_reduce`` and a
     :class:`~echo_vllm.feedback.FeedbackChain`, no policy, so fp32 inputs are
     quantized too rather than sent down the exact path). Without
     ``transport`` the case's P ranks are virtual (one process, inputs
     stacked); with a process-group ``transport`` this process is ``rank``.
-    ``echo``: an ``EchoAllReduce`` of the case's :meth:`SweepCase.config` to
+    ``echo``: an ``EchoCommunicator`` of the case's :meth:`SweepCase.config` to
     reuse (its backend's buffers are built once; the caller closes it)."""
-    from .allreduce import EchoAllReduce
+    from .communicator import EchoCommunicator
+    from .emulation import StackedCommunicator
     from .feedback import FeedbackChain
     from .transport import VirtualTransport
 
@@ -172,13 +173,13 @@ def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=No
     transport = VirtualTransport(case.world_size) if virtual else transport
     config = case.config(backend)
     own = echo is None
-    echo = EchoAllReduce(config, transport) if own else echo
+    echo = (StackedCommunicator if virtual else EchoCommunicator)(config, transport) if own else echo
     chain = FeedbackChain.of(config, len(transport.local_ranks), device)
     try:
         outs = []
         for call in range(CALLS):
             x = stacked_inputs(case, call) if virtual else inputs(case, call, rank)
-            outs.append(echo.all_reduce(x.to(device), chain, call).cpu())
+            outs.append(echo.echo_all_reduce(x.to(device), chain, call).cpu())
         return outs
     finally:
         if own:

@@ -45,10 +45,6 @@ class Transport(abc.ABC):
     capturable: bool = False
     """True if the collectives can be recorded into a CUDA graph."""
 
-    @property
-    def is_virtual(self) -> bool:
-        return len(self.local_ranks) > 1
-
     @abc.abstractmethod
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor: ...
 

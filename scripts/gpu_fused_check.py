@@ -21,7 +21,7 @@ on one GPU, symmetric memory over gloo does not), and checks:
 * ``graph``: a call captured in a CUDA graph after a warm-up, replayed with
   fresh inputs copied into the static input and the feedback reset: the
   references' bits on every replay;
-* ``auto``: ``EchoAllReduce`` with ``backend="auto"`` picks ``fused`` here
+* ``auto``: ``EchoCommunicator`` with ``backend="auto"`` picks ``fused`` here
   and returns the references' bits;
 * ``soak`` (``--soak CALLS``): CALLS chained calls of random row counts,
   eager and replays of three captured graphs interleaved; every output
@@ -227,12 +227,12 @@ def rank_graph(rank: int, world: int) -> dict:
 
 
 def rank_auto(rank: int, world: int) -> dict:
-    from echo_vllm import EchoAllReduce, EchoConfig, ProcessGroupTransport
+    from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport
 
-    ar = EchoAllReduce(EchoConfig(min_bytes=0), ProcessGroupTransport())
+    ar = EchoCommunicator(EchoConfig(min_bytes=0), ProcessGroupTransport(), device="cuda")
     name = ar.backend(torch.device("cuda")).name
     x = inputs((16, 2048), 900 + rank, False).to(torch.bfloat16).cuda()
-    y = ar.all_reduce(x)
+    y = ar.echo_all_reduce(x)
     _finish()
     return {"backend": name, "x": x.cpu(), "y": y.cpu()}
 
@@ -255,14 +255,14 @@ def rank_too_large(rank: int, world: int) -> dict:
 def rank_sweep(rank: int, world: int) -> dict:
     """The shape sweep's cases for this P through the fused backend: each
     case's outputs, by label."""
-    from echo_vllm import EchoAllReduce, ProcessGroupTransport, shape_sweep
+    from echo_vllm import EchoCommunicator, ProcessGroupTransport, shape_sweep
 
     transport, echoes, out = ProcessGroupTransport(), {}, {}
     for case in shape_sweep.cases("fused"):
         if case.world_size == world:
             config = case.config("fused")
             if config not in echoes:  # one backend (and its symmetric buffers) per configuration
-                echoes[config] = EchoAllReduce(config, transport)
+                echoes[config] = EchoCommunicator(config, transport, device="cuda")
             out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=transport, rank=rank,
                                                    echo=echoes[config])
     _finish()

@@ -183,8 +183,8 @@ def run_phase(args) -> None:
     session = current_session()
     if session is None:
         raise RuntimeError("the emulation did not start: is the echo_vllm plugin installed?")
-    comm = session.calls.comm if session.calls is not None else None  # built by the profiling run
-    result["backend"] = comm.echo.backend(comm.chain.device).name if comm is not None else None
+    comm = session.comm  # built by the profiling run (None if it made no call)
+    result["backend"] = comm.backend(comm.chain.device).name if comm is not None else None
     result["skipped_layers"] = dict(session.skipped_layers)
     save()
 

@@ -19,7 +19,7 @@ def _python_blocks() -> list[str]:
 
 
 def test_from_python_example_runs_and_prints_what_it_says():
-    block = next(b for b in _python_blocks() if "EchoCommunicator" in b)
+    block = next(b for b in _python_blocks() if "StackedCommunicator" in b)
     printed_line = next(line for line in block.splitlines() if line.startswith("print("))
     promised = ast.literal_eval(printed_line.split("#", 1)[1].strip())
     out = io.StringIO()

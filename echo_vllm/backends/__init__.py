@@ -12,7 +12,7 @@ pure function, returning its reason) picks from the device, the rounding
 mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`) and whether the group's GPUs
 can run the fused kernel (:func:`.fused.fused_support`).
 :func:`make_backend` asks it and builds the answer: every backend Echo runs
-is made there (``EchoAllReduce`` on first use, the vLLM glue once per
+is made there (``EchoCommunicator`` on first use, the vLLM glue once per
 tensor-parallel group, with the group's facts). A new backend registers a
 :class:`BackendSpec`.
 """
@@ -25,12 +25,13 @@ from typing import Callable
 import torch
 
 from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
+from .. import envs
 from ..envs import EchoEnv
 from ..transport import Transport
 from .base import EchoBackend
 from .composed import ComposedBackend
 from .fused import FusedSymmMemBackend, fused_support
-from .stages import NumbaStages, ReferenceStages, StageOps, TritonStages
+from .stages import KernelStages, NumbaStages, ReferenceStages, StageOps, TritonStages
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv, *, peers: Transpo
                  max_numel: int | None) -> EchoBackend:
     # messages larger than its buffers take the composed Triton path over the transport: same bits
     fallback = ComposedBackend(cfg, tr, TritonStages())
-    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback, timeout_s=cfg.timeout_s)
+    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback)
 
 
 register_backend(BackendSpec(
@@ -86,30 +87,38 @@ assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and 
 
 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
-                   p2p: bool = False, p2p_reason: str = "", interpreted: bool = False) -> tuple[str, str]:
+                   p2p: bool = False, p2p_reason: str = "", interpreted: bool = False,
+                   probe: Callable[[], tuple[bool, str]] | None = None,
+                   cpu_default: str = "reference") -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
     ``reference``: its noise comes from torch). ``auto``: stochastic ->
     ``reference``; else ``ECHO_KERNELS`` if set (``numba`` for CPU tensors
     only); else, for CUDA tensors, ``fused`` if ``p2p`` (the group can run
-    it: :func:`.fused.fused_support`) and ``triton`` if not; ``reference``
+    it: :func:`.fused.fused_support`) and ``triton`` if not; for CPU
+    tensors ``cpu_default`` (the library's: ``reference``;
+    :func:`fast_on_cpu`'s: :func:`fastest_cpu_backend`); ``reference``
     elsewhere. ``p2p_reason``: what probing the group said (empty: not
     probed); an explicit ``fused`` on a group probed unable to run it is
-    refused with it; ``triton`` on CPU tensors needs Triton's interpreter
-    (``interpreted``: ``TRITON_INTERPRET=1``). Raises :class:`EchoConfigError`
-    for a request that cannot run.
+    refused with it. ``probe``: instead of ``p2p`` / ``p2p_reason``, the
+    probe that gives them, called once and only where the answer depends
+    on the group (:func:`make_backend`: it is a collective). ``triton`` on
+    CPU tensors needs Triton's interpreter (``interpreted``:
+    ``TRITON_INTERPRET=1``). Raises :class:`EchoConfigError` for a request
+    that cannot run.
     """
+    group = probe if probe is not None else (lambda: (p2p, p2p_reason))
     name, reason = _choose(requested, device_type=device_type, stochastic=stochastic, env_kernels=env_kernels,
-                           p2p=p2p, p2p_reason=p2p_reason)
+                           group=group, cpu_default=cpu_default)
     if name == "triton" and device_type == "cpu" and not interpreted:
         raise EchoConfigError(f"backend 'triton' ({reason}) takes CPU tensors only in Triton's interpreter: set "
                               "TRITON_INTERPRET=1 before Triton is imported, or use 'numba' or 'reference' on CPU")
     return name, reason
 
 
-def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: str, p2p: bool,
-            p2p_reason: str) -> tuple[str, str]:
+def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: str,
+            group: Callable[[], tuple[bool, str]], cpu_default: str) -> tuple[str, str]:
     if requested != "auto":
         if requested not in BACKENDS:
             raise EchoConfigError(f"backend={requested!r}: choose one of {('auto', *BACKENDS)}")
@@ -117,8 +126,10 @@ def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: 
             raise EchoConfigError(f"rounding='stochastic' runs on the reference backend, not {requested!r}")
         if device_type not in BACKENDS[requested].devices:
             raise EchoConfigError(f"backend={requested!r} does not run on {device_type} tensors")
-        if requested == "fused" and not p2p and p2p_reason:
-            raise EchoConfigError(f"backend='fused' cannot run on this group: {p2p_reason}")
+        if requested == "fused":
+            p2p, p2p_reason = group()
+            if not p2p and p2p_reason:
+                raise EchoConfigError(f"backend='fused' cannot run on this group: {p2p_reason}")
         return requested, "configured"
     if stochastic:
         return "reference", "stochastic rounding (torch noise)"
@@ -126,18 +137,21 @@ def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: 
         return "numba", "ECHO_KERNELS=numba"
     if env_kernels in ("reference", "triton"):
         return env_kernels, f"ECHO_KERNELS={env_kernels}"
-    if device_type == "cuda" and p2p:
-        return "fused", f"CUDA tensors, peer-to-peer GPUs{f' ({p2p_reason})' if p2p_reason else ''}"
     if device_type == "cuda":
+        p2p, p2p_reason = group()
+        if p2p:
+            return "fused", f"CUDA tensors, peer-to-peer GPUs{f' ({p2p_reason})' if p2p_reason else ''}"
         return "triton", f"CUDA tensors{f' (fused unavailable: {p2p_reason})' if p2p_reason else ''}"
+    if device_type == "cpu":
+        return cpu_default, "cpu tensors"
     return "reference", f"{device_type} tensors"
 
 
 def fastest_cpu_backend() -> str:
     """``numba`` when numba imports (the references' bits, much faster on
     CPU; it compiles on first use), else ``reference``. The evaluation and
-    training tools use it for CPU tensors; the library's ``auto`` stays
-    ``reference``."""
+    training tools use it for CPU tensors (:func:`fast_on_cpu`); the
+    library's ``auto`` stays ``reference``."""
     try:
         from ..kernels import cpu_loops
     except Exception:  # numba missing or broken: the references still work
@@ -146,11 +160,17 @@ def fastest_cpu_backend() -> str:
 
 
 def fast_on_cpu(config: EchoConfig, device: torch.device | str) -> EchoConfig:
-    """``config`` with ``backend="auto"`` resolved to :func:`fastest_cpu_backend`
-    for CPU tensors (the same bits); unchanged otherwise."""
-    if config.backend == "auto" and torch.device(device).type == "cpu":
-        return config.replace(backend=fastest_cpu_backend())
-    return config
+    """``config`` with ``backend="auto"`` resolved for CPU tensors by
+    :func:`choose_backend`'s rule with :func:`fastest_cpu_backend` as the
+    CPU default (the same bits; stochastic rounding and ``ECHO_KERNELS``
+    still decide first, as they do for ``auto``); unchanged otherwise."""
+    if config.backend != "auto" or torch.device(device).type != "cpu":
+        return config
+    env = envs.read()
+    name, _ = choose_backend("auto", device_type="cpu", stochastic=config.rounding == "stochastic",
+                             env_kernels=env.kernels, interpreted=env.triton_interpret,
+                             cpu_default=fastest_cpu_backend())
+    return config.replace(backend=name)
 
 
 def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv,
@@ -169,14 +189,9 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     (None: from ``max_bytes``, or its default).
     """
     peers = transport if peers is None else peers
-    stochastic = config.rounding == "stochastic"
-    choice = dict(device_type=device_type, stochastic=stochastic, env_kernels=env.kernels,
-                  interpreted=env.triton_interpret)
-    p2p, why = False, ""
-    # probe only where the answer could be fused (the pure choice says, before any collective)
-    if choose_backend(config.backend, p2p=True, **choice)[0] == "fused":
-        p2p, why = fused_support(peers, device_type)
-    name, reason = choose_backend(config.backend, p2p=p2p, p2p_reason=why, **choice)
+    name, reason = choose_backend(config.backend, device_type=device_type, stochastic=config.rounding == "stochastic",
+                                  env_kernels=env.kernels, interpreted=env.triton_interpret,
+                                  probe=lambda: fused_support(peers, device_type))
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 
@@ -187,6 +202,7 @@ __all__ = [
     "ComposedBackend",
     "EchoBackend",
     "FusedSymmMemBackend",
+    "KernelStages",
     "NumbaStages",
     "ReferenceStages",
     "StageOps",

@@ -1,7 +1,7 @@
 """The backend interface: what runs one Echo all-reduce, end to end.
 
 A backend turns this process's local inputs into the all-reduced output,
-moving the bytes and running the stages; :class:`echo_vllm.allreduce.EchoAllReduce`
+moving the bytes and running the stages; :class:`echo_vllm.communicator.EchoCommunicator`
 keeps everything else (layouts, the ranks' shape agreement, the feedback
 chain's rule). Two kinds exist: *composed* backends (stage functions around
 a transport's all-to-all and all-gather, :mod:`.composed`) and *fused* ones

@@ -74,11 +74,6 @@ OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 #: symmetric memory per value per rank (4-bit codes + scales, twice).
 DEFAULT_MAX_NUMEL = 1 << 25
 
-#: Seconds a program waits for a peer before the kernel traps (a CUDA error
-#: instead of a hang): ``EchoConfig.timeout_s``'s default.
-DEFAULT_TIMEOUT_S = EchoConfig.timeout_s
-
-
 #: Seconds between the trap watcher's looks at the live backends' status words.
 TRAP_POLL_S = 0.5
 
@@ -177,7 +172,7 @@ def _symm_mem_importable() -> bool:
 def _transport_kind(transport: Transport) -> str:
     if isinstance(transport, ProcessGroupTransport):
         return "process_group"
-    return "virtual" if transport.is_virtual else type(transport).__name__
+    return "virtual" if len(transport.local_ranks) > 1 else type(transport).__name__
 
 
 def _group(transport: ProcessGroupTransport) -> dist.ProcessGroup:
@@ -434,11 +429,16 @@ class FusedSymmMemBackend(EchoBackend):
     :data:`DEFAULT_MAX_NUMEL`); a message fits if its chunks are no larger
     than a one-row message of ``max_numel`` values. ``timeout_s``: how long
     a program waits for a peer before the kernel traps (default
-    ``config.timeout_s``, ``--echo-timeout-s``). ``sms``: the SMs
+    ``config.timeout_s``, ``--echo-timeout-s``; a value given here replaces
+    it in the backend's config, so :class:`EchoConfig` checks it). ``sms``: the SMs
     one rank's persistent grid may fill (default and most: its share of
     the GPU, :func:`sms_for`).
-    ``fallback``: runs the messages that do not fit. ``facts``: the probe's
-    result, when the caller has it. ``buffers``: what the kernel reduces
+    ``fallback``: runs the messages that do not fit. ``facts``: the
+    group's :class:`FusedFacts` (default :func:`probe`, cached per
+    transport: built by :func:`~echo_vllm.backends.make_backend`, the facts
+    its choice read, with no second collective; built directly, probed
+    now); facts :func:`fused_availability` refuses raise ``RuntimeError``
+    with its reason. ``buffers``: what the kernel reduces
     through (default: :func:`symm_buffers` of the group, a collective;
     given back by :meth:`close`).
     """
@@ -457,6 +457,8 @@ class FusedSymmMemBackend(EchoBackend):
         facts: FusedFacts | None = None,
         buffers: SymmBuffers | None = None,
     ):
+        if timeout_s is not None:  # an explicit wait wins, checked by EchoConfig's own rule
+            config = config.replace(timeout_s=timeout_s)
         super().__init__(config, transport)
         if config.rounding != "nearest":
             raise ValueError("the fused backend rounds to nearest; stochastic rounding runs on 'reference'")
@@ -464,16 +466,13 @@ class FusedSymmMemBackend(EchoBackend):
         ok, reason = fused_availability(facts)
         if not ok:
             raise RuntimeError(f"the fused backend cannot run here: {reason}")
-        timeout_s = config.timeout_s if timeout_s is None else timeout_s
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s}: must be positive")
         from ..kernels import fused_kernel
 
         self._k = fused_kernel
         self._stages = TritonStages()
         self.fallback = fallback
         self.rank = transport.rank
-        self.timeout_ns = int(timeout_s * 1e9)
+        self.timeout_ns = int(config.timeout_s * 1e9)
         if max_numel is None:
             max_numel = config.max_bytes // 2 if config.max_bytes else DEFAULT_MAX_NUMEL
         p = self.world_size
@@ -603,7 +602,7 @@ def _local_device() -> torch.device:
 
 
 __all__ = [
-    "DEFAULT_MAX_NUMEL", "DEFAULT_TIMEOUT_S", "FusedFacts", "FusedStreamError", "FusedSymmMemBackend",
+    "DEFAULT_MAX_NUMEL", "FusedFacts", "FusedStreamError", "FusedSymmMemBackend",
     "FusedTimeoutError", "MessageTooLarge", "OVERLAP_ENV", "StreamOwner", "SymmBuffers", "TRAPS", "TRAP_POLL_S",
     "TrapWatch", "drop_buffers", "fused_availability", "fused_support", "probe", "release_buffers", "sms_for",
     "symm_buffers",

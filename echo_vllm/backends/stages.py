@@ -14,12 +14,16 @@ the torch references in :mod:`echo_vllm.quant`, which are the specification:
   ``TRITON_INTERPRET=1``, which is how CI checks them);
 * :class:`NumbaStages` -- the fused numba loops (CPU).
 
+The last two are one forwarder, :class:`KernelStages`, over two kernel
+modules.
+
 A composed backend (:mod:`echo_vllm.backends.composed`) puts one of them
 around a transport's all-to-all and all-gather.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch
@@ -102,19 +106,24 @@ class ReferenceStages:
     output_norm = _output_then_norm
 
 
-class TritonStages:
-    """The fused Triton kernels of :mod:`echo_vllm.kernels` (every feedback
-    format, int8 included)."""
+class KernelStages:
+    """Each stage forwarded to the function of the same name in a kernel
+    module (parametrised by the subclass: ``name``, ``module``, relative to
+    this package, and ``needs``, what it imports). ``output_norm`` is the
+    module's when it has one, else ``output`` then ``norm.norm_into``. No
+    stochastic rounding: the kernels round to nearest."""
 
-    name = "triton"
+    name: str
+    module: str
+    needs: str
     stochastic = False
 
     def __init__(self):
-        from .. import kernels  # imports Triton: only when these stages are built
-
+        kernels = importlib.import_module(self.module, __package__)  # imports Triton / numba: only when built
         if not kernels.AVAILABLE:
-            raise RuntimeError("the Triton stages need Triton (pip install triton)")
+            raise RuntimeError(f"the {self.needs} stages need {self.needs} (pip install {self.needs.lower()})")
         self._k = kernels
+        self._fused_norm = getattr(kernels, "output_norm", None)
 
     def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
         _no_noise(self.name, noise)
@@ -132,39 +141,25 @@ class TritonStages:
 
     def output_norm(self, gathered, layout, out_dtype, weight, eps, *, hadamard, residual=None, out=None,
                     residual_out=None):
-        return self._k.output_norm(gathered, layout, out_dtype, weight, eps, hadamard=hadamard, residual=residual,
-                                   out=out, residual_out=residual_out)
+        norm = self._fused_norm if self._fused_norm is not None else self._output_then_norm
+        return norm(gathered, layout, out_dtype, weight, eps, hadamard=hadamard, residual=residual, out=out,
+                    residual_out=residual_out)
+
+    _output_then_norm = _output_then_norm
 
 
-class NumbaStages:
-    """The fused numba CPU loops of :mod:`echo_vllm.kernels.cpu_loops`."""
+class TritonStages(KernelStages):
+    """The fused Triton kernels of :mod:`echo_vllm.kernels` (every feedback
+    format, int8 included; ``output_norm`` fused too)."""
 
-    name = "numba"
-    stochastic = False
-
-    def __init__(self):
-        from ..kernels import cpu_loops
-
-        if not cpu_loops.AVAILABLE:
-            raise RuntimeError("the numba stages need numba (pip install numba)")
-        self._k = cpu_loops
-
-    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
-        _no_noise(self.name, noise)
-        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
-                              out=out)
-
-    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
-        _no_noise(self.name, noise)
-        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out)
-
-    def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
-        return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out)
-
-    def consume(self, x, feedback, layout, *, hadamard, out=None):
-        return self._k.consume(x, feedback, layout, hadamard=hadamard, out=out)
-
-    output_norm = _output_then_norm
+    name, module, needs = "triton", "..kernels", "Triton"
 
 
-__all__ = ["NumbaStages", "ReferenceStages", "StageOps", "TritonStages"]
+class NumbaStages(KernelStages):
+    """The fused numba CPU loops of :mod:`echo_vllm.kernels.cpu_loops`
+    (``output_norm``: their ``output``, then ``norm.norm_into``)."""
+
+    name, module, needs = "numba", "..kernels.cpu_loops", "numba"
+
+
+__all__ = ["KernelStages", "NumbaStages", "ReferenceStages", "StageOps", "TritonStages"]

@@ -3,7 +3,7 @@
 Three ways to run, picked by ``--backend``:
 
 * ``nccl`` under ``torchrun --nproc-per-node N`` (N >= 2 GPUs): the real
-  measurement. NCCL bf16 ``all_reduce`` against :class:`EchoAllReduce`
+  measurement. NCCL bf16 ``all_reduce`` against :class:`EchoCommunicator`
   (naive 4-bit, and Echo with a carried error) over the same process group;
   CUDA events, warm-up, median of ``--iters``, inputs rotating through
   several buffers, CUDA-graph replay below 1 MiB.
@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..allreduce import EchoAllReduce
+from ..communicator import EchoCommunicator
 from ..cli_args import MAX_RANKS, RANKS_WHY, byte_size, byte_sizes, choice_list, count, factor, out_dir
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..feedback import FeedbackChain
@@ -73,8 +73,10 @@ class Contenders:
         # the 16-bit all-reduce works in place: its own copies, so Echo never
         # sees the growing (eventually non-finite) sums
         self.inputs16 = [t.clone() for t in inputs]
-        self.echo = EchoAllReduce(cfg, transport)
-        self.naive = EchoAllReduce(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport)
+        device = inputs[0].device
+        self.echo = EchoCommunicator(cfg, transport, device=device)
+        self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport,
+                                      device=device)
         self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
         self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
         lay = self.echo.message_layout(tuple(inputs[0].shape))
@@ -86,7 +88,7 @@ class Contenders:
         for name in echo_backends:
             named_cfg = cfg.replace(backend=name)
             backend = _named_backend(named_cfg, transport, name, inputs[0].numel())
-            self.named[echo_algo(name)] = EchoAllReduce(named_cfg, transport, backend=backend)
+            self.named[echo_algo(name)] = EchoCommunicator(named_cfg, transport, device=device, backend=backend)
 
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
@@ -99,12 +101,12 @@ class Contenders:
             dist.all_reduce(x)
 
     def naive4(self, i: int) -> torch.Tensor:
-        return self.naive.all_reduce(self.x(i))
+        return self.naive.echo_all_reduce(self.x(i))
 
     def echo_call(self, i: int) -> torch.Tensor:
         # the steady state of a forward pass: call 1 absorbs call 0's error
         self.chain.record(0, self.key, left_error=True)
-        return self.echo.all_reduce(self.x(i), self.chain, 1)
+        return self.echo.echo_all_reduce(self.x(i), self.chain, 1)
 
     def wire_only(self, i: int) -> torch.Tensor:
         recv = self.transport.all_to_all(self.wire)
@@ -115,7 +117,7 @@ class Contenders:
 
         def run(i: int) -> torch.Tensor:
             self.chain.record(0, self.key, left_error=True)
-            return ar.all_reduce(self.x(i), self.chain, 1)
+            return ar.echo_all_reduce(self.x(i), self.chain, 1)
 
         return run
 

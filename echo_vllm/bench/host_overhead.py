@@ -10,6 +10,12 @@ What it measures is exactly the Python the host runs before the driver's
 C launcher nor the driver call (a few µs on the GPU host), and not the
 device. The numbers are the CPU's, not the GPU host's.
 
+``--route`` times instead the communicator above the backend:
+``EchoCommunicator.all_reduce`` as vLLM's hook calls it (the call's slot
+from a numbering, the residual check, the buffer reserved once, the policy,
+the layouts, the chain rule, one record to a sink), over a backend that
+returns at once and one rank of a group of 8 (no collective, no kernel).
+
 The same driver lets the CPU tests check that a direct launch hands the
 launcher what Triton's path hands it.
 """
@@ -152,11 +158,68 @@ def measure(calls: int = 2000, numel: int = 1 << 19, world_size: int = 8) -> dic
     return out
 
 
+def route_s(calls: int = 5000, rows: int = 64, cols: int = 4096) -> float:
+    """Host seconds per ``EchoCommunicator.all_reduce`` of a ``[rows, cols]``
+    bf16 residual message above the backend (the ``--route`` measure)."""
+    from ..backends.base import EchoBackend
+    from ..communicator import EchoCommunicator
+    from ..config import EchoConfig
+    from ..numbering import CallSlot
+    from ..transport import Transport
+
+    class OneRankOfEight(Transport):
+        capturable = True
+        world_size, rank, local_ranks = 8, 0, (0,)
+
+        def all_to_all(self, send):
+            raise AssertionError("the no-op backend moves nothing")
+
+        all_gather = all_reduce_exact = all_to_all
+
+        def check_same(self, values):
+            pass
+
+    class Returns(EchoBackend):
+        name = "no-op"
+
+        def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
+            return y
+
+        def consume(self, xs, layout, feedback):
+            return xs
+
+    cfg = EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False)
+    transport = OneRankOfEight()
+    x = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    y = torch.empty(rows * cols, dtype=torch.bfloat16)
+    slots = [CallSlot(i) for i in range(8)]
+    count = [0]
+
+    def numbering(n_rows: int, residual: bool) -> CallSlot:
+        count[0] += 1
+        return slots[count[0] % 8]
+
+    paths: set[str] = set()
+    comm = EchoCommunicator(cfg, transport, backend=Returns(cfg, transport), numbering=numbering, hidden_size=cols,
+                            residual_ndim=2, max_num_tokens=rows, fixed_capacity=True,
+                            sink=lambda record: paths.add(record.path))
+    seconds = _per_call_s(lambda: comm.all_reduce(x), calls)
+    if paths != {"echo"}:  # an exact return would time the wrong route
+        raise RuntimeError(f"the timed calls took the paths {sorted(paths)}, not Echo's alone")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.host_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000, help="calls per timing (best of 5 means)")
+    ap.add_argument("--route", action="store_true",
+                    help="time EchoCommunicator.all_reduce above the backend instead (no kernel, no collective)")
     args = ap.parse_args(argv)
+    if args.route:
+        print(f"host time per EchoCommunicator.all_reduce on this CPU, 64x4096 bf16, no-op backend: "
+              f"{route_s(args.calls) * 1e6:.1f} µs")
+        return 0
     res = measure(args.calls)
     print("host time per eager call on this CPU, launcher stubbed (µs): direct launch vs Triton's kernel[grid]")
     for name, r in res.items():

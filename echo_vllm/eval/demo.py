@@ -23,6 +23,7 @@ import torch
 from ..cli_args import MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, count, out_dir
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
+from ..numbering import CallSlot
 from ..quant import WireLayout
 from ..spawn import run_processes
 from ..transport import ProcessGroupTransport
@@ -68,7 +69,7 @@ def _rank_main(rank: int, world: int, layers: int, tokens: int, hidden: int, see
             if cfg is None:
                 y = transport.all_reduce_exact(x.unsqueeze(0))
             else:
-                y = comm.all_reduce(x, t, last_call=(t == layers - 1))
+                y = comm.all_reduce(x, slot=CallSlot(t, last_call=(t == layers - 1)))
             residual += y.double()
             if rank == 0:
                 exact = sum(_partial(t, r, tokens, hidden, seed).double() for r in range(world))

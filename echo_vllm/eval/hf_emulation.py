@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
+from ..policy import Reason
 from ..postnorm import PostnormDecision, decide_postnorm, postnorm_config
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class HFEmulation:
         slot = tp.next_call()
         if slot.index in self.exact_calls:
             # counted like every other call, so bits/value includes it
-            y = tp.comm.exact(partials, slot.index, reason="forced_exact_calls")
+            y = tp.comm.all_reduce(partials, slot=slot, exact_reason=Reason.FORCED_EXACT)
         else:
             y = tp.reduce(partials, slot)
         if self.record:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends import fast_on_cpu
-from ..communicator import EchoCommunicator
+from ..emulation import StackedCommunicator
 from ..config import EchoConfig
 from ..numbering import CallCounter
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
@@ -96,8 +96,9 @@ class TPGroup:
         return cls(ProcessGroupTransport(group), device)
 
     @property
-    def is_virtual(self) -> bool:
-        return self.transport.is_virtual
+    def emulated(self) -> bool:
+        """All P ranks are in this process (tensors stacked ``[P, ...]``)."""
+        return len(self.local_ranks) == self.world_size
 
     @property
     def local_size(self) -> int:
@@ -113,7 +114,7 @@ class TPGroup:
     # -- exact fp32 collectives over the rank dimension ------------------------
 
     def _reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
-        if self.is_virtual:
+        if self.emulated:
             if op == "max":
                 return x.amax(0)
             # rank order, one add per rank: what gloo does for P=2 too
@@ -140,7 +141,7 @@ class TPGroup:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` [R, ...] -> [P, ...], in rank order."""
-        if self.is_virtual:
+        if self.emulated:
             return x
         out = torch.empty((self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=getattr(self.transport, "group", None))
@@ -214,7 +215,7 @@ class CommTime:
 
 
 class ChainedAllReduce:
-    """The residual all-reduces of one direction: an EchoCommunicator (and its
+    """The residual all-reduces of one direction: a StackedCommunicator (and its
     feedback chain) plus the call counter that gives each call its index in
     the pass and tells the policy which call is the last (each pass declares
     its count: :meth:`start_pass`)."""
@@ -227,8 +228,8 @@ class ChainedAllReduce:
         self.exact_only = echo_cfg is None
         # exact mode still owns a communicator: its exact path is the one the
         # Echo modes fall back to, so the three modes share the 16-bit numerics
-        self.comm = EchoCommunicator(fast_on_cpu(echo_cfg or EchoConfig(min_bytes=0), group.device),
-                                     group.transport, device=group.device)
+        self.comm = StackedCommunicator(fast_on_cpu(echo_cfg or EchoConfig(min_bytes=0), group.device),
+                                        group.transport, device=group.device, enabled=not self.exact_only)
         self.counter = CallCounter()
         """Numbers this direction's calls; ``calls_per_pass`` is declared per
         pass (known before the pass's last call)."""
@@ -252,17 +253,13 @@ class ChainedAllReduce:
         the comm dtype."""
         xs = partials.to(self.comm_dtype)
         slot = self.counter.next()
-        t, last = slot.index, slot.last_call
-        arg = xs if self.group.is_virtual else xs[0]
         start = self._tick()
-        if self.exact_only:
-            y = self.comm.exact(arg, None, reason="exact_mode")
-        else:
-            y = self.comm.all_reduce(arg, t, last_call=last)
+        y = self.comm.all_reduce(xs, slot=slot)
         self._tock(start)
         if self.recorder is not None:
-            path = "exact" if self.exact_only else self.comm.should_echo(arg, t, last_call=last).path.value
-            self.recorder.append(CallRecord(self.direction, t, last, path, xs.detach().clone(), y.detach().clone()))
+            path = self.comm.should_echo(xs, slot).path.value
+            self.recorder.append(CallRecord(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
+                                            y.detach().clone()))
         return y
 
     # -- timing: CUDA events on GPU (no sync per call), wall clock on CPU -------

@@ -241,7 +241,7 @@ class TPQwen3(nn.Module):
         """Sum the partial gradients of :meth:`replicated_parameters` over
         ranks (exact fp32). In one process autograd already summed them over
         the R local ranks; in a process group each rank holds its own part."""
-        if self.group.is_virtual:
+        if self.group.emulated:
             return
         for p in self.replicated_parameters():
             if p.grad is not None:
@@ -286,7 +286,7 @@ class TPQwen3(nn.Module):
 
 
 def is_main_rank(group: TPGroup) -> bool:
-    return group.is_virtual or not dist.is_initialized() or dist.get_rank() == 0
+    return group.emulated or not dist.is_initialized() or dist.get_rank() == 0
 
 
 __all__ = ["Attention", "DecoderLayer", "MLP", "ModelConfig", "TPQwen3", "is_main_rank"]

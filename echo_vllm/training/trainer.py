@@ -185,7 +185,7 @@ def train(
         "label": label,
         "mode": comm_cfg.mode,
         "world_size": group.world_size,
-        "emulated": group.is_virtual,
+        "emulated": group.emulated,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": model_cfg.to_dict(),
         "parameters": sum(p.numel() for p in model.full_state().values()),

@@ -4,8 +4,7 @@
 * :mod:`.hook`         -- the ``GroupCoordinator`` patches, nothing else
 * :mod:`.startup`      -- what happens when vLLM creates the TP group
 * :mod:`.session`      -- the process's one Echo session, and its registry
-* :mod:`.communicator` -- ``TpEchoCommunicator``: Echo for one TP group, in vLLM's shape
-* :mod:`.calls`        -- the per-call sequence real TP and the emulation share
+* :mod:`.communicator` -- the ``EchoCommunicator`` of one TP group, built from vLLM's
 * :mod:`.settings`     -- what ``--additional-config`` asks for (``tp_comm``, ``echo_*``)
 * :mod:`.guards`       -- the rule book: what the settings cannot run with (plugin and ``serve``)
 * :mod:`.bypass`       -- model code that sums over the TP group around the hook (refused or reported)

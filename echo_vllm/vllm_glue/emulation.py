@@ -35,16 +35,14 @@ from typing import Any, Optional
 import torch
 
 from ..capture import capturing
-from ..communicator import EchoCommunicator
 from ..config import EchoConfigError
-from ..emulation import row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
+from ..emulation import StackedCommunicator, row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..health import HealthCounters
 from ..norm import NormOperands
 from ..numbering import CallSlot
 from ..transport import VirtualTransport
 from . import compat
 from . import session as sessions
-from .calls import CallSequence
 from .norm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
 from .session import EchoSession
 from .settings import TpCommSettings
@@ -69,9 +67,9 @@ class EmulationSession(EchoSession):
     def __init__(self, settings: TpCommSettings, vllm_config: Any):
         super().__init__(settings, vllm_config, rank=0)
         self.world_size = settings.emulate_world_size
-        self.calls: Optional[CallSequence] = None
-        """The per-call sequence over P virtual ranks (built on the first call,
-        on the partials' device; again after :meth:`set_variant`)."""
+        self.comm: Optional[StackedCommunicator] = None
+        """Echo over P virtual ranks (built on the first call, on the partials'
+        device; again after :meth:`set_variant`)."""
         self.skipped_layers: Counter = Counter()
         self.captured = False
         self._acc: Optional[list] = None  # [err_sum, ref_sum, worst, last]
@@ -82,7 +80,10 @@ class EmulationSession(EchoSession):
         """Sum partials [P, tokens, hidden] as the configured all-reduce would."""
         if capturing():
             self.captured = True
-        y, slot, residual = self._sequence(partials.device)(partials)
+        comm = self._communicator(partials.device)
+        residual = comm.is_residual(partials[0])
+        slot = self.tracker.number(partials.shape[1] if partials.dim() > 1 else 0, residual)
+        y = comm.all_reduce(partials, slot=slot)
         if self.settings.emulate_measure:
             self._measure(partials, y, slot, residual)
         return y
@@ -96,25 +97,23 @@ class EmulationSession(EchoSession):
             return norm.apply(self.reduce(partials))
         if capturing():
             self.captured = True
-        out, res, _ = self._sequence(partials.device).norm(partials, norm)
-        return out, res
+        return self._communicator(partials.device).all_reduce_norm(partials, norm)
 
-    def _sequence(self, device: torch.device) -> CallSequence:
-        if self.calls is None or self.calls.comm.chain.device != device:
-            # the buffer is sized once, by the sequence's first residual call, never under capture
+    def _communicator(self, device: torch.device) -> StackedCommunicator:
+        if self.comm is None or self.comm.chain.device != device:
+            # the buffer is sized once, by the first residual call, never under capture
             health = HealthCounters(device) if self.settings.echo.health_every else None
             self.stats.health = health
-            comm = EchoCommunicator(self.settings.echo, VirtualTransport(self.world_size), device=device,
-                                    fixed_capacity=True, stats=self.stats, sink=self.tracker.on_record,
-                                    health=health)
-            self.calls = CallSequence(comm, self.tracker, hidden_size=self.hidden_size,
-                                      max_num_tokens=self.max_num_tokens, echo=self.settings.mode == "echo")
-        return self.calls
+            self.comm = StackedCommunicator(
+                self.settings.echo, VirtualTransport(self.world_size), device=device, numbering=self.tracker.number,
+                hidden_size=self.hidden_size, residual_ndim=2, max_num_tokens=self.max_num_tokens, fixed_capacity=True,
+                enabled=self.settings.mode == "echo", stats=self.stats, sink=self.tracker.on_record, health=health)
+        return self.comm
 
     def close(self) -> None:
-        if self.calls is not None:
-            self.calls.comm.close()
-            self.calls = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
 
     # -- residual-error measurement (tp_comm_emulate_measure) --------------------
 

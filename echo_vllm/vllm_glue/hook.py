@@ -7,13 +7,13 @@ on CPU ``all_reduce`` calls ``_all_reduce_out_place`` directly. The method is
 the same in vLLM 0.26 and 0.33, is never traced by Dynamo (it sits below the
 custom op), runs on every eager call and once per CUDA-graph capture.
 
-This module only installs and removes patches; each is a thin adapter:
+This module only installs patches (idempotent); each is a thin adapter:
 
 * ``GroupCoordinator.__init__`` -> :func:`.startup.on_group_created` (the TP
   group of an engine that asks for Echo gets a
-  :class:`~.communicator.TpEchoCommunicator`, or the emulation starts);
+  :class:`~echo_vllm.communicator.EchoCommunicator`, or the emulation starts);
 * ``GroupCoordinator._all_reduce_out_place`` -> the group's
-  ``TpEchoCommunicator.all_reduce`` when it has one, vLLM's method otherwise;
+  ``EchoCommunicator.all_reduce`` when it has one, vLLM's method otherwise;
 * the platform's ``set_additional_forward_context`` (every forward pass) and
   Model Runner V2's ``run_fullgraph`` (FULL-graph replays outside any
   forward context) -> the current session's tracker, which keeps the
@@ -65,23 +65,6 @@ def install() -> str:
     cls.__init__ = __init__
     cls._all_reduce_out_place = _all_reduce_out_place
     return f"hooked {cls.__name__}._all_reduce_out_place and __init__"
-
-
-def uninstall() -> bool:
-    """Restore ``GroupCoordinator``'s own methods (False if not installed)."""
-    cls = compat.group_coordinator_cls()
-    originals = getattr(cls, "_echo_originals", None)
-    if originals is None:
-        return False
-    cls.__init__, cls._all_reduce_out_place = originals
-    cls._echo_originals = None
-    session.deactivate()
-    return True
-
-
-# ---------------------------------------------------------------------------
-# The per-forward host hook
-# ---------------------------------------------------------------------------
 
 
 def install_forward_hook() -> bool:

@@ -5,11 +5,12 @@ When vLLM creates the tensor-parallel group of an engine that asks for Echo,
 session (one registry: :func:`current`, :func:`activate`, :func:`deactivate`).
 A session owns the engine's Echo settings, the counters and the call
 numbering of forward passes (:class:`~.tracking.ForwardTracker`, the sink
-of every call record), and the model facts the per-call sequence needs
-(:class:`~.calls.CallSequence`). Two kinds:
+of every call record), and the model facts the communicator needs (its
+width and largest batch). Two kinds:
 
 * :class:`TpSession` -- real tensor parallelism: the TP group's
-  :class:`~.communicator.TpEchoCommunicator`, built with what it needs
+  :class:`~echo_vllm.communicator.EchoCommunicator`
+  (:func:`~.communicator.tp_communicator`), built with what it needs
   (the session itself is not handed down);
 * :class:`~.emulation.EmulationSession` -- TP=P emulated on one device.
 """
@@ -22,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from . import compat
-from .communicator import TpEchoCommunicator
+from .communicator import tp_communicator
 from .settings import TpCommSettings
 from .tracking import ForwardTracker, StepStats, metrics_publisher
 
@@ -80,8 +81,8 @@ class TpSession(EchoSession):
                  vllm_all_reduce: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__(settings, vllm_config, rank=int(getattr(coordinator, "rank_in_group", 0)))
         self.dtype = compat.model_dtype(vllm_config)
-        self.communicator = TpEchoCommunicator(coordinator, settings.echo, self.tracker, vllm_all_reduce,
-                                               hidden_size=self.hidden_size, max_num_tokens=self.max_num_tokens)
+        self.communicator = tp_communicator(coordinator, settings.echo, self.tracker, vllm_all_reduce,
+                                            hidden_size=self.hidden_size, max_num_tokens=self.max_num_tokens)
 
     def close(self) -> None:
         self.communicator.close()

@@ -56,6 +56,7 @@ from typing import Any, Callable
 from ..capture import capturing
 from ..numbering import NO_PASS, CallCounter, CallSlot
 from ..stats import CallRecord, EchoStats
+from . import compat
 
 logger = logging.getLogger("echo_vllm")
 
@@ -150,7 +151,7 @@ class ForwardTracker:
     """Numbers the calls of each forward pass and accounts graph replays.
 
     One per Echo session (process). ``next_call`` and ``on_record`` are
-    called for every all-reduce Echo sees (:class:`~.calls.CallSequence`);
+    called for every all-reduce Echo sees (:class:`~echo_vllm.communicator.EchoCommunicator`'s ``numbering``);
     ``on_forward_start`` by the per-forward host hook; ``on_graph_replay``
     where vLLM replays a FULL graph outside any forward context; ``settle``
     by whoever reads the counters.
@@ -173,6 +174,13 @@ class ForwardTracker:
         self._started: dict | None = None
 
     # -- the hook's side --------------------------------------------------------
+
+    def number(self, rows: int, residual: bool) -> CallSlot:
+        """The communicators' ``numbering``: :meth:`next_call` in the current
+        forward context (vLLM's)."""
+        from . import compat
+
+        return self.next_call(compat.forward_kwargs(), rows, residual=residual)
 
     def next_call(self, kwargs: dict | None, num_tokens: int, *, residual: bool = True) -> CallSlot:
         """The slot of the next all-reduce of the pass whose context holds

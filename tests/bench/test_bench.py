@@ -114,3 +114,12 @@ def test_one_gpu_fallback_passes_every_kernels_bench_option():
     assert set(vars(kp.parse_args([]))) <= set(vars(kargs))
     assert (kargs.sizes, kargs.group_size, kargs.no_layout_compare) == ([1 << 20, 4 << 20], 64, True)
     assert kargs.feedback_dtype == args.feedback_dtype == EchoConfig.feedback_dtype
+
+
+def test_the_route_measure_times_echo_calls(capsys):
+    """``host_overhead --route`` times calls that take Echo's path (its
+    no-op backend runs), not an early exact return."""
+    from echo_vllm.bench import host_overhead
+
+    assert host_overhead.main(["--route", "--calls", "20"]) == 0
+    assert "no-op backend" in capsys.readouterr().out

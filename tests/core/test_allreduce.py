@@ -1,6 +1,7 @@
-"""EchoAllReduce over real gloo process groups (P = 2, 3, 4) and in-process
-virtual ranks: same bits everywhere, error within the derived bound, clear
-errors for bad input."""
+"""Echo's all-reduce (``echo_all_reduce``: Echo whatever the policy says)
+over real gloo process groups (P = 2, 3, 4, one ``EchoCommunicator`` per
+rank) and in-process virtual ranks (``StackedCommunicator``): same bits
+everywhere, error within the derived bound, clear errors for bad input."""
 
 import math
 
@@ -8,12 +9,13 @@ import pytest
 import torch
 
 from echo_vllm import (
-    EchoAllReduce,
+    EchoCommunicator,
     EchoConfig,
     EchoConfigError,
     EchoShapeMismatch,
     FeedbackChain,
     ProcessGroupTransport,
+    StackedCommunicator,
     VirtualTransport,
 )
 from echo_vllm.spawn import run_processes
@@ -41,21 +43,21 @@ def _worker(rank, world, cases):
     results = []
     for cid, (dt, shape, hadamard) in enumerate(cases):
         cfg = EchoConfig(min_bytes=0, hadamard=hadamard)
-        ar = EchoAllReduce(cfg, transport)
+        comm = EchoCommunicator(cfg, transport)
         chain = FeedbackChain(1)
         outs = [
-            ar.all_reduce(_inputs(rank, cid, t, shape, DTYPES[dt]), chain, t) for t in range(CALLS)
+            comm.echo_all_reduce(_inputs(rank, cid, t, shape, DTYPES[dt]), chain, t) for t in range(CALLS)
         ]
         results.append(outs)
     # mismatched sizes must raise on every rank, not hang
-    ar = EchoAllReduce(EchoConfig(min_bytes=0), transport)
+    comm = EchoCommunicator(EchoConfig(min_bytes=0), transport)
     try:
-        ar.all_reduce(torch.zeros(100 + rank, dtype=torch.bfloat16))
+        comm.echo_all_reduce(torch.zeros(100 + rank, dtype=torch.bfloat16))
         mismatch = "no error"
     except EchoShapeMismatch as e:
         mismatch = str(e)
     # the exact path still works afterwards: 16-bit sum of rank+1
-    exact = ar.exact_all_reduce(torch.full((4,), float(rank + 1), dtype=torch.bfloat16))
+    exact = comm.exact_all_reduce(torch.full((4,), float(rank + 1), dtype=torch.bfloat16))
     return results, mismatch, exact
 
 
@@ -63,12 +65,12 @@ def _virtual(world, cases):
     results = []
     for cid, (dt, shape, hadamard) in enumerate(cases):
         cfg = EchoConfig(min_bytes=0, hadamard=hadamard)
-        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        comm = StackedCommunicator(cfg, VirtualTransport(world))
         chain = FeedbackChain(world)
         outs = []
         for t in range(CALLS):
             xs = torch.stack([_inputs(r, cid, t, shape, DTYPES[dt]) for r in range(world)])
-            outs.append(ar.all_reduce(xs, chain, t))
+            outs.append(comm.echo_all_reduce(xs, chain, t))
         results.append(outs)
     return results
 
@@ -122,8 +124,8 @@ def test_virtual_one_call_bound_many_shapes():
         for n in (1, 31, 33 * 32, 1000 * 32 + 5):
             torch.manual_seed(n + world)
             xs = torch.randn(world, n).bfloat16()
-            ar = EchoAllReduce(EchoConfig(min_bytes=0, hadamard=False), VirtualTransport(world))
-            y = ar.all_reduce(xs)
+            comm = StackedCommunicator(EchoConfig(min_bytes=0, hadamard=False), VirtualTransport(world))
+            y = comm.echo_all_reduce(xs)
             err = (y.double() - xs.double().sum(0)).abs()
             assert torch.all(err <= _one_call_bound(xs, 32, torch.bfloat16))
 
@@ -134,18 +136,24 @@ def test_world_size_one_is_rejected():
             self.world_size = 1
             self.local_ranks = (0,)
 
-    with pytest.raises(EchoConfigError, match="at least 2 ranks"):
-        EchoAllReduce(EchoConfig(), One())
+    for cls in (EchoCommunicator, StackedCommunicator):
+        with pytest.raises(EchoConfigError, match="at least 2 ranks"):
+            cls(EchoConfig(), One())
     with pytest.raises(ValueError, match="world_size >= 2"):
         VirtualTransport(1)
 
 
+def test_one_rank_communicator_refuses_a_transport_of_several_local_ranks():
+    with pytest.raises(EchoConfigError, match="StackedCommunicator"):
+        EchoCommunicator(EchoConfig(), VirtualTransport(4))
+
+
 def test_bad_inputs_are_rejected():
-    ar = EchoAllReduce(EchoConfig(), VirtualTransport(4))
+    comm = StackedCommunicator(EchoConfig(), VirtualTransport(4))
     with pytest.raises(ValueError, match="stacked"):
-        ar.all_reduce(torch.zeros(3, 64))
+        comm.echo_all_reduce(torch.zeros(3, 64))
     with pytest.raises(TypeError, match="floating-point"):
-        ar.all_reduce(torch.zeros(4, 64, dtype=torch.int32))
+        comm.echo_all_reduce(torch.zeros(4, 64, dtype=torch.int32))
 
 
 def test_each_rank_alone_computes_the_virtual_ranks_bits():
@@ -161,13 +169,13 @@ def test_each_rank_alone_computes_the_virtual_ranks_bits():
     xs = torch.randn(world, n).bfloat16()
     cfg = EchoConfig(min_bytes=0)
     t = VirtualTransport(world)
-    ar = EchoAllReduce(cfg, t)
-    lay = ar.layout(n)
+    comm = StackedCommunicator(cfg, t)
+    lay = comm.layout(n)
     fb = torch.zeros(world, lay.padded_numel)
     wire = quant.stage1_reference(xs, fb, lay, hadamard=True)
     recv = t.all_to_all(wire)
     q2 = quant.stage2_reference(recv, fb, list(range(world)), lay)
-    y = ar.all_reduce(xs)
+    y = comm.echo_all_reduce(xs)
     assert torch.equal(quant.output_reference(t.all_gather(q2), lay, torch.bfloat16, hadamard=True), y)
     chunks = []
     for r in range(world):
@@ -238,10 +246,10 @@ def echo_calls(draw):
 
 def _run_chain(world, cfg, xs, backend):
     config = EchoConfig(min_bytes=0, first_exact_calls=0, backend=backend, **cfg)
-    ar = EchoAllReduce(config, VirtualTransport(world))
+    comm = StackedCommunicator(config, VirtualTransport(world))
     chain = FeedbackChain.of(config, world, "cpu")
-    outs = [ar.all_reduce(x, chain, t) for t, x in enumerate(xs[:-1])]
-    return outs + [ar.absorb(xs[-1], chain, len(xs) - 1)]
+    outs = [comm.echo_all_reduce(x, chain, t) for t, x in enumerate(xs[:-1])]
+    return outs + [comm.absorb(xs[-1], chain, len(xs) - 1)]
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

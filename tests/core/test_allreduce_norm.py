@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from support.norm_chains import EPS, assert_same, chain_pair, check_pair, partials, weight
 
-from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport, VirtualTransport
+from echo_vllm import (CallSlot, EchoCommunicator, EchoConfig, ProcessGroupTransport, StackedCommunicator,
+                        VirtualTransport)
 from echo_vllm.norm import NormOperands, norm_into
 from echo_vllm.norm_plan import MAX_NORM_COLS
 from echo_vllm.spawn import run_processes
@@ -33,7 +34,8 @@ def _gloo_worker(rank, world):
     res = torch.zeros(4, 64, dtype=torch.bfloat16)
     outs = []
     for c in range(2):
-        out, _ = comm.all_reduce_norm(partials(world, 4, 64, c)[rank], NormOperands(w, EPS, residual=res), c)
+        out, _ = comm.all_reduce_norm(partials(world, 4, 64, c)[rank], NormOperands(w, EPS, residual=res),
+                                      slot=CallSlot(c))
         outs.append(out)
     return outs, res, comm.stats.snapshot()["norm_calls"]
 
@@ -42,9 +44,9 @@ def test_gloo_ranks_agree_with_the_virtual_ranks():
     world = 3
     got = run_processes(_gloo_worker, world, timeout_s=120)
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False)
-    comm = EchoCommunicator(cfg, VirtualTransport(world))
+    comm = StackedCommunicator(cfg, VirtualTransport(world))
     w, res = weight(64), torch.zeros(4, 64, dtype=torch.bfloat16)
-    want = [comm.all_reduce_norm(partials(world, 4, 64, c), NormOperands(w, EPS, residual=res), c)[0]
+    want = [comm.all_reduce_norm(partials(world, 4, 64, c), NormOperands(w, EPS, residual=res), slot=CallSlot(c))[0]
             for c in range(2)]
     for outs, r, counts in got:
         for c in range(2):

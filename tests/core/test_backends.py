@@ -76,11 +76,11 @@ def test_cpu_groups_are_never_probed(group):
     assert backend.name == "reference" and reason == "cpu tensors" and group.probed == []
 
 
-def test_the_backend_echo_all_reduce_builds_is_make_backends():
-    from echo_vllm import EchoAllReduce, VirtualTransport
+def test_the_backend_the_communicator_builds_is_make_backends():
+    from echo_vllm import StackedCommunicator, VirtualTransport
 
-    ar = EchoAllReduce(EchoConfig(), VirtualTransport(2), env=EchoEnv(kernels="numba"))
-    assert ar.backend(torch.device("cpu")).name == "numba"
+    comm = StackedCommunicator(EchoConfig(), VirtualTransport(2), env=EchoEnv(kernels="numba"))
+    assert comm.backend(torch.device("cpu")).name == "numba"
 
 
 def test_int8_feedback_runs_on_the_backend_auto_picks(group):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 from echo_vllm.capture import capturing
 from support.vllm_graphs import capture
 
@@ -20,14 +20,15 @@ def test_the_stand_in_reaches_the_check():
 
 def test_stochastic_rounding_refuses_capture_nearest_runs():
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
-    stochastic = EchoAllReduce(EchoConfig(rounding="stochastic", min_bytes=0), VirtualTransport(4))
-    stochastic.all_reduce(x)  # eager: fine
+    stochastic = StackedCommunicator(EchoConfig(rounding="stochastic", min_bytes=0), VirtualTransport(4))
+    stochastic.echo_all_reduce(x)  # eager: fine
     with capture(), pytest.raises(RuntimeError, match="cannot run inside a CUDA graph"):
-        stochastic.all_reduce(x)
-    nearest = EchoAllReduce(EchoConfig(min_bytes=0), VirtualTransport(4))
+        stochastic.echo_all_reduce(x)
+    nearest = StackedCommunicator(EchoConfig(min_bytes=0), VirtualTransport(4))
     with capture():
-        captured = nearest.all_reduce(x)
-    assert torch.equal(captured, EchoAllReduce(EchoConfig(min_bytes=0), VirtualTransport(4)).all_reduce(x))
+        captured = nearest.echo_all_reduce(x)
+    eager = StackedCommunicator(EchoConfig(min_bytes=0), VirtualTransport(4)).echo_all_reduce(x)
+    assert torch.equal(captured, eager)
 
 
 def test_feedback_buffer_cannot_grow_during_capture():

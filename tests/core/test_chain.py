@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from echo_vllm import (
-    EchoAllReduce,
-    EchoCommunicator,
+    CallSlot,
     EchoConfig,
     FeedbackChain,
+    StackedCommunicator,
     VirtualTransport,
 )
 from echo_vllm.quant import (
@@ -140,14 +140,14 @@ def _fp64_slack(ops: int, mag: torch.Tensor) -> torch.Tensor:
 def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
     """RMS error of the residual stream after each call (fp64 reference),
     the chain's buffer in ``cfg.feedback_dtype``."""
-    ar = EchoAllReduce(cfg, VirtualTransport(P))
+    comm = StackedCommunicator(cfg, VirtualTransport(P))
     chain = FeedbackChain.of(cfg, P)
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
     errs = []
     for t in range(calls):
         xs = _partials(t)
-        res += ar.all_reduce(xs, chain, t).double()
+        res += comm.echo_all_reduce(xs, chain, t).double()
         ref += xs.double().sum(0)
         errs.append(((res - ref).norm() / res.numel() ** 0.5).item())
     return errs
@@ -174,9 +174,9 @@ def test_telescoping_identity_holds_exactly():
     cfg = EchoConfig(hadamard=False, exact_last_call=False)
     chain = FeedbackChain(P)
     transport = _Recorder(P, chain)
-    ar = EchoAllReduce(cfg, transport)
+    comm = StackedCommunicator(cfg, transport)
     n = TOKENS * HIDDEN
-    lay = ar.message_layout((TOKENS, HIDDEN))
+    lay = comm.message_layout((TOKENS, HIDDEN))
     res = torch.zeros(n, dtype=torch.float64)
     ref = torch.zeros_like(res)
     slack = torch.zeros_like(res)
@@ -184,7 +184,7 @@ def test_telescoping_identity_holds_exactly():
     for t in range(10):
         xs = _partials(t, torch.float32)
         e_in = chain.buffer(n).clone()
-        y = ar.all_reduce(xs, chain, t)
+        y = comm.echo_all_reduce(xs, chain, t)
         slack += _echo_call_slack(
             xs, y, transport.log[-1], e_in, chain.buffer(n), lay, hadamard=False, incoming=t > 0
         )
@@ -205,11 +205,11 @@ def test_telescoping_identity_holds_exactly():
 def test_exact_last_call_flushes_the_error():
     cfg = EchoConfig(hadamard=True, exact_last_call=True, min_bytes=0, first_exact_calls=0)
     transport = _Recorder(P)
-    comm = EchoCommunicator(cfg, transport)
+    comm = StackedCommunicator(cfg, transport)
     transport.chain = comm.chain
     assert comm.chain.dtype == "bfloat16"  # the default: storage roundings are counted
     n = TOKENS * HIDDEN
-    lay = comm.echo.message_layout((TOKENS, HIDDEN))
+    lay = comm.message_layout((TOKENS, HIDDEN))
     calls = 9
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
@@ -218,7 +218,7 @@ def test_exact_last_call_flushes_the_error():
     for t in range(calls):
         xs = _partials(t)
         e_in = comm.chain.buffer(n).clone()
-        y = comm.all_reduce(xs, t, last_call=(t == calls - 1))
+        y = comm.all_reduce(xs, slot=CallSlot(t, last_call=(t == calls - 1)))
         res += y.double()
         ref += xs.double().sum(0)
         mag += xs.double().abs().sum(0) + y.double().abs()
@@ -249,16 +249,15 @@ def test_exact_call_mid_chain_consumes_pending_error():
     cfg = EchoConfig(hadamard=True, exact_last_call=False, min_bytes=1 << 30, first_exact_calls=0)  # all exact
     echo_cfg = cfg.replace(min_bytes=0)
     transport = _Recorder(P)
-    comm = EchoCommunicator(echo_cfg, transport)
+    comm = StackedCommunicator(echo_cfg, transport)
     transport.chain = comm.chain
-    lay = comm.echo.message_layout((TOKENS, HIDDEN))
+    lay = comm.message_layout((TOKENS, HIDDEN))
     xs0, xs1 = _partials(0), _partials(1)
-    y0 = comm.all_reduce(xs0, 0)
+    y0 = comm.all_reduce(xs0, slot=CallSlot(0))
     pending = comm.chain.buffer(1)[:, : lay.padded_numel].clone()
     bound = _echo_call_slack(xs0, y0, transport.log[-1], pending, pending, lay, hadamard=True, incoming=False)
     comm.config = cfg  # next call falls below min_bytes -> exact path
-    comm.echo.config = cfg
-    y1 = comm.all_reduce(xs1, 1)
+    y1 = comm.all_reduce(xs1, slot=CallSlot(1))
     assert not comm.chain.pending
     assert comm.stats.snapshot()["calls"]["exact/below_min_bytes"] == 1
     # what the exact path reduced: x + rot^-1(e), rounded per rank to bf16
@@ -285,16 +284,16 @@ def test_exact_call_mid_chain_consumes_pending_error():
 
 def test_chain_rule_restarts_and_drops():
     cfg = EchoConfig(min_bytes=0, exact_last_call=False)
-    ar = EchoAllReduce(cfg, VirtualTransport(P))
+    comm = StackedCommunicator(cfg, VirtualTransport(P))
     chain = FeedbackChain(P)
     xs = _partials(0)
-    ar.all_reduce(xs, chain, 0)
+    comm.echo_all_reduce(xs, chain, 0)
     assert chain.pending
-    ar.all_reduce(xs, chain, 1)  # carries
-    ar.all_reduce(xs, chain, 0)  # new forward pass: starts clean, not a drop
-    ar.all_reduce(xs, chain, 2)  # gap 0 -> 2: dropped and counted
-    ar.all_reduce(xs[:, :16], chain, 3)  # other shape: dropped and counted
-    ar.all_reduce(xs[:, :16], chain, None)  # outside a forward pass: never carries
+    comm.echo_all_reduce(xs, chain, 1)  # carries
+    comm.echo_all_reduce(xs, chain, 0)  # new forward pass: starts clean, not a drop
+    comm.echo_all_reduce(xs, chain, 2)  # gap 0 -> 2: dropped and counted
+    comm.echo_all_reduce(xs[:, :16], chain, 3)  # other shape: dropped and counted
+    comm.echo_all_reduce(xs[:, :16], chain, None)  # outside a forward pass: never carries
     assert chain.stats.carried == 1
     assert chain.stats.dropped == 2
     assert chain.stats.started_clean == 5
@@ -304,22 +303,22 @@ def test_chain_rule_restarts_and_drops():
 def test_call_zero_ignores_stale_buffer():
     """Whatever the buffer holds, call 0 gives the same bits as a fresh chain."""
     cfg = EchoConfig(min_bytes=0)
-    ar = EchoAllReduce(cfg, VirtualTransport(P))
+    comm = StackedCommunicator(cfg, VirtualTransport(P))
     used = FeedbackChain(P)
     for t in range(3):
-        ar.all_reduce(_partials(t), used, t)
+        comm.echo_all_reduce(_partials(t), used, t)
     fresh = FeedbackChain(P)
     xs = _partials(7)
-    assert torch.equal(ar.all_reduce(xs, used, 0), ar.all_reduce(xs, fresh, 0))
+    assert torch.equal(comm.echo_all_reduce(xs, used, 0), comm.echo_all_reduce(xs, fresh, 0))
 
 
 def test_feedback_off_is_stateless():
     cfg = EchoConfig.naive(min_bytes=0)
-    ar = EchoAllReduce(cfg, VirtualTransport(P))
+    comm = StackedCommunicator(cfg, VirtualTransport(P))
     chain = FeedbackChain(P)
     xs = _partials(3)
-    a = ar.all_reduce(xs, chain, 0)
-    b = ar.all_reduce(xs, chain, 1)
+    a = comm.echo_all_reduce(xs, chain, 0)
+    b = comm.echo_all_reduce(xs, chain, 1)
     assert torch.equal(a, b) and not chain.pending
 
 
@@ -345,18 +344,19 @@ def _residual_error_with_side_calls(side_after: tuple[int, ...]) -> tuple[float,
     the chain's numbering). Returns the residual stream's error (RMS of
     sum_t y_t - sum_t S_t, in units of one call's output RMS) and the stats."""
     tokens, hidden, calls = 16, 1024, 5
-    comm = EchoCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, backend="reference"), VirtualTransport(P))
+    comm = StackedCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, backend="reference"), VirtualTransport(P),
+                               hidden_size=hidden)  # a [T, 1] message is not the residual stream
     g = torch.Generator().manual_seed(18)
     res = torch.zeros(tokens, hidden, dtype=torch.float64)
     ref = torch.zeros_like(res)
     side = torch.randn(P, tokens, 1, generator=torch.Generator().manual_seed(1)).bfloat16()
     for t in range(calls):
         x = torch.randn(P, tokens, hidden, generator=g).bfloat16()
-        y = comm.all_reduce(x, t, last_call=t == calls - 1)
+        y = comm.all_reduce(x, slot=CallSlot(t, last_call=t == calls - 1))
         res += y.double()
         ref += x.double().sum(0)
         if t in side_after:
-            s = comm.all_reduce(side, t + 1, residual=False)
+            s = comm.all_reduce(side, slot=CallSlot(t + 1))
             assert torch.equal(s, side.float().sum(0).bfloat16())  # exact (fp32 sum, as the transport's)
     one = x.double().sum(0).pow(2).mean().sqrt()
     return float((res - ref).pow(2).mean().sqrt() / one), comm.stats.snapshot()
@@ -387,16 +387,16 @@ def test_each_call_records_what_the_chain_did():
     (the counters a CUDA-graph replay repeats from the plan); a side call
     leaves the pending error where it is."""
     records = []
-    comm = EchoCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False),
-                            VirtualTransport(P), sink=records.append)
+    comm = StackedCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False),
+                               VirtualTransport(P), sink=records.append)
     xs = _partials(0)
-    comm.all_reduce(xs, 0)
-    comm.all_reduce(xs[:, :, :1].float(), 1, residual=False)  # fp32 side call: chain untouched
+    comm.all_reduce(xs, slot=CallSlot(0))
+    comm.all_reduce(xs[:, :, :1].float(), slot=CallSlot(1))  # fp32 side call: chain untouched
     assert comm.chain.pending
-    comm.all_reduce(xs, 1)  # carries across the side call
-    comm.all_reduce(xs, 3)  # index gap
-    comm.all_reduce(xs[:, :16], 4)  # another shape
-    comm.all_reduce(xs, 0)  # a new pass: the previous one ended with an error pending (not a drop)
+    comm.all_reduce(xs, slot=CallSlot(1))  # carries across the side call
+    comm.all_reduce(xs, slot=CallSlot(3))  # index gap
+    comm.all_reduce(xs[:, :16], slot=CallSlot(4))  # another shape
+    comm.all_reduce(xs, slot=CallSlot(0))  # a new pass: the previous one ended with an error pending (not a drop)
     got = [(r.path, r.reason, r.carried, r.dropped) for r in records]
     assert got == [
         ("echo", "echo", False, ""),
@@ -406,7 +406,7 @@ def test_each_call_records_what_the_chain_did():
         ("echo", "echo", False, "shape_changed"),
         ("echo", "echo", False, ""),
     ]
-    stats = EchoCommunicator(EchoConfig(), VirtualTransport(P)).stats
+    stats = StackedCommunicator(EchoConfig(), VirtualTransport(P)).stats
     for r in records:
         stats.record(r)
     snap = stats.snapshot()
@@ -439,9 +439,9 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
     cfg = EchoConfig(hadamard=False, exact_last_call=False, feedback_dtype="int8")
     chain = FeedbackChain.of(cfg, P)
     transport = _Recorder(P, chain)
-    ar = EchoAllReduce(cfg, transport)
+    comm = StackedCommunicator(cfg, transport)
     n = TOKENS * HIDDEN
-    lay = ar.message_layout((TOKENS, HIDDEN))
+    lay = comm.message_layout((TOKENS, HIDDEN))
     np_, c = lay.padded_numel, lay.chunk_numel
     owner = (torch.arange(np_) // c).unsqueeze(0)
     res = torch.zeros(n, dtype=torch.float64)
@@ -449,7 +449,7 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
     for t in range(10):
         xs = _partials(t, torch.float32)
         e_in = read_feedback(chain.buffer(n), 0, np_, G)
-        y = ar.all_reduce(xs, chain, t)
+        y = comm.echo_all_reduce(xs, chain, t)
         rec = transport.log[-1]
         e_out = read_feedback(chain.buffer(n), 0, np_, G)
         slack += _echo_call_slack(xs, y, dict(rec, fb1=read_feedback(rec["fb1"], 0, np_, G)), e_in, e_out,

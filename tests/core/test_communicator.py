@@ -1,10 +1,13 @@
-"""``EchoCommunicator``: what each call records about the path it took."""
+"""``EchoCommunicator`` (here its stacked form over virtual ranks): what each
+call records about the path it took."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from echo_vllm import EchoCommunicator, EchoConfig, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
 from echo_vllm.backends.composed import ComposedBackend
 from echo_vllm.backends.stages import ReferenceStages
 from echo_vllm.policy import Reason
@@ -29,10 +32,44 @@ class _SmallBuffers(ComposedBackend):
 def test_a_message_beyond_the_fused_buffers_is_recorded_with_its_reason():
     transport = VirtualTransport(P)
     records = []
-    comm = EchoCommunicator(CFG, transport, backend=_SmallBuffers(transport, 64 * 128), sink=records.append)
-    plain = EchoCommunicator(CFG, VirtualTransport(P))
+    comm = StackedCommunicator(CFG, transport, backend=_SmallBuffers(transport, 64 * 128), sink=records.append)
+    plain = StackedCommunicator(CFG, VirtualTransport(P))
     small, big = torch.randn(P, 64, 128).bfloat16(), torch.randn(P, 128, 128).bfloat16()
     for i, x in enumerate((small, big)):
-        assert torch.equal(comm.all_reduce(x, i), plain.all_reduce(x, i))
+        assert torch.equal(comm.all_reduce(x, slot=CallSlot(i)), plain.all_reduce(x, slot=CallSlot(i)))
     assert [(r.path, r.reason) for r in records] == [("echo", Reason.ECHO.value),
                                                      ("echo", Reason.EXCEEDS_FUSED_BUFFERS.value)]
+
+
+class _RouteSpy(ComposedBackend):
+    """The reference backend, noting which functions called its ``all_reduce``."""
+
+    def __init__(self, transport):
+        super().__init__(CFG, transport, ReferenceStages())
+        self.callers = []
+
+    def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
+        self.callers.append((sys._getframe(1).f_code.co_qualname, sys._getframe(2).f_code.co_qualname))
+        return super().all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
+
+
+def test_all_reduce_calls_the_backend_itself():
+    """The route to the kernel launch: vLLM's hook -> ``all_reduce`` -> the
+    backend's ``all_reduce`` -> the launcher (4 frames with the fused
+    backend), so ``all_reduce`` itself calls the backend, with ``out``."""
+    transport = VirtualTransport(P)
+    spy = _RouteSpy(transport)
+    comm = StackedCommunicator(CFG, transport, backend=spy)
+    x = torch.randn(P, 8, 128).bfloat16()
+    out = torch.empty(8, 128, dtype=torch.bfloat16)
+    y = comm.all_reduce(x, slot=CallSlot(0), out=out)
+    assert y is out and spy.callers == [("EchoCommunicator.all_reduce", test_all_reduce_calls_the_backend_itself.__name__)]
+
+
+def test_a_callers_exact_reason_takes_the_exact_path_and_is_recorded():
+    records = []
+    comm = StackedCommunicator(CFG, VirtualTransport(P), sink=records.append)
+    x = torch.randn(P, 8, 128).bfloat16()
+    y = comm.all_reduce(x, slot=CallSlot(3), exact_reason=Reason.FORCED_EXACT)
+    assert torch.equal(y, VirtualTransport(P).all_reduce_exact(x))
+    assert [(r.path, r.reason) for r in records] == [("exact", Reason.FORCED_EXACT.value)]

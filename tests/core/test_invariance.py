@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.invariance import check_rows_independent
 
-from echo_vllm import EchoCommunicator, EchoConfig, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -50,9 +50,9 @@ def test_without_hadamard_too():
 
 
 def _paths(cfg: EchoConfig, tokens: int) -> list[str]:
-    comm = EchoCommunicator(cfg, VirtualTransport(2))
+    comm = StackedCommunicator(cfg, VirtualTransport(2))
     x = torch.zeros(2, tokens, 4096, dtype=torch.bfloat16)
-    return [comm.should_echo(x, t, last_call=t == 9).path.value for t in range(10)]
+    return [comm.should_echo(x, CallSlot(t, last_call=t == 9)).path.value for t in range(10)]
 
 
 def test_batch_invariant_config_fixes_the_path_whatever_the_batch():

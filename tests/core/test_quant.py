@@ -157,7 +157,7 @@ def test_encode_decode_chunks_round_trip():
 
 from support.extremes import PATTERNS, exact_sum, extreme_inputs, one_call_bound  # noqa: E402
 
-from echo_vllm import EchoAllReduce, EchoCommunicator, EchoConfig, FeedbackChain, VirtualTransport  # noqa: E402
+from echo_vllm import CallSlot, EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport  # noqa: E402
 from echo_vllm import quant  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -177,8 +177,8 @@ def test_the_reported_inputs_come_out_finite(case, hadamard):
         x[0], x[1] = 3e38, -3e38
     else:
         x[0], x[1], x[2], x[3] = 3e38, 3e38, -3e38, -3e38
-    comm = EchoCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=hadamard), VirtualTransport(4))
-    y = comm.all_reduce(x, 7)
+    comm = StackedCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=hadamard), VirtualTransport(4))
+    y = comm.all_reduce(x, slot=CallSlot(7))
     assert comm.stats.snapshot()["calls"] == {"echo/echo": 1}
     assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} non-finite outputs"
     lay = WireLayout(512, 4, 32, 256)
@@ -222,19 +222,19 @@ def test_chains_stay_finite_at_every_magnitude(pattern, dt, world, fb):
     dtype = DTYPES[dt]
     for hadamard in (True, False):
         cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=fb)
-        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        comm = StackedCommunicator(cfg, VirtualTransport(world))
         chain = FeedbackChain.of(cfg, world, "cpu")
         for t in range(4):
             x = extreme_inputs(pattern, world, 12, 69, dtype, seed=10 * t + world)
-            y = ar.all_reduce(x, chain, t)
+            y = comm.echo_all_reduce(x, chain, t)
             assert torch.isfinite(y).all(), f"call {t} (had={hadamard}): {int((~torch.isfinite(y)).sum())} non-finite"
-        lay = ar.message_layout((12, 69))
+        lay = comm.message_layout((12, 69))
         fb_now = chain.buffer(lay.padded_numel).clone()
         assert torch.isfinite(quant.read_feedback(fb_now, 0, lay.padded_numel, 32)).all()
         x = extreme_inputs(pattern, world, 12, 69, dtype, seed=99)
         consumed = quant.consume_reference(x.reshape(world, -1), fb_now, lay, hadamard=hadamard)
         assert torch.isfinite(consumed).all(), f"input plus carried error (had={hadamard})"
-        assert torch.equal(ar.absorb(x.clone(), chain, 4).reshape(world, -1), consumed)
+        assert torch.equal(comm.absorb(x.clone(), chain, 4).reshape(world, -1), consumed)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 from echo_vllm.rotation import fwht, hadamard_matrix, hadamard_orthonormal
 
 
@@ -39,8 +39,8 @@ def test_fwht_rejects_non_power_of_two():
 
 
 def _echo(cfg, xs):
-    ar = EchoAllReduce(cfg, VirtualTransport(xs.shape[0]))
-    return ar.all_reduce(xs, FeedbackChain(xs.shape[0]), 0)
+    comm = StackedCommunicator(cfg, VirtualTransport(xs.shape[0]))
+    return comm.echo_all_reduce(xs, FeedbackChain(xs.shape[0]), 0)
 
 
 def test_rotated_echo_equals_plain_echo_on_rotated_inputs():

@@ -480,7 +480,7 @@ def test_virtual_and_cpu_groups_are_not_probed():
 class _OneRank:
     """The transport attributes the backend reads (its facts are given)."""
 
-    world_size, rank, local_ranks, is_virtual, capturable = 2, 0, (0,), False, False
+    world_size, rank, local_ranks, capturable = 2, 0, (0,), False
 
 
 class _Recorder:
@@ -609,7 +609,7 @@ def test_the_timeout_comes_from_the_config():
     assert b.timeout_ns == 2_500_000_000
     assert fused_mod.FusedSymmMemBackend(EchoConfig(), _OneRank(), sms=4, facts=_facts(), buffers=buffers,
                                          timeout_s=3).timeout_ns == 3_000_000_000
-    assert EchoConfig().timeout_s == fused_mod.DEFAULT_TIMEOUT_S == 60.0
+    assert EchoConfig().timeout_s == 60.0
     with pytest.raises(EchoConfigError, match="timeout_s"):
         EchoConfig(timeout_s=0)
     assert EchoConfig.from_mapping({"echo_timeout_s": "7.5"}, prefix="echo_").timeout_s == 7.5

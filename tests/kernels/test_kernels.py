@@ -450,21 +450,21 @@ def test_a_row_too_wide_for_int32_columns_is_refused():
 
 
 def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32"):
-    """A chain of Echo calls (EchoAllReduce over virtual ranks, feedback
+    """A chain of Echo calls (StackedCommunicator over virtual ranks, feedback
     carried) gives the same bits on the ``triton`` (or ``numba``) backend as
     on the references: layouts, buffers and backends agree end to end."""
-    from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+    from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 
     world, shape, device = 3, (5, 77), _device(mode)
     results = {}
     for m in ("reference", mode):
         cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m,
                          feedback_dtype=feedback_dtype)
-        ar = EchoAllReduce(cfg, VirtualTransport(world))
+        ar = StackedCommunicator(cfg, VirtualTransport(world), device=device)
         assert ar.backend(torch.device(device)).name == cfg.backend
         chain = FeedbackChain.of(cfg, world, device)
         outs = [
-            ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
+            ar.echo_all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
             for t in range(3)
         ]
         consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(device), chain, 3)
@@ -880,11 +880,11 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype):
     """A whole Echo call (stage 1, all-to-all, stage 2, all-gather, output,
     feedback update) captured in a CUDA graph and replayed gives the bits of
     the eager call from the same state."""
-    from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+    from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 
     world, shape = 4, (512, 4096)
     cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=feedback_dtype)
-    ar = EchoAllReduce(cfg, VirtualTransport(world))
+    ar = StackedCommunicator(cfg, VirtualTransport(world), device="cuda")
     chain = FeedbackChain.of(cfg, world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
     x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
     x1 = _values((world, *shape), 8).to(torch.bfloat16).cuda()
@@ -892,23 +892,23 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype):
 
     def fresh_state():
         chain.reset()
-        ar.all_reduce(x0, chain, 0)  # leaves an error for call 1
+        ar.echo_all_reduce(x0, chain, 0)  # leaves an error for call 1
         return chain.buffer(0).clone()
 
     fb_start = fresh_state()
-    y_eager = ar.all_reduce(x1, chain, 1)
+    y_eager = ar.echo_all_reduce(x1, chain, 1)
     fb_eager = chain.buffer(0).clone()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture (compiles kernels)
         fresh_state()
-        ar.all_reduce(static_x, chain, 1)
+        ar.echo_all_reduce(static_x, chain, 1)
     torch.cuda.current_stream().wait_stream(side)
     fresh_state()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_static = ar.all_reduce(static_x, chain, 1)
+        y_static = ar.echo_all_reduce(static_x, chain, 1)
     chain.buffer(0).copy_(fb_start)
     graph.replay()
     torch.cuda.synchronize()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from echo_vllm import EchoAllReduce, EchoConfig, FeedbackChain, VirtualTransport
+from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 
 
 def _rows(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dty
     number of (call, arrangement) pairs compared."""
     cfg = EchoConfig(min_bytes=0, group_size=group, hadamard=hadamard, exact_last_call=False,
                      first_exact_calls=0, backend=backend, feedback_dtype=feedback_dtype)
-    ar = EchoAllReduce(cfg, VirtualTransport(world))
+    comm = StackedCommunicator(cfg, VirtualTransport(world), device=device)
     chains = {k: FeedbackChain.of(cfg, world, device) for k in ("A", "AB", "BA")}
     compared = 0
     for t in range(calls):
@@ -36,9 +36,9 @@ def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dty
         b = _rows(world, tokens_b, hidden, dtype, seed * 1000 + 2 * t + 1).to(device)
         inputs = {"A": a, "AB": torch.cat([a, b], dim=1), "BA": torch.cat([b, a], dim=1)}
         if t == exact_at:
-            out = {k: ar.exact_all_reduce(x, chains[k], t) for k, x in inputs.items()}
+            out = {k: comm.exact_all_reduce(x, chains[k], t) for k, x in inputs.items()}
         else:
-            out = {k: ar.all_reduce(x, chains[k], t) for k, x in inputs.items()}
+            out = {k: comm.echo_all_reduce(x, chains[k], t) for k, x in inputs.items()}
         alone = out["A"].cpu()
         for name, rows in (("[A; B]", out["AB"][:tokens_a]), ("[B; A]", out["BA"][tokens_b:])):
             rows = rows.cpu()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from echo_vllm import EchoCommunicator, EchoConfig, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
 from echo_vllm.communicator import EXACT_PATH_NORM
 from echo_vllm.norm import NormOperands
 
@@ -45,17 +45,17 @@ def chain_pair(world, rows, cols, calls, backend=None, first_exact=1, device="cp
     w = weight(cols).to(device)
     runs = []
     for fused in (False, True):
-        comm = EchoCommunicator(cfg, VirtualTransport(world), device=device,
-                                backend=backend(cfg, VirtualTransport(world)) if backend else None)
+        comm = StackedCommunicator(cfg, VirtualTransport(world), device=device,
+                                   backend=backend(cfg, VirtualTransport(world)) if backend else None)
         res = torch.randn(rows, cols, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(device)
         outs = []
         for c in range(calls):
             x = partials(world, rows, cols, c).to(device)
             norm = NormOperands(w, EPS, residual=res if c else None)  # call 0: rms_norm (the embedding's)
             if fused:
-                out, _ = comm.all_reduce_norm(x, norm, c)
+                out, _ = comm.all_reduce_norm(x, norm, slot=CallSlot(c))
             else:
-                out, _ = norm.apply(comm.all_reduce(x, c))
+                out, _ = norm.apply(comm.all_reduce(x, slot=CallSlot(c)))
             outs.append(out.clone())
         runs.append((outs, res.clone(), comm.stats.snapshot()))
     return runs

@@ -492,8 +492,9 @@ def tp_group(monkeypatch):
     monkeypatch.setattr(backends, "fused_support", lambda peers, device: group.probed.append(peers) or (True, "P2P"))
 
     def build(cfg, transport, env, **facts):
-        group.built.append((transport, facts))
-        return SimpleNamespace(name="fused", close=lambda: None)
+        backend = SimpleNamespace(name="fused", close=lambda: None)
+        group.built.append((transport, facts, backend))
+        return backend
 
     monkeypatch.setitem(backends.BACKENDS, "fused", dataclasses.replace(backends.BACKENDS["fused"], build=build))
     monkeypatch.delenv("ECHO_KERNELS", raising=False)
@@ -501,23 +502,24 @@ def tp_group(monkeypatch):
 
 
 def _communicator(group, **echo):
-    from echo_vllm.vllm_glue.communicator import TpEchoCommunicator
+    from echo_vllm.vllm_glue.communicator import tp_communicator
 
-    return TpEchoCommunicator(group, EchoConfig(**echo), ForwardTracker(StepStats()), lambda x: x,
-                              hidden_size=256, max_num_tokens=512)
+    return tp_communicator(group, EchoConfig(**echo), ForwardTracker(StepStats()), lambda x: x,
+                           hidden_size=256, max_num_tokens=512)
 
 
 def test_the_tp_group_gets_the_backend_make_backend_picks_from_its_facts(tp_group, monkeypatch):
     comm = _communicator(tp_group)
-    assert comm.backend.name == "fused" and comm.comm.echo.backend(torch.device("cuda")) is comm.backend
     (peers,) = tp_group.probed  # probed over the NCCL process group (pynccl maps no peer memory)
     assert isinstance(peers, _ProcessGroup) and peers.name == "nccl-group"
-    (transport, facts), = tp_group.built
+    (transport, facts, built), = tp_group.built
+    # the communicator reduces with the one backend built for the group
+    assert comm.backend(torch.device("cuda")) is built and built.name == "fused"
     assert transport.name == "pynccl" and facts["peers"] is peers
     assert facts["max_numel"] == 512 * WireLayout(256, 2, 32).padded_cols  # the largest batch's rows
     # ECHO_KERNELS overrides the choice in vLLM too: the group is not even probed
     monkeypatch.setenv("ECHO_KERNELS", "triton")
-    assert _communicator(tp_group).backend.name == "triton"
+    assert _communicator(tp_group).backend(tp_group.device).name == "triton"
     assert len(tp_group.probed) == 1 and len(tp_group.built) == 1
 
 
@@ -535,7 +537,7 @@ def test_fused_with_stochastic_rounding_is_refused_when_the_tp_group_is_created(
     engine.additional_config["echo_backend"] = "reference"
     startup.on_group_created(tp_group, lambda group, x: x)
     try:
-        assert session.current().communicator.backend.name == "reference"
+        assert session.current().communicator.backend(tp_group.device).name == "reference"
         assert tp_group._echo_comm is session.current().communicator
     finally:
         session.deactivate()

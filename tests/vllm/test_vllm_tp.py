@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from echo_vllm import EchoConfig, ProcessGroupTransport, EchoAllReduce  # noqa: E402
+from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport  # noqa: E402
 from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
 from echo_vllm.spawn import run_processes  # noqa: E402
 
@@ -77,40 +77,139 @@ class _GlooAsPynccl:
         return out
 
 
-def _worker(rank, world):
-    from support.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
-
-    use_cpu_platform()
-    from echo_vllm.vllm_glue.plugin import register
-
-    register()
+def _guard_rail():
+    """1. guard rails fire where the TP group is created, naming the flag:
+    the error's text, or None if none was raised."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
-    from vllm.forward_context import set_forward_context
 
-    from echo_vllm.vllm_glue import EchoEngineConfigError, current_stats
-    from echo_vllm.vllm_glue.pynccl_transport import PyncclTransport
-    from echo_vllm.vllm_glue.tracking import CALL_INDEX_KEY, TOKENS_KEY
+    from echo_vllm.vllm_glue import EchoEngineConfigError
 
-    out = {}
-
-    # 1. guard rails fire where the TP group is created, naming the flag
     bad = vllm_config(
         tp=2,
         additional_config=ECHO,
         pass_config=dict(fuse_allreduce_rms=True, fi_allreduce_fusion_max_size_mb=64),
     )
+    message = None
     with set_current_vllm_config(bad):
         try:
             init_model_parallel(bad)
-            out["guard"] = None
         except EchoEngineConfigError as e:
-            out["guard"] = str(e)
+            message = str(e)
     ps.destroy_model_parallel()
+    return message
 
-    # 2. Echo on: real layers, three forward passes, every call recorded
+
+def _spy_main_calls(tp, calls, tagged, forward_no):
+    """Wrap the TP group's hooked all-reduce: each call appends ``(forward,
+    index, partial, output)`` to ``calls`` and the token count the per-forward
+    host hook stored to ``tagged``."""
+    from echo_vllm.vllm_glue import compat
+    from echo_vllm.vllm_glue.tracking import CALL_INDEX_KEY, TOKENS_KEY
+
+    hooked = type(tp)._all_reduce_out_place
+
+    def spy(x):
+        partial = x.clone()  # vLLM's CPU all-reduce works in place
+        y = hooked(tp, x)
+        kw = compat.forward_kwargs()
+        index = kw[CALL_INDEX_KEY] - 1 if kw is not None else None
+        tagged.append(kw.get(TOKENS_KEY) if kw is not None else None)
+        calls.append((forward_no[0], index, partial, y.clone()))
+        return y
+
+    tp._all_reduce_out_place = spy
+
+
+def _main_passes(cfg, stack, forward_no, comm, out):
+    """2. Echo on: real layers, three forward passes, every call recorded;
+    the stats and the chain's state after them."""
+    from vllm.forward_context import set_forward_context
+
+    from echo_vllm.vllm_glue import current_stats
+
+    emb, o, down = stack.vllm_layers()
+    for f, tok in enumerate(stack.ids):
+        forward_no[0] = f
+        with set_forward_context(None, cfg, num_tokens=len(tok)):
+            h = emb(tok)
+            for layer in range(LAYERS):
+                h = h + o[layer](_norm(h))
+                h = h + down[layer](_mlp_in(h))
+    out["main_stats"] = current_stats().snapshot()
+    chain = comm.chain
+    out["chain"] = dict(
+        carried=chain.stats.carried, dropped=chain.stats.dropped, pending=chain.pending,
+        capacity=chain.capacity_numel,
+    )
+
+
+def _extra_calls(tp, cfg, g, forward_no, out):
+    """3. calls Echo must leave to vLLM: counted with their reason."""
+    from vllm.forward_context import set_forward_context
+
+    from echo_vllm.vllm_glue import current_stats
+
+    forward_no[0] = "extra"
+    extra_in = {
+        "fp32": torch.randn(4, HIDDEN, generator=g),
+        "int32": torch.randint(-100, 100, (4, HIDDEN), generator=g, dtype=torch.int32),
+        "3d": torch.randn(2, 4, HIDDEN, generator=g).bfloat16(),
+        "no_context": torch.randn(4, HIDDEN, generator=g).bfloat16(),
+    }
+    extra = {}
+    with set_forward_context(None, cfg, num_tokens=4):
+        for name in ("fp32", "int32", "3d"):
+            extra[name] = (extra_in[name].clone(), tp.all_reduce(extra_in[name].clone()))
+    extra["no_context"] = (extra_in["no_context"].clone(), tp.all_reduce(extra_in["no_context"].clone()))
+    out["extra"] = extra
+    out["extra_stats"] = current_stats().snapshot()
+
+
+def _other_group(rank, out):
+    """4. another group of the same ranks: untouched by the hook."""
+    from vllm.distributed import parallel_state as ps
+
+    from echo_vllm.vllm_glue import current_stats
+
+    other = ps.init_model_parallel_group(
+        [[0, 1]], ps.get_world_group().local_rank, "gloo", group_name="echo_test_other"
+    )
+    x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
+    out["other"] = ("_echo_comm" in other.__dict__, other.all_reduce(x))
+    out["other_stats"] = current_stats().snapshot()
+
+
+def _transports(tp, g):
+    """5. PyncclTransport (vLLM's pynccl API) == ProcessGroupTransport, bit
+    for bit: three chained Echo calls and one exact all-reduce on each."""
+    from echo_vllm import FeedbackChain
+    from echo_vllm.vllm_glue.pynccl_transport import PyncclTransport
+
+    fake = _GlooAsPynccl(tp.device_group)
+    xs = [torch.randn(6, HIDDEN, generator=g).bfloat16() for _ in range(3)]
+    by = {}
+    for label, transport in (
+        ("pynccl", PyncclTransport(fake, tp.cpu_group)),
+        ("gloo", ProcessGroupTransport(tp.device_group)),
+    ):
+        comm, chain = EchoCommunicator(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
+        by[label] = [comm.echo_all_reduce(x.clone(), chain, t) for t, x in enumerate(xs)]
+        by[label].append(transport.all_reduce_exact(xs[0].unsqueeze(0).clone()))
+    return by
+
+
+def _echo_on(rank, stack, out):
+    """Sections 2-5, in one TP group with Echo on."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
     cfg = vllm_config(tp=2, additional_config=ECHO)
-    stack = _stack()
+    calls = []  # (forward, index, partial, output)
+    tagged = []  # token count the per-forward host hook stored
+    forward_no = [None]
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
         tp = ps.get_tp_group()
@@ -118,94 +217,34 @@ def _worker(rank, world):
             name for name, ref in ps._groups.items() if ref() is not None and "_echo_comm" in ref().__dict__
         )
         out["tp_name"] = tp.unique_name
-        emb, o, down = stack.vllm_layers()
-
-        calls = []  # (forward, index, partial, output)
-        tagged = []  # token count the per-forward host hook stored
-        hooked = type(tp)._all_reduce_out_place
-        forward_no = [None]
-
-        def spy(x):
-            partial = x.clone()  # vLLM's CPU all-reduce works in place
-            y = hooked(tp, x)
-            from echo_vllm.vllm_glue import compat
-
-            kw = compat.forward_kwargs()
-            index = kw[CALL_INDEX_KEY] - 1 if kw is not None else None
-            tagged.append(kw.get(TOKENS_KEY) if kw is not None else None)
-            calls.append((forward_no[0], index, partial, y.clone()))
-            return y
-
-        tp._all_reduce_out_place = spy
-        comm = tp._echo_comm
-        for f, tok in enumerate(stack.ids):
-            forward_no[0] = f
-            with set_forward_context(None, cfg, num_tokens=len(tok)):
-                h = emb(tok)
-                for layer in range(LAYERS):
-                    h = h + o[layer](_norm(h))
-                    h = h + down[layer](_mlp_in(h))
-        out["main_stats"] = current_stats().snapshot()
-        chain = comm.comm.chain
-        out["chain"] = dict(
-            carried=chain.stats.carried, dropped=chain.stats.dropped, pending=chain.pending,
-            capacity=chain.capacity_numel,
-        )
-
-        # 3. calls Echo must leave to vLLM: counted with their reason
-        forward_no[0] = "extra"
+        _spy_main_calls(tp, calls, tagged, forward_no)
+        _main_passes(cfg, stack, forward_no, tp._echo_comm, out)
         g = torch.Generator().manual_seed(7 + rank)
-        extra_in = {
-            "fp32": torch.randn(4, HIDDEN, generator=g),
-            "int32": torch.randint(-100, 100, (4, HIDDEN), generator=g, dtype=torch.int32),
-            "3d": torch.randn(2, 4, HIDDEN, generator=g).bfloat16(),
-            "no_context": torch.randn(4, HIDDEN, generator=g).bfloat16(),
-        }
-        extra = {}
-        with set_forward_context(None, cfg, num_tokens=4):
-            for name in ("fp32", "int32", "3d"):
-                extra[name] = (extra_in[name].clone(), tp.all_reduce(extra_in[name].clone()))
-        extra["no_context"] = (extra_in["no_context"].clone(), tp.all_reduce(extra_in["no_context"].clone()))
-        out["extra"] = extra
-        out["extra_stats"] = current_stats().snapshot()
-
-        # 4. another group of the same ranks: untouched by the hook
-        other = ps.init_model_parallel_group(
-            [[0, 1]], ps.get_world_group().local_rank, "gloo", group_name="echo_test_other"
-        )
-        x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
-        out["other"] = ("_echo_comm" in other.__dict__, other.all_reduce(x))
-        out["other_stats"] = current_stats().snapshot()
-
-        # 5. PyncclTransport (vLLM's pynccl API) == ProcessGroupTransport, bit for bit
-        fake = _GlooAsPynccl(tp.device_group)
-        xs = [torch.randn(6, HIDDEN, generator=g).bfloat16() for _ in range(3)]
-        by = {}
-        for label, transport in (
-            ("pynccl", PyncclTransport(fake, tp.cpu_group)),
-            ("gloo", ProcessGroupTransport(tp.device_group)),
-        ):
-            from echo_vllm import FeedbackChain
-
-            ar, chain2 = EchoAllReduce(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
-            by[label] = [ar.all_reduce(x.clone(), chain2, t) for t, x in enumerate(xs)]
-            by[label].append(transport.all_reduce_exact(xs[0].unsqueeze(0).clone()))
-        out["transports"] = by
+        _extra_calls(tp, cfg, g, forward_no, out)
+        _other_group(rank, out)
+        out["transports"] = _transports(tp, g)
         tp.__dict__.pop("_all_reduce_out_place")
     ps.destroy_model_parallel()
+    out["calls"] = calls
+    out["tagged"] = tagged
 
-    # 6. a CUDA-graph engine (capture and replays simulated on CPU, through the
-    # calls vLLM makes): replays are counted like the passes they stand for.
-    # gloo cannot be captured; pretend it can (as pynccl), so that capture
-    # takes the eager decisions.
+
+def _graph_replays(stack):
+    """6. a CUDA-graph engine (capture and replays simulated on CPU, through
+    the calls vLLM makes): replays are counted like the passes they stand
+    for. gloo cannot be captured; pretend it can (as pynccl), so that
+    capture takes the eager decisions."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
     from support.vllm_graphs import replay_accounting
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from echo_vllm.vllm_glue.session import current
 
     cfg = vllm_config(tp=2, additional_config=ECHO)
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
         emb, o, down = stack.vllm_layers()
-        from echo_vllm.vllm_glue.session import current
-
         session = current()
         assert session.communicator is ps.get_tp_group()._echo_comm
         session.communicator.transport.capturable = True
@@ -216,12 +255,21 @@ def _worker(rank, world):
                 h = h + o[layer](_norm(h))
                 h = h + down[layer](_mlp_in(h))
 
-        out["graphs"] = replay_accounting(session, cfg, run)
+        accounting = replay_accounting(session, cfg, run)
     ps.destroy_model_parallel()
+    return accounting
 
-    # 7. min_bytes=auto (the default): the crossover is measured on the group at
-    # start, for the model's rows (a model-less config here: its shape stands in)
+
+def _min_bytes_auto():
+    """7. min_bytes=auto (the default): the crossover is measured on the
+    group at start, for the model's rows (a model-less config here: its
+    shape stands in)."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
     from echo_vllm.vllm_glue import compat as glue_compat
+    from echo_vllm.vllm_glue.session import current
 
     saved = glue_compat.hidden_size, glue_compat.max_num_batched_tokens
     glue_compat.hidden_size, glue_compat.max_num_batched_tokens = (lambda c: HIDDEN), (lambda c: 512)
@@ -229,31 +277,76 @@ def _worker(rank, world):
     try:
         with set_current_vllm_config(auto):
             init_model_parallel(auto)
-            from echo_vllm.vllm_glue.session import current
-
-            comm = current().communicator.comm
-            out["auto"] = dict(config_min=comm.config.min_bytes, config_max=comm.config.max_bytes,
-                               snapshot=current().stats.snapshot())
+            comm = current().communicator
+            got = dict(config_min=comm.config.min_bytes, config_max=comm.config.max_bytes,
+                       snapshot=current().stats.snapshot())
         ps.destroy_model_parallel()
     finally:
         glue_compat.hidden_size, glue_compat.max_num_batched_tokens = saved
+    return got
 
-    # 7b. side calls of real vLLM layers between the residual calls: a Mamba2
-    # gated norm (n_groups=1: a [T, 1] fp32 sum of squares) and MiniMax-M2's
-    # TP RMSNorm (a 1-D fp32 variance); the same passes without them. Then
-    # a pass with a NaN in rank 0's residual: the sampled checks count it
+
+def _side_passes(rank, cfg, layers, ids, label):
+    """The learn, plain and side passes of :func:`_side_calls` (``label[0]``
+    names the running one): the side pass adds a Mamba2 gated norm and
+    MiniMax-M2's TP RMSNorm after each layer's first all-reduce."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import Mixer2RMSNormGated
+    from vllm.model_executor.layers.minimax_rms_norm import MiniMaxText01RMSNormTP
+
+    emb, o, down = layers
+    mamba_norm = Mixer2RMSNormGated(2 * HIDDEN, 1)
+    qk_norm = MiniMaxText01RMSNormTP(HIDDEN)
+    g = torch.Generator().manual_seed(5 + rank)
+    for label[0] in ("learn", "plain", "side"):
+        with set_forward_context(None, cfg, num_tokens=SIDE_TOKENS):
+            h = emb(ids)
+            for layer in range(LAYERS):
+                h = h + o[layer](_norm(h))
+                if label[0] == "side":  # their outputs feed nothing here: only the chain matters
+                    shard = torch.randn(SIDE_TOKENS, HIDDEN, generator=g).bfloat16()
+                    mamba_norm(shard, torch.randn(SIDE_TOKENS, HIDDEN, generator=g).bfloat16())
+                    qk_norm(torch.randn(SIDE_TOKENS, HIDDEN // 2, generator=g).bfloat16())
+                h = h + down[layer](_mlp_in(h))
+
+
+def _nan_pass(rank, cfg, layers, ids, label):
+    """A pass with a NaN in rank 0's residual before call 3 (sampled)."""
+    from vllm.forward_context import set_forward_context
+
+    emb, o, down = layers
+    label[0] = "nan"
+    with set_forward_context(None, cfg, num_tokens=SIDE_TOKENS):
+        h = emb(ids)
+        for layer in range(LAYERS):
+            if layer == 1 and rank == 0:  # call 3, sampled: rank 0's partial holds a NaN row
+                h = h.clone()
+                h[0, 0] = float("nan")
+            h = h + o[layer](_norm(h))
+            h = h + down[layer](_mlp_in(h))
+
+
+def _side_calls(rank, stack):
+    """7b. side calls of real vLLM layers between the residual calls: a
+    Mamba2 gated norm (n_groups=1: a [T, 1] fp32 sum of squares) and
+    MiniMax-M2's TP RMSNorm (a 1-D fp32 variance); the same passes without
+    them. Then a pass with a NaN in rank 0's residual: the sampled checks
+    count it. ``(side, nan)``: the calls and stats of the first passes, the
+    stats after the NaN pass."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from echo_vllm.vllm_glue import current_stats
+
     cfg = vllm_config(tp=2, additional_config=dict(ECHO, echo_health_every=2))
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
-        from vllm.model_executor.layers.mamba.mamba_mixer2 import Mixer2RMSNormGated
-        from vllm.model_executor.layers.minimax_rms_norm import MiniMaxText01RMSNormTP
-
         tp = ps.get_tp_group()
-        emb, o, down = stack.vllm_layers()
-        mamba_norm = Mixer2RMSNormGated(2 * HIDDEN, 1)
-        qk_norm = MiniMaxText01RMSNormTP(HIDDEN)
+        layers = stack.vllm_layers()
         hooked = type(tp)._all_reduce_out_place
         seen = []  # (pass, partial, output) of each call
+        label = [None]
 
         def spy_side(x):
             partial = x.detach().clone()
@@ -262,34 +355,25 @@ def _worker(rank, world):
             return y
 
         tp._all_reduce_out_place = spy_side
-        label = [None]
         ids = torch.randint(0, VOCAB, (SIDE_TOKENS,), generator=torch.Generator().manual_seed(99))
-        g = torch.Generator().manual_seed(5 + rank)
-        for label[0] in ("learn", "plain", "side"):
-            with set_forward_context(None, cfg, num_tokens=SIDE_TOKENS):
-                h = emb(ids)
-                for layer in range(LAYERS):
-                    h = h + o[layer](_norm(h))
-                    if label[0] == "side":  # their outputs feed nothing here: only the chain matters
-                        shard = torch.randn(SIDE_TOKENS, HIDDEN, generator=g).bfloat16()
-                        mamba_norm(shard, torch.randn(SIDE_TOKENS, HIDDEN, generator=g).bfloat16())
-                        qk_norm(torch.randn(SIDE_TOKENS, HIDDEN // 2, generator=g).bfloat16())
-                    h = h + down[layer](_mlp_in(h))
-        out["side"] = dict(calls=seen, stats=current_stats().snapshot())
-        label[0] = "nan"
-        with set_forward_context(None, cfg, num_tokens=SIDE_TOKENS):
-            h = emb(ids)
-            for layer in range(LAYERS):
-                if layer == 1 and rank == 0:  # call 3, sampled: rank 0's partial holds a NaN row
-                    h = h.clone()
-                    h[0, 0] = float("nan")
-                h = h + o[layer](_norm(h))
-                h = h + down[layer](_mlp_in(h))
+        _side_passes(rank, cfg, layers, ids, label)
+        side = dict(calls=seen, stats=current_stats().snapshot())
+        _nan_pass(rank, cfg, layers, ids, label)
         tp.__dict__.pop("_all_reduce_out_place")
-        out["nan"] = current_stats().snapshot()
+        nan = current_stats().snapshot()
     ps.destroy_model_parallel()
+    return side, nan
 
-    # 8. Echo off (no tp_comm): no session, vLLM's sum
+
+def _echo_off(rank):
+    """8. Echo off (no tp_comm): no session, vLLM's sum."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.forward_context import set_forward_context
+
+    from echo_vllm.vllm_glue import current_stats
+
     off = vllm_config(tp=2)
     with set_current_vllm_config(off):
         init_model_parallel(off)
@@ -297,10 +381,25 @@ def _worker(rank, world):
         x = torch.full((4, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
         with set_forward_context(None, off, num_tokens=4):
             y = tp.all_reduce(x)
-        out["off"] = ("_echo_comm" in tp.__dict__, y, current_stats())
+        got = ("_echo_comm" in tp.__dict__, y, current_stats())
     ps.destroy_model_parallel()
-    out["calls"] = calls
-    out["tagged"] = tagged
+    return got
+
+
+def _worker(rank, world):
+    from support.vllm_cpu import use_cpu_platform
+
+    use_cpu_platform()
+    from echo_vllm.vllm_glue.plugin import register
+
+    register()
+    out = {"guard": _guard_rail()}
+    stack = _stack()
+    _echo_on(rank, stack, out)
+    out["graphs"] = _graph_replays(stack)
+    out["auto"] = _min_bytes_auto()
+    out["side"], out["nan"] = _side_calls(rank, stack)
+    out["off"] = _echo_off(rank)
     return out
 
 
