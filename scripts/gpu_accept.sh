@@ -16,10 +16,11 @@
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, lost peers, and the shape sweep
 #      at P = 2, 3, 4, 8), then every other GPU-marked test that needs no
-#      vLLM (health counters under CUDA-graph replay, training collectives,
-#      benchmarks, eval), and `bench norm` (Echo + add + RMSNorm fused vs
-#      Echo then the norm, hidden 4096, T = 1k and 8k, P = 8 and 2;
-#      verifies first).
+#      vLLM (health counters under CUDA-graph replay and in inference mode,
+#      a training step through the kernels, the norm's division), and
+#      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
+#      hidden 4096, T = 1k and 8k, P = 8 and 2, with Qwen3-8B's layer
+#      compute measured for the TTFT projection; verifies first).
 #   3  vLLM: the bundle unpacked (parts stashed by runs 1 and 2, the last one
 #      carried), then scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
@@ -60,9 +61,9 @@ if [ "$RUN" = 1 ]; then
 elif [ "$RUN" = 2 ]; then
   step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
     --json "$OUT/fused_check.json"
-  step gpu_tests 110 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
+  step gpu_tests 90 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
-  step bench_norm 110 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 \
+  step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 --measure-layer \
     --out "$OUT/norm"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2

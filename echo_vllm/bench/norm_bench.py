@@ -25,11 +25,13 @@ store lands in local memory. Before timing, the emulated norm kernel is
 checked bit for bit against the composed stage kernels (``output_norm``),
 and the run stops on a mismatch.
 
-``--layer-us TP:T:us,...`` (the layer's compute -- GEMMs and attention at
-the TP shard sizes, measured on the GPU) adds a **projection** of Qwen3-8B's
-time to first token (:func:`ttft_projection`, labelled as one) at TP = 2, 4,
-8 with NCCL at 370 and 480 GB/s bus bandwidth. Prints tables; with
-``--out DIR`` writes ``norm.json`` and, with matplotlib, ``norm.png``.
+``--measure-layer`` times the layer's compute (GEMMs and attention at the
+TP shard sizes, :mod:`.layer_compute`) on this GPU for every measured
+(P, T), or ``--layer-us TP:T:us,...`` gives it; either adds a
+**projection** of Qwen3-8B's time to first token (:func:`ttft_projection`,
+labelled as one) at each measured P with NCCL at 370 and 480 GB/s bus
+bandwidth. Prints tables; with ``--out DIR`` writes ``norm.json`` and, with
+matplotlib, ``norm.png`` (and ``ttft_projection.png``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ import torch
 from ..quant import WireLayout
 from . import timing
 from .fused_bench import device_line, phase_bytes, sm_clock_mhz, verified
+from .layer_compute import QWEN3_8B
+from .layer_compute import measure_us as layer_us_measured
 from .projection import echo_time_s, nccl_time_s
 
 #: Qwen3-8B: decoder layers, hidden size, all-reduces per layer (attention and MLP outputs).
@@ -321,6 +325,35 @@ def plot(cases: list[NormCase], path: Path) -> bool:
     return True
 
 
+def plot_projection(rows: list[dict], path: Path) -> bool:
+    """The projected TTFT speed-ups over NCCL per (TP, T), one panel per bus
+    bandwidth, titled as a projection; False without matplotlib or rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    bws = sorted({r["busbw_gbps"] for r in rows})
+    if not bws:
+        return False
+    fig, axes = plt.subplots(1, len(bws), figsize=(6 * len(bws), 4), squeeze=False)
+    for ax, bw in zip(axes[0], bws):
+        sel = [r for r in rows if r["busbw_gbps"] == bw]
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [r["speedup_echo"] for r in sel], width=0.4, label="Echo, then the norm")
+        ax.bar([x + 0.2 for x in xs], [r["speedup_echo_norm"] for r in sel], width=0.4, label="Echo + norm fused")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(xs), [f"TP={r['tp']}\nT={r['tokens']}" for r in sel])
+        ax.set_ylabel("TTFT speed-up over NCCL bf16")
+        ax.set_title(f"PROJECTION: Qwen3-8B prefill, NCCL busbw {bw:.0f} GB/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--world-sizes", default="8,4,2")
     ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths (rows of the all-reduce)")
@@ -328,6 +361,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
     ap.add_argument("--layer-us", default="", help="measured layer compute per TP and prompt, TP:T:us,... "
                                                    "(e.g. 8:8192:725): adds the TTFT projection")
+    ap.add_argument("--measure-layer", action="store_true",
+                    help="time Qwen3-8B's layer compute (GEMMs + attention at the shard sizes) on this GPU for each "
+                         "(P, T) --layer-us does not give: adds the TTFT projection")
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--out", default="")
 
@@ -337,6 +373,10 @@ def run(args: argparse.Namespace) -> int:
         layer_us = parse_layer_us(args.layer_us)
     except ValueError as e:
         print(f"bench norm: {e}", file=sys.stderr)
+        return 2
+    if args.measure_layer and args.hidden != QWEN3_8B.hidden:
+        print(f"bench norm: --measure-layer times Qwen3-8B's layer (hidden {QWEN3_8B.hidden}), "
+              f"not --hidden {args.hidden}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench norm: needs a CUDA GPU", file=sys.stderr)
@@ -355,6 +395,12 @@ def run(args: argparse.Namespace) -> int:
             cases.append(measure_norm(p, t, args.hidden, args.buffer_sets))
             print(json.dumps(asdict(cases[-1])), flush=True)
     print(table(cases, gbps))
+    if args.measure_layer:
+        for c in cases:
+            if (c.world_size, c.tokens) not in layer_us:
+                layer_us[(c.world_size, c.tokens)] = layer_us_measured(QWEN3_8B, c.world_size, c.tokens)
+        print("layer compute, GEMMs + attention at the shard sizes (us; measured here unless --layer-us gave it): "
+              + ", ".join(f"TP={p} T={t}: {us:.0f}" for (p, t), us in sorted(layer_us.items())))
     proj = projections(cases, layer_us)
     if proj:
         print(projection_table(proj))
@@ -363,8 +409,10 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "norm.json").write_text(json.dumps(
             {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "cases": [asdict(c) for c in cases],
+             "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
              "projection": proj}, indent=1))
         plot(cases, out / "norm.png")
+        plot_projection(proj, out / "ttft_projection.png")
     return 0
 
 

@@ -3,6 +3,7 @@ projection's arithmetic, its arguments (pure, no GPU)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -59,3 +60,26 @@ def test_cli_help_and_bad_layer_times():
     bad = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "bench", "norm", "--layer-us", "8:x:1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bench norm: --layer-us '8:x:1'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_projection_png_is_titled_a_projection(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    rows = [norm_bench.ttft_projection(tp, 1024, 100.0, echo_us=20.0, echo_norm_us=18.0, norm_us=9.0, busbw_gbps=bw)
+            for tp in (2, 8) for bw in norm_bench.NCCL_BUSBW_GBPS]
+    titles = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (titles.append(label), original(self, label, *a, **k))[1])
+    assert norm_bench.plot_projection(rows, tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(titles) == 2 and all(t.startswith("PROJECTION") for t in titles)
+    assert not norm_bench.plot_projection([], tmp_path / "none.png")
+
+
+def test_measure_layer_refuses_another_width(capsys):
+    ap = argparse.ArgumentParser()
+    norm_bench.add_arguments(ap)
+    assert norm_bench.run(ap.parse_args(["--measure-layer", "--hidden", "5120"])) == 2
+    assert "--measure-layer times Qwen3-8B's layer (hidden 4096), not --hidden 5120" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from echo_vllm import EchoConfig
+from echo_vllm.backends import fastest_cpu_backend
 from echo_vllm.training import ModelConfig, TPComm, TPCommConfig, TPGroup, TPQwen3
 from echo_vllm.training.data import train_batch
 from echo_vllm.training.trainer import TrainConfig, make_optimizer, train_step
@@ -135,3 +136,33 @@ def test_forward_call_count_is_checked():
     model.comm.begin_forward(CALLS + 1)
     with pytest.raises(RuntimeError, match="declared"):
         model.comm.end_forward()
+
+
+@pytest.mark.parametrize("device, backend", [
+    pytest.param("cpu", "numba", marks=pytest.mark.skipif(fastest_cpu_backend() != "numba", reason="numba is not installed")),
+    pytest.param("cuda", "triton", marks=[pytest.mark.gpu,
+                                          pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_a_training_step_on_the_kernels_gives_the_reference_bits(device, backend):
+    """One forward and backward of the TP model with Echo in both directions
+    through the device's kernels (numba loops on the CPU, the Triton stage
+    kernels on a GPU) and through the torch references on the same device:
+    every all-reduce's input and output, the loss and every gradient are the
+    same bits. Attention runs its math kernel (flash attention's backward
+    adds in a varying order, which would blame Echo for the model's noise)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = _echo(first_exact_calls=1, exact_last_call=True)
+    runs = {}
+    for name in (backend, "reference"):
+        c = cfg.replace(backend=name)
+        comm = TPComm(TPCommConfig(mode="echo", forward=c, backward=c), TPGroup.virtual(P, device))
+        with sdpa_kernel(SDPBackend.MATH):
+            runs[name] = _step_records(TPQwen3(MC, comm.group, comm, seed=0))
+    (loss_k, grads_k, rec_k), (loss_r, grads_r, rec_r) = runs[backend], runs["reference"]
+    assert [r.path for r in rec_k].count("echo") == 2 * (CALLS - 2)
+    for a, b in zip(rec_k, rec_r, strict=True):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y), (a.direction, a.index)
+    assert torch.equal(loss_k, loss_r)
+    for name in grads_r:
+        assert torch.equal(grads_k[name], grads_r[name]), name
