@@ -72,7 +72,7 @@ else
   mkdir -p "$OUT/vllm" "$OUT/serve"
   # side by side: each engine takes 0.3 of the GPU's memory
   ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420
-    printf '%s\n' "${status[@]}" > "$OUT/.vllm_status" ) &
+    printf '%s\n' "${status[-1]}" > "$OUT/.vllm_status" ) &  # its own line only: the bundle's is counted here
   vllm_pid=$!
   sleep 20  # the first engine claims its memory before the second starts
   step serve_check 440 env OUT="$OUT/serve" bash server/gpu_serve_check.sh
@@ -88,8 +88,10 @@ fi
   done
 } > "$SUMMARY"
 cat "$SUMMARY" >> "$STASH/../summary.txt"
-# the device tool brings back at most 8 files: every log in one archive, the summary beside it
-(cd "$OUT" && find . -type f ! -name accept_summary.txt ! -name "accept_logs_run$RUN.tgz" -print0 |
+# the device tool brings back at most 8 files of 16 MiB: every file under 2 MB in one archive (model
+# weights and saved logits stay behind, listed in left_behind.txt), the summary beside it
+(cd "$OUT" && find . -type f -size +2M > left_behind.txt
+  find . -type f -size -2M ! -name accept_summary.txt ! -name "accept_logs_run$RUN.tgz" -print0 |
   tar czf "accept_logs_run$RUN.tgz" --null -T - && find . -mindepth 1 ! -name accept_summary.txt \
   ! -name "accept_logs_run$RUN.tgz" -delete)
 echo "=== summary"

@@ -639,15 +639,17 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     summary = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
                "gpus": gpus, "checks": []}
-    for world in (int(w) for w in args.worlds.split(",") if w):
-        if not args.only_soak:
-            summary["checks"] += check_world(world, gpus)
-        if args.soak:
-            summary["checks"].append(check_soak(world, gpus, args.soak))
     sweep_worlds = [int(w) for w in args.sweep_worlds.split(",") if w]
-    if sweep_worlds:  # side by side: each rank compiles its kernels on its own core
-        with ThreadPoolExecutor(len(sweep_worlds)) as pool:
-            summary["checks"] += list(pool.map(lambda w: check_sweep(w, gpus), sweep_worlds))
+    # the sweeps side by side with the other checks: every process compiles its own kernels, and
+    # the checks of one P alone leave most of the host's cores idle (2026-12-04: 155 s, then the sweeps)
+    with ThreadPoolExecutor(max(1, len(sweep_worlds))) as pool:
+        sweeps = [pool.submit(check_sweep, w, gpus) for w in sweep_worlds]
+        for world in (int(w) for w in args.worlds.split(",") if w):
+            if not args.only_soak:
+                summary["checks"] += check_world(world, gpus)
+            if args.soak:
+                summary["checks"].append(check_soak(world, gpus, args.soak))
+        summary["checks"] += [s.result() for s in sweeps]
     if not args.skip_lost_peer and not args.only_soak:
         summary["checks"] += [check_lost_peer("absent", gpus), check_lost_peer("killed", gpus)]
     if args.bench:

@@ -10,19 +10,29 @@ norms after them are left out: the projection counts those itself
 the q/k norms are left out too (elementwise, a few µs at these sizes).
 
 :func:`layer_ops` builds the shard operands of one (``tp``, ``tokens``);
-:func:`measure_us` times them on the GPU (CUDA-graph replay, bf16, flash
-attention through ``scaled_dot_product_attention``), or on the CPU with a
-host clock (for tests: the numbers mean nothing there).
+:func:`measure_us` times them on the GPU (CUDA-graph replay, bf16, a fused
+attention kernel through ``scaled_dot_product_attention``, never its math
+fallback), or on the CPU with a host clock (for tests: the numbers mean
+nothing there). ``python -m echo_vllm.bench.layer_compute --tp 2,4,8
+--tokens 1024,4096,8192`` prints them, with the ``--layer-us`` argument of
+``echo-vllm bench norm`` that gives them to its projection.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+#: Attention kernels a serving engine runs (flash-style, no [T, T] scores in memory): on a GPU
+#: the layer refuses to fall back to the math kernel, which would time a different algorithm.
+_FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 @dataclass(frozen=True)
@@ -78,11 +88,12 @@ def layer_ops(shape: DecoderShape, tp: int, tokens: int, *, device: str = "cuda"
     def run() -> torch.Tensor:
         qkv = x @ w_qkv.t()
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = q.view(tokens, hq, d).transpose(0, 1)
-        k = k.view(tokens, hkv, d).transpose(0, 1)
-        v = v.view(tokens, hkv, d).transpose(0, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
-        h = a.transpose(0, 1).reshape(tokens, hq * d) @ w_o.t()  # o_proj's partial (then the all-reduce)
+        q = q.view(1, tokens, hq, d).transpose(1, 2)
+        # each query head's key/value head, materialized: every fused attention kernel takes it
+        k, v = (t.view(1, tokens, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+        with sdpa_kernel(_FUSED_ATTENTION if q.is_cuda else [SDPBackend.MATH]):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = a.transpose(1, 2).reshape(tokens, hq * d) @ w_o.t()  # o_proj's partial (then the all-reduce)
         gate, up = (h @ w_gate_up.t()).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ w_down.t()  # down_proj's partial (then the all-reduce)
 
@@ -105,4 +116,33 @@ def measure_us(shape: DecoderShape, tp: int, tokens: int, *, device: str = "cuda
     return sorted(samples)[len(samples) // 2] * 1e6
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.layer_compute", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", default="2,4,8", help="tensor-parallel sizes")
+    ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths")
+    ap.add_argument("--json", default="", help="also write the times here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("layer_compute: needs a CUDA GPU (CPU times mean nothing)", file=sys.stderr)
+        return 2
+    times = {}
+    for tp in (int(v) for v in args.tp.split(",") if v):
+        for t in (int(v) for v in args.tokens.split(",") if v):
+            us = times[f"{tp}:{t}"] = measure_us(QWEN3_8B, tp, t)
+            print(f"TP={tp} T={t}: {us:.1f} us ({QWEN3_8B.flops(tp, t) / us / 1e6:.0f} TFLOP/s)", flush=True)
+    print("--layer-us " + ",".join(f"{k}:{v:.1f}" for k, v in times.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "shape": "Qwen3-8B",
+                                               "layer_compute_us": times}, indent=1))
+    return 0
+
+
 __all__ = ["DecoderShape", "QWEN3_8B", "layer_ops", "measure_us"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

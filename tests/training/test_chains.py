@@ -33,7 +33,7 @@ def _model(mode: str, forward: EchoConfig, backward: EchoConfig) -> TPQwen3:
 def _step_records(model: TPQwen3, step: int = 0):
     rec = []
     model.comm.set_recorder(rec)
-    ids, tgt = train_batch(DATA, TC.batch_size, TC.seq_len, 0, step)
+    ids, tgt = (t.to(model.group.device) for t in train_batch(DATA, TC.batch_size, TC.seq_len, 0, step))
     loss = model(ids, tgt)
     loss.backward()
     model.comm.set_recorder(None)
