@@ -24,13 +24,15 @@ counters and switch the emulation's variant between requests):
    phase does the residual add + RMSNorm instead of vLLM's norm after each
    reduce (``graphs`` keeps vLLM's norm, the default): its counters must show
    fused calls, and its tokens must equal ``graphs``' or differ no more than
-   compilation alone makes them differ;
+   compilation alone makes Echo's differ (``graphs`` against ``eager``,
+   :func:`norm_verdict`);
 6. ``graphs_exact``: the same compiled mode with the exact 16-bit sum, against
    eager exact: shows how much torch.compile alone changes the numerics.
 
 Prints a table and writes ``gpu_vllm_check.json`` (+ per-phase logs) under
 ``--out`` (default ``$OUT``). Four phases took 223 s on an H200
-(2026-11-29, before ``graphs_norm_on``; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled).
+(2026-11-29, before ``graphs_norm_on``; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled);
+all five 344 s beside the serve check (2026-12-04, ``scripts/gpu_accept.sh 3``).
 
     PYTHONPATH=<vllm bundle>:<repo> python scripts/gpu_vllm_check.py --out $OUT
 """
@@ -306,11 +308,24 @@ def compare(out: pathlib.Path, res: dict) -> dict:
 NORM_ROW = "graphs/echo norm fused vs norm off"
 
 
+#: What compilation alone does to the tokens, like for like first: Echo's own run (a last-bit change
+#: anywhere becomes another draw of its 4-bit rounding downstream), else the exact sum's.
+COMPILE_CONTROLS = ("graphs/echo vs eager/echo", "graphs/exact vs eager/exact")
+
+
 def norm_verdict(table: dict) -> str | None:
     """Why the norm fusion check failed (None: it passed, or was not run):
     the pass-on run must have fused calls, and its tokens must equal the
     pass-off run's or agree with them at least as well as compilation alone
-    keeps the exact sum's tokens (graphs/exact vs eager/exact)."""
+    keeps the tokens of the same sum (:data:`COMPILE_CONTROLS`).
+
+    Why Echo's control: the fused norm's variance is an order-free sum, so
+    it can differ from Inductor's fp32 reduction in the last bit; through
+    Echo's 4-bit rounding in the next layers such a bit moves tokens as much
+    as compilation moves eager Echo's (on the H200, 2026-12-04: agreeing
+    prefix 0.37 with the norm fused vs 0.34 for compilation alone, logit
+    rel. L2 0.081 vs 0.084), while the exact sum has no rounding to amplify
+    it (0.67, 0.019)."""
     row = table.get(NORM_ROW)
     if row is None:
         return None
@@ -318,12 +333,13 @@ def norm_verdict(table: dict) -> str | None:
         return f"the norm fusion pass fused no call (norm_calls {row.get('norm_calls')}, sites {row.get('norm_sites')})"
     if row["tokens_identical"]:
         return None
-    base = table.get("graphs/exact vs eager/exact")
-    if base is None:
-        return "tokens differ with the norm fused, and no graphs_exact run to compare with"
+    name = next((c for c in COMPILE_CONTROLS if c in table), None)
+    if name is None:
+        return "tokens differ with the norm fused, and no compiled run to compare with (graphs or graphs_exact)"
+    base = table[name]
     if row["mean_agreeing_prefix"] < base["mean_agreeing_prefix"]:
         return (f"tokens with the norm fused agree with the unfused run over {row['mean_agreeing_prefix']:.2f} of "
-                f"their length, less than compilation alone keeps ({base['mean_agreeing_prefix']:.2f})")
+                f"their length, less than compilation alone keeps ({name}: {base['mean_agreeing_prefix']:.2f})")
     return None
 
 

@@ -365,6 +365,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="time Qwen3-8B's layer compute (GEMMs + attention at the shard sizes) on this GPU for each "
                          "(P, T) --layer-us does not give: adds the TTFT projection")
     ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--from-json", default="", metavar="NORM_JSON",
+                    help="measure nothing: print the tables of a saved norm.json (no GPU needed) and its projection "
+                         "with --layer-us; --out writes the JSON and PNGs again")
     ap.add_argument("--out", default="")
 
 
@@ -378,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench norm: --measure-layer times Qwen3-8B's layer (hidden {QWEN3_8B.hidden}), "
               f"not --hidden {args.hidden}", file=sys.stderr)
         return 2
+    if args.from_json:
+        return report_saved(Path(args.from_json), layer_us, args.out)
     if not torch.cuda.is_available():
         print("bench norm: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -410,6 +415,35 @@ def run(args: argparse.Namespace) -> int:
         (out / "norm.json").write_text(json.dumps(
             {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "cases": [asdict(c) for c in cases],
              "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
+             "projection": proj}, indent=1))
+        plot(cases, out / "norm.png")
+        plot_projection(proj, out / "ttft_projection.png")
+    return 0
+
+
+def report_saved(path: Path, layer_us: dict[tuple[int, int], float], out_dir: str) -> int:
+    """The tables (and, with ``layer_us`` or the file's own layer times, the
+    projection) of a ``norm.json`` a GPU run wrote: what :func:`run` prints,
+    from its saved measurements."""
+    try:
+        saved = json.loads(path.read_text())
+        cases = [NormCase(**c) for c in saved["cases"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"bench norm: --from-json {path}: not a norm.json of this bench ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+    layer_us = {**parse_layer_us(",".join(f"{k}:{v}" for k, v in saved.get("layer_compute_us", {}).items())),
+                **layer_us}
+    print(f"measured on {saved.get('device')} (copy {saved['copy_gbps']:.0f} GB/s), from {path}")
+    print(table(cases, saved["copy_gbps"]))
+    proj = projections(cases, layer_us)
+    if proj:
+        print(projection_table(proj))
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "norm.json").write_text(json.dumps(
+            {**saved, "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
              "projection": proj}, indent=1))
         plot(cases, out / "norm.png")
         plot_projection(proj, out / "ttft_projection.png")

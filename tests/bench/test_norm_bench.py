@@ -4,6 +4,8 @@ projection's arithmetic, its arguments (pure, no GPU)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -83,3 +85,29 @@ def test_measure_layer_refuses_another_width(capsys):
     norm_bench.add_arguments(ap)
     assert norm_bench.run(ap.parse_args(["--measure-layer", "--hidden", "5120"])) == 2
     assert "--measure-layer times Qwen3-8B's layer (hidden 4096), not --hidden 5120" in capsys.readouterr().err
+
+
+def test_a_saved_run_reports_again_with_the_given_layer_times(tmp_path, capsys):
+    """``--from-json``: the tables of a saved run and its projection with
+    the layer times given (they replace the file's own), no GPU."""
+    case = norm_bench.NormCase(8, 8192, 4096, plan={}, bytes=norm_bench.norm_phase_bytes(
+        WireLayout(8192 * 4096, 8, 32, 4096)), times_us={
+        "echo": 102.0, "echo_norm": 110.0, "phase1": 64.0, "phase2": 20.0, "phase3_norm": 30.0, "norm": 65.0,
+        "echo_then_norm": 167.0}, norm_impls={"inductor": 65.0})
+    saved = tmp_path / "norm.json"
+    saved.write_text(json.dumps({"device": "H200", "copy_gbps": 4264.0, "cases": [
+        dataclasses.asdict(case)], "layer_compute_us": {"8:8192": 1.0}}))
+    ap = argparse.ArgumentParser()
+    norm_bench.add_arguments(ap)
+    assert norm_bench.run(ap.parse_args(["--from-json", str(saved), "--layer-us", "8:8192:725",
+                                         "--out", str(tmp_path / "again")])) == 0
+    out = capsys.readouterr().out
+    want = norm_bench.ttft_projection(8, 8192, 725.0, echo_us=102.0, echo_norm_us=110.0, norm_us=65.0,
+                                      busbw_gbps=480.0)
+    assert "PROJECTION (not measured)" in out and f"{want['speedup_echo']:5.2f}" in out
+    again = json.loads((tmp_path / "again" / "norm.json").read_text())
+    assert again["layer_compute_us"] == {"8:8192": 725.0} and again["projection"][1]["ttft_us"] == want["ttft_us"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert norm_bench.run(ap.parse_args(["--from-json", str(bad)])) == 2
+    assert "not a norm.json of this bench" in capsys.readouterr().err

@@ -54,26 +54,38 @@ def test_compare_rows_and_identity(tmp_path):
 def test_norm_fusion_row_and_verdict(tmp_path):
     """The pass-on compiled run against the pass-off one: no fused call fails;
     different tokens fail only where they agree less than compilation alone
-    keeps the exact sum's."""
+    keeps the same sum's tokens: eager Echo's against compiled Echo's where
+    both ran, else the exact sum's."""
     check = _script()
     logits = [torch.zeros(3, 8)]
     tokens, other = [[1, 2, 3, 4]], [[1, 2, 9, 9]]
     fused = {"norm_calls": {"fused": 12}, "norm_sites": {"fused": 16, "not followed by vLLM's RMSNorm": 1}}
 
-    def table(on_tokens, on_stats, exact_tokens=None):
+    def table(on_tokens, on_stats, exact_tokens=None, eager_echo_tokens=None):
         res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", on_tokens, logits,
                                                      **on_stats)},
                "graphs": {"variants": _phase(tmp_path, "graphs", "echo", tokens, logits)}}
+        eager = {}
         if exact_tokens is not None:
-            res["eager"] = {"variants": _phase(tmp_path, "eager", "exact", tokens, logits)}
+            eager.update(_phase(tmp_path, "eager", "exact", tokens, logits))
             res["graphs_exact"] = {"variants": _phase(tmp_path, "graphs_exact", "exact", exact_tokens, logits)}
+        if eager_echo_tokens is not None:
+            eager.update(_phase(tmp_path, "eager", "echo", eager_echo_tokens, logits))
+        if eager:
+            res["eager"] = {"variants": eager}
         return check.compare(tmp_path, res)
 
     same = table(tokens, fused)
     assert same[check.NORM_ROW]["tokens_identical"] and check.norm_verdict(same) is None
     assert same[check.NORM_ROW]["norm_sites"] == fused["norm_sites"]
     assert "fused no call" in check.norm_verdict(table(tokens, {"norm_calls": {"exact path": 3}}))
-    assert "no graphs_exact run" in check.norm_verdict(table(other, fused))
+    assert "no compiled run" in check.norm_verdict(table(other, fused))
+    # the exact sum's control alone (no eager Echo run)
     assert check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]])) is None  # compilation moves more
-    assert "less than compilation alone" in check.norm_verdict(table(other, fused, exact_tokens=tokens))
+    assert "graphs/exact vs eager/exact: 1.00" in check.norm_verdict(table(other, fused, exact_tokens=tokens))
+    # Echo's own control wins where it ran: the fused run (prefix 2/4) keeps as much as compilation keeps
+    # eager Echo's tokens (1/4), though the exact sum kept all of them
+    assert check.norm_verdict(table(other, fused, exact_tokens=tokens, eager_echo_tokens=[[1, 7, 7, 7]])) is None
+    verdict = check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]], eager_echo_tokens=tokens))
+    assert "graphs/echo vs eager/echo: 1.00" in verdict  # compiled Echo kept eager Echo's tokens: 2/4 is less
     assert check.norm_verdict({}) is None
