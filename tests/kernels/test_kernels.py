@@ -95,9 +95,14 @@ def _interpreter_pool() -> ProcessPoolExecutor:
     another test may have imported it compiled already; a fresh process is
     the only reliable way to interpret. This module imports no Triton at top
     level, so the worker can import it as the worker's first Triton import.
+    The worker reduces with ``support.interpreter.fold_reduce`` (the bits of
+    Triton's element-by-element loop, one slice at a time: the stage kernels
+    run ~5x faster; tests/kernels/test_interpreter.py checks the bits).
     """
+    from support.interpreter import install
+
     with _env(TRITON_INTERPRET="1"):
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"), initializer=install)
         pool.submit(os.getpid).result()  # start the worker while the variable is set
     atexit.register(pool.shutdown, cancel_futures=True)
     return pool
