@@ -269,7 +269,58 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", CASES)
+#: Values per program of the stage kernels (``launch.TILE_VALUES``: this
+#: module imports no Triton; the interpreter worker checks the number).
+TILE_VALUES = 2048
+
+
+def _chunk_programs(numel: int, world: int, group: int) -> int:
+    """Programs of the stage kernels along one chunk of a one-row message
+    (``launch.programs``, without importing it)."""
+    return -(-WireLayout(numel, world, group).chunk_groups // (TILE_VALUES // group))
+
+
+def _two_programs(case: tuple) -> tuple:
+    """``case`` less whole programs: every chunk keeps two (its last one as
+    full as before) and the numel offset, so that the case still spans
+    several programs of the stage kernels, with a partial last one where it
+    had one -- what its 1000 groups were for, at a fraction of the
+    interpreter's time (~0.3 s per program; 1000 groups of 128 on P = 4
+    were 16 programs a chunk, 256 in all, for stage 1)."""
+    groups, world, group, *rest = case
+    offset = rest[-1]
+    extra = _chunk_programs(max(1, groups * group + offset), world, group) - 2
+    return (groups - max(0, extra) * world * (TILE_VALUES // group), world, group, *rest)
+
+
+#: CASES for the interpreter: the same, with the 1000-group messages cut to
+#: two programs a chunk (the numba loops run CASES as they are).
+INTERPRETER_CASES = [_two_programs(c) if c[0] == 1000 else c for c in CASES]
+
+
+def test_interpreter_cases_keep_several_programs_a_chunk():
+    """Each cut case spans two programs of the stage kernels (as its 1000
+    groups spanned several), its last one as full as before; the number of
+    values per program is the kernels' own."""
+    for case, cut in zip(CASES, INTERPRETER_CASES):
+        if case == cut:
+            continue
+        (groups, world, group, *_, offset), new = case, cut[0]
+        before, after = max(1, groups * group + offset), max(1, new * group + offset)
+        assert _chunk_programs(after, world, group) == 2 < _chunk_programs(before, world, group), case
+        per_program = TILE_VALUES // group
+        last = [WireLayout(n, world, group).chunk_groups % per_program for n in (before, after)]
+        assert last[0] == last[1], (case, cut)
+    assert in_kernel_process(_tile_values) == TILE_VALUES
+
+
+def _tile_values() -> int:
+    from echo_vllm.kernels import launch
+
+    return launch.TILE_VALUES
+
+
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", INTERPRETER_CASES)
 def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
     numel = max(1, groups * group + offset)
     in_kernel_process(
