@@ -52,6 +52,11 @@ def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, 
         results.put((rank, "error", traceback.format_exc()))
 
 
+#: How :func:`run_processes` starts processes: ``spawn``, a fresh interpreter
+#: each; ``forkserver``, forked from multiprocessing's fork server, which
+#: imports the modules given to ``set_forkserver_preload`` once (the tests
+#: fork their vLLM ranks from one server that imported vLLM).
+START_METHODS = ("spawn", "forkserver")
 #: Most processes one run starts: each is a Python interpreter with torch
 #: (hundreds of MB); far more than any tensor-parallel group.
 MAX_PROCESSES = 256
@@ -59,7 +64,7 @@ MAX_PROCESSES = 256
 MAX_TIMEOUT_S = 24 * 3600
 
 
-def check_run_arguments(fn: Any, world_size: Any, backend: Any, timeout_s: Any) -> None:
+def check_run_arguments(fn: Any, world_size: Any, backend: Any, timeout_s: Any, start_method: Any = "spawn") -> None:
     """Raise ``ValueError`` naming the first argument :func:`run_processes`
     cannot run with."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_PROCESSES:
@@ -69,6 +74,8 @@ def check_run_arguments(fn: Any, world_size: Any, backend: Any, timeout_s: Any) 
         raise ValueError(f"backend={backend!r}: gloo or nccl")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds above 0, at most {MAX_TIMEOUT_S}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}: one of {', '.join(START_METHODS)}")
     if not callable(fn) or any(part in getattr(fn, "__qualname__", "") for part in ("<locals>", "<lambda>")):
         raise ValueError(f"fn={fn!r}: must be a module-level function (a spawned process imports it by name)")
 
@@ -80,13 +87,15 @@ def run_processes(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes;
-    return the per-rank results (picklable) in rank order. ``fn`` must be a
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes
+    (or forked from the fork server, ``start_method="forkserver"``); return
+    the per-rank results (picklable) in rank order. ``fn`` must be a
     module-level function. Bad arguments raise ``ValueError`` here, before
     any process starts (a child could only report a pickling error)."""
-    check_run_arguments(fn, world_size, backend, timeout_s)
-    ctx = mp.get_context("spawn")
+    check_run_arguments(fn, world_size, backend, timeout_s, start_method)
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="echo-rdzv-") as tmp:
         init_file = os.path.join(tmp, "store")

@@ -1,6 +1,7 @@
 """``run_processes`` refuses what it cannot run before any process starts
 (a child could only report a pickling error, or wait out a timeout); its
-runs themselves are every distributed test's."""
+runs themselves are every distributed test's (``start_method="forkserver"``:
+the vLLM tests', through ``support.vllm_cpu.run_vllm_processes``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def _module_level(rank, world_size):
 
 def test_good_arguments_pass():
     check_run_arguments(_module_level, 4, "gloo", 300)
+    check_run_arguments(_module_level, 4, "gloo", 300, "forkserver")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "Spawn", None])
+def test_a_start_method_other_than_spawn_or_forkserver_is_refused(start_method):
+    """Plain ``fork`` would copy the caller's threads' locks mid-use (torch, pytest)."""
+    with pytest.raises(ValueError, match=f"start_method={start_method!r}: one of spawn, forkserver"):
+        run_processes(_module_level, 2, start_method=start_method)
 
 
 @pytest.mark.parametrize("world_size,backend,timeout_s,message", [
