@@ -149,9 +149,9 @@ def _fx_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def fx():
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_fx_worker, 1)[0]
+    return run_vllm_processes(_fx_worker, 1)[0]
 
 
 LEFT = {"the reduced output is used beyond the norm": 1, "not followed by vLLM's RMSNorm": 1,
@@ -231,9 +231,9 @@ def _tp_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def tp_ranks():
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_tp_worker, 2)
+    return run_vllm_processes(_tp_worker, 2)
 
 
 @pytest.mark.vllm
@@ -326,9 +326,9 @@ def _emulation_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def emulated():
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_emulation_worker, 1, timeout_s=900)[0]
+    return run_vllm_processes(_emulation_worker, 1, timeout_s=900)[0]
 
 
 @pytest.mark.vllm

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from echo_vllm.spawn import run_processes  # noqa: E402
+from support.vllm_cpu import run_vllm_processes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -99,7 +99,7 @@ def _engine(invariant: bool, stack, head) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_processes(_worker, 2)
+    return run_vllm_processes(_worker, 2)
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["VLLM_BATCH_INVARIANT=1", "control"])

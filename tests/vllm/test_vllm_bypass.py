@@ -97,9 +97,9 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def real():
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_worker, 1)[0]
+    return run_vllm_processes(_worker, 1)[0]
 
 
 def test_facts_come_from_vllms_registry_without_importing_the_model(real):

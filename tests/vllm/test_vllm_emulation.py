@@ -153,9 +153,9 @@ def _worker(rank, world):
 @pytest.fixture(scope="module")
 def proc():
     pytest.importorskip("vllm")
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_worker, 1)[0]
+    return run_vllm_processes(_worker, 1)[0]
 
 
 def _reference(config, mode="echo"):

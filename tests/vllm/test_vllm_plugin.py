@@ -46,11 +46,11 @@ def _worker(rank, world, model_dir):
 @pytest.fixture(scope="module")
 def proc(tmp_path_factory):
     pytest.importorskip("vllm")
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
     from echo_vllm.testing_models import make_tiny_qwen3
 
     model_dir = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", num_layers=1, vocab_size=512)
-    return run_processes(_worker, 1, str(model_dir))[0]
+    return run_vllm_processes(_worker, 1, str(model_dir))[0]
 
 
 def test_the_failed_install_is_reported_and_nothing_is_hooked(proc):

@@ -76,9 +76,9 @@ def _worker(rank, world):
 @pytest.fixture(scope="module")
 def sessions():
     pytest.importorskip("vllm")
-    from echo_vllm.spawn import run_processes
+    from support.vllm_cpu import run_vllm_processes
 
-    return run_processes(_worker, 1)[0]
+    return run_vllm_processes(_worker, 1)[0]
 
 
 @pytest.mark.vllm

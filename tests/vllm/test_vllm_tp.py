@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport  # noqa: E402
 from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
-from echo_vllm.spawn import run_processes  # noqa: E402
+from support.vllm_cpu import run_vllm_processes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -405,7 +405,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_processes(_worker, 2)
+    return run_vllm_processes(_worker, 2)
 
 
 def test_min_bytes_auto_is_measured_and_the_same_on_every_rank(ranks):
