@@ -1,5 +1,7 @@
-"""The kernel tests' interpreter: ``support.interpreter.fold_reduce``, which
-the interpreter worker runs instead of Triton's element-by-element
+"""The kernel tests' interpreter (``support.interpreter``, installed in the
+interpreter worker).
+
+``fold_reduce``, which runs instead of Triton's element-by-element
 ``ReduceOps.generic_reduce``, gives that loop's bits.
 
 Each reduction runs both ways in the interpreter worker, on values that
@@ -9,6 +11,9 @@ that keeps the first of equal maxima), over every axis and the whole
 tensor, with and without ``keep_dims``; the results are compared as
 integers (NaN payloads included). The kernels' one such reduction is
 ``tile.group_amax`` (its NaN-propagating max, over axes 2 and 1).
+
+``triton.language`` is patched once per kernel: the calls inside it leave
+it as it is, and it is back to Triton's own when the kernel ends.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ def _add(a, b):
 def _first_max(a, ia, b, ib):
     later = b > a
     return tl.where(later, b, a), tl.where(later, ib, ia)
+
+
+@triton.jit
+def _twice(x):
+    return _add(x, x)
+
+
+@triton.jit
+def _nested_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tl.reduce(_twice(_twice(tl.load(x_ptr + offs))), 0, _add, keep_dims=True))
 
 
 def _reduce(impl, combine, inputs, axis, keep_dims):
@@ -92,3 +108,32 @@ def _fold_against_loop() -> int:
 
 def test_fold_reduce_gives_the_bits_of_tritons_loop():
     assert in_kernel_process(_fold_against_loop) == (4 + 4 + 3) * 2
+
+
+def _patched_once_per_kernel() -> tuple[int, float]:
+    import torch
+    from triton.runtime import interpreter
+
+    from support.interpreter import _Patched
+
+    patch = interpreter._patch_lang
+    assert isinstance(patch, _Patched)
+    names = ("load", "store", "reduce", "arange", "where", "maximum")
+    before = {n: getattr(tl, n) for n in names}
+    calls = []
+    original = patch.patch_lang
+    patch.patch_lang = lambda fn: calls.append(fn.__name__) or original(fn)
+    try:
+        x, y = torch.arange(8, dtype=torch.float32), torch.zeros(1)
+        _nested_kernel[(1,)](x, y, N=8)
+    finally:
+        patch.patch_lang = original
+    assert {n: getattr(tl, n) for n in names} == before and not patch.running  # Triton's own again
+    return len(calls), float(y[0])
+
+
+def test_the_language_is_patched_once_per_kernel_and_restored():
+    """Four calls of ``@triton.jit`` functions inside the kernel (two
+    ``_twice``, two ``_add``; Triton alone patches five times), one patch;
+    the kernel computes what it says (4 * (0 + ... + 7))."""
+    assert in_kernel_process(_patched_once_per_kernel) == (1, 4 * 28.0)

@@ -97,7 +97,9 @@ def _interpreter_pool() -> ProcessPoolExecutor:
     level, so the worker can import it as the worker's first Triton import.
     The worker reduces with ``support.interpreter.fold_reduce`` (the bits of
     Triton's element-by-element loop, one slice at a time: the stage kernels
-    run ~5x faster; tests/kernels/test_interpreter.py checks the bits).
+    run ~5x faster) and patches ``triton.language`` once per kernel, not at
+    every call inside it (~1.7x more); tests/kernels/test_interpreter.py
+    checks both.
     """
     from support.interpreter import install
 

@@ -1,4 +1,7 @@
-"""A faster ``tl.reduce`` for Triton's interpreter, with the same bits.
+"""Triton's interpreter, faster, with the same bits: the kernel tests'
+interpreter worker runs with :func:`install` (a ``tl.reduce`` that folds a
+slice at a time, and ``triton.language`` patched once per kernel,
+:class:`_Patched`).
 
 Triton's interpreter runs a reduction whose combine function it does not
 recognise (``ReduceOps.generic_reduce``; here ``tile.group_amax``'s
@@ -57,12 +60,58 @@ def fold_reduce(self, input):
     return out
 
 
+class _Patched:
+    """What the running kernel has patched: ``_patch_lang`` without its
+    repeats. Triton's interpreter patches ``triton.language`` (every builtin
+    bound to its builder, ``tl.reduce`` and the like) when a kernel starts,
+    restores it when the kernel ends, and patches it again -- the same
+    modules, with equivalent functions, never restored -- at every call of
+    a ``@triton.jit`` function inside the kernel: a scan of each module's
+    members per call, ~40% of a kernel test's time. A call whose modules
+    the running kernel patched already is left as it is; any other call
+    (the kernel's own, a function that sees other modules) patches as
+    Triton does."""
+
+    def __init__(self, patch_lang):
+        self.patch_lang = patch_lang
+        self.running: list[frozenset[int]] = []  # modules the running kernel patched
+
+    def __call__(self, fn):
+        from triton.runtime import interpreter
+
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is interpreter.tl or v is interpreter.tl.core)
+        if self.running:  # a call inside the kernel
+            return _NOTHING if langs <= self.running[-1] else self.patch_lang(fn)
+        scope = self.patch_lang(fn)  # the kernel's: restored when it ends
+        self.running.append(langs)
+        restore = scope.restore
+
+        def restore_and_end():
+            self.running.pop()
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+
+class _Nothing:
+    def restore(self) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
+
+
 def install() -> None:
-    """Make Triton's interpreter reduce with :func:`fold_reduce` (call in the
-    interpreter's process; the original stays at ``generic_reduce_loop``)."""
+    """Make Triton's interpreter reduce with :func:`fold_reduce` and patch
+    the language once per kernel (:class:`_Patched`). Call in the
+    interpreter's process; the originals stay at ``ReduceOps.generic_reduce_loop``
+    and ``_Patched.patch_lang``."""
     from triton.runtime import interpreter
 
     ops = interpreter.ReduceOps
     if ops.generic_reduce is not fold_reduce:
         ops.generic_reduce_loop = ops.generic_reduce
         ops.generic_reduce = fold_reduce
+    if not isinstance(interpreter._patch_lang, _Patched):
+        interpreter._patch_lang = _Patched(interpreter._patch_lang)
