@@ -1,0 +1,98 @@
+"""``vllm_glue.guards``: the rule book -- what the settings cannot run with
+(the same function runs on real VllmConfigs in test_vllm_emulation, and
+behind echo-vllm serve in tests/server) -- and the refusal of Echo engines
+when the plugin could not install its hook (no vLLM import)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from echo_vllm import EchoConfig
+from echo_vllm.vllm_glue import EngineFacts, TpCommSettings, check_engine_config, conflicts
+from echo_vllm.vllm_glue.guards import EchoEngineConfigError
+
+GEMMA3 = ["Gemma3ForCausalLM"]
+
+
+def _config(tp=2, dbo=False, ubatch=0, **passes):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_dbo=dbo, ubatch_size=ubatch),
+        compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**passes)),
+    )
+
+
+def _problems(vllm_config, settings, refused=True):
+    return [c.message for c in conflicts(settings, EngineFacts.from_vllm_config(vllm_config))
+            if c.refused is refused]
+
+
+ECHO = TpCommSettings(mode="echo")
+
+
+def test_guards_pass_a_clean_config_and_ignore_echo_off():
+    assert conflicts(ECHO, EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=False, enable_sp=False))) == []
+    assert conflicts(TpCommSettings(), EngineFacts.from_vllm_config(_config(fuse_allreduce_rms=True, dbo=True))) == []
+
+
+def test_guards_name_every_flag():
+    bad = _config(dbo=True, fuse_allreduce_rms=True, enable_sp=True, fuse_gemm_comms=True)
+    with pytest.raises(EchoEngineConfigError) as e:
+        check_engine_config(bad, ECHO)
+    text = str(e.value)
+    for flag in ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms"):
+        assert f"-cc.pass_config.{flag}=false" in text
+    assert "--enable-dbo" in text and text.count("\n  - ") == 4
+
+
+def test_guards_without_fields_of_newer_vllm():
+    # vLLM 0.33 has no enable_sp / fuse_gemm_comms: absent fields are fine
+    assert _problems(_config(fuse_allreduce_rms=False), ECHO) == []
+    (msg,) = _problems(_config(ubatch=2), ECHO)
+    assert "tp_comm=echo cannot run with --ubatch-size 2" in msg
+
+
+def test_guards_for_emulation():
+    emu = TpCommSettings(mode="echo", emulate_world_size=4)
+    # fusion passes do not matter at TP=1 (no all-reduce node to remove)
+    assert conflicts(emu, EngineFacts.from_vllm_config(_config(tp=1, fuse_allreduce_rms=True))) == []
+    (msg,) = _problems(_config(tp=2), emu)
+    assert "--tensor-parallel-size 1" in msg
+    (msg,) = _problems(_config(tp=1, dbo=True), TpCommSettings(emulate_world_size=4))  # the exact baseline too
+    assert msg.startswith("tp_comm_emulate=4 cannot run with --enable-dbo")
+
+
+def test_what_the_engine_runs_through_is_a_warning_not_a_refusal():
+    """Echo at TP=1 without the emulation, and a post-norm policy without
+    Echo, leave vLLM's own all-reduce: the engine starts and says so
+    (echo-vllm serve refuses both, tests/server)."""
+    (msg,) = check_engine_config(_config(tp=1), ECHO)
+    assert "needs --tensor-parallel-size > 1" in msg and "vLLM runs unchanged" in msg
+    baseline = TpCommSettings(mode="nccl", emulate_world_size=2, postnorm="exact")
+    assert check_engine_config(_config(tp=1), baseline) == [
+        "tp_comm_postnorm=exact needs tp_comm=echo (it decides what Echo does on post-norm models)"]
+    # a post-norm model whose policy turned Echo off has spent the policy: nothing to say
+    spent, _ = TpCommSettings(mode="echo", emulate_world_size=2, postnorm="exact").for_model(GEMMA3)
+    assert spent.mode == "nccl" and check_engine_config(_config(tp=1), spent) == []
+
+
+def test_guards_refuse_stochastic_rounding_under_cuda_graphs():
+    stochastic = TpCommSettings(mode="echo", echo=EchoConfig(rounding="stochastic"))
+    graphs = _config()
+    graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
+    (msg,) = _problems(graphs, stochastic)
+    assert "--enforce-eager" in msg and "echo_rounding=nearest" in msg
+    assert _problems(graphs, ECHO) == []  # nearest rounding replays fine
+    graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="NONE")
+    assert _problems(graphs, stochastic) == []
+
+
+
+def test_an_engine_asking_for_echo_is_refused_without_the_hook():
+    from echo_vllm.vllm_glue.guards import check_hook_installed
+
+    for raw in ({"tp_comm": "echo"}, {"tp_comm_emulate": 4}, {"tp_comm": "echo", "tp_comm_emulate": 2}):
+        with pytest.raises(EchoEngineConfigError, match="vLLM 0.25 is too old"):
+            check_hook_installed(SimpleNamespace(additional_config=raw), "vLLM 0.25 is too old")
+    for raw in (None, {}, {"tp_comm": "nccl"}, {"other": 1}):
+        check_hook_installed(SimpleNamespace(additional_config=raw), "vLLM 0.25 is too old")
+    check_hook_installed(SimpleNamespace(additional_config={"tp_comm": "echo"}), None)  # installed
