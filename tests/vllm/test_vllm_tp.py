@@ -1,8 +1,8 @@
 """Echo inside real vLLM 0.26 tensor parallelism: two gloo processes, vLLM's
 own groups and layers (CPU platform), the plugin's hook.
 
-One launch (vLLM's import dominates: ~30-60 s on 2 cores) runs every check;
-each rank returns what it saw and the assertions run here, against the
+One launch (two ranks forked from the vLLM tests' server, ``support.vllm_cpu``)
+runs every check; each rank returns what it saw and the assertions run here, against the
 in-process Echo reference (VirtualTransport) fed the same partials.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport  # noqa: E402
+from echo_vllm import EchoConfig  # noqa: E402
 from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
 from support.vllm_cpu import run_vllm_processes  # noqa: E402
 
@@ -38,43 +38,6 @@ def _norm(h):
 def _mlp_in(h):
     x = _norm(h)
     return torch.nn.functional.silu(torch.cat([x, -x], dim=-1))
-
-
-class _GlooAsPynccl:
-    """vLLM's PyNcclCommunicator API (group_start/send/recv/group_end,
-    all_gather, all_reduce) over gloo point-to-point, to run PyncclTransport's
-    all-to-all indexing on CPU."""
-
-    disabled = False
-
-    def __init__(self, group):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self._ops = None
-
-    def group_start(self):
-        self._ops = []
-
-    def send(self, t, dst):
-        self._ops.append(self.dist.P2POp(self.dist.isend, t, dst, self.group))
-
-    def recv(self, t, src):
-        self._ops.append(self.dist.P2POp(self.dist.irecv, t, src, self.group))
-
-    def group_end(self):
-        for work in self.dist.batch_isend_irecv(self._ops):
-            work.wait()
-        self._ops = None
-
-    def all_gather(self, out, inp):
-        self.dist.all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=self.group)
-
-    def all_reduce(self, t):
-        out = t.clone()
-        self.dist.all_reduce(out, group=self.group)
-        return out
 
 
 def _guard_rail():
@@ -181,27 +144,8 @@ def _other_group(rank, out):
     out["other_stats"] = current_stats().snapshot()
 
 
-def _transports(tp, g):
-    """5. PyncclTransport (vLLM's pynccl API) == ProcessGroupTransport, bit
-    for bit: three chained Echo calls and one exact all-reduce on each."""
-    from echo_vllm import FeedbackChain
-    from echo_vllm.vllm_glue.pynccl_transport import PyncclTransport
-
-    fake = _GlooAsPynccl(tp.device_group)
-    xs = [torch.randn(6, HIDDEN, generator=g).bfloat16() for _ in range(3)]
-    by = {}
-    for label, transport in (
-        ("pynccl", PyncclTransport(fake, tp.cpu_group)),
-        ("gloo", ProcessGroupTransport(tp.device_group)),
-    ):
-        comm, chain = EchoCommunicator(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
-        by[label] = [comm.echo_all_reduce(x.clone(), chain, t) for t, x in enumerate(xs)]
-        by[label].append(transport.all_reduce_exact(xs[0].unsqueeze(0).clone()))
-    return by
-
-
 def _echo_on(rank, stack, out):
-    """Sections 2-5, in one TP group with Echo on."""
+    """Sections 2-4, in one TP group with Echo on."""
     from support.vllm_cpu import init_model_parallel, vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -222,7 +166,6 @@ def _echo_on(rank, stack, out):
         g = torch.Generator().manual_seed(7 + rank)
         _extra_calls(tp, cfg, g, forward_no, out)
         _other_group(rank, out)
-        out["transports"] = _transports(tp, g)
         tp.__dict__.pop("_all_reduce_out_place")
     ps.destroy_model_parallel()
     out["calls"] = calls
@@ -230,7 +173,7 @@ def _echo_on(rank, stack, out):
 
 
 def _graph_replays(stack):
-    """6. a CUDA-graph engine (capture and replays simulated on CPU, through
+    """5. a CUDA-graph engine (capture and replays simulated on CPU, through
     the calls vLLM makes): replays are counted like the passes they stand
     for. gloo cannot be captured; pretend it can (as pynccl), so that
     capture takes the eager decisions."""
@@ -261,7 +204,7 @@ def _graph_replays(stack):
 
 
 def _min_bytes_auto():
-    """7. min_bytes=auto (the default): the crossover is measured on the
+    """6. min_bytes=auto (the default): the crossover is measured on the
     group at start, for the model's rows (a model-less config here: its
     shape stands in)."""
     from support.vllm_cpu import init_model_parallel, vllm_config
@@ -327,7 +270,7 @@ def _nan_pass(rank, cfg, layers, ids, label):
 
 
 def _side_calls(rank, stack):
-    """7b. side calls of real vLLM layers between the residual calls: a
+    """6b. side calls of real vLLM layers between the residual calls: a
     Mamba2 gated norm (n_groups=1: a [T, 1] fp32 sum of squares) and
     MiniMax-M2's TP RMSNorm (a 1-D fp32 variance); the same passes without
     them. Then a pass with a NaN in rank 0's residual: the sampled checks
@@ -366,7 +309,7 @@ def _side_calls(rank, stack):
 
 
 def _echo_off(rank):
-    """8. Echo off (no tp_comm): no session, vLLM's sum."""
+    """7. Echo off (no tp_comm): no session, vLLM's sum."""
     from support.vllm_cpu import init_model_parallel, vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -522,15 +465,6 @@ def test_unsupported_calls_take_vllms_path_with_a_counted_reason(ranks):
         assert calls["exact/unsupported_dtype"] == 2  # fp32 and int32
         assert calls["exact/not_residual_shape"] == 1
         assert calls["exact/no_forward_context"] == 1
-
-
-def test_pynccl_transport_matches_process_group_transport(ranks):
-    for r in ranks:
-        a, b = r["transports"]["pynccl"], r["transports"]["gloo"]
-        assert len(a) == len(b) == 4
-        for x, y in zip(a, b):
-            assert torch.equal(x, y)
-    assert all(torch.equal(x, y) for x, y in zip(ranks[0]["transports"]["pynccl"], ranks[1]["transports"]["pynccl"]))
 
 
 def test_graph_replays_are_counted_like_the_passes_they_replay(ranks):
