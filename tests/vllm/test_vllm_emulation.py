@@ -1,7 +1,8 @@
 """One-device TP emulation inside real vLLM layers, the plugin's entry point
 and the guard rails on real VllmConfig objects.
 
-One spawned process (vLLM patches classes; the pytest process stays clean):
+One vLLM process (vLLM patches classes; the pytest process stays clean;
+forked from the vLLM tests' server, ``support.vllm_cpu``):
 vLLM finds and runs the plugin through its entry point, the TP group of size
 1 is created with ``tp_comm_emulate: 4``, and vLLM's own
 ``VocabParallelEmbedding`` / ``RowParallelLinear`` run eagerly and under
@@ -52,13 +53,8 @@ def _model(embed, o, down, ids):
     return h
 
 
-def _worker(rank, world):
-    from support.vllm_cpu import init_model_parallel, use_cpu_platform, vllm_config
-
-    use_cpu_platform()
-    out = {}
-
-    # 1. vLLM loads the plugin through its entry point; registering is idempotent
+def _plugin_loads():
+    """1. vLLM loads the plugin through its entry point; registering is idempotent."""
     import vllm.plugins
     from vllm.distributed.parallel_state import GroupCoordinator
 
@@ -67,14 +63,18 @@ def _worker(rank, world):
 
     patched = (GroupCoordinator.__init__, GroupCoordinator._all_reduce_out_place)
     again = plugin.register()
-    out["plugin"] = dict(
+    return dict(
         status=plugin._status,
         again=again,
         originals=GroupCoordinator.__dict__.get("_echo_originals") is not None,
         same=patched == (GroupCoordinator.__init__, GroupCoordinator._all_reduce_out_place),
     )
 
-    # 2. guard rails on real (finalized) configs
+
+def _guards():
+    """2. guard rails on real (finalized) configs."""
+    from support.vllm_cpu import vllm_config
+
     from echo_vllm.vllm_glue import EngineFacts, TpCommSettings, conflicts
 
     passes = dict(
@@ -86,12 +86,16 @@ def _worker(rank, world):
     dbo.parallel_config.enable_dbo = True
     emulate_tp2 = vllm_config(tp=2, additional_config={"tp_comm": "echo", "tp_comm_emulate": 2})
     off = vllm_config(tp=2, pass_config=passes)
-    out["guards"] = {
+    return {
         name: [p.message for p in conflicts(TpCommSettings.from_vllm_config(c), EngineFacts.from_vllm_config(c))]
         for name, c in (("fused", fused), ("dbo", dbo), ("emulate_tp2", emulate_tp2), ("off", off))
     }
 
-    # 3. emulation: vLLM's layers at TP=1 compute 4 partials, Echo reduces them
+
+def _emulation(stack, out):
+    """3. emulation: vLLM's layers at TP=1 compute 4 partials, Echo reduces
+    them -- eagerly, compiled, measured, exact and naive."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.linear import RowParallelLinear
@@ -100,7 +104,6 @@ def _worker(rank, world):
     from echo_vllm.vllm_glue.emulation import current_session
 
     cfg = vllm_config(tp=1, additional_config=dict(SETTINGS, tp_comm_emulate_measure=True))
-    stack = _stack()
     ids = stack.ids
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
@@ -133,20 +136,33 @@ def _worker(rank, world):
         out["naive"] = forward(_model, ids[1])
     out["ops"] = [hasattr(torch.ops.echo, n) for n in ("emulated_row_parallel", "emulated_vocab_embedding")]
 
-    # 4. a CUDA-graph engine (capture and replays simulated on CPU, through
-    # the calls vLLM makes): replays are counted like the passes they stand for
+
+def _graph_replays(stack):
+    """4. a CUDA-graph engine (capture and replays simulated on CPU, through
+    the calls vLLM makes): replays are counted like the passes they stand for."""
+    from support.vllm_cpu import init_model_parallel, vllm_config
+    from support.vllm_graphs import replay_accounting
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
-    from support.vllm_graphs import replay_accounting
+    from echo_vllm.vllm_glue.emulation import current_session
 
     ps.destroy_model_parallel()
     cfg = vllm_config(tp=1, additional_config=SETTINGS)
     with set_current_vllm_config(cfg):
         init_model_parallel(cfg)
         embed, o, down = stack.vllm_layers()
-        out["graphs"] = replay_accounting(
-            current_session(), cfg, lambda n: _model(embed, o, down, ids[2][:n])
-        )
+        return replay_accounting(current_session(), cfg, lambda n: _model(embed, o, down, stack.ids[2][:n]))
+
+
+def _worker(rank, world):
+    from support.vllm_cpu import use_cpu_platform
+
+    use_cpu_platform()
+    out = {"plugin": _plugin_loads(), "guards": _guards()}
+    stack = _stack()
+    _emulation(stack, out)
+    out["graphs"] = _graph_replays(stack)
     return out
 
 
