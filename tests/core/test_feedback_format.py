@@ -155,19 +155,3 @@ def test_read_write_feedback_in_every_format(dtype):
     changed = (fb != before).any(0).nonzero().flatten()
     lo = feedback_row_len(c, torch_dtype, g)
     assert changed.min() >= lo and changed.max() < feedback_row_len(2 * c, torch_dtype, g)
-
-
-def test_chain_sizes_the_int8_buffer_for_its_group_size():
-    from echo_vllm import EchoConfig, FeedbackChain
-
-    cfg = EchoConfig(feedback_dtype="int8", group_size=32)
-    chain = FeedbackChain.of(cfg, 2, capacity_numel=1000)
-    buf = chain.buffer(1000)
-    assert buf.dtype == torch.int8 and buf.shape == (2, 4 * 272)  # 1000 values: 4 blocks of 256
-    assert chain.fits(1024) and not chain.fits(1025)
-    assert torch.equal(decode_feedback(buf, 32), torch.zeros(2, 1024))  # zeroed = no error
-    # sized without the config (the smallest group), it holds every larger group's layout
-    loose = FeedbackChain(2, dtype="int8", capacity_numel=1024)
-    assert loose.buffer(0).shape[1] == 8 * 144 >= feedback_row_len(1024, torch.int8, 128)
-    with pytest.raises(ValueError, match="feedback dtype"):
-        FeedbackChain(2, dtype="float16")

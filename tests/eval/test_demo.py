@@ -16,7 +16,7 @@ def test_demo_runs_and_shows_the_property(tmp_path, capsys):
     exact = data["relative_error"]["exact 16-bit"]
     # independent errors add up for naive 4-bit (sqrt(15) ~ 3.9x expected)
     assert naive[14] >= 2.5 * naive[0]
-    # Echo telescopes (same 1.5x bound as tests/core/test_chain.py) ...
+    # Echo telescopes (same 1.5x bound as tests/core/test_feedback.py) ...
     assert max(echo[:15]) <= 1.5 * echo[0]
     # ... and the exact last call leaves no more than 16-bit-like error
     assert echo[-1] < echo[0] / 3 and echo[-1] < 10 * exact[-1]

@@ -483,7 +483,7 @@ def test_side_calls_of_real_vllm_layers_leave_the_chain_alone(ranks):
     sum, and the residual stream's error at the end of the pass (exact last
     call) stays within 1.5x of the same pass without them: the pending error
     waits for the next residual call. (Why 1.5x: see
-    tests/core/test_chain.py::test_a_side_call_leaves_the_carried_error_to_the_next_residual_call;
+    tests/core/test_feedback.py::test_a_side_call_leaves_the_carried_error_to_the_next_residual_call;
     on the old code each side call dropped the pending error.)"""
     (r0, r1) = ranks
     per_pass = {}

@@ -1,4 +1,5 @@
-"""The property that defines Echo: errors telescope along a forward pass.
+"""``echo_vllm.feedback``: the property that defines Echo, errors telescope
+along a forward pass (the chain carries them).
 
 A residual stream fed by T calls holds ``sum S_t + E_0 - E_T``: with feedback
 its error stays one call's error at any depth, while naive 4-bit errors add
@@ -21,6 +22,7 @@ from echo_vllm.quant import (
     ALIGN_GROUPS,
     OUTPUT_SCALE,
     decode_chunks,
+    decode_feedback,
     feedback_block_bytes,
     feedback_row_len,
     from_wire_order,
@@ -468,3 +470,17 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
     # cover them) and are small against the carried 4-bit error
     assert bool((err > slack + fp64).any())
     assert carried.abs().max() > 10 * storage.max(), (carried.abs().max().item(), storage.max().item())
+
+
+def test_chain_sizes_the_int8_buffer_for_its_group_size():
+    cfg = EchoConfig(feedback_dtype="int8", group_size=32)
+    chain = FeedbackChain.of(cfg, 2, capacity_numel=1000)
+    buf = chain.buffer(1000)
+    assert buf.dtype == torch.int8 and buf.shape == (2, 4 * 272)  # 1000 values: 4 blocks of 256
+    assert chain.fits(1024) and not chain.fits(1025)
+    assert torch.equal(decode_feedback(buf, 32), torch.zeros(2, 1024))  # zeroed = no error
+    # sized without the config (the smallest group), it holds every larger group's layout
+    loose = FeedbackChain(2, dtype="int8", capacity_numel=1024)
+    assert loose.buffer(0).shape[1] == 8 * 144 >= feedback_row_len(1024, torch.int8, 128)
+    with pytest.raises(ValueError, match="feedback dtype"):
+        FeedbackChain(2, dtype="float16")
