@@ -45,8 +45,9 @@ def _twice(x):
 
 @triton.jit
 def _nested_kernel(x_ptr, y_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(y_ptr + offs, tl.reduce(_twice(_twice(tl.load(x_ptr + offs))), 0, _add, keep_dims=True))
+    """``y[0] = sum(4 * x[:N])`` (``y`` holds one value: one store)."""
+    total = tl.reduce(_twice(_twice(tl.load(x_ptr + tl.arange(0, N)))), 0, _add, keep_dims=True)
+    tl.store(y_ptr + tl.arange(0, 1), total)
 
 
 def _reduce(impl, combine, inputs, axis, keep_dims):
@@ -124,8 +125,9 @@ def _patched_once_per_kernel() -> tuple[int, float]:
     original = patch.patch_lang
     patch.patch_lang = lambda fn: calls.append(fn.__name__) or original(fn)
     try:
-        x, y = torch.arange(8, dtype=torch.float32), torch.zeros(1)
+        x, y = torch.arange(8, dtype=torch.float32), torch.zeros(2)
         _nested_kernel[(1,)](x, y, N=8)
+        assert float(y[1]) == 0.0  # nothing written past y[0]
     finally:
         patch.patch_lang = original
     assert {n: getattr(tl, n) for n in names} == before and not patch.running  # Triton's own again
