@@ -51,6 +51,7 @@ def _has_module_fixture(path: Path) -> bool:
     return False
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getoption("dist") != "load":  # another mode asked for by name: xdist's own
         return None
