@@ -13,6 +13,10 @@
   two workers with a thread per core each have their threads spin and wait
   on each other (the lm-eval smoke test took 2x as long).
 
+On a CUDA host (the GPU acceptance run's ``-n 14``) only the second point
+applies: whole files on one worker would lengthen the run past the limits
+its steps were measured for.
+
 None of this changes what a test runs or checks. An explicit ``--dist``
 other than ``load`` is left alone. (xdist's own ``loadgroup`` would do the
 first point from ``xdist_group`` marks, but with pytest 9 it ignores them:
@@ -54,6 +58,10 @@ def _has_module_fixture(path: Path) -> bool:
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getoption("dist") != "load":  # another mode asked for by name: xdist's own
+        return None
+    import torch
+
+    if torch.cuda.is_available():  # a GPU host keeps xdist's own spread: the acceptance run's limits were measured so
         return None
     from xdist.scheduler import LoadScopeScheduling
 
