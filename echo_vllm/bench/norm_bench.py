@@ -410,15 +410,20 @@ def run(args: argparse.Namespace) -> int:
     if proj:
         print(projection_table(proj))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "norm.json").write_text(json.dumps(
-            {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "cases": [asdict(c) for c in cases],
-             "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
-             "projection": proj}, indent=1))
-        plot(cases, out / "norm.png")
-        plot_projection(proj, out / "ttft_projection.png")
+        write_outputs(Path(args.out), {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(),
+                                       "cases": [asdict(c) for c in cases]}, cases, layer_us, proj)
     return 0
+
+
+def write_outputs(out: Path, run: dict, cases: list[NormCase], layer_us: dict[tuple[int, int], float],
+                  proj: list[dict]) -> None:
+    """``norm.json`` (``run``'s measurements, the layer times, the projection) and the PNGs under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "norm.json").write_text(json.dumps(
+        {**run, "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
+         "projection": proj}, indent=1))
+    plot(cases, out / "norm.png")
+    plot_projection(proj, out / "ttft_projection.png")
 
 
 def report_saved(path: Path, layer_us: dict[tuple[int, int], float], out_dir: str) -> int:
@@ -440,13 +445,7 @@ def report_saved(path: Path, layer_us: dict[tuple[int, int], float], out_dir: st
     if proj:
         print(projection_table(proj))
     if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "norm.json").write_text(json.dumps(
-            {**saved, "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
-             "projection": proj}, indent=1))
-        plot(cases, out / "norm.png")
-        plot_projection(proj, out / "ttft_projection.png")
+        write_outputs(Path(out_dir), saved, cases, layer_us, proj)
     return 0
 
 
