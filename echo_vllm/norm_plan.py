@@ -4,11 +4,14 @@ The norm needs a row's mean square before it can write any value of the
 row, so a program holds whole rows: ``rows`` rows (virtual rows past the
 message too, in the fused kernel's phases 1-2: the chunk's padding groups)
 of every chunk, a rank's ``row_groups`` groups of each padded to a power of
-two (``padded_row_groups``; the padding lanes are masked). A program holds
-its rows' values in fp32 registers until the variance is known: at most
-:data:`VALUES_PER_THREAD` a thread. :func:`norm_tiling` decides, with its
-reason, from the layout alone (so a token's path never depends on its
-batch); a row it refuses takes Echo's output, then the norm on its own.
+two (``padded_row_groups``; the padding lanes are masked). The output phase
+reads its rows twice (``kernels.norm_tile``), so a thread holds one chunk's
+values at a time, not the row: a tile covers :data:`TILE_VALUES` values of
+each chunk where rows allow, the fused kernel's own tile for large messages,
+so its phases 1 and 2 run as fast with the norm as without.
+:func:`norm_tiling` decides, with its reason, from the layout alone (so a
+token's path never depends on its batch); a row it refuses takes Echo's
+output, then the norm on its own.
 """
 
 from __future__ import annotations
@@ -21,31 +24,41 @@ from .quant import WireLayout
 #: Values of a row the fused norm takes (Qwen3-8B 4096, larger models 5120 and 8192, up to 16384).
 MAX_NORM_COLS = 16384
 assert MAX_NORM_COLS <= MAX_COLS, "the kernels' integer sum of squares must hold the widest row"
+#: Most ranks the fused norm takes: its output phase issues every chunk's loads at once (registers).
+MAX_NORM_RANKS = 8
 #: Values one warp covers in the lane layout (32 lanes of 8): the smallest tile of a chunk.
 WARP_VALUES = 256
+#: Values of each chunk a tile covers when its rows are shorter: the fused
+#: kernel's tile for large chunks (``fused_kernel.TILE_TABLE``).
+TILE_VALUES = 2048
 #: Most warps per program.
 MAX_WARPS = 16
-#: Values of its rows (every chunk) a thread holds in fp32 registers.
-VALUES_PER_THREAD = 64
-#: Most warps of the fused kernel's norm programs resident per SM.
-NORM_WARPS_PER_SM = 16
-#: Registers a thread of the fused norm kernel is given besides the row
-#: values it holds (one each): compiled for sm_90, phase 3 of 8192 x 4096
-#: needs ~98 at P = 2 (16 values) and spills at 128 with P = 8 (64 values).
-BASE_REGISTERS = 96
+#: Fewest warps a program has (a tile is at least :data:`TILE_VALUES` values of each chunk).
+MIN_WARPS = TILE_VALUES // WARP_VALUES
+#: Most warps of the fused kernel's norm programs resident per SM (as its own large tiles: 3 programs of 8).
+NORM_WARPS_PER_SM = 24
+#: Most programs of the fused norm kernel resident per SM (sizes the barrier flags).
+MAX_PROGRAMS_PER_SM = NORM_WARPS_PER_SM // MIN_WARPS
+#: Registers a thread of the fused norm kernel needs: ``BASE_REGISTERS``
+#: plus ``REGISTERS_PER_VALUE`` for each value of every chunk, whose loads the
+#: output phase's first pass issues at once (compiled for sm_90, hidden
+#: 4096: 48, 64 and 107 at P = 2, 4 and 8; ``tests/kernels/test_norm_layouts.py``
+#: checks that the plans compile without spills under the cap these give).
+BASE_REGISTERS = 32
+REGISTERS_PER_VALUE = 1
 #: Registers per SM (Hopper).
 SM_REGISTERS = 65536
 
 
 class NormTiling(NamedTuple):
     """``rows`` whole rows per tile, ``padded_row_groups`` groups of each per
-    chunk, ``num_warps`` warps per program, ``values_per_thread`` row
-    values a thread holds (every chunk)."""
+    chunk, ``num_warps`` warps per program, ``values_per_thread`` values of
+    one chunk a thread holds."""
 
     rows: int
     padded_row_groups: int
     num_warps: int
-    values_per_thread: int = VALUES_PER_THREAD
+    values_per_thread: int = TILE_VALUES // (32 * MIN_WARPS)
 
     @property
     def groups_per_tile(self) -> int:
@@ -61,12 +74,18 @@ class NormTiling(NamedTuple):
         """Tiles covering the message's rows."""
         return -(-layout.rows // self.rows)
 
-    def per_sm(self) -> int:
-        """Programs of the fused kernel resident per SM: as many as
-        :data:`NORM_WARPS_PER_SM` warps allow, each thread with
-        :data:`BASE_REGISTERS` plus one register per value it holds."""
-        regs = SM_REGISTERS // (self.num_warps * 32 * (BASE_REGISTERS + self.values_per_thread))
+    def per_sm(self, world_size: int) -> int:
+        """Programs of the fused kernel over ``world_size`` ranks resident per
+        SM: as many as :data:`NORM_WARPS_PER_SM` warps allow, each thread with
+        the registers it needs (:func:`registers`)."""
+        need = registers(world_size, self.values_per_thread)
+        regs = SM_REGISTERS // (self.num_warps * 32 * need)
         return max(1, min(NORM_WARPS_PER_SM // self.num_warps, regs))
+
+
+def registers(world_size: int, values_per_thread: int) -> int:
+    """Registers a thread of the fused norm kernel needs (:data:`BASE_REGISTERS`)."""
+    return BASE_REGISTERS + REGISTERS_PER_VALUE * world_size * values_per_thread
 
 
 def _next_power_of_2(n: int) -> int:
@@ -79,17 +98,16 @@ def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
     program (the caller takes the unfused path and counts the reason)."""
     if layout.cols > MAX_NORM_COLS:
         return None, f"rows of {layout.cols} values (the fused norm holds rows of up to {MAX_NORM_COLS})"
+    if layout.world_size > MAX_NORM_RANKS:
+        return None, f"{layout.world_size} ranks (the fused norm takes at most {MAX_NORM_RANKS})"
     rgp = _next_power_of_2(layout.row_groups)
     chunk_row = rgp * layout.group_size
-    rows = max(1, WARP_VALUES // chunk_row)
+    rows = max(1, TILE_VALUES // chunk_row)
     warps = min(MAX_WARPS, rows * chunk_row // WARP_VALUES)
-    per_thread = layout.world_size * rows * chunk_row // (32 * warps)
-    if per_thread > VALUES_PER_THREAD:
-        return None, (f"rows of {layout.cols} values over {layout.world_size} ranks need {per_thread} values a "
-                      f"thread (at most {VALUES_PER_THREAD})")
-    return NormTiling(rows, rgp, warps, per_thread), (f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, "
-                                          f"{warps} warp(s)")
+    per_thread = rows * chunk_row // (32 * warps)
+    return NormTiling(rows, rgp, warps, per_thread), (f"{rows} row(s) of {layout.world_size} x {rgp} groups per "
+                                                      f"program, {warps} warps")
 
 
-__all__ = ["BASE_REGISTERS", "MAX_NORM_COLS", "MAX_WARPS", "NORM_WARPS_PER_SM", "NormTiling", "VALUES_PER_THREAD", "WARP_VALUES",
-           "norm_tiling"]
+__all__ = ["BASE_REGISTERS", "MAX_NORM_COLS", "MAX_NORM_RANKS", "MAX_PROGRAMS_PER_SM", "MAX_WARPS", "MIN_WARPS", "NORM_WARPS_PER_SM",
+           "NormTiling", "REGISTERS_PER_VALUE", "TILE_VALUES", "WARP_VALUES", "norm_tiling", "registers"]

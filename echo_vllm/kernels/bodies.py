@@ -126,9 +126,9 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
 
 
 @triton.jit
-def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.constexpr):
-    """``(words, scales)`` of groups ``lg`` of the gathered chunk at byte ``chunk_first``."""
-    return load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, lg < chunk_groups, G)
+def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+    """``(words, scales)`` of groups ``lg`` of the gathered chunk at byte ``chunk_first`` (``EVICT``: the words' cache hint)."""
+    return load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, lg < chunk_groups, G, EVICT)
 
 
 @triton.jit

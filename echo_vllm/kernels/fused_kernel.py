@@ -99,7 +99,7 @@ from ..quant import WireLayout
 from . import launch
 from .direct_launch import Launcher
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
-from ..norm_plan import NORM_WARPS_PER_SM, NormTiling
+from ..norm_plan import MAX_PROGRAMS_PER_SM, NormTiling
 from .norm_tile import output_norm_tile, tile_groups
 from .tile import block_offsets, group_rows, store_chunk_groups
 
@@ -457,7 +457,7 @@ TILE_TABLE: tuple[TileRow, ...] = (
 def max_per_sm() -> int:
     """The most programs per SM any :data:`TILE_TABLE` row or norm plan
     (:func:`plan_for_norm`) asks for (sizes the flag areas)."""
-    return max(max(r.per_sm for r in TILE_TABLE), NORM_WARPS_PER_SM)
+    return max(max(r.per_sm for r in TILE_TABLE), MAX_PROGRAMS_PER_SM)
 
 
 class FusedPlan(NamedTuple):
@@ -533,8 +533,9 @@ def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPl
 def plan_for_norm(layout: WireLayout, tiling: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedPlan:
     """:func:`plan_for` with the residual add and RMSNorm: ``tiling``'s whole
     rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
-    ``tiling.per_sm()`` programs per SM."""
-    return _persistent(tiling.tiles(layout), tiling.groups_per_tile, tiling.num_warps, tiling.per_sm(), sms, sm,
+    ``tiling.per_sm(P)`` programs per SM."""
+    return _persistent(tiling.tiles(layout), tiling.groups_per_tile, tiling.num_warps,
+                       tiling.per_sm(layout.world_size), sms, sm,
                        tiling)
 
 

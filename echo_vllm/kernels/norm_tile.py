@@ -4,8 +4,8 @@ A tile is ``K`` rows (:mod:`echo_vllm.norm_plan`): of every chunk, the ``K *
 RGP`` groups ``lg`` of those rows (:func:`tile_groups`), in the lane layout
 of :mod:`.tile`. :func:`output_norm_tile` decodes the tile's groups of every
 chunk (``tile.decode_output``: Echo's output, rounded to the output dtype),
-adds the residual in fp32, stores the new residual, and once the rows'
-mean squares are known stores ``rmsnorm(sum) * weight`` -- the bits of
+adds the residual in fp32, and once the rows' mean squares are known
+stores the new residual and ``rmsnorm(sum) * weight`` -- the bits of
 ``quant.output_reference`` followed by ``norm.add_rms_norm(...,
 variance="kernel")`` (``norm.rms_norm`` without a residual). The composed
 output kernel (:mod:`.output_norm_kernel`) and the fused kernel's phase 3
@@ -15,6 +15,11 @@ The mean square is ``norm.kernel_mean_square``: each lane's 8 squares
 summed in registers as its pairwise tree (:func:`lane_sums`), the lanes'
 sums of a row combined as integers (:func:`row_total`), which ``tl.sum``
 may add in any order.
+
+The tile is read twice (:func:`output_norm_tile`), so a thread holds one
+chunk's values at a time: holding the row (64 fp32 values a thread at
+P = 8, hidden 4096) spilled and made the fused norm slower than Echo
+followed by the norm (BENCHMARKS.md, the norm fusion).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from .tile import (
 
 FIXED_BITS: tl.constexpr = tl.constexpr(_FIXED_BITS)
 MAX_SHIFT: tl.constexpr = tl.constexpr(_MAX_SHIFT)
+#: Cache hints of the two passes over a tile's bytes: keep them for the second, then drop them.
+KEEP: tl.constexpr = tl.constexpr("evict_last")
+DROP: tl.constexpr = tl.constexpr("evict_first")
 
 
 @triton.jit
@@ -119,16 +127,29 @@ def weighted(n, w, dtype: tl.constexpr):
 
 @triton.jit
 def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j, row_groups, cols, chunk_groups,
-              G: tl.constexpr, RESIDUAL: tl.constexpr):
+              G: tl.constexpr, RESIDUAL: tl.constexpr, EVICT: tl.constexpr):
     """Chunk ``j``'s loads: ``(words, scales, residual, mask [BG, G])``
-    (the residual: the mask itself when there is none)."""
-    words, s = output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G)
+    (the residual: the mask itself when there is none), with the cache
+    hint ``EVICT``."""
+    words, s = output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G, EVICT)
     d, limit = block_shift(j, row_groups, cols, G)
     m = live & (c < limit)
     r = m
     if RESIDUAL:
-        r = load_values(res_ptr + d, offs, m, G)
+        r = load_values(res_ptr + d, offs, m, G, EVICT)
     return words, s, r, m
+
+
+@triton.jit
+def _row_values(words, s, r, OUT: tl.constexpr, G: tl.constexpr, HADAMARD: tl.constexpr, SHUFFLE: tl.constexpr,
+                RESIDUAL: tl.constexpr):
+    """fp32 ``[BG, L, V]``: Echo's output of a chunk's groups (rounded to
+    ``OUT``), plus the residual when there is one -- the same instructions
+    in both passes, so the same bits."""
+    x = to_f32(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE))
+    if RESIDUAL:
+        x = x + to_f32(r)
+    return x
 
 
 @triton.jit
@@ -138,29 +159,32 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
                      LANES: tl.constexpr):
     """The tile's rows (groups ``lg``, :func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
-    residual into ``res_out_ptr`` (``RESIDUAL``), the normalised rows into
-    ``out_ptr`` (message layout, ``out_ptr``'s dtype; module docstring).
-    ``LANES``: ``launch.lane_layout`` of the rows' tensors (else the
-    decode takes the layout-agnostic butterflies, same bits)."""
+    residual into ``res_out_ptr`` (``RESIDUAL``; it may be ``res_ptr``
+    itself), the normalised rows into ``out_ptr`` (message layout,
+    ``out_ptr``'s dtype; module docstring). ``LANES``:
+    ``launch.lane_layout`` of the rows' tensors (else the decode takes the
+    layout-agnostic butterflies, same bits).
+
+    Two passes over the chunks, so that a thread holds one chunk's values
+    at a time and never the row: the first decodes and sums the squares,
+    keeping each lane's sum of each chunk; the second decodes again (the bytes
+    come back from L1/L2: the first pass asks to keep them, the second to
+    drop them) and stores. The second pass loads a chunk's residual before
+    it stores the new one, so the residual may be updated in place."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and LANES
     offs, c, live = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
-    # pass 1: decode, add the residual, store the new one; each row's
-    # largest lane sum of squares (chunk j + 1's loads issued before chunk
-    # j's arithmetic)
-    xs = ()
+    # pass 1: each lane's sum of squares of every chunk, and the rows' largest. Unrolled: the
+    # compiler issues every chunk's loads at once, the bytes in flight this phase needs (as a kept
+    # loop, one chunk ahead, it ran at 55% of its roofline at P = 8, unrolled at 64%: BENCHMARKS.md)
     sums = ()
     words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
-                               chunk_groups, G, RESIDUAL)
+                               chunk_groups, G, RESIDUAL, KEEP)
     for j in tl.static_range(P):
         if j + 1 < P:
             words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + (j + 1) * chunk_bytes, payload_bytes, res_ptr, offs,
-                                               c, live, lg, j + 1, row_groups, cols, chunk_groups, G, RESIDUAL)
-        x = to_f32(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE))
-        if RESIDUAL:
-            x = x + to_f32(r)
-            d, _ = block_shift(j, row_groups, cols, G)
-            store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
+                                               c, live, lg, j + 1, row_groups, cols, chunk_groups, G, RESIDUAL, KEEP)
+        x = _row_values(words, s, r, OUT, G, HADAMARD, SHUFFLE, RESIDUAL)
         x = tl.where(as_lanes(m, G), x, 0.0)  # padding lanes and columns past the row: not in the row
         sq = lane_sums(x * x)
         # the chunks' lanes combined in registers first: one reduction across the program per row statistic
@@ -168,11 +192,10 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
             lanes_max = sq
         else:
             lanes_max = tl.maximum(lanes_max, sq, propagate_nan=tl.PropagateNan.ALL)
-        xs = xs + (x,)
         sums = sums + (sq,)
         if j + 1 < P:
             words, s, r, m = words_n, s_n, r_n, m_n
-    # pass 2: the rows' sums of squares, as integers scaled by their largest lane sum
+    # the rows' sums of squares, as integers scaled by their largest lane sum
     mx = row_max(lanes_max, K, RGP)
     finite = mx < float("inf")  # false for inf and NaN
     k = fixed_shift(tl.where(finite, mx, 0.0))
@@ -184,9 +207,21 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     # tl.cast: a width of 1 comes in as a constant int
     rstd = tl.math.rsqrt(tl.math.div_rn(ssq, tl.cast(cols, tl.float32)) + eps)
     rstd = to_groups(rstd, RGP)[:, None, None]
-    # pass 3: normalise, weight, store
-    for j in tl.static_range(P):
-        d, limit = block_shift(j, row_groups, cols, G)
-        m = live & (c < limit)
+    # pass 2: decode again, store the new residual and the normalised, weighted rows. A kept loop
+    # (unrolled as well, the P = 8 kernel needs 128 registers and spills); the next chunk's loads
+    # issued before this one's arithmetic, masked off after the last
+    words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
+                               chunk_groups, G, RESIDUAL, DROP)
+    for j in range(P):
+        more = j + 1 < P
+        jn = tl.minimum(j + 1, P - 1)
+        words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + jn * chunk_bytes, payload_bytes, res_ptr, offs, c,
+                                           live & more, lg, jn, row_groups, cols, tl.where(more, chunk_groups, 0),
+                                           G, RESIDUAL, DROP)
+        x = _row_values(words, s, r, OUT, G, HADAMARD, SHUFFLE, RESIDUAL)
+        d, _ = block_shift(j, row_groups, cols, G)
+        if RESIDUAL:
+            store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
         w = load_values(w_ptr + d, c, m, G)
-        store_values(out_ptr + d, offs, m, weighted(xs[j] * rstd, w, OUT))
+        store_values(out_ptr + d, offs, m, weighted(x * rstd, w, OUT))
+        words, s, r, m = words_n, s_n, r_n, m_n

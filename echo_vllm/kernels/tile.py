@@ -281,9 +281,9 @@ def as_groups(t):
 
 
 @triton.jit
-def load_values(ptr, offs, mask, G: tl.constexpr):
-    """``[BG, L, V]`` values at ``offs [BG, G]`` (0 where masked)."""
-    return as_lanes(tl.load(ptr + offs, mask=mask, other=0.0), G)
+def load_values(ptr, offs, mask, G: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
+    """``[BG, L, V]`` values at ``offs [BG, G]`` (0 where masked); ``EVICT``: ``tl.load``'s ``eviction_policy``."""
+    return as_lanes(tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT), G)
 
 
 @triton.jit
@@ -492,14 +492,14 @@ def fwht(v, G: tl.constexpr, SHUFFLE: tl.constexpr = False, PRESCALE: tl.constex
 
 
 @triton.jit
-def _nan_max(a, b):
+def nan_max(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def group_amax(u):
     """``[BG]`` max of ``|u|`` over each group; NaN if the group holds a NaN."""
-    return tl.reduce(tl.reduce(tl.abs(u), 2, _nan_max), 1, _nan_max)
+    return tl.reduce(tl.reduce(tl.abs(u), 2, nan_max), 1, nan_max)
 
 
 @triton.jit
@@ -659,19 +659,20 @@ def chunk_lanes(buf_ptr, chunk_first, payload_bytes, lg, G: tl.constexpr):
 
 
 @triton.jit
-def load_lanes(wp, sp, gmask):
+def load_lanes(wp, sp, gmask, EVICT: tl.constexpr = tl.constexpr("")):
     """``(words [BG, L], scales fp32 [BG, L])`` at the pointers of
-    :func:`chunk_lanes` (0 where ``gmask`` is false)."""
+    :func:`chunk_lanes` (0 where ``gmask`` is false); ``EVICT``: the words'
+    ``eviction_policy``."""
     m = gmask[:, None]
-    return tl.load(wp, mask=m, other=0), bf16_bits_to_f32(_load_u16(sp, m))
+    return tl.load(wp, mask=m, other=0, eviction_policy=EVICT), bf16_bits_to_f32(_load_u16(sp, m))
 
 
 @triton.jit
-def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr):
+def load_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, G: tl.constexpr, EVICT: tl.constexpr = tl.constexpr("")):
     """Read groups ``lg`` of the chunk at byte ``chunk_first``: ``(words [BG, L],
-    scales fp32 [BG, L])`` (a group's scale on each of its lanes)."""
+    scales fp32 [BG, L])`` (a group's scale on each of its lanes; ``EVICT``: :func:`load_lanes`')."""
     wp, sp = chunk_lanes(buf_ptr, chunk_first, payload_bytes, lg, G)
-    return load_lanes(wp, sp, gmask)
+    return load_lanes(wp, sp, gmask, EVICT)
 
 
 @triton.jit

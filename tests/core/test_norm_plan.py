@@ -1,10 +1,11 @@
-"""The fused norm's tile plan: whole rows per program within the register
-budget, the unfused path for rows it cannot hold, with the reason."""
+"""The fused norm's tile plan: whole rows per program, a chunk's values a
+thread within the register budget, the unfused path for rows it cannot
+take, with the reason."""
 
 import pytest
 
-from echo_vllm.norm_plan import (BASE_REGISTERS, MAX_NORM_COLS, NORM_WARPS_PER_SM, SM_REGISTERS, VALUES_PER_THREAD,
-                                 norm_tiling)
+from echo_vllm.norm_plan import (MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS, NORM_WARPS_PER_SM, SM_REGISTERS,
+                                 TILE_VALUES, norm_tiling, registers)
 from echo_vllm.quant import WireLayout
 
 
@@ -17,12 +18,15 @@ def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
     assert t is not None, reason
     assert t.padded_row_groups >= lay.row_groups and t.padded_row_groups & (t.padded_row_groups - 1) == 0
     assert t.rows * t.padded_row_groups * group >= 256 * t.num_warps  # a warp's lanes hold whole groups
-    assert world * t.groups_per_tile * group == t.values_per_thread * 32 * t.num_warps
-    assert t.values_per_thread <= VALUES_PER_THREAD
+    assert t.groups_per_tile * group == t.values_per_thread * 32 * t.num_warps  # one chunk's values at a time
+    # as large as the fused kernel's own tile, larger only for a whole row, then with more warps
+    assert t.groups_per_tile * group == max(TILE_VALUES, t.padded_row_groups * group)
+    assert t.num_warps <= MAX_WARPS and t.values_per_thread <= 2 * TILE_VALUES // (32 * 8)
     # the fused kernel's programs per SM: within the warp limit, each thread its registers
-    per_sm = t.per_sm()
-    assert per_sm * t.num_warps <= max(NORM_WARPS_PER_SM, t.num_warps)
-    assert per_sm == 1 or per_sm * t.num_warps * 32 * (BASE_REGISTERS + t.values_per_thread) <= SM_REGISTERS
+    per_sm = t.per_sm(world)
+    assert per_sm <= MAX_PROGRAMS_PER_SM and per_sm * t.num_warps <= max(NORM_WARPS_PER_SM, t.num_warps)
+    need = t.num_warps * 32 * registers(world, t.values_per_thread)
+    assert per_sm == 1 or per_sm * need <= SM_REGISTERS
     assert t.tiles(lay) * t.rows * lay.row_groups >= lay.chunk_groups  # every group of a chunk in some tile
     assert t.row_tiles(lay) * t.rows >= lay.rows
 

@@ -221,9 +221,9 @@ def test_norm_plan_covers_every_group_with_resident_programs():
             for sms in (1, 66, 132):
                 plan = fk.plan_for_norm(lay, tiling, sms)
                 assert plan.norm == tiling and plan.groups_per_tile == tiling.groups_per_tile
-                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm()
+                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm(world)
                 assert plan.tiles(lay) == tiling.tiles(lay)
-                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm()
+                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm(world)
                 assert plan.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
     with pytest.raises(ValueError, match="not a norm plan"):
         lay = WireLayout(64, 2, 32)

@@ -87,7 +87,7 @@ def _fold_against_loop() -> int:
     h.flat[[3, 33]] = [np.nan, -0.0]
     idx = np.arange(x.size, dtype=np.int32).reshape(shape)
     cases = [
-        (tile._nan_max, [(np.abs(x), tl.float32)]),  # tile.group_amax's combine
+        (tile.nan_max, [(np.abs(x), tl.float32)]),  # tile.group_amax's combine
         (_add, [(h, tl.float16)]),
         (_first_max, [(x, tl.float32), (idx, tl.int32)]),
     ]
