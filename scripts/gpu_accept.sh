@@ -20,12 +20,15 @@
 #      vLLM (health counters under CUDA-graph replay and in inference mode,
 #      a training step through the kernels, the norm's division), and
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
-#      hidden 4096, T = 1k and 8k, P = 8 and 2, with Qwen3-8B's layer
-#      compute measured for the TTFT projection; verifies first).
+#      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2; verifies first;
+#      Qwen3-8B's layer compute for the TTFT projection is measured apart,
+#      `python3 -m echo_vllm.bench.layer_compute`).
 #   3  vLLM: the bundle unpacked (parts stashed by runs 1 and 2, the last one
 #      carried), then scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
-#      requests, metrics), side by side on the one GPU.
+#      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
+#      check requires fused calls in /metrics; vllm_check serves the
+#      default path), side by side on the one GPU.
 # Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN,
 # SHA256SUMS, and install.py from ../shared/gpu-wheelhouse for run 3); each
 # run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
@@ -65,7 +68,8 @@ elif [ "$RUN" = 2 ]; then
     --json "$OUT/fused_check.json"
   step gpu_tests 50 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
-  step bench_norm 90 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,2 --tokens 1024,8192 --measure-layer \
+  # 2026-12-04: the 9 cases took 55 s
+  step bench_norm 110 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
@@ -77,7 +81,7 @@ else
     printf '%s\n' "${status[-1]}" > "$OUT/.vllm_status" ) &  # its own line only: the bundle's is counted here
   vllm_pid=$!
   sleep 20  # the first engine claims its memory before the second starts
-  step serve_check 440 env OUT="$OUT/serve" bash server/gpu_serve_check.sh
+  step serve_check 440 env OUT="$OUT/serve" SERVE_EXTRA=--echo-fuse-norm bash server/gpu_serve_check.sh
   wait $vllm_pid
   [ -f "$OUT/.vllm_status" ] && mapfile -t -O "${#status[@]}" status < "$OUT/.vllm_status"
 fi
