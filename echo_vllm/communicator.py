@@ -71,7 +71,7 @@ class EchoCommunicator:
 
     ``backend``: a built backend, or None to build the one ``config.backend``
     names per device type of the tensors, on first use (with ``env``,
-    default :func:`echo_vllm.envs.read` now). ``exact``: the 16-bit
+    default :func:`echo_vllm.envs.read` now). ``exact_all_reduce``: the 16-bit
     all-reduce of one rank's tensor (vLLM's own for a TP group; default the
     backend's). ``numbering``: the slot of a call given none (default: no
     pass, so the exact path). ``hidden_size``: residual messages are
@@ -97,7 +97,7 @@ class EchoCommunicator:
         device: torch.device | str = "cpu",
         backend: EchoBackend | None = None,
         env: EchoEnv | None = None,
-        exact: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        exact_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         numbering: Numbering | None = None,
         hidden_size: int | None = None,
         residual_ndim: int | None = None,
@@ -121,7 +121,7 @@ class EchoCommunicator:
         self.world_size = transport.world_size
         self.disabled = False
         self.env = env if env is not None else envs.read()
-        self.exact_fn = exact
+        self._exact_all_reduce = exact_all_reduce
         self.numbering = numbering or _no_pass
         self.hidden_size = hidden_size
         self.residual_ndim = residual_ndim
@@ -149,7 +149,7 @@ class EchoCommunicator:
         return inp.unsqueeze(0)
 
     def _unlocal(self, xs: torch.Tensor) -> torch.Tensor:
-        """What the caller's ``exact`` takes: one rank's tensor."""
+        """What the caller's ``exact_all_reduce`` takes: one rank's tensor."""
         return xs[0]
 
     # -- decisions --------------------------------------------------------------
@@ -275,14 +275,14 @@ class EchoCommunicator:
 
     def exact_all_reduce(self, inp: torch.Tensor, chain: FeedbackChain | None = None,
                          call_index: int | None = None) -> torch.Tensor:
-        """The 16-bit all-reduce (``exact``, else the backend's), after adding
+        """The 16-bit all-reduce (the one given, else the backend's), after adding
         the chain's pending error to the input; it leaves none. Without a
         chain (a side call) the chain is left as it is."""
         xs = self._local(inp)
         if chain is not None and xs.is_floating_point():
             xs = self.absorb(xs, chain, call_index)
-        if self.exact_fn is not None:
-            return self.exact_fn(self._unlocal(xs))
+        if self._exact_all_reduce is not None:
+            return self._exact_all_reduce(self._unlocal(xs))
         return self.backend(xs.device).exact_all_reduce(xs)
 
     def _enter(self, xs: torch.Tensor, lay: WireLayout, chain: FeedbackChain | None, call_index: int | None):

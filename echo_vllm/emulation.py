@@ -79,7 +79,7 @@ class StackedCommunicator(EchoCommunicator):
     :class:`~echo_vllm.transport.VirtualTransport`: the emulation of P GPUs
     on one; R = 1 for one rank of a real group, training's rank-stacked
     tensors). Outputs, the policy and the records are one rank's, as in
-    real tensor parallelism; ``exact`` takes the stack."""
+    real tensor parallelism; ``exact_all_reduce`` takes the stack."""
 
     stacked = True
 
@@ -141,5 +141,5 @@ class EmulatedTP:
         call at ``slot`` (default: the next one)."""
         slot = self.counter.next() if slot is None else slot
         if self.mode == "exact":
-            return self.comm.transport.all_reduce_exact(partials)
+            return self.comm.transport.exact_all_reduce(partials)
         return self.comm.all_reduce(partials, slot=slot)
