@@ -71,7 +71,9 @@ class EchoCommunicator:
 
     ``backend``: a built backend, or None to build the one ``config.backend``
     names per device type of the tensors, on first use (with ``env``,
-    default :func:`echo_vllm.envs.read` now). ``exact_all_reduce``: the 16-bit
+    default :func:`echo_vllm.envs.read` now; ``fast_cpu``: ``auto`` takes
+    the fastest CPU backend installed for CPU tensors, the references' bits,
+    :func:`echo_vllm.backends.make_backend`). ``exact_all_reduce``: the 16-bit
     all-reduce of one rank's tensor (vLLM's own for a TP group; default the
     backend's). ``numbering``: the slot of a call given none (default: no
     pass, so the exact path). ``hidden_size``: residual messages are
@@ -97,6 +99,7 @@ class EchoCommunicator:
         device: torch.device | str = "cpu",
         backend: EchoBackend | None = None,
         env: EchoEnv | None = None,
+        fast_cpu: bool = False,
         exact_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         numbering: Numbering | None = None,
         hidden_size: int | None = None,
@@ -121,6 +124,7 @@ class EchoCommunicator:
         self.world_size = transport.world_size
         self.disabled = False
         self.env = env if env is not None else envs.read()
+        self.fast_cpu = fast_cpu
         self._exact_all_reduce = exact_all_reduce
         self.numbering = numbering or _no_pass
         self.hidden_size = hidden_size
@@ -379,7 +383,8 @@ class EchoCommunicator:
             return self._backend
         b = self._backends.get(device.type)
         if b is None:
-            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env)
+            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env,
+                                fast_cpu=self.fast_cpu)
             self._backends[device.type] = b
         return b
 

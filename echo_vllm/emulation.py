@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backends import fast_on_cpu
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .numbering import CallCounter, CallSlot
@@ -108,7 +107,7 @@ class EmulatedTP:
     first forward) marks the last call for ``exact_last_call``.
     ``mode="exact"`` reduces every call in 16-bit (the baseline). With
     ``config.backend="auto"`` CPU tensors run the fastest CPU backend
-    (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
+    installed (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
     """
 
     world_size: int
@@ -120,8 +119,8 @@ class EmulatedTP:
     def __post_init__(self) -> None:
         if self.mode not in ("echo", "exact"):
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        self.comm = StackedCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
-                                        device=self.device)
+        self.comm = StackedCommunicator(self.config, VirtualTransport(self.world_size), device=self.device,
+                                        fast_cpu=True)
         self.counter = CallCounter(self.calls_per_forward)
         """Numbers the calls of each forward pass (holds the learned count)."""
 
