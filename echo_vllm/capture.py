@@ -10,8 +10,20 @@ function, so that the CPU tests' stand-in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.cache
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked once per process: it reads the
+    environment and the driver on each call (about a tenth of a call's host
+    time above the backend), and its answer does not change while a process
+    lives. A forked child inherits the answer with the parent's devices; a
+    spawned one asks again."""
+    return torch.cuda.is_available()
+
+
 def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return cuda_available() and torch.cuda.is_current_stream_capturing()

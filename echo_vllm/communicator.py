@@ -71,7 +71,9 @@ class EchoCommunicator:
 
     ``backend``: a built backend, or None to build the one ``config.backend``
     names per device type of the tensors, on first use (with ``env``,
-    default :func:`echo_vllm.envs.read` now). ``exact``: the 16-bit
+    default :func:`echo_vllm.envs.read` now; ``fast_cpu``: ``auto`` takes
+    the fastest CPU backend installed for CPU tensors, the references' bits,
+    :func:`echo_vllm.backends.make_backend`). ``exact_all_reduce``: the 16-bit
     all-reduce of one rank's tensor (vLLM's own for a TP group; default the
     backend's). ``numbering``: the slot of a call given none (default: no
     pass, so the exact path). ``hidden_size``: residual messages are
@@ -97,7 +99,8 @@ class EchoCommunicator:
         device: torch.device | str = "cpu",
         backend: EchoBackend | None = None,
         env: EchoEnv | None = None,
-        exact: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fast_cpu: bool = False,
+        exact_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         numbering: Numbering | None = None,
         hidden_size: int | None = None,
         residual_ndim: int | None = None,
@@ -121,7 +124,8 @@ class EchoCommunicator:
         self.world_size = transport.world_size
         self.disabled = False
         self.env = env if env is not None else envs.read()
-        self.exact_fn = exact
+        self.fast_cpu = fast_cpu
+        self._exact_all_reduce = exact_all_reduce
         self.numbering = numbering or _no_pass
         self.hidden_size = hidden_size
         self.residual_ndim = residual_ndim
@@ -149,7 +153,7 @@ class EchoCommunicator:
         return inp.unsqueeze(0)
 
     def _unlocal(self, xs: torch.Tensor) -> torch.Tensor:
-        """What the caller's ``exact`` takes: one rank's tensor."""
+        """What the caller's ``exact_all_reduce`` takes: one rank's tensor."""
         return xs[0]
 
     # -- decisions --------------------------------------------------------------
@@ -165,19 +169,25 @@ class EchoCommunicator:
     def should_echo(self, inp: torch.Tensor, slot: CallSlot) -> Decision:
         """The policy's path for ``inp`` at ``slot`` (no side effects)."""
         msg = self._message(inp)
-        numel = msg.numel()
-        lay = self.message_layout(tuple(msg.shape)) if numel and msg.is_floating_point() else None
+        return self._decide(msg, slot, self._layout_of(msg), self.is_residual(msg))
+
+    def _layout_of(self, msg: torch.Tensor) -> WireLayout | None:
+        """The message's layout; None for one no Echo call could carry (empty, not floating point)."""
+        return self.message_layout(tuple(msg.shape)) if msg.is_floating_point() and msg.numel() else None
+
+    def _decide(self, msg: torch.Tensor, slot: CallSlot, lay: WireLayout | None, residual: bool) -> Decision:
+        """:meth:`should_echo` of a message whose layout and residual check
+        the call already has (each worked out once per call)."""
         fits = not (self.fixed_capacity and self.config.feedback and lay is not None) or \
             self.chain.fits(lay.padded_numel)
         return decide(CallInfo(
-            nbytes=numel * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
+            nbytes=msg.numel() * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
             capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
-            residual=self.is_residual(msg), fits_buffer=fits, transport_capturable=self.transport.capturable,
+            residual=residual, fits_buffer=fits, transport_capturable=self.transport.capturable,
         ), self.config, enabled=self.enabled)
 
-    def _slot(self, msg: torch.Tensor, slot: CallSlot | None) -> CallSlot:
+    def _slot(self, msg: torch.Tensor, slot: CallSlot | None, residual: bool) -> CallSlot:
         """Steps 2-3: the call's slot, and the buffer reserved once."""
-        residual = self.is_residual(msg)
         if slot is None:
             slot = self.numbering(msg.shape[0] if msg.dim() else 0, residual)
         if residual and self.fixed_capacity and not self._reserved and not capturing():
@@ -194,19 +204,23 @@ class EchoCommunicator:
         result. ``slot``: the call's place in its pass (default: ``numbering``'s).
         ``exact_reason``: the exact path, recorded under it, whatever the policy says."""
         msg = self._message(inp)
-        slot = self._slot(msg, slot)
-        decision = self.should_echo(inp, slot) if exact_reason is None else Decision(Path.EXACT, exact_reason)
+        residual = self.is_residual(msg)
+        slot = self._slot(msg, slot, residual)
+        lay = self._layout_of(msg)
+        decision = self._decide(msg, slot, lay, residual) if exact_reason is None else \
+            Decision(Path.EXACT, exact_reason)
         if decision.path is not Path.ECHO:
             y = self.exact_all_reduce(inp, None if decision.side else self.chain, slot.index)
             self._record_exact(msg, decision.reason)
             return y if out is None else out.copy_(y)
         # the backend is called from here (not through echo_all_reduce): hook -> here -> backend -> launch
         xs = self._local(inp)
-        key, lay, fb, incoming = self._enter(xs, self.chain, slot.index)
-        y = self.backend(xs.device).all_reduce(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming,
-                                               out=None if out is None else out.view(lay.numel))
+        key, fb, incoming = self._enter(xs, lay, self.chain, slot.index)
+        backend = self.backend(xs.device)
+        y = backend.all_reduce(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming,
+                               out=None if out is None else out.view(lay.numel))
         y = self._leave(y, key, self.chain, slot.index, fb, out)
-        self._record_echo(decision, inp, y, slot)
+        self._record_echo(decision, inp, y, slot, lay, backend)
         return y
 
     def all_reduce_norm(self, inp: torch.Tensor, norm: NormOperands, *,
@@ -220,14 +234,15 @@ class EchoCommunicator:
         msg = self._message(inp)
         if not self.is_residual(msg):
             return norm.apply(self.all_reduce(inp, slot=slot))
-        slot = self._slot(msg, slot)
-        decision = self.should_echo(inp, slot)
+        slot = self._slot(msg, slot, True)
+        lay = self._layout_of(msg)
+        decision = self._decide(msg, slot, lay, True)
         if decision.path is not Path.ECHO:
             y = self.exact_all_reduce(inp, None if decision.side else self.chain, slot.index)
             self._record_exact(msg, decision.reason, norm=EXACT_PATH_NORM)
             return norm.apply(y)
         out, res, how = self.echo_all_reduce_norm(inp, norm, self.chain, slot.index)
-        self._record_echo(decision, inp, out, slot, norm=how)
+        self._record_echo(decision, inp, out, slot, lay, self.backend(out.device), norm=how)
         return out, res
 
     # -- the two paths: Echo with the chain rule, and the exact path ---------------
@@ -240,7 +255,8 @@ class EchoCommunicator:
         if not inp.is_floating_point():
             raise TypeError(f"Echo all-reduce needs a floating-point tensor, got {inp.dtype}")
         xs = self._local(inp)
-        key, lay, fb, incoming = self._enter(xs, chain, call_index)
+        lay = self.message_layout(tuple(xs.shape[1:]))
+        key, fb, incoming = self._enter(xs, lay, chain, call_index)
         y = self.backend(xs.device).all_reduce(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming,
                                                out=None if out is None else out.view(lay.numel))
         return self._leave(y, key, chain, call_index, fb, out)
@@ -252,7 +268,8 @@ class EchoCommunicator:
         the backend's output phase) or why not (``norm_plan.norm_tiling``'s
         reason); the same bits either way."""
         xs = self._local(inp)
-        key, lay, fb, incoming = self._enter(xs, chain, call_index)
+        lay = self.message_layout(tuple(xs.shape[1:]))
+        key, fb, incoming = self._enter(xs, lay, chain, call_index)
         tiling, reason = norm_tiling(lay)
         out, res = self.backend(xs.device).all_reduce_norm(xs.reshape(xs.shape[0], lay.numel), lay, fb, norm, tiling,
                                                            has_incoming=incoming)
@@ -262,26 +279,26 @@ class EchoCommunicator:
 
     def exact_all_reduce(self, inp: torch.Tensor, chain: FeedbackChain | None = None,
                          call_index: int | None = None) -> torch.Tensor:
-        """The 16-bit all-reduce (``exact``, else the backend's), after adding
+        """The 16-bit all-reduce (the one given, else the backend's), after adding
         the chain's pending error to the input; it leaves none. Without a
         chain (a side call) the chain is left as it is."""
         xs = self._local(inp)
         if chain is not None and xs.is_floating_point():
             xs = self.absorb(xs, chain, call_index)
-        if self.exact_fn is not None:
-            return self.exact_fn(self._unlocal(xs))
+        if self._exact_all_reduce is not None:
+            return self._exact_all_reduce(self._unlocal(xs))
         return self.backend(xs.device).exact_all_reduce(xs)
 
-    def _enter(self, xs: torch.Tensor, chain: FeedbackChain | None, call_index: int | None):
-        """An Echo call's key, layout, feedback buffer and whether it takes an error."""
-        key = self.chain_key(xs)
+    def _enter(self, xs: torch.Tensor, lay: WireLayout, chain: FeedbackChain | None, call_index: int | None):
+        """An Echo call's chain key, feedback buffer and whether it takes an
+        error, for local inputs ``xs`` of message layout ``lay``."""
+        key = self.chain_key(xs, lay)
         self._check(key)
-        lay = self.message_layout(key[0])
         fb, incoming = None, False
         if chain is not None and self.config.feedback:
             incoming = chain.take(call_index, key)
             fb = chain.buffer(lay.padded_numel)
-        return key, lay, fb, incoming
+        return key, fb, incoming
 
     def _leave(self, y: torch.Tensor, key: tuple, chain: FeedbackChain | None, call_index: int | None,
                fb: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -307,12 +324,11 @@ class EchoCommunicator:
     # -- records ----------------------------------------------------------------
 
     def _record_echo(self, decision: Decision, inp: torch.Tensor, y: torch.Tensor, slot: CallSlot,
-                     norm: str = "") -> None:
+                     lay: WireLayout, backend: EchoBackend, norm: str = "") -> None:
         checked = (self.health is not None and sampled(slot.index, self.config.health_every)
                    and self.health.observe(inp, y))
-        lay = self.message_layout(tuple(y.shape))
         # the backend's own kernels may not take the message: its fallback ran it
-        reason = decision.reason if self.backend(y.device).fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
+        reason = decision.reason if backend.fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
         self.sink(CallRecord("echo", reason.value, wire_bytes=lay.wire_bytes_per_rank,
                              equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked, norm=norm,
                              **self._chain_outcome()))
@@ -341,10 +357,13 @@ class EchoCommunicator:
         """Layout of a message of ``shape`` (one rank's): rows along the last dim."""
         return self.layout(math.prod(shape), shape[-1] if shape else 0)
 
-    def chain_key(self, xs: torch.Tensor) -> tuple:
-        """The chain's key of local inputs ``xs [R, ...]``: shape, dtype, padded size."""
+    def chain_key(self, xs: torch.Tensor, lay: WireLayout | None = None) -> tuple:
+        """The chain's key of local inputs ``xs [R, ...]``: shape, dtype, padded
+        size (``lay``: their message's layout, where the caller has it)."""
         shape = tuple(xs.shape[1:])
-        return (shape, xs.dtype, self.message_layout(shape).padded_numel)
+        if lay is None:
+            lay = self.message_layout(shape)
+        return (shape, xs.dtype, lay.padded_numel)
 
     def _check(self, key: tuple) -> None:
         """Ranks must agree on the message: checked once per new shape with a
@@ -364,7 +383,8 @@ class EchoCommunicator:
             return self._backend
         b = self._backends.get(device.type)
         if b is None:
-            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env)
+            b, _ = make_backend(self.config, self.transport, device_type=device.type, env=self.env,
+                                fast_cpu=self.fast_cpu)
             self._backends[device.type] = b
         return b
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backends import fast_on_cpu
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .numbering import CallCounter, CallSlot
@@ -79,7 +78,7 @@ class StackedCommunicator(EchoCommunicator):
     :class:`~echo_vllm.transport.VirtualTransport`: the emulation of P GPUs
     on one; R = 1 for one rank of a real group, training's rank-stacked
     tensors). Outputs, the policy and the records are one rank's, as in
-    real tensor parallelism; ``exact`` takes the stack."""
+    real tensor parallelism; ``exact_all_reduce`` takes the stack."""
 
     stacked = True
 
@@ -108,7 +107,7 @@ class EmulatedTP:
     first forward) marks the last call for ``exact_last_call``.
     ``mode="exact"`` reduces every call in 16-bit (the baseline). With
     ``config.backend="auto"`` CPU tensors run the fastest CPU backend
-    (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
+    installed (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
     """
 
     world_size: int
@@ -120,8 +119,8 @@ class EmulatedTP:
     def __post_init__(self) -> None:
         if self.mode not in ("echo", "exact"):
             raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        self.comm = StackedCommunicator(fast_on_cpu(self.config, self.device), VirtualTransport(self.world_size),
-                                        device=self.device)
+        self.comm = StackedCommunicator(self.config, VirtualTransport(self.world_size), device=self.device,
+                                        fast_cpu=True)
         self.counter = CallCounter(self.calls_per_forward)
         """Numbers the calls of each forward pass (holds the learned count)."""
 
@@ -141,5 +140,5 @@ class EmulatedTP:
         call at ``slot`` (default: the next one)."""
         slot = self.counter.next() if slot is None else slot
         if self.mode == "exact":
-            return self.comm.transport.all_reduce_exact(partials)
+            return self.comm.transport.exact_all_reduce(partials)
         return self.comm.all_reduce(partials, slot=slot)

@@ -164,6 +164,7 @@ kernels are compiled with FMA contraction off and call ``fma`` there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -229,7 +230,12 @@ def stage2_shift(world_size: int) -> int:
 @dataclass(frozen=True)
 class WireLayout:
     """Sizes of one all-reduce of ``numel`` values (``numel // cols`` rows of
-    ``cols``) over ``world_size`` ranks. ``cols=0`` means one row."""
+    ``cols``) over ``world_size`` ranks. ``cols=0`` means one row.
+
+    The sizes are worked out once per layout (``cached_property``: the
+    fields are frozen, so they cannot go stale); a call asks for them
+    several times, and the communicator keeps one layout per message shape.
+    """
 
     numel: int
     world_size: int
@@ -248,44 +254,44 @@ class WireLayout:
         if self.cols < 1 or self.numel % self.cols:
             raise EchoConfigError(f"cols={self.cols}: must divide numel={self.numel}")
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.numel // self.cols
 
-    @property
+    @cached_property
     def row_groups(self) -> int:
         """Groups of one row each rank owns (its column block)."""
         return -(-self.cols // (self.world_size * self.group_size))
 
-    @property
+    @cached_property
     def padded_cols(self) -> int:
         """Row length with the zero columns that make the blocks whole groups."""
         return self.world_size * self.row_groups * self.group_size
 
-    @property
+    @cached_property
     def chunk_groups(self) -> int:
         return -(-(self.rows * self.row_groups) // ALIGN_GROUPS) * ALIGN_GROUPS
 
-    @property
+    @cached_property
     def chunk_numel(self) -> int:
         return self.chunk_groups * self.group_size
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         """Values per rank in wire order (all chunks): the feedback buffer's size."""
         return self.world_size * self.chunk_numel
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         """Bytes of packed codes in one chunk."""
         return self.chunk_numel // 2
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         """Bytes of one chunk on the wire: payload then scales."""
         return self.payload_bytes + 2 * self.chunk_groups
 
-    @property
+    @cached_property
     def wire_bytes_per_rank(self) -> int:
         """Bytes one rank sends per call: (P-1) chunks in the all-to-all and
         (P-1) copies of its reduced chunk in the all-gather."""

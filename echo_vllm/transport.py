@@ -7,7 +7,7 @@ P for in-process virtual ranks):
 * ``all_to_all(send[R, P, B]) -> recv[R, P, B]``: ``recv[r, i]`` is what
   rank i sent to local rank r (its chunk ``r``'s index);
 * ``all_gather(chunk[R, B]) -> [P, B]``: every rank's reduced chunk;
-* ``all_reduce_exact(x[R, ...]) -> [...]``: the 16-bit fallback.
+* ``exact_all_reduce(x[R, ...]) -> [...]``: the 16-bit fallback.
 
 Backends:
 
@@ -52,7 +52,7 @@ class Transport(abc.ABC):
     def all_gather(self, chunks: torch.Tensor) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor: ...
+    def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def check_same(self, values: Sequence[int]) -> None:
         """Raise :class:`EchoShapeMismatch` on every rank if ranks disagree on
@@ -82,7 +82,7 @@ class VirtualTransport(Transport):
     def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
         return chunks
 
-    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
+    def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 accumulation in rank order, one rounding: what vLLM's custom
         # all-reduce and NCCL's one-shot kernels do for 16-bit inputs.
         acc = torch.zeros(x.shape[1:], dtype=torch.float32, device=x.device)
@@ -125,7 +125,7 @@ class ProcessGroupTransport(Transport):
         dist.all_gather_into_tensor(out, host, group=self.group)
         return out.view((self.world_size,) + tuple(chunks.shape[1:])).to(chunks.device)
 
-    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
+    def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = self._host(x[0]).clone()
         dist.all_reduce(out, group=self.group)
         return out.to(x.device)

@@ -9,8 +9,10 @@
 
 ``EchoConfig.backend`` names one, or ``auto``: :func:`choose_backend` (one
 pure function, returning its reason) picks from the device, the rounding
-mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`) and whether the group's GPUs
-can run the fused kernel (:func:`.fused.fused_support`).
+mode, ``ECHO_KERNELS`` (:mod:`echo_vllm.envs`), whether the group's GPUs
+can run the fused kernel (:func:`.fused.fused_support`) and, for CPU
+tensors, whether the caller wants the fastest CPU backend installed
+(:func:`fastest_cpu_backend`: the evaluation and training tools do).
 :func:`make_backend` asks it and builds the answer: every backend Echo runs
 is made there (``EchoCommunicator`` on first use, the vLLM glue once per
 tensor-parallel group, with the group's facts). A new backend registers a
@@ -22,10 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
-from .. import envs
 from ..envs import EchoEnv
 from ..transport import Transport
 from .base import EchoBackend
@@ -89,7 +88,7 @@ assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
                    p2p: bool = False, p2p_reason: str = "", interpreted: bool = False,
                    probe: Callable[[], tuple[bool, str]] | None = None,
-                   cpu_default: str = "reference") -> tuple[str, str]:
+                   fastest_cpu: Callable[[], str] | None = None) -> tuple[str, str]:
     """``(backend name, reason)`` for tensors on ``device_type``.
 
     An explicit ``requested`` name wins (stochastic rounding needs
@@ -97,9 +96,10 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     ``reference``; else ``ECHO_KERNELS`` if set (``numba`` for CPU tensors
     only); else, for CUDA tensors, ``fused`` if ``p2p`` (the group can run
     it: :func:`.fused.fused_support`) and ``triton`` if not; for CPU
-    tensors ``cpu_default`` (the library's: ``reference``;
-    :func:`fast_on_cpu`'s: :func:`fastest_cpu_backend`); ``reference``
-    elsewhere. ``p2p_reason``: what probing the group said (empty: not
+    tensors ``reference`` (the specification), or where ``fastest_cpu`` is
+    given the backend it names (:func:`fastest_cpu_backend`: the same bits,
+    faster), asked only there; ``reference`` elsewhere. ``p2p_reason``:
+    what probing the group said (empty: not
     probed); an explicit ``fused`` on a group probed unable to run it is
     refused with it. ``probe``: instead of ``p2p`` / ``p2p_reason``, the
     probe that gives them, called once and only where the answer depends
@@ -110,7 +110,7 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
     """
     group = probe if probe is not None else (lambda: (p2p, p2p_reason))
     name, reason = _choose(requested, device_type=device_type, stochastic=stochastic, env_kernels=env_kernels,
-                           group=group, cpu_default=cpu_default)
+                           group=group, fastest_cpu=fastest_cpu)
     if name == "triton" and device_type == "cpu" and not interpreted:
         raise EchoConfigError(f"backend 'triton' ({reason}) takes CPU tensors only in Triton's interpreter: set "
                               "TRITON_INTERPRET=1 before Triton is imported, or use 'numba' or 'reference' on CPU")
@@ -118,7 +118,7 @@ def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_ke
 
 
 def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: str,
-            group: Callable[[], tuple[bool, str]], cpu_default: str) -> tuple[str, str]:
+            group: Callable[[], tuple[bool, str]], fastest_cpu: Callable[[], str] | None) -> tuple[str, str]:
     if requested != "auto":
         if requested not in BACKENDS:
             raise EchoConfigError(f"backend={requested!r}: choose one of {('auto', *BACKENDS)}")
@@ -143,15 +143,19 @@ def _choose(requested: str, *, device_type: str, stochastic: bool, env_kernels: 
             return "fused", f"CUDA tensors, peer-to-peer GPUs{f' ({p2p_reason})' if p2p_reason else ''}"
         return "triton", f"CUDA tensors{f' (fused unavailable: {p2p_reason})' if p2p_reason else ''}"
     if device_type == "cpu":
-        return cpu_default, "cpu tensors"
+        fastest = fastest_cpu() if fastest_cpu is not None else "reference"
+        if fastest != "reference":
+            return fastest, f"cpu tensors, the fastest CPU backend installed ({fastest}: the references' bits)"
+        return "reference", "cpu tensors"
     return "reference", f"{device_type} tensors"
 
 
 def fastest_cpu_backend() -> str:
     """``numba`` when numba imports (the references' bits, much faster on
-    CPU; it compiles on first use), else ``reference``. The evaluation and
-    training tools use it for CPU tensors (:func:`fast_on_cpu`); the
-    library's ``auto`` stays ``reference``."""
+    CPU; it compiles on first use), else ``reference``. ``auto`` takes it
+    for CPU tensors where the caller asks (``make_backend(fast_cpu=True)``:
+    the evaluation and training tools); the library's ``auto`` stays
+    ``reference``."""
     try:
         from ..kernels import cpu_loops
     except Exception:  # numba missing or broken: the references still work
@@ -159,22 +163,9 @@ def fastest_cpu_backend() -> str:
     return "numba" if cpu_loops.AVAILABLE else "reference"
 
 
-def fast_on_cpu(config: EchoConfig, device: torch.device | str) -> EchoConfig:
-    """``config`` with ``backend="auto"`` resolved for CPU tensors by
-    :func:`choose_backend`'s rule with :func:`fastest_cpu_backend` as the
-    CPU default (the same bits; stochastic rounding and ``ECHO_KERNELS``
-    still decide first, as they do for ``auto``); unchanged otherwise."""
-    if config.backend != "auto" or torch.device(device).type != "cpu":
-        return config
-    env = envs.read()
-    name, _ = choose_backend("auto", device_type="cpu", stochastic=config.rounding == "stochastic",
-                             env_kernels=env.kernels, interpreted=env.triton_interpret,
-                             cpu_default=fastest_cpu_backend())
-    return config.replace(backend=name)
-
-
 def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv,
-                 peers: Transport | None = None, max_numel: int | None = None) -> tuple[EchoBackend, str]:
+                 peers: Transport | None = None, max_numel: int | None = None,
+                 fast_cpu: bool = False) -> tuple[EchoBackend, str]:
     """Build the backend :func:`choose_backend` picks for ``config``;
     returns it and the reason.
 
@@ -186,12 +177,15 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     TP group moves the composed path's bytes with pynccl, and maps peer
     memory over the group's NCCL process group). ``max_numel``: the largest
     message in values per rank, which sizes the fused backend's buffers
-    (None: from ``max_bytes``, or its default).
+    (None: from ``max_bytes``, or its default). ``fast_cpu``: ``auto``
+    takes the fastest CPU backend installed for CPU tensors
+    (:func:`fastest_cpu_backend`) rather than the references.
     """
     peers = transport if peers is None else peers
     name, reason = choose_backend(config.backend, device_type=device_type, stochastic=config.rounding == "stochastic",
                                   env_kernels=env.kernels, interpreted=env.triton_interpret,
-                                  probe=lambda: fused_support(peers, device_type))
+                                  probe=lambda: fused_support(peers, device_type),
+                                  fastest_cpu=fastest_cpu_backend if fast_cpu else None)
     return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
 
 
@@ -208,7 +202,6 @@ __all__ = [
     "StageOps",
     "TritonStages",
     "choose_backend",
-    "fast_on_cpu",
     "fastest_cpu_backend",
     "make_backend",
     "register_backend",

@@ -90,7 +90,7 @@ class EchoBackend(abc.ABC):
 
     def exact_all_reduce(self, xs: torch.Tensor) -> torch.Tensor:
         """The 16-bit all-reduce of local inputs ``xs [R, ...]``."""
-        return self.transport.all_reduce_exact(xs)
+        return self.transport.exact_all_reduce(xs)
 
     def close(self) -> None:
         """Release what the backend holds (buffers, peer mappings)."""

@@ -96,7 +96,7 @@ class Contenders:
     def sixteen_bit(self, i: int) -> None:
         x = self.inputs16[i % len(self.inputs16)]
         if self.staged:
-            x.copy_(self.transport.all_reduce_exact(x.unsqueeze(0)))
+            x.copy_(self.transport.exact_all_reduce(x.unsqueeze(0)))
         else:
             dist.all_reduce(x)
 

@@ -67,7 +67,7 @@ def _rank_main(rank: int, world: int, layers: int, tokens: int, hidden: int, see
         for t in range(layers):
             x = _partial(t, rank, tokens, hidden, seed)
             if cfg is None:
-                y = transport.all_reduce_exact(x.unsqueeze(0))
+                y = transport.exact_all_reduce(x.unsqueeze(0))
             else:
                 y = comm.all_reduce(x, slot=CallSlot(t, last_call=(t == layers - 1)))
             residual += y.double()

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..backends import fast_on_cpu
 from ..emulation import StackedCommunicator
 from ..config import EchoConfig
 from ..numbering import CallCounter
@@ -228,8 +227,8 @@ class ChainedAllReduce:
         self.exact_only = echo_cfg is None
         # exact mode still owns a communicator: its exact path is the one the
         # Echo modes fall back to, so the three modes share the 16-bit numerics
-        self.comm = StackedCommunicator(fast_on_cpu(echo_cfg or EchoConfig(min_bytes=0), group.device),
-                                        group.transport, device=group.device, enabled=not self.exact_only)
+        self.comm = StackedCommunicator(echo_cfg or EchoConfig(min_bytes=0), group.transport, device=group.device,
+                                        fast_cpu=True, enabled=not self.exact_only)
         self.counter = CallCounter()
         """Numbers this direction's calls; ``calls_per_pass`` is declared per
         pass (known before the pass's last call)."""

@@ -58,7 +58,7 @@ def tp_communicator(coordinator: Any, config: EchoConfig, tracker: ForwardTracke
     tracker.stats.set_thresholds(config.effective_min_bytes, config.max_bytes)
 
     return EchoCommunicator(config, transport, device=coordinator.device, backend=backend, env=env,
-                            exact=vllm_all_reduce, numbering=tracker.number, hidden_size=hidden_size, residual_ndim=2,
+                            exact_all_reduce=vllm_all_reduce, numbering=tracker.number, hidden_size=hidden_size, residual_ndim=2,
                             max_num_tokens=max_num_tokens, fixed_capacity=True, stats=tracker.stats,
                             sink=tracker.on_record, health=health)
 

@@ -64,7 +64,7 @@ class PyncclTransport(Transport):
         self.comm.all_gather(out, chunks)
         return out
 
-    def all_reduce_exact(self, x: torch.Tensor) -> torch.Tensor:
+    def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(x[0].contiguous())
 
     def check_same(self, values: Sequence[int]) -> None:

@@ -76,6 +76,45 @@ def test_cpu_groups_are_never_probed(group):
     assert backend.name == "reference" and reason == "cpu tensors" and group.probed == []
 
 
+def test_the_fastest_cpu_backend_is_asked_only_where_it_decides():
+    """The tools' preference for the fastest CPU backend is one more input
+    of the one choice: it decides ``auto`` on CPU tensors and nothing else."""
+    asked = []
+
+    def fastest():
+        asked.append("asked")
+        return "numba"
+
+    def choose(requested, device_type="cpu", **kw):
+        return backends.choose_backend(requested, device_type=device_type, **{"stochastic": False, **kw},
+                                       fastest_cpu=fastest)
+
+    assert choose("auto") == ("numba", "cpu tensors, the fastest CPU backend installed (numba: the references' bits)")
+    assert asked == ["asked"]
+    assert choose("reference") == ("reference", "configured")
+    assert choose("auto", env_kernels="reference") == ("reference", "ECHO_KERNELS=reference")
+    assert choose("auto", stochastic=True) == ("reference", "stochastic rounding (torch noise)")
+    assert choose("auto", device_type="cuda")[0] == "triton"
+    assert asked == ["asked"]
+    # numba missing: the references, with the library's reason
+    assert backends.choose_backend("auto", device_type="cpu", stochastic=False,
+                                   fastest_cpu=lambda: "reference") == ("reference", "cpu tensors")
+
+
+def test_make_backend_takes_the_fastest_cpu_backend_where_asked(monkeypatch):
+    numba = SimpleNamespace(name="numba")  # a stand-in: the test runs where numba is not installed too
+    monkeypatch.setitem(backends.BACKENDS, "numba",
+                        dataclasses.replace(backends.BACKENDS["numba"], build=lambda *a, **k: numba))
+    monkeypatch.setattr(backends, "fastest_cpu_backend", lambda: "reference")
+    assert backends.make_backend(EchoConfig(), FakeRank(), device_type="cpu", env=EchoEnv(),
+                                 fast_cpu=True)[1] == "cpu tensors"
+    monkeypatch.setattr(backends, "fastest_cpu_backend", lambda: "numba")
+    backend, reason = backends.make_backend(EchoConfig(), FakeRank(), device_type="cpu", env=EchoEnv(),
+                                            fast_cpu=True)
+    assert backend is numba and "fastest CPU backend" in reason
+    assert backends.make_backend(EchoConfig(), FakeRank(), device_type="cpu", env=EchoEnv())[0].name == "reference"
+
+
 def test_the_backend_the_communicator_builds_is_make_backends():
     from echo_vllm import StackedCommunicator, VirtualTransport
 

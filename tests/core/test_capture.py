@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
-from echo_vllm.capture import capturing
+from echo_vllm.capture import capturing, cuda_available
 from support.vllm_graphs import capture
 
 
@@ -16,6 +16,17 @@ def test_the_stand_in_reaches_the_check():
     assert not capturing()
     with capture():
         assert capturing()
+
+
+def test_cuda_is_asked_once_per_process(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or False)
+    cuda_available.cache_clear()
+    try:
+        assert [capturing() for _ in range(3)] == [False] * 3
+    finally:
+        cuda_available.cache_clear()  # the next caller asks the real torch
+    assert asked == [1]
 
 
 def test_stochastic_rounding_refuses_capture_nearest_runs():

@@ -71,5 +71,5 @@ def test_a_callers_exact_reason_takes_the_exact_path_and_is_recorded():
     comm = StackedCommunicator(CFG, VirtualTransport(P), sink=records.append)
     x = torch.randn(P, 8, 128).bfloat16()
     y = comm.all_reduce(x, slot=CallSlot(3), exact_reason=Reason.FORCED_EXACT)
-    assert torch.equal(y, VirtualTransport(P).all_reduce_exact(x))
+    assert torch.equal(y, VirtualTransport(P).exact_all_reduce(x))
     assert [(r.path, r.reason) for r in records] == [("exact", Reason.FORCED_EXACT.value)]

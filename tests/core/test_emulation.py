@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from echo_vllm import EchoConfig, EchoConfigError
+from echo_vllm.backends import fastest_cpu_backend
 from echo_vllm.emulation import (
     EmulatedTP,
     StackedCommunicator,
@@ -75,6 +76,14 @@ def test_the_stacked_communicator_takes_one_input_per_local_rank():
     with pytest.raises(ValueError, match=r"3 local ranks of a group of 3 expect inputs stacked as \[3, \.\.\.\], "
                                          r"got shape \(2, 64\)"):
         comm.all_reduce(torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
+def test_the_emulation_runs_the_fastest_cpu_backend_the_library_the_references(monkeypatch):
+    monkeypatch.delenv("ECHO_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    assert EmulatedTP(2).comm.backend(cpu).name == fastest_cpu_backend()
+    assert EmulatedTP(2, EchoConfig(backend="reference")).comm.backend(cpu).name == "reference"
+    assert StackedCommunicator(EchoConfig(), VirtualTransport(2)).backend(cpu).name == "reference"
 
 
 def test_emulated_tp_exact_mode_sums_and_bad_modes_are_refused():

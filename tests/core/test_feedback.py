@@ -62,9 +62,9 @@ class _Recorder(VirtualTransport):
         self.log[-1]["gathered"] = chunks.clone()
         return super().all_gather(chunks)
 
-    def all_reduce_exact(self, x):
+    def exact_all_reduce(self, x):
         self.log.append({"absorbed": x.clone()})
-        return super().all_reduce_exact(x)
+        return super().exact_all_reduce(x)
 
 
 def _group_abs_sum(v: torch.Tensor) -> torch.Tensor:
@@ -269,7 +269,7 @@ def test_exact_call_mid_chain_consumes_pending_error():
     e = from_wire_order(e, lay).reshape(P, TOKENS, HIDDEN)
     absorbed = (xs1.float() + e).bfloat16()
     assert torch.equal(transport.log[-1]["absorbed"], absorbed)
-    assert torch.equal(y1, transport.all_reduce_exact(absorbed))
+    assert torch.equal(y1, transport.exact_all_reduce(absorbed))
     # and the two outputs together carry no error beyond the roundings: y0 =
     # S0 - rot^-1(E) + slack, y1 = S1 + rot^-1(E) + slack (bounds derived in
     # _echo_call_slack / _exact_call_slack: bf16 casts, bf16 storage, fp32)

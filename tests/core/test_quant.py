@@ -131,6 +131,16 @@ def test_layout_pads_and_aligns(numel, world, g):
     assert lay.chunk_bytes == lay.chunk_numel // 2 + 2 * (lay.chunk_numel // g)
 
 
+def test_a_layout_whose_sizes_were_read_is_the_same_key():
+    # the sizes are cached on the instance: they must not change its equality
+    # or hash, layouts being dictionary keys (the communicator's, plan caches)
+    read, fresh = WireLayout(4096, 4, 32, 512), WireLayout(4096, 4, 32, 512)
+    sizes = (read.rows, read.padded_cols, read.padded_numel, read.chunk_bytes, read.wire_bytes_per_rank)
+    assert sizes == (8, 512, 4096, 576, 3456)  # 1024 values a chunk: 512 bytes of codes, 32 bf16 scales
+    assert read == fresh and hash(read) == hash(fresh) and repr(read) == repr(fresh)
+    assert {fresh: 1}[read] == 1
+
+
 def test_layout_rejects_bad_input():
     with pytest.raises(EchoConfigError, match="world_size"):
         WireLayout(100, 1, 32)

@@ -27,7 +27,7 @@ class FakeRank(Transport):
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         raise AssertionError(f"{self.name}: no collective may run here")
 
-    all_gather = all_reduce_exact = all_to_all
+    all_gather = exact_all_reduce = all_to_all
 
     def __repr__(self) -> str:
         return f"FakeRank({self.name!r})"

@@ -33,7 +33,7 @@ MODES = ("NONE", "PIECEWISE", "FULL")
 @contextmanager
 def capture() -> Iterator[None]:
     """Pretend the current stream is capturing a CUDA graph."""
-    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch(
+    with mock.patch("echo_vllm.capture.cuda_available", return_value=True), mock.patch(
         "torch.cuda.is_current_stream_capturing", return_value=True
     ):
         yield

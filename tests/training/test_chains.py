@@ -138,6 +138,18 @@ def test_forward_call_count_is_checked():
         model.comm.end_forward()
 
 
+@pytest.mark.parametrize("mode", ["exact", "echo"])
+def test_both_chains_run_the_fastest_cpu_backend_unless_one_is_named(mode, monkeypatch):
+    """The three modes share their numerics on the fastest CPU backend
+    installed (the references' bits); a named backend is kept."""
+    monkeypatch.delenv("ECHO_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    comm = TPComm(TPCommConfig(mode=mode), TPGroup.virtual(P))
+    assert {ar.comm.backend(cpu).name for ar in (comm.forward, comm.backward)} == {fastest_cpu_backend()}
+    named = TPComm(TPCommConfig(mode=mode, forward=_echo(backend="reference")), TPGroup.virtual(P))
+    assert named.forward.comm.backend(cpu).name == ("reference" if mode == "echo" else fastest_cpu_backend())
+
+
 @pytest.mark.parametrize("device, backend", [
     pytest.param("cpu", "numba", marks=pytest.mark.skipif(fastest_cpu_backend() != "numba", reason="numba is not installed")),
     pytest.param("cuda", "triton", marks=[pytest.mark.gpu,

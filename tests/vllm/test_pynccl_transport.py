@@ -67,7 +67,7 @@ def _worker(rank, world):
                              ("gloo", ProcessGroupTransport(group))):
         comm, chain = EchoCommunicator(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
         by[label] = [comm.echo_all_reduce(x.clone(), chain, t) for t, x in enumerate(xs)]
-        by[label].append(transport.all_reduce_exact(xs[0].unsqueeze(0).clone()))
+        by[label].append(transport.exact_all_reduce(xs[0].unsqueeze(0).clone()))
     return by
 
 
