@@ -64,7 +64,7 @@ if [ "$RUN" = 1 ]; then
   step fused_floor 20 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
 elif [ "$RUN" = 2 ]; then
   # 2026-12-04, one H200: the P = 2, 4 checks 155 s; the sweeps side by side 253 s (P = 8); lost peers 20 s
-  step fused_check 400 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
+  step fused_check 380 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
     --json "$OUT/fused_check.json"
   step gpu_tests 50 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
