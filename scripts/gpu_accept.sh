@@ -11,12 +11,13 @@
 #      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
 #      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values), and
 #      `bench fused` at P = 8, 64 MiB against the floor recorded in
-#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first).
-#      The kernel tests took 397 s at -n 14 on an H200 (2026-12-04, 968
-#      passed); the bench 33 s.
+#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first),
+#      and the fused backend's lost-peer checks (an absent and a killed
+#      peer: a named timeout, never a hang). The kernel tests took 365 s at
+#      -n 14 on an H200 (2026-12-04, 969 passed); the bench 24 s.
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
-#      eager, CUDA graphs, auto, too large, lost peers, and the shape sweep
-#      at P = 2, 3, 4, 8), then every other GPU-marked test that needs no
+#      eager, CUDA graphs, auto, too large, and the shape sweep at P = 2,
+#      3, 4, 8), then every other GPU-marked test that needs no
 #      vLLM (health counters under CUDA-graph replay and in inference mode,
 #      a training step through the kernels, the norm's division), and
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
@@ -57,19 +58,22 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores
-  step kernel_tests 430 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
+  step kernel_tests 420 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
     --tb=line
-  step bench_fused 80 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
+  step bench_fused 40 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 20 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
+  # the fused backend's absent and killed peers: short, and here so that run 2's sweeps have its time
+  step lost_peers 60 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
 elif [ "$RUN" = 2 ]; then
-  # 2026-12-04, one H200: the P = 2, 4 checks 155 s; the sweeps side by side 253 s (P = 8); lost peers 20 s
-  step fused_check 380 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 \
+  # 2026-12-04 (ef8cb0f), one H200, the sweeps beside the P = 2, 4 checks: every check done by 184 s,
+  # the P = 8 sweep at 359 s
+  step fused_check 400 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 --skip-lost-peer \
     --json "$OUT/fused_check.json"
-  step gpu_tests 50 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
+  step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
-  # 2026-12-04: the 9 cases took 55 s
-  step bench_norm 110 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
+  # 2026-12-04: the 9 cases took 81 s
+  step bench_norm 95 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
