@@ -162,9 +162,10 @@ class EchoConfig:
     the checks off."""
 
     fuse_norm: bool = False
-    """Off by default: not yet proven on the GPU on the tree that ships it,
-    and measured slower than Echo + vLLM's norm at P = 8 for 8k x 4096
-    (BENCHMARKS.md, "Echo + residual add + RMSNorm"). When on, under
+    """Off by default: it saves little (3-16 us per call at 8k x 4096 on one
+    H200, BENCHMARKS.md, "Echo + residual add + RMSNorm"), and its
+    variance rounds in another order than Inductor's, which can move
+    tokens as much as compilation itself does. When on, under
     vLLM's compilation (not ``--enforce-eager``), fold the residual
     add and RMSNorm that follow each residual all-reduce into Echo's output
     phase (a compilation pass on pre-norm models, ``vllm_glue.norm_fusion``):
