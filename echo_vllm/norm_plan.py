@@ -7,8 +7,9 @@ of every chunk, a rank's ``row_groups`` groups of each padded to a power of
 two (``padded_row_groups``; the padding lanes are masked). The output phase
 reads its rows twice (``kernels.norm_tile``), so a thread holds one chunk's
 values at a time, not the row: a tile covers :data:`TILE_VALUES` values of
-each chunk where rows allow, the fused kernel's own tile for large messages,
-so its phases 1 and 2 run as fast with the norm as without.
+each chunk where rows allow, the fused kernel's own tile for large messages
+(its phases 1 and 2 run Echo's tile, with as many programs per SM as the
+output phase's registers allow: :meth:`NormTiling.per_sm`).
 :func:`norm_tiling` decides, with its reason, from the layout alone (so a
 token's path never depends on its batch); a row it refuses takes Echo's
 output, then the norm on its own.
