@@ -6,7 +6,9 @@ message too, in the fused kernel's phases 1-2: the chunk's padding groups)
 of every chunk, a rank's ``row_groups`` groups of each padded to a power of
 two (``padded_row_groups``; the padding lanes are masked). The output phase
 reads its rows twice (``kernels.norm_tile``), so a thread holds one chunk's
-values at a time, not the row: a tile covers :data:`TILE_VALUES` values of
+values at a time, not the row (the second time Echo's output itself,
+stored by the first, when the tile is small: ``decode_once``): a tile
+covers :data:`TILE_VALUES` values of
 each chunk where rows allow, the fused kernel's own tile for large messages
 (its phases 1 and 2 run Echo's tile, with as many programs per SM as the
 output phase's registers allow: :meth:`NormTiling.per_sm`).
@@ -25,8 +27,15 @@ from .quant import WireLayout
 #: Values of a row the fused norm takes (Qwen3-8B 4096, larger models 5120 and 8192, up to 16384).
 MAX_NORM_COLS = 16384
 assert MAX_NORM_COLS <= MAX_COLS, "the kernels' integer sum of squares must hold the widest row"
-#: Most ranks the fused norm takes: its output phase issues every chunk's loads at once (registers).
+#: Most ranks the fused norm takes: a thread keeps its lane's sum of squares of every chunk.
 MAX_NORM_RANKS = 8
+#: Chunks whose loads the output phase's first pass issues at once (fewer when there are fewer).
+CHUNKS_PER_STEP = 4
+#: Most values of a tile (its rows, every chunk) whose Echo output the first
+#: pass stores for the second to read back instead of decoding again: larger
+#: tiles, read back from L2 by every resident program, ran slower than a
+#: second decode (BENCHMARKS.md, the norm fusion).
+DECODE_ONCE_MAX_VALUES = 8192
 #: Values one warp covers in the lane layout (32 lanes of 8): the smallest tile of a chunk.
 WARP_VALUES = 256
 #: Values of each chunk a tile covers when its rows are shorter: the fused
@@ -41,10 +50,12 @@ NORM_WARPS_PER_SM = 24
 #: Most programs of the fused norm kernel resident per SM (sizes the barrier flags).
 MAX_PROGRAMS_PER_SM = NORM_WARPS_PER_SM // MIN_WARPS
 #: Registers a thread of the fused norm kernel needs: ``BASE_REGISTERS``
-#: plus ``REGISTERS_PER_VALUE`` for each value of every chunk, whose loads the
-#: output phase's first pass issues at once (compiled for sm_90, hidden
-#: 4096: 48, 64 and 107 at P = 2, 4 and 8; ``tests/kernels/test_norm_layouts.py``
-#: checks that the plans compile without spills under the cap these give).
+#: plus ``REGISTERS_PER_VALUE`` for each value of the chunks whose loads the
+#: output phase's first pass issues at once (a lower bound: compiled for
+#: sm_90, hidden 4096, the fused kernel's phase 3 takes 63, 80 and 69 at
+#: P = 2, 4 and 8, within the 80 of 3 programs per SM;
+#: ``tests/kernels/test_norm_layouts.py`` checks that the plans compile
+#: without spills under the cap these give).
 BASE_REGISTERS = 32
 REGISTERS_PER_VALUE = 1
 #: Registers per SM (Hopper).
@@ -54,12 +65,17 @@ SM_REGISTERS = 65536
 class NormTiling(NamedTuple):
     """``rows`` whole rows per tile, ``padded_row_groups`` groups of each per
     chunk, ``num_warps`` warps per program, ``values_per_thread`` values of
-    one chunk a thread holds."""
+    one chunk a thread holds, ``chunks_per_step`` chunks whose loads the
+    output phase's first pass issues at once, ``decode_once``: whether its
+    second pass reads Echo's output back from the output buffer (else it
+    decodes the chunks again)."""
 
     rows: int
     padded_row_groups: int
     num_warps: int
     values_per_thread: int = TILE_VALUES // (32 * MIN_WARPS)
+    chunks_per_step: int = CHUNKS_PER_STEP
+    decode_once: bool = True
 
     @property
     def groups_per_tile(self) -> int:
@@ -75,18 +91,18 @@ class NormTiling(NamedTuple):
         """Tiles covering the message's rows."""
         return -(-layout.rows // self.rows)
 
-    def per_sm(self, world_size: int) -> int:
-        """Programs of the fused kernel over ``world_size`` ranks resident per
-        SM: as many as :data:`NORM_WARPS_PER_SM` warps allow, each thread with
-        the registers it needs (:func:`registers`)."""
-        need = registers(world_size, self.values_per_thread)
+    def per_sm(self) -> int:
+        """Programs of the fused kernel resident per SM: as many as
+        :data:`NORM_WARPS_PER_SM` warps allow, each thread with the registers
+        it needs (:func:`registers`)."""
+        need = registers(self.chunks_per_step, self.values_per_thread)
         regs = SM_REGISTERS // (self.num_warps * 32 * need)
         return max(1, min(NORM_WARPS_PER_SM // self.num_warps, regs))
 
 
-def registers(world_size: int, values_per_thread: int) -> int:
+def registers(chunks_per_step: int, values_per_thread: int) -> int:
     """Registers a thread of the fused norm kernel needs (:data:`BASE_REGISTERS`)."""
-    return BASE_REGISTERS + REGISTERS_PER_VALUE * world_size * values_per_thread
+    return BASE_REGISTERS + REGISTERS_PER_VALUE * chunks_per_step * values_per_thread
 
 
 def _next_power_of_2(n: int) -> int:
@@ -106,9 +122,12 @@ def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
     rows = max(1, TILE_VALUES // chunk_row)
     warps = min(MAX_WARPS, rows * chunk_row // WARP_VALUES)
     per_thread = rows * chunk_row // (32 * warps)
-    return NormTiling(rows, rgp, warps, per_thread), (f"{rows} row(s) of {layout.world_size} x {rgp} groups per "
-                                                      f"program, {warps} warps")
+    step = min(layout.world_size, CHUNKS_PER_STEP)
+    once = rows * chunk_row * layout.world_size <= DECODE_ONCE_MAX_VALUES
+    return NormTiling(rows, rgp, warps, per_thread, step, once), (
+        f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, {warps} warps, "
+        + ("decoded once" if once else f"decoded twice (tiles over {DECODE_ONCE_MAX_VALUES} values)"))
 
 
-__all__ = ["BASE_REGISTERS", "MAX_NORM_COLS", "MAX_NORM_RANKS", "MAX_PROGRAMS_PER_SM", "MAX_WARPS", "MIN_WARPS", "NORM_WARPS_PER_SM",
+__all__ = ["BASE_REGISTERS", "CHUNKS_PER_STEP", "DECODE_ONCE_MAX_VALUES", "MAX_NORM_COLS", "MAX_NORM_RANKS", "MAX_PROGRAMS_PER_SM", "MAX_WARPS", "MIN_WARPS", "NORM_WARPS_PER_SM",
            "NormTiling", "REGISTERS_PER_VALUE", "TILE_VALUES", "WARP_VALUES", "norm_tiling", "registers"]

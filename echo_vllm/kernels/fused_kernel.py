@@ -376,7 +376,8 @@ def _fused_kernel(
 def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
-                 RESIDUAL: tl.constexpr, LANES: tl.constexpr):
+                 RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
+                 DECODE_ONCE: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
@@ -384,7 +385,8 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
         output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
-                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES)
+                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
+                         STEP, DECODE_ONCE)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
@@ -394,7 +396,7 @@ def _fused_norm_kernel(
     row_groups, cols, msg_groups, chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
-    RESIDUAL: tl.constexpr, LANES: tl.constexpr,
+    RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -423,7 +425,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, LANES)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -535,7 +537,7 @@ def plan_for_norm(layout: WireLayout, tiling: NormTiling, sms: int, sm: SMLimits
     rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
     ``tiling.per_sm(P)`` programs per SM."""
     return _persistent(tiling.tiles(layout), tiling.groups_per_tile, tiling.num_warps,
-                       tiling.per_sm(layout.world_size), sms, sm,
+                       tiling.per_sm(), sms, sm,
                        tiling)
 
 
@@ -600,7 +602,8 @@ def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **launch.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
-            PHASE=phase, RESIDUAL=residual, LANES=lanes,
+            PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
+            DECODE_ONCE=t.decode_once,
         ),
     )
 

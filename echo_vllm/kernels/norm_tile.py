@@ -19,7 +19,9 @@ may add in any order.
 The tile is read twice (:func:`output_norm_tile`), so a thread holds one
 chunk's values at a time: holding the row (64 fp32 values a thread at
 P = 8, hidden 4096) spilled and made the fused norm slower than Echo
-followed by the norm (BENCHMARKS.md, the norm fusion).
+followed by the norm (BENCHMARKS.md, the norm fusion). The second pass
+reads back Echo's output that the first stored in the output buffer, or,
+for large tiles (``NormTiling.decode_once``), decodes the chunks again.
 """
 
 from __future__ import annotations
@@ -141,22 +143,78 @@ def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j
 
 
 @triton.jit
-def _row_values(words, s, r, OUT: tl.constexpr, G: tl.constexpr, HADAMARD: tl.constexpr, SHUFFLE: tl.constexpr,
-                RESIDUAL: tl.constexpr):
-    """fp32 ``[BG, L, V]``: Echo's output of a chunk's groups (rounded to
-    ``OUT``), plus the residual when there is one -- the same instructions
-    in both passes, so the same bits."""
-    x = to_f32(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE))
+def _plus_residual(a, r, RESIDUAL: tl.constexpr):
+    """fp32 ``[BG, L, V]``: Echo's output ``a`` (in the output dtype) plus the
+    residual ``r`` when there is one -- the same instructions in both passes,
+    so the same bits."""
+    x = to_f32(a)
     if RESIDUAL:
         x = x + to_f32(r)
     return x
 
 
 @triton.jit
+def _store_rows(x, rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT: tl.constexpr, G: tl.constexpr,
+                RESIDUAL: tl.constexpr):
+    """Chunk values ``x`` (fp32, at ``d`` of the rows): the new residual and ``rmsnorm(x) * weight``."""
+    if RESIDUAL:
+        store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
+    w = load_values(w_ptr + d, c, m, G)
+    store_values(out_ptr + d, offs, m, weighted(x * rstd, w, OUT))
+
+
+@triton.jit
+def _second_pass_decoded(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd, offs,
+                         c, live, lg, row_groups, cols, chunk_groups, P: tl.constexpr, G: tl.constexpr,
+                         HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, SHUFFLE: tl.constexpr):
+    """Pass 2, decoding every chunk again (its bytes back from L1/L2). A kept
+    loop, the next chunk's loads issued before this one's arithmetic, masked
+    off after the last."""
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
+                               chunk_groups, G, RESIDUAL, DROP)
+    for j in range(P):
+        more = j + 1 < P
+        jn = tl.minimum(j + 1, P - 1)
+        words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + jn * chunk_bytes, payload_bytes, res_ptr, offs, c,
+                                           live & more, lg, jn, row_groups, cols, tl.where(more, chunk_groups, 0),
+                                           G, RESIDUAL, DROP)
+        x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE), r, RESIDUAL)
+        d, _ = block_shift(j, row_groups, cols, G)
+        _store_rows(x, rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT, G, RESIDUAL)
+        words, s, r, m = words_n, s_n, r_n, m_n
+
+
+@triton.jit
+def _second_pass_stored(res_ptr, w_ptr, out_ptr, res_out_ptr, rstd, offs, c, live, row_groups, cols,
+                        P: tl.constexpr, G: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Pass 2, Echo's output read back from ``out_ptr``, where pass 1 stored
+    it (the same thread's stores: no barrier), and the residual again. A kept
+    loop, the next chunk's loads issued before this one's arithmetic."""
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    d, limit = block_shift(0, row_groups, cols, G)
+    m = live & (c < limit)
+    a = load_values(out_ptr + d, offs, m, G, DROP)
+    r = m
+    if RESIDUAL:
+        r = load_values(res_ptr + d, offs, m, G, DROP)
+    for j in range(P):
+        dn, limit_n = block_shift(tl.minimum(j + 1, P - 1), row_groups, cols, G)
+        m_n = live & (c < limit_n) & (j + 1 < P)
+        a_n = load_values(out_ptr + dn, offs, m_n, G, DROP)
+        r_n = m_n
+        if RESIDUAL:
+            r_n = load_values(res_ptr + dn, offs, m_n, G, DROP)
+        _store_rows(_plus_residual(a, r, RESIDUAL), rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT, G,
+                    RESIDUAL)
+        a, r, m, d = a_n, r_n, m_n, dn
+
+
+@triton.jit
 def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
                      row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
                      K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
-                     LANES: tl.constexpr):
+                     LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr):
     """The tile's rows (groups ``lg``, :func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
     residual into ``res_out_ptr`` (``RESIDUAL``; it may be ``res_ptr``
@@ -166,35 +224,48 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     layout-agnostic butterflies, same bits).
 
     Two passes over the chunks, so that a thread holds one chunk's values
-    at a time and never the row: the first decodes and sums the squares,
-    keeping each lane's sum of each chunk; the second decodes again (the bytes
-    come back from L1/L2: the first pass asks to keep them, the second to
-    drop them) and stores. The second pass loads a chunk's residual before
-    it stores the new one, so the residual may be updated in place."""
+    at a time and never the row: the first decodes ``STEP`` chunks at a
+    time and sums the squares, keeping each lane's sum of each chunk; the
+    second stores. With ``DECODE_ONCE`` the first stores Echo's output into
+    ``out_ptr`` and the second reads it back (so ``out_ptr`` must not
+    overlap the residual); else the second decodes again (the bytes come
+    back from L1/L2: the first pass asks to keep them, the second to drop
+    them). The second pass loads a chunk's residual before it stores the
+    new one, so the residual may be updated in place."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and LANES
     offs, c, live = block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G)
-    # pass 1: each lane's sum of squares of every chunk, and the rows' largest. Unrolled: the
-    # compiler issues every chunk's loads at once, the bytes in flight this phase needs (as a kept
-    # loop, one chunk ahead, it ran at 55% of its roofline at P = 8, unrolled at 64%: BENCHMARKS.md)
+    # pass 1: each lane's sum of squares of every chunk. STEP chunks at a time: the compiler issues
+    # their loads at once, the bytes in flight this phase needs, in the registers of STEP chunks
+    # (every chunk at once needs 107 registers at P = 8: 2 programs per SM, not 3)
+    zero = lane_sums(as_lanes(c, G).to(tl.float32) * 0.0)  # [BG, L] in the layout of a lane's sums
     sums = ()
-    words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
-                               chunk_groups, G, RESIDUAL, KEEP)
-    for j in tl.static_range(P):
-        if j + 1 < P:
-            words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + (j + 1) * chunk_bytes, payload_bytes, res_ptr, offs,
-                                               c, live, lg, j + 1, row_groups, cols, chunk_groups, G, RESIDUAL, KEEP)
-        x = _row_values(words, s, r, OUT, G, HADAMARD, SHUFFLE, RESIDUAL)
-        x = tl.where(as_lanes(m, G), x, 0.0)  # padding lanes and columns past the row: not in the row
-        sq = lane_sums(x * x)
-        # the chunks' lanes combined in registers first: one reduction across the program per row statistic
-        if j == 0:
-            lanes_max = sq
-        else:
-            lanes_max = tl.maximum(lanes_max, sq, propagate_nan=tl.PropagateNan.ALL)
-        sums = sums + (sq,)
-        if j + 1 < P:
-            words, s, r, m = words_n, s_n, r_n, m_n
+    for i in tl.static_range(P):
+        sums = sums + (zero,)
+    for j0 in range(0, P, STEP):
+        loads = ()
+        for u in tl.static_range(STEP):
+            ok = j0 + u < P  # P need not be a multiple of STEP: the chunks past the last are masked off
+            loads = loads + (_chunk_in(buf_ptr, first + tl.minimum(j0 + u, P - 1) * chunk_bytes, payload_bytes,
+                                       res_ptr, offs, c, live & ok, lg, j0 + u, row_groups, cols,
+                                       tl.where(ok, chunk_groups, 0), G, RESIDUAL, KEEP),)
+        for u in tl.static_range(STEP):
+            words, s, r, m = loads[u]
+            a = decode_output(words, s, OUT, G, HADAMARD, SHUFFLE)
+            if DECODE_ONCE:  # read back by pass 2, which then decodes nothing
+                d, _ = block_shift(j0 + u, row_groups, cols, G)
+                store_values(out_ptr + d, offs, m, a)
+            x = _plus_residual(a, r, RESIDUAL)
+            x = tl.where(as_lanes(m, G), x, 0.0)  # padding lanes and columns past the row: not in the row
+            sq = lane_sums(x * x)
+            new = ()
+            for i in tl.static_range(P):
+                new = new + (tl.where(j0 + u == i, sq, sums[i]),)  # the chunk's slot (none past the last)
+            sums = new
+    # the chunks' lanes combined in registers first: one reduction across the program per row statistic
+    lanes_max = sums[0]
+    for i in tl.static_range(1, P):
+        lanes_max = tl.maximum(lanes_max, sums[i], propagate_nan=tl.PropagateNan.ALL)
     # the rows' sums of squares, as integers scaled by their largest lane sum
     mx = row_max(lanes_max, K, RGP)
     finite = mx < float("inf")  # false for inf and NaN
@@ -207,21 +278,10 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     # tl.cast: a width of 1 comes in as a constant int
     rstd = tl.math.rsqrt(tl.math.div_rn(ssq, tl.cast(cols, tl.float32)) + eps)
     rstd = to_groups(rstd, RGP)[:, None, None]
-    # pass 2: decode again, store the new residual and the normalised, weighted rows. A kept loop
-    # (unrolled as well, the P = 8 kernel needs 128 registers and spills); the next chunk's loads
-    # issued before this one's arithmetic, masked off after the last
-    words, s, r, m = _chunk_in(buf_ptr, first, payload_bytes, res_ptr, offs, c, live, lg, 0, row_groups, cols,
-                               chunk_groups, G, RESIDUAL, DROP)
-    for j in range(P):
-        more = j + 1 < P
-        jn = tl.minimum(j + 1, P - 1)
-        words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + jn * chunk_bytes, payload_bytes, res_ptr, offs, c,
-                                           live & more, lg, jn, row_groups, cols, tl.where(more, chunk_groups, 0),
-                                           G, RESIDUAL, DROP)
-        x = _row_values(words, s, r, OUT, G, HADAMARD, SHUFFLE, RESIDUAL)
-        d, _ = block_shift(j, row_groups, cols, G)
-        if RESIDUAL:
-            store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
-        w = load_values(w_ptr + d, c, m, G)
-        store_values(out_ptr + d, offs, m, weighted(x * rstd, w, OUT))
-        words, s, r, m = words_n, s_n, r_n, m_n
+    # pass 2: store the new residual and the normalised, weighted rows
+    if DECODE_ONCE:
+        _second_pass_stored(res_ptr, w_ptr, out_ptr, res_out_ptr, rstd, offs, c, live, row_groups, cols, P, G,
+                            RESIDUAL)
+    else:
+        _second_pass_decoded(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd,
+                             offs, c, live, lg, row_groups, cols, chunk_groups, P, G, HADAMARD, RESIDUAL, SHUFFLE)

@@ -30,11 +30,12 @@ def _output_norm_kernel(
     gathered_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
-    RESIDUAL: tl.constexpr, LANES: tl.constexpr,
+    RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
 ):
     lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP)
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES)
+                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
+                     STEP, DECODE_ONCE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +55,8 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
         ints=(*launch.message_ints(layout), layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes),
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
-                                 LANES=lanes),
+                                 LANES=lanes, STEP=tiling.chunks_per_step,
+                                 DECODE_ONCE=tiling.decode_once),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -91,7 +93,16 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=weight.device)
     message("out", out, (out_dtype,))
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is not None and _overlap(out, t):  # the kernels keep Echo's output in ``out`` between two reads of it
+            raise ValueError(f"out overlaps {name}: the norm needs separate buffers")
     return out, residual_out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of two contiguous tensors overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def output_norm(

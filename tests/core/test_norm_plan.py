@@ -4,7 +4,7 @@ take, with the reason."""
 
 import pytest
 
-from echo_vllm.norm_plan import (MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS, NORM_WARPS_PER_SM, SM_REGISTERS,
+from echo_vllm.norm_plan import (CHUNKS_PER_STEP, DECODE_ONCE_MAX_VALUES, MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS, NORM_WARPS_PER_SM, SM_REGISTERS,
                                  TILE_VALUES, norm_tiling, registers)
 from echo_vllm.quant import WireLayout
 
@@ -23,9 +23,12 @@ def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
     assert t.groups_per_tile * group == max(TILE_VALUES, t.padded_row_groups * group)
     assert t.num_warps <= MAX_WARPS and t.values_per_thread <= 2 * TILE_VALUES // (32 * 8)
     # the fused kernel's programs per SM: within the warp limit, each thread its registers
-    per_sm = t.per_sm(world)
+    assert t.chunks_per_step == min(world, CHUNKS_PER_STEP)
+    assert t.decode_once == (t.groups_per_tile * group * world <= DECODE_ONCE_MAX_VALUES)
+    assert ("decoded once" if t.decode_once else "decoded twice") in reason
+    per_sm = t.per_sm()
     assert per_sm <= MAX_PROGRAMS_PER_SM and per_sm * t.num_warps <= max(NORM_WARPS_PER_SM, t.num_warps)
-    need = t.num_warps * 32 * registers(world, t.values_per_thread)
+    need = t.num_warps * 32 * registers(t.chunks_per_step, t.values_per_thread)
     assert per_sm == 1 or per_sm * need <= SM_REGISTERS
     assert t.tiles(lay) * t.rows * lay.row_groups >= lay.chunk_groups  # every group of a chunk in some tile
     assert t.row_tiles(lay) * t.rows >= lay.rows
@@ -36,3 +39,9 @@ def test_tiling_refuses_wide_rows_with_a_reason():
     assert t is None and f"rows of {MAX_NORM_COLS + 1} values" in reason
     t, reason = norm_tiling(WireLayout(4096, 16, 32))
     assert t is None and "16 ranks" in reason
+
+
+@pytest.mark.parametrize("world,once", [(2, True), (4, True), (8, False)])
+def test_qwen3_8b_rows_are_decoded_once_up_to_four_ranks(world, once):
+    t, _ = norm_tiling(WireLayout(8192 * 4096, world, 32, 4096))
+    assert t.decode_once == once

@@ -87,6 +87,7 @@ NORM_PHASE_CASES = [
     (3, 160, 2, 16, "fp32", "int8", True, True, 1, 2),
     (9, 1, 2, 64, "fp32", "fp32", False, True, 4, 2),
     (4, 256, 4, 32, "bf16", None, True, False, 1, 1),
+    (3, 96, 6, 16, "bf16", "bf16", True, True, 1, 2),  # P not a multiple of the first pass's chunks per step
 ]
 
 
@@ -203,7 +204,8 @@ def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows,cols,world", [(1, 4096, 8), (333, 5120, 8), (64, 16384, 2), (100, 2880, 3)])
+@pytest.mark.parametrize("rows,cols,world", [(1, 4096, 8), (333, 5120, 8), (64, 16384, 2), (100, 2880, 3),
+                                            (64, 6144, 6), (50, 4096, 5), (7, 8192, 7)])
 def test_one_launch_other_shapes_on_gpu(rows, cols, world):
     _one_launch_matches_composed(rows, cols, world, True)
 
@@ -221,9 +223,9 @@ def test_norm_plan_covers_every_group_with_resident_programs():
             for sms in (1, 66, 132):
                 plan = fk.plan_for_norm(lay, tiling, sms)
                 assert plan.norm == tiling and plan.groups_per_tile == tiling.groups_per_tile
-                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm(world)
+                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm()
                 assert plan.tiles(lay) == tiling.tiles(lay)
-                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm(world)
+                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm()
                 assert plan.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
     with pytest.raises(ValueError, match="not a norm plan"):
         lay = WireLayout(64, 2, 32)

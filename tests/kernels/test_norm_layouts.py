@@ -2,7 +2,7 @@
 the CPU (no GPU): the composed kernel and the fused kernel's phase 3 at
 Qwen3-8B's 8192 x 4096, P = 8, 4 and 2, compile without spilling
 (``bench.sass_report.norm_report``; the fused one under the register cap
-its plan gives, ``norm_plan.registers``: 2 programs per SM at P = 8, 3 below)."""
+its plan gives, ``norm_plan.registers``: 3 programs per SM)."""
 
 from __future__ import annotations
 

@@ -97,6 +97,7 @@ CASES = [
     (2, 1000, 8, 32, "bf16", "bf16", True, True),
     (6, 48, 4, 16, "fp16", "fp16", False, False),
     (2, 640, 2, 128, "bf16", "bf16", True, True),
+    (3, 90, 5, 16, "fp16", "fp16", True, True),  # P not a multiple of the first pass's chunks per step
 ]
 
 
@@ -177,7 +178,7 @@ def test_output_norm_qwen3_8b_prefill_on_gpu(world, residual):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cols,world", [(5120, 8), (8192, 4), (16384, 2), (2880, 3)])
+@pytest.mark.parametrize("cols,world", [(5120, 8), (8192, 4), (16384, 2), (2880, 3), (6144, 6), (4096, 5)])
 def test_output_norm_other_hidden_sizes_on_gpu(cols, world):
     _output_norm_matches(64, cols, world, 32, "bf16", "bf16", True, True, seed=4)
 
@@ -196,3 +197,17 @@ def test_composed_backend_runs_the_output_norm_kernel():
     output_norm kernel, the same bits as the output kernel then the norm
     over a chain of calls (``tests/core/test_allreduce_norm.py``'s check)."""
     in_kernel_process(_composed_backend_fuses)
+
+
+def test_output_norm_refuses_an_out_that_overlaps_the_residual():
+    from echo_vllm.kernels.output_norm_kernel import check_norm_operands
+
+    lay = WireLayout(4 * 64, 2, 32, 64)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    buf = torch.zeros(2 * lay.numel, dtype=torch.bfloat16)
+    res, out = buf[:lay.numel], buf[lay.numel:]
+    assert check_norm_operands(lay, torch.bfloat16, w, res, out, None) == (out, res)  # adjacent: apart
+    with pytest.raises(ValueError, match="out overlaps residual"):
+        check_norm_operands(lay, torch.bfloat16, w, res, res, None)
+    with pytest.raises(ValueError, match="out overlaps residual_out"):
+        check_norm_operands(lay, torch.bfloat16, w, res.clone(), buf[32:32 + lay.numel], res)
