@@ -589,14 +589,14 @@ def bench() -> list[dict]:
     for world in (2, 4, 8):
         for tokens in (1, 16, 256, 4096):
             lay = WireLayout(tokens * 8192, world, 32, 8192)
-            plan = fk.plan_for(lay, sms)
-            table, _, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+            tiling = fk.tiling_for(lay, sms)
+            table, _, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(tiling.programs, world), "cuda")
             x = torch.randn(1, lay.numel, device="cuda").to(torch.bfloat16)
             fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
             y = torch.empty(lay.numel, dtype=torch.bfloat16, device="cuda")
             kw = dict(rank=0, gathered_offset=world * lay.chunk_bytes, qmax=QMAX, hadamard=True, has_incoming=True,
-                      plan=plan, timeout_ns=10**10, out=y)
-            row = {"P": world, "tokens": tokens, "hidden": 8192, "plan": plan._asdict()}
+                      tiling=tiling, timeout_ns=10**10, out=y)
+            row = {"P": world, "tokens": tokens, "hidden": 8192, "tiling": tiling._asdict()}
             for ph in (1, 2, 3):
                 row[f"fused_phase{ph}_us"] = round(timed(lambda: fk.fused_all_reduce(x, fb, table, lay, phase=ph,
                                                                                      **kw)), 2)

@@ -487,8 +487,8 @@ class FusedSymmMemBackend(EchoBackend):
         self.buffers = buffers
         if self.buffers.rank != self.rank:
             raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
-        self._plans = functools.lru_cache(maxsize=1024)(self._plan)
-        self._norm_plans = functools.lru_cache(maxsize=1024)(self._norm_plan)
+        self._tilings = functools.lru_cache(maxsize=1024)(self._tiling)
+        self._norm_tilings = functools.lru_cache(maxsize=1024)(self._norm_tiling)
         self.status = fused_kernel.trap_word()
         self._status_word = self.status.numpy()  # read per call: a numpy element costs no torch dispatch
         self._trap_reported = False
@@ -531,11 +531,11 @@ class FusedSymmMemBackend(EchoBackend):
         fallback runs the message, or :class:`MessageTooLarge`)."""
         return layout.world_size == self.world_size and layout.chunk_bytes <= self.buffers.chunk_bytes
 
-    def _plan(self, layout: WireLayout):
-        return self._k.plan_for(layout, self.sms, self.sm)
+    def _tiling(self, layout: WireLayout):
+        return self._k.tiling_for(layout, self.sms, self.sm)
 
-    def _norm_plan(self, layout: WireLayout, tiling):
-        return self._k.plan_for_norm(layout, tiling, self.sms, self.sm)
+    def _norm_tiling(self, layout: WireLayout, norm):
+        return self._k.tiling_for_norm(layout, norm, self.sms, self.sm)
 
     def _too_large(self, layout: WireLayout) -> MessageTooLarge:
         return MessageTooLarge(
@@ -560,7 +560,7 @@ class FusedSymmMemBackend(EchoBackend):
         cfg, b = self._ready()
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
-            hadamard=cfg.hadamard, has_incoming=has_incoming, plan=self._plans(layout), timeout_ns=self.timeout_ns,
+            hadamard=cfg.hadamard, has_incoming=has_incoming, tiling=self._tilings(layout), timeout_ns=self.timeout_ns,
             out=out, sms=self.sms, status=self.status,
         )
 
@@ -577,7 +577,7 @@ class FusedSymmMemBackend(EchoBackend):
         out, res = self._k.fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-            plan=self._norm_plans(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
+            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
             residual_out=norm.residual_out, sms=self.sms, status=self.status,
         )
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)

@@ -198,13 +198,13 @@ def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
     lay = WireLayout(37 * hidden, world, 32, hidden)
     (x, fb, y, table, bufs, pads), = _buffers(lay, 1, fb_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = fk.plan_for(lay, sms // world)
+    tiling = fk.tiling_for(lay, sms // world)
     fb_ref = fb.cpu().clone()
     bad = []
     for call in range(3):
         xs = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16) * (10.0 ** (call - 1))
         fk.fused_all_reduce(xs, fb, table, lay, rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7,
-                            hadamard=True, has_incoming=call > 0, plan=plan, timeout_ns=10 * 10**9, out=y)
+                            hadamard=True, has_incoming=call > 0, tiling=tiling, timeout_ns=10 * 10**9, out=y)
         wire = quant.stage1_reference(xs.cpu(), fb_ref, lay, qmax=7, hadamard=True, has_incoming=call > 0)
         q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb_ref, list(range(world)), lay, qmax=7)
         want = quant.output_reference(q2, lay, torch.bfloat16, hadamard=True)
@@ -219,14 +219,14 @@ def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
 
 
 def parse_plan(spec: str, layout: WireLayout, sms: int):
-    """``tile_values:num_warps:per_sm`` -> the ``FusedPlan`` it names for
+    """``tile_values:num_warps:per_sm`` -> the ``FusedTiling`` it names for
     ``layout`` on ``sms`` SMs (a tuning override of ``TILE_TABLE``)."""
     from ..kernels import fused_kernel as fk
 
     tile, warps, per_sm = (int(v) for v in spec.split(":"))
     groups = tile // layout.group_size
     tiles = -(-layout.chunk_groups // groups)
-    return fk.FusedPlan(groups, warps, min(tiles, sms * per_sm), fk.register_cap(per_sm, warps))
+    return fk.FusedTiling(groups, warps, min(tiles, sms * per_sm), fk.register_cap(per_sm, warps))
 
 
 def plan_specs(text: str) -> list[str]:
@@ -255,8 +255,8 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
     lay = WireLayout(numel, world, 32, hidden)
     sets_ = _buffers(lay, sets, fb_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    one = parse_plan(plan, lay, sms) if plan else fk.plan_for(lay, sms)  # one rank per GPU
-    emul = parse_plan(plan, lay, sms // world) if plan else fk.plan_for(lay, sms // world)  # P ranks share it
+    one = parse_plan(plan, lay, sms) if plan else fk.tiling_for(lay, sms)  # one rank per GPU
+    emul = parse_plan(plan, lay, sms // world) if plan else fk.tiling_for(lay, sms // world)  # P ranks share it
     case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype))
     kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
               timeout_ns=10 * 10**9)
@@ -264,13 +264,13 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
     for ph in (1, 2, 3):
         def run(i, ph=ph):
             x, fb, y, table, _, _ = sets_[i % sets]
-            fk.fused_all_reduce(x[:1], fb[:1], table, lay, rank=0, plan=one, out=y[0], phase=ph, **kw)
+            fk.fused_all_reduce(x[:1], fb[:1], table, lay, rank=0, tiling=one, out=y[0], phase=ph, **kw)
         case.times_us[f"phase{ph}"] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
     case.times_us["phases"] = sum(case.times_us[f"phase{ph}"] for ph in (1, 2, 3))
 
     def whole(i):
         x, fb, y, table, _, _ = sets_[i % sets]
-        fk.fused_all_reduce(x, fb, table, lay, rank=0, plan=emul, out=y, **kw)
+        fk.fused_all_reduce(x, fb, table, lay, rank=0, tiling=emul, out=y, **kw)
     case.times_us["emulated_per_rank"] = timing.cuda_graph_time(whole, iters=5, calls_per_graph=sets).median_s * 1e6 / world
 
     for ph in ("phase1", "phase2", "phase3"):

@@ -182,8 +182,8 @@ def verify_norm(world: int, hidden: int) -> list[str]:
     if tiling is None:
         return [f"P={world} hidden={hidden}: {reason}"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count // world
-    plan = fk.plan_for_norm(lay, tiling, sms)
-    table, bufs, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+    fused_tiling = fk.tiling_for_norm(lay, tiling, sms)
+    table, bufs, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(fused_tiling.programs, world), "cuda")
     x = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16)
     fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
     fb_c = fb.clone()
@@ -192,7 +192,7 @@ def verify_norm(world: int, hidden: int) -> list[str]:
     ress = res.repeat(world, 1)
     out, _ = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=ress, rank=0,
                                       gathered_offset=bufs[0].numel() // 2, qmax=7, hadamard=True,
-                                      has_incoming=False, plan=plan, timeout_ns=10 * 10**9)
+                                      has_incoming=False, tiling=fused_tiling, timeout_ns=10 * 10**9)
     wire = kernels.stage1(x, fb_c, lay, qmax=7, hadamard=True, has_incoming=False)
     q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=7)
     want, want_res = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res)
@@ -217,8 +217,8 @@ def measure_norm(world: int, tokens: int, hidden: int, sets: int) -> NormCase:
     if tiling is None:
         raise ValueError(f"P={world} hidden={hidden}: {reason}")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    emul, emul_norm = fk.plan_for(lay, sms // world), fk.plan_for_norm(lay, tiling, sms // world)
-    one_norm = fk.plan_for_norm(lay, tiling, sms)
+    emul, emul_norm = fk.tiling_for(lay, sms // world), fk.tiling_for_norm(lay, tiling, sms // world)
+    one_norm = fk.tiling_for_norm(lay, tiling, sms)
     case = NormCase(world, tokens, hidden, plan=emul_norm._asdict(), bytes=norm_phase_bytes(lay))
     slots = fk.signal_slots(sms * fk.max_per_sm(), world)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
@@ -234,12 +234,12 @@ def measure_norm(world: int, tokens: int, hidden: int, sets: int) -> NormCase:
 
     def echo(i):
         b = bufs[i % sets]
-        fk.fused_all_reduce(b["x"], b["fb"], b["table"], lay, rank=0, plan=emul, out=b["y"], **kw)
+        fk.fused_all_reduce(b["x"], b["fb"], b["table"], lay, rank=0, tiling=emul, out=b["y"], **kw)
 
     def echo_norm(i):
         b = bufs[i % sets]
         fk.fused_all_reduce_norm(b["x"], b["fb"], b["table"], lay, w, EPS, residual=b["res"], rank=0,
-                                 plan=emul_norm, out=b["out"], **kw)
+                                 tiling=emul_norm, out=b["out"], **kw)
 
     case.times_us["echo"] = timing.cuda_graph_time(echo, iters=5, calls_per_graph=sets).median_s * 1e6 / world
     case.times_us["echo_norm"] = timing.cuda_graph_time(echo_norm, iters=5, calls_per_graph=sets).median_s * 1e6 / world
@@ -247,7 +247,7 @@ def measure_norm(world: int, tokens: int, hidden: int, sets: int) -> NormCase:
         def run(i, ph=ph):
             b = bufs[i % sets]
             fk.fused_all_reduce_norm(b["x"][:1], b["fb"][:1], b["table"], lay, w, EPS, residual=b["res"][0],
-                                     rank=0, plan=one_norm, out=b["out"][0], phase=ph, **kw)
+                                     rank=0, tiling=one_norm, out=b["out"][0], phase=ph, **kw)
         case.times_us[f"phase{ph}" if ph < 3 else "phase3_norm"] = (
             timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6)
     for name, fn in _norm_impls(w).items():

@@ -81,9 +81,9 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
     lay = WireLayout(4096 * 8192, world_size, 32, 8192)
     x, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
-    plan = fk.plan_for(lay, 132)
-    lp = fk._launch_plan(lay, plan, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                         fk.plan_lanes(plan, lay, x, y))
+    tiling = fk.tiling_for(lay, 132)
+    lp = fk._launch_plan(lay, tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
+                         fk.tiling_lanes(tiling, lay, x, y))
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
@@ -92,7 +92,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
     """The output-norm kernel and the fused kernel's phase 3 with the norm,
     compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default)."""
     from ..kernels import fused_kernel as fk
-    from ..kernels import launch
+    from ..kernels import contract
     from ..kernels import output_norm_kernel as onk
     from ..norm_plan import norm_tiling
     from ..quant import WireLayout
@@ -103,13 +103,13 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    la, plan = onk._plan(lay, tiling, True, True, launch.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
+    plan = onk._plan(lay, tiling, True, True, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
                                                                      tiling.num_warps, res, w, out))
-    composed = la.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
+    composed = plan.launcher.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
-    fplan = fk.plan_for_norm(lay, tiling, 132)
-    lp = fk._norm_launch_plan(lay, fplan, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True,
-                              fk.plan_lanes(fplan, lay, res, w, out))
+    fused_tiling = fk.tiling_for_norm(lay, tiling, 132)
+    lp = fk._norm_launch_plan(lay, fused_tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True,
+                              fk.tiling_lanes(fused_tiling, lay, res, w, out))
     x, fb = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
     ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
     fused = lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
@@ -140,10 +140,10 @@ def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     over tiles: phases 1 and 3 handle a thread's 8 values of each of the
     P = 8 chunks per tile, 64 values; phase 2 its 8 values of the own chunk,
     each summed over 8 ranks and stored to 8 peers)."""
-    from ..kernels import consume_kernel, launch, output_kernel, stage1_kernel, stage2_kernel
+    from ..kernels import consume_kernel, contract, output_kernel, stage1_kernel, stage2_kernel
 
     modules = {"stage1": stage1_kernel, "stage2": stage2_kernel, "output": output_kernel, "consume": consume_kernel}
-    values_per_thread = launch.TILE_VALUES // (32 * launch.NUM_WARPS)
+    values_per_thread = contract.TILE_VALUES // (32 * contract.NUM_WARPS)
     rows = []
     with compile_only():
         for name, call in _calls(1 << 22, 8, fb_dtype).items():

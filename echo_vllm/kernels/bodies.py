@@ -53,7 +53,7 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
                   HAS_INCOMING: tl.constexpr, LANES: tl.constexpr):
     """u = rot(x * c) [+ e] (``c = quant.input_scale``); quantize; the new
     error into the feedback buffer (wire order), the codes and scales into
-    the chunk at byte ``wire_first`` (``LANES``: ``launch.lane_layout`` of
+    the chunk at byte ``wire_first`` (``LANES``: ``contract.lane_layout`` of
     the message). A 16-bit ``x`` times ``c`` is exact,
     so the product is fused into the first butterflies, or into the add of
     the error (no extra instruction); an fp32 ``x`` is multiplied first."""
@@ -135,7 +135,7 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr,
                   LANES: tl.constexpr):
     """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
-    (:func:`tile.block_offsets`) of chunk ``j``. ``LANES``: ``launch.lane_layout`` of ``y``."""
+    (:func:`tile.block_offsets`) of chunk ``j``. ``LANES``: ``contract.lane_layout`` of ``y``."""
     offs, c, live = y_tile
     SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty) and LANES
     v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
@@ -149,7 +149,7 @@ def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, ch
                  HADAMARD: tl.constexpr, LANES: tl.constexpr):
     """out = x + rot(e) * OUTPUT_SCALE for groups ``lg`` of chunk ``j`` (e in
     wire order), as ``quant.consume_reference``: saturated where x is finite;
-    ``LANES``: ``launch.lane_layout`` of ``x`` and ``out``."""
+    ``LANES``: ``contract.lane_layout`` of ``x`` and ``out``."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:

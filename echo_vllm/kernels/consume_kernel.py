@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from .bodies import consume_tile
 
 
@@ -30,16 +30,17 @@ def _consume_kernel(
                  row_groups, cols, msg_groups, chunk_numel, G, HADAMARD, LANES)
 
 
-_LAUNCH = Launcher(_consume_kernel, launch.LAUNCH_OPTIONS)
+_LAUNCH = Launcher(_consume_kernel, contract.LAUNCH_OPTIONS)
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, hadamard: bool, lanes: bool) -> launch.Plan:
-    """``ints``: :func:`launch.message_ints`, chunk_numel (the rows' strides are per call)."""
-    return launch.Plan(
-        grid=(launch.programs(layout), layout.world_size, rows),
-        ints=(*launch.message_ints(layout), layout.chunk_numel),
-        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard,
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, rows: int, hadamard: bool, lanes: bool) -> LaunchPlan:
+    """``ints``: :func:`contract.message_ints`, chunk_numel (the rows' strides are per call)."""
+    return LaunchPlan(
+        launcher=_LAUNCH,
+        grid=(contract.programs(layout), layout.world_size, rows),
+        ints=(*contract.message_ints(layout), layout.chunk_numel),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=contract.groups_per_program(layout), HADAMARD=hadamard,
                                       LANES=lanes),
         wire_shape=(),
     )
@@ -55,16 +56,16 @@ def consume(
 ) -> torch.Tensor:
     """Kernel version of ``quant.consume_reference``: ``x [R, numel]`` -> ``[R, numel]``."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    contract.check_rows("x", x, rows, layout.numel, contract.INPUT_DTYPES)
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
-    launch.check_feedback(feedback, rows, layout)
+    contract.check_feedback(feedback, rows, layout)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
-        launch.check_rows("out", out, rows, layout.numel, (x.dtype,))
-    launch.check_device(x, feedback, out)
-    plan = _plan(layout, rows, bool(hadamard), launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, x, out))
-    _LAUNCH(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
+        contract.check_rows("out", out, rows, layout.numel, (x.dtype,))
+    contract.check_device(x, feedback, out)
+    plan = _plan(layout, rows, bool(hadamard), contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, x, out))
+    plan.launcher(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
             plan.constexprs)
     return out

@@ -30,7 +30,7 @@ import torch
 
 from .. import quant
 from ..quant import ALIGN_GROUPS, FEEDBACK_QMAX, WireLayout
-from . import launch
+from . import contract
 
 try:
     import numba
@@ -422,7 +422,7 @@ def _require(*tensors: torch.Tensor | None) -> None:
 
 
 def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
-    return _F(qmax), _F(launch.qmax_constants(qmax)["INV_QMAX"])
+    return _F(qmax), _F(contract.qmax_constants(qmax)["INV_QMAX"])
 
 
 def _feedback_rows(feedback: torch.Tensor | None, rows: int):
@@ -446,18 +446,18 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     """CPU loop version of ``quant.stage1_reference`` (see ``kernels.stage1``)."""
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
-    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    contract.check_rows("x", x, rows, layout.numel, contract.INPUT_DTYPES)
     if feedback is not None:
-        launch.check_feedback(feedback, rows, layout)
+        contract.check_feedback(feedback, rows, layout)
     p = layout.world_size
-    wire = launch.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
+    wire = contract.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
     fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     wire_np = wire.numpy()
     c = _F(quant.input_scale(layout.group_size, bool(hadamard)))
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
-        _stage1_row(xr, x_bf16, launch.message_ints(layout), fb[r], fbq[r], kind,
+        _stage1_row(xr, x_bf16, contract.message_ints(layout), fb[r], fbq[r], kind,
                     feedback is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
                     layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard), c)
     return wire
@@ -470,13 +470,13 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
     _require(recv, feedback, out)
     p = layout.world_size
     rows = recv.shape[0] if recv.dim() == 3 else -1
-    launch.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
+    contract.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
     if len(own_chunks) != rows:
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
     own_chunk_progression(own_chunks, p)
     if feedback is not None:
-        launch.check_feedback(feedback, rows, layout)
-    wire = launch.wire_or_new(out, (rows, layout.chunk_bytes), recv)
+        contract.check_feedback(feedback, rows, layout)
+    wire = contract.wire_or_new(out, (rows, layout.chunk_bytes), recv)
     fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     recv_np, out_np = recv.numpy(), wire.numpy()
@@ -490,13 +490,13 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
 def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
     """CPU loop version of ``quant.output_reference`` (see ``kernels.output``)."""
     _require(gathered, out)
-    launch.check_wire("gathered", gathered, (layout.world_size, layout.chunk_bytes))
-    if out_dtype not in launch.INPUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
+    contract.check_wire("gathered", gathered, (layout.world_size, layout.chunk_bytes))
+    if out_dtype not in contract.INPUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {contract.INPUT_DTYPES}")
     bf16 = out_dtype == torch.bfloat16
     buf = torch.empty(layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     dst = buf.numpy().view(np.uint16) if bf16 else buf.numpy()
-    _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, launch.message_ints(layout),
+    _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, contract.message_ints(layout),
                 layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard),
                 _F(torch.finfo(out_dtype).max))
     y = buf.view(torch.bfloat16) if bf16 else buf.to(out_dtype)
@@ -510,15 +510,15 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     """CPU loop version of ``quant.consume_reference`` (see ``kernels.consume``)."""
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
-    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
-    launch.check_feedback(feedback, rows, layout)
+    contract.check_rows("x", x, rows, layout.numel, contract.INPUT_DTYPES)
+    contract.check_feedback(feedback, rows, layout)
     fb, fbq, kind = _feedback_rows(feedback, rows)
     bf16 = x.dtype == torch.bfloat16
     res = torch.empty(rows, layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     res_np = res.numpy().view(np.uint16) if bf16 else res.numpy()
     for r in range(rows):
         xr, _ = _as_loop_input(x[r])
-        _consume_row(xr, bf16, launch.message_ints(layout), fb[r], fbq[r], kind, res_np[r], layout.world_size,
+        _consume_row(xr, bf16, contract.message_ints(layout), fb[r], fbq[r], kind, res_np[r], layout.world_size,
                       layout.chunk_numel, layout.group_size, bool(hadamard), _F(torch.finfo(x.dtype).max))
     y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
     if out is None:

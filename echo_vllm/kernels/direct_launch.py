@@ -39,7 +39,7 @@ before the first launch.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -163,3 +163,20 @@ class Launcher:
             if len(self._compiled) >= MAX_ENTRIES:
                 self._compiled.clear()
             self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+class LaunchPlan(NamedTuple):
+    """What one launch needs that depends only on the shapes and the static
+    options, computed once per distinct call (each kernel's wrapper caches
+    its plans with ``functools.lru_cache``) so that an eager call does no
+    arithmetic on the layout and builds no dicts."""
+
+    launcher: Launcher
+    grid: tuple[int, int, int]
+    ints: tuple[int, ...]
+    """Layout-derived integer arguments (which ones: see each wrapper)."""
+    constexprs: tuple
+    """The kernel's constexpr values, in parameter order."""
+    wire_shape: tuple[int, ...] = ()
+    """Shape of the wire buffer the kernel writes (stages 1, 2) or reads
+    (output kernels); ``()`` for the others."""

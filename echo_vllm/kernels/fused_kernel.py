@@ -80,8 +80,9 @@ spinning program waits for one that cannot be scheduled while it spins.
 :data:`TILE_TABLE` picks the tile, the warps and the programs per SM from
 the chunk size; the kernel is compiled with a register cap
 (``maxnreg``) that lets that many programs fit an SM, and before the first
-launch of a plan :func:`check_resident` reads the compiled kernel's
-registers and shared memory and refuses a grid that could not be resident.
+launch of each ``LaunchPlan`` :func:`check_resident` reads the compiled
+kernel's registers and shared memory and refuses a grid that could not be
+resident.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ import triton.language as tl
 from triton import knobs
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
 from ..norm_plan import MAX_PROGRAMS_PER_SM, NormTiling
 from .norm_tile import output_norm_tile, tile_groups
@@ -457,12 +458,12 @@ TILE_TABLE: tuple[TileRow, ...] = (
 
 
 def max_per_sm() -> int:
-    """The most programs per SM any :data:`TILE_TABLE` row or norm plan
-    (:func:`plan_for_norm`) asks for (sizes the flag areas)."""
+    """The most programs per SM any :data:`TILE_TABLE` row or norm tiling
+    (:func:`tiling_for_norm`) asks for (sizes the flag areas)."""
     return max(max(r.per_sm for r in TILE_TABLE), MAX_PROGRAMS_PER_SM)
 
 
-class FusedPlan(NamedTuple):
+class FusedTiling(NamedTuple):
     """How one fused launch covers a message: ``groups_per_tile`` groups a
     tile, ``num_warps`` warps a program, ``programs`` programs per rank
     (persistent: each loops over tiles), compiled for at most ``registers``
@@ -522,8 +523,8 @@ def register_cap(per_sm: int, num_warps: int, sm: SMLimits = SMLimits()) -> int:
     return min(255, sm.registers // (per_sm * num_warps * 32) // 8 * 8)
 
 
-def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPlan:
-    """The plan for ``layout`` on ``sms`` SMs (those one rank may fill; at
+def tiling_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedTiling:
+    """The tiling of ``layout`` on ``sms`` SMs (those one rank may fill; at
     least 1): the :data:`TILE_TABLE` row of its chunk size, one program per
     tile up to ``per_sm`` programs on each of the ``sms``, compiled for the
     registers that let them all be resident at once."""
@@ -532,83 +533,74 @@ def plan_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> FusedPl
     return _persistent(-(-layout.chunk_groups // groups), groups, row.num_warps, row.per_sm, sms, sm)
 
 
-def plan_for_norm(layout: WireLayout, tiling: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedPlan:
-    """:func:`plan_for` with the residual add and RMSNorm: ``tiling``'s whole
+def tiling_for_norm(layout: WireLayout, norm: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedTiling:
+    """:func:`tiling_for` with the residual add and RMSNorm: ``norm``'s whole
     rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
-    ``tiling.per_sm(P)`` programs per SM."""
-    return _persistent(tiling.tiles(layout), tiling.groups_per_tile, tiling.num_warps,
-                       tiling.per_sm(), sms, sm,
-                       tiling)
+    ``norm.per_sm()`` programs per SM."""
+    return _persistent(norm.tiles(layout), norm.groups_per_tile, norm.num_warps, norm.per_sm(), sms, sm, norm)
 
 
 def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, sm: SMLimits,
-                norm: NormTiling | None = None) -> FusedPlan:
+                norm: NormTiling | None = None) -> FusedTiling:
     """One program per tile up to ``per_sm`` programs on each of the ``sms``."""
     if sms < 1:
         raise ValueError(f"sms={sms}: need at least one SM")
     rounds = -(-tiles // (sms * per_sm))  # tiles per program; then as few programs as give every one that many
-    return FusedPlan(groups, num_warps, -(-tiles // rounds), register_cap(per_sm, num_warps, sm), norm)
+    return FusedTiling(groups, num_warps, -(-tiles // rounds), register_cap(per_sm, num_warps, sm), norm)
 
 
 # -- launch ------------------------------------------------------------------------
 
 
-def plan_lanes(plan: FusedPlan, layout: WireLayout, *tensors: torch.Tensor) -> bool:
-    """:func:`launch.lane_layout` of ``plan``'s tiles over ``tensors``."""
-    return launch.lane_layout(layout.cols, plan.groups_per_tile * layout.group_size, plan.num_warps, *tensors)
+def tiling_lanes(tiling: FusedTiling, layout: WireLayout, *tensors: torch.Tensor) -> bool:
+    """:func:`contract.lane_layout` of ``tiling``'s tiles over ``tensors``."""
+    return contract.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *tensors)
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(num_warps: int, registers: int, norm: bool = False) -> Launcher:
     return Launcher(_fused_norm_kernel if norm else _fused_kernel,
-                    {**launch.LAUNCH_OPTIONS, "num_warps": num_warps, "maxnreg": registers})
+                    {**contract.LAUNCH_OPTIONS, "num_warps": num_warps, "maxnreg": registers})
 
 
-class _Plan(NamedTuple):
-    launcher: Launcher
-    grid: tuple[int, int, int]
-    ints: tuple[int, ...]
-    constexprs: tuple
-
-
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool) -> _Plan:
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
+def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
+                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool) -> LaunchPlan:
     """``ints`` after :func:`launch_ints`' per-call ones:
-    gathered_offset, :func:`launch.message_ints`, :func:`launch.chunk_ints`, tiles."""
-    la = _launcher(plan.num_warps, plan.registers)
-    return _Plan(
+    gathered_offset, :func:`contract.message_ints`, :func:`contract.chunk_ints`, tiles."""
+    la = _launcher(tiling.num_warps, tiling.registers)
+    return LaunchPlan(
         launcher=la,
-        grid=(plan.programs, ranks, 1),
-        ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
+        grid=(tiling.programs, ranks, 1),
+        ints=(gathered_offset, *contract.message_ints(layout), *contract.chunk_ints(layout), tiling.tiles(layout)),
         constexprs=la.constexprs(
-            P=layout.world_size, G=layout.group_size, BG=plan.groups_per_tile, **launch.qmax_constants(qmax),
+            P=layout.world_size, G=layout.group_size, BG=tiling.groups_per_tile, **contract.qmax_constants(qmax),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, LANES=lanes,
         ),
     )
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _norm_launch_plan(layout: WireLayout, plan: FusedPlan, ranks: int, gathered_offset: int, qmax: int,
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
+def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int,
                       hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
-                      lanes: bool) -> _Plan:
-    """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``plan.norm`` set)."""
-    la = _launcher(plan.num_warps, plan.registers, True)
-    t = plan.norm
-    return _Plan(
+                      lanes: bool) -> LaunchPlan:
+    """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``tiling.norm`` set)."""
+    la = _launcher(tiling.num_warps, tiling.registers, True)
+    t = tiling.norm
+    return LaunchPlan(
         launcher=la,
-        grid=(plan.programs, ranks, 1),
-        ints=(gathered_offset, *launch.message_ints(layout), *launch.chunk_ints(layout), plan.tiles(layout)),
+        grid=(tiling.programs, ranks, 1),
+        ints=(gathered_offset, *contract.message_ints(layout), *contract.chunk_ints(layout), tiling.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
-            **launch.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
+            **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
             DECODE_ONCE=t.decode_once,
         ),
     )
 
 
-def launch_ints(lp: _Plan, x: torch.Tensor, fb: torch.Tensor, layout: WireLayout, *, rank: int, timeout_ns: int,
+def launch_ints(lp: LaunchPlan, x: torch.Tensor, fb: torch.Tensor, layout: WireLayout, *, rank: int, timeout_ns: int,
                 status_addr: int = 0) -> tuple[int, ...]:
     """The kernel's integer arguments for one launch of ``lp``: the call's
     (rank, timeout, status address, the ranks' strides), then the plan's."""
@@ -620,17 +612,17 @@ class ResidencyError(RuntimeError):
 
 
 #: Launch plans whose grid was checked against the compiled kernel's resources.
-_RESIDENT: dict[_Plan, tuple[int, int, int]] = {}
+_RESIDENT: dict[LaunchPlan, tuple[int, int, int]] = {}
 
 
-def compiled_resources(lp: _Plan, tensors, ints) -> tuple[int, int, int]:
+def compiled_resources(lp: LaunchPlan, tensors, ints) -> tuple[int, int, int]:
     """``(registers, spilled bytes, shared bytes)`` of the kernel ``lp`` launches
     on ``tensors`` (compiling it if needed; nothing is launched)."""
     k = lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
     return k.n_regs, k.n_spills, k.metadata.shared
 
 
-def check_resident(lp: _Plan, tensors, ints, sms: int, sm: SMLimits) -> None:
+def check_resident(lp: LaunchPlan, tensors, ints, sms: int, sm: SMLimits) -> None:
     """Refuse (:class:`ResidencyError`) a grid with barriers that ``sms`` SMs
     cannot hold at once: every program of every rank in the launch spins
     until its peers arrive, so one that waits for an SM deadlocks them."""
@@ -667,7 +659,7 @@ def fused_all_reduce(
     qmax: int,
     hadamard: bool,
     has_incoming: bool,
-    plan: FusedPlan,
+    tiling: FusedTiling,
     timeout_ns: int,
     out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
@@ -683,7 +675,7 @@ def fused_all_reduce(
     numel]``) runs every rank of one address space in this one launch
     (``table`` the same for all): the emulation of P GPUs on one.
 
-    Every rank must call it with the same layout, options and plan (the
+    Every rank must call it with the same layout, options and tiling (the
     barriers pair program p of every rank), and ``gathered_offset >= P *
     layout.chunk_bytes``. ``phase`` 1, 2 or 3 runs that phase alone, without
     barriers, and returns ``out`` (filled only by phase 3). With barriers,
@@ -701,9 +693,9 @@ def fused_all_reduce(
     elif out.dtype != x.dtype or out.numel() != ranks * layout.numel or not out.is_contiguous():
         raise ValueError(f"out: expected {ranks * layout.numel} contiguous {x.dtype} values, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    launch.check_device(x, feedback, table, out)
-    lp = _launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase, plan_lanes(plan, layout, x, out))
+    contract.check_device(x, feedback, table, out)
+    lp = _launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+                      bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out))
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
@@ -725,7 +717,7 @@ def fused_all_reduce_norm(
     qmax: int,
     hadamard: bool,
     has_incoming: bool,
-    plan: FusedPlan,
+    tiling: FusedTiling,
     timeout_ns: int,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
@@ -737,7 +729,7 @@ def fused_all_reduce_norm(
     its phase 3: ``(out, new residual)``, the bits of its output then
     ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
     (``norm.rms_norm`` and None without ``residual``), the same as the
-    composed ``output_norm`` kernel's. ``plan``: :func:`plan_for_norm`'s
+    composed ``output_norm`` kernel's. ``tiling``: :func:`tiling_for_norm`'s
     (whole rows per tile in every phase). ``residual`` (``[numel]``
     values, ``[P, numel]`` for every rank in one launch) gets the new
     residual in place unless ``residual_out`` is given; ``out`` likewise
@@ -745,18 +737,18 @@ def fused_all_reduce_norm(
     :func:`fused_all_reduce`'s."""
     from .output_norm_kernel import check_norm_operands
 
-    if plan.norm is None:
-        raise ValueError("plan: not a norm plan (plan_for_norm)")
+    if tiling.norm is None:
+        raise ValueError("tiling: not a norm tiling (tiling_for_norm)")
     ranks = _check_call(x, feedback, table, layout, rank, gathered_offset, phase, status)
     emulated = ranks if ranks > 1 else 0
     out, residual_out = check_norm_operands(layout, x.dtype, weight, residual, out, residual_out, ranks=emulated)
-    launch.check_device(x, feedback, table, weight, residual, out, residual_out)
+    contract.check_device(x, feedback, table, weight, residual, out, residual_out)
     fb = feedback if feedback is not None else x
     res = residual if residual is not None else out  # unused pointers without a residual
     res_out = residual_out if residual_out is not None else out
-    lp = _norm_launch_plan(layout, plan, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
+    lp = _norm_launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                            bool(has_incoming), phase, residual is not None,
-                           plan_lanes(plan, layout, x, out, weight, res, res_out))
+                           tiling_lanes(tiling, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
     _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)
@@ -772,11 +764,11 @@ def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offs
     if ranks not in (1, p) or (ranks == p > 1 and rank != 0):
         raise ValueError(f"x: expected [1, {layout.numel}] (one rank) or [{p}, {layout.numel}] (every rank, "
                          f"rank=0), got {tuple(x.shape)} with rank={rank}")
-    launch.check_rows("x", x, ranks, layout.numel, launch.INPUT_DTYPES)
+    contract.check_rows("x", x, ranks, layout.numel, contract.INPUT_DTYPES)
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values, layout says {layout.numel}")
     if feedback is not None:
-        launch.check_feedback(feedback, ranks, layout)
+        contract.check_feedback(feedback, ranks, layout)
     if tuple(table.shape) != (2, p) or table.dtype != torch.int64 or not table.is_contiguous():
         raise ValueError(f"table: expected contiguous int64 [2, {p}], got {table.dtype} {tuple(table.shape)}")
     if not 0 <= rank < p:
@@ -793,7 +785,7 @@ def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offs
     return ranks
 
 
-def _launch(lp: _Plan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
+def _launch(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
     """Launch, a grid with barriers checked resident first (:func:`check_resident`)."""
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
@@ -802,8 +794,8 @@ def _launch(lp: _Plan, tensors, ints, x: torch.Tensor, phase: int, sms: int | No
 
 
 __all__ = [
-    "ALL_PHASES", "BARRIER_PHASES", "FusedPlan", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow",
+    "ALL_PHASES", "BARRIER_PHASES", "FusedTiling", "PHASES", "ResidencyError", "SMLimits", "TILE_TABLE", "TileRow",
     "TrapStatus", "buffer_bytes", "check_resident", "compiled_resources", "decode_trap", "fused_all_reduce",
-    "fused_all_reduce_norm", "launch_ints", "max_per_sm", "plan_for", "plan_for_norm", "register_cap",
+    "fused_all_reduce_norm", "launch_ints", "max_per_sm", "tiling_for", "tiling_for_norm", "register_cap",
     "resident_programs", "signal_slots", "sm_limits", "trap_word",
 ]

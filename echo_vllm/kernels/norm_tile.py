@@ -220,7 +220,7 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     residual into ``res_out_ptr`` (``RESIDUAL``; it may be ``res_ptr``
     itself), the normalised rows into ``out_ptr`` (message layout,
     ``out_ptr``'s dtype; module docstring). ``LANES``:
-    ``launch.lane_layout`` of the rows' tensors (else the decode takes the
+    ``contract.lane_layout`` of the rows' tensors (else the decode takes the
     layout-agnostic butterflies, same bits).
 
     Two passes over the chunks, so that a thread holds one chunk's values

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from .bodies import output_finish, output_load
 from .tile import block_offsets, group_rows
 
@@ -32,16 +32,17 @@ def _output_kernel(
                   row_groups, cols, G, HADAMARD, LANES)
 
 
-_LAUNCH = Launcher(_output_kernel, launch.LAUNCH_OPTIONS)
+_LAUNCH = Launcher(_output_kernel, contract.LAUNCH_OPTIONS)
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, hadamard: bool, lanes: bool) -> launch.Plan:
-    """``ints``: :func:`launch.message_ints`, then :func:`launch.chunk_ints`."""
-    return launch.Plan(
-        grid=(launch.programs(layout), layout.world_size, 1),
-        ints=(*launch.message_ints(layout), *launch.chunk_ints(layout)),
-        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=launch.groups_per_program(layout), HADAMARD=hadamard,
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, hadamard: bool, lanes: bool) -> LaunchPlan:
+    """``ints``: :func:`contract.message_ints`, then :func:`contract.chunk_ints`."""
+    return LaunchPlan(
+        launcher=_LAUNCH,
+        grid=(contract.programs(layout), layout.world_size, 1),
+        ints=(*contract.message_ints(layout), *contract.chunk_ints(layout)),
+        constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=contract.groups_per_program(layout), HADAMARD=hadamard,
                                       LANES=lanes),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
@@ -57,8 +58,8 @@ def output(
 ) -> torch.Tensor:
     """Kernel version of ``quant.output_reference``: ``gathered [P, chunk_bytes]``
     -> ``[numel]`` of ``out_dtype``."""
-    if out_dtype not in launch.INPUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
+    if out_dtype not in contract.INPUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {contract.INPUT_DTYPES}")
     if out is None:
         out = torch.empty(layout.numel, dtype=out_dtype, device=gathered.device)
     elif out.dtype != out_dtype or out.numel() != layout.numel or not out.is_contiguous():
@@ -66,8 +67,8 @@ def output(
             f"out: expected {layout.numel} contiguous {out_dtype} values, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    plan = _plan(layout, bool(hadamard), launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, out))
-    launch.check_wire("gathered", gathered, plan.wire_shape)
-    launch.check_device(gathered, out)
-    _LAUNCH(plan.grid, (gathered, out), plan.ints, plan.constexprs)
+    plan = _plan(layout, bool(hadamard), contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, out))
+    contract.check_wire("gathered", gathered, plan.wire_shape)
+    contract.check_device(gathered, out)
+    plan.launcher(plan.grid, (gathered, out), plan.ints, plan.constexprs)
     return out if out.dim() == 1 else out.view(layout.numel)

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from ..norm_plan import NormTiling, norm_tiling
 from .norm_tile import output_norm_tile, tile_groups
 
@@ -40,19 +40,20 @@ def _output_norm_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _launcher(num_warps: int) -> Launcher:
-    return Launcher(_output_norm_kernel, {**launch.LAUNCH_OPTIONS, "num_warps": num_warps})
+    return Launcher(_output_norm_kernel, {**contract.LAUNCH_OPTIONS, "num_warps": num_warps})
 
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool,
-          lanes: bool) -> tuple[Launcher, launch.Plan]:
-    """``ints``: :func:`launch.message_ints`' ``row_groups, cols, msg_groups``,
+          lanes: bool) -> LaunchPlan:
+    """``ints``: :func:`contract.message_ints`' ``row_groups, cols, msg_groups``,
     then ``chunk_groups, chunk_bytes, payload_bytes``."""
     la = _launcher(tiling.num_warps)
-    return la, launch.Plan(
+    return LaunchPlan(
+        launcher=la,
         grid=(tiling.row_tiles(layout), 1, 1),
-        ints=(*launch.message_ints(layout), layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes),
+        ints=(*contract.message_ints(layout), layout.chunk_groups, layout.chunk_bytes, layout.payload_bytes),
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
                                  LANES=lanes, STEP=tiling.chunks_per_step,
@@ -68,12 +69,12 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
     numel]``-shaped per-rank copies, else ``numel`` values) and return
     ``(out, residual_out)``, allocated when not given (the new residual goes
     into ``residual`` itself when ``residual_out`` is None)."""
-    if out_dtype not in launch.INPUT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} not in {launch.INPUT_DTYPES}")
+    if out_dtype not in contract.INPUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not in {contract.INPUT_DTYPES}")
     if weight.dim() != 1 or weight.numel() != layout.cols or not weight.is_contiguous():
         raise ValueError(f"weight: expected {layout.cols} contiguous values, got {tuple(weight.shape)}")
-    if weight.dtype not in launch.INPUT_DTYPES:
-        raise TypeError(f"weight: dtype {weight.dtype} not in {launch.INPUT_DTYPES}")
+    if weight.dtype not in contract.INPUT_DTYPES:
+        raise TypeError(f"weight: dtype {weight.dtype} not in {contract.INPUT_DTYPES}")
     numel = layout.numel * max(ranks, 1)
     shape = (ranks, layout.numel) if ranks else (layout.numel,)
 
@@ -84,7 +85,7 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
             raise TypeError(f"{name}: dtype {t.dtype} not in {dtypes}")
 
     if residual is not None:
-        message("residual", residual, launch.INPUT_DTYPES)
+        message("residual", residual, contract.INPUT_DTYPES)
         if residual_out is None:
             residual_out = residual
         message("residual_out", residual_out, (out_dtype,))
@@ -129,10 +130,10 @@ def output_norm(
     out, residual_out = check_norm_operands(layout, out_dtype, weight, residual, out, residual_out)
     res = residual if residual is not None else out  # unused pointers without a residual
     rows = (out, weight, res, residual_out if residual_out is not None else out)
-    lanes = launch.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *rows)
-    la, plan = _plan(layout, tiling, bool(hadamard), residual is not None, lanes)
-    launch.check_wire("gathered", gathered, plan.wire_shape)
-    launch.check_device(gathered, weight, residual, out, residual_out)
-    la(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),
+    lanes = contract.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *rows)
+    plan = _plan(layout, tiling, bool(hadamard), residual is not None, lanes)
+    contract.check_wire("gathered", gathered, plan.wire_shape)
+    contract.check_device(gathered, weight, residual, out, residual_out)
+    plan.launcher(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),
        (*plan.ints, float(eps)), plan.constexprs)
     return out.view(layout.numel), residual_out.view(layout.numel) if residual_out is not None else None

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from .bodies import stage1_finish, stage1_load
 from .tile import group_rows
 
@@ -39,19 +39,20 @@ def _stage1_kernel(
                   chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
 
 
-_LAUNCH = Launcher(_stage1_kernel, launch.LAUNCH_OPTIONS)
+_LAUNCH = Launcher(_stage1_kernel, contract.LAUNCH_OPTIONS)
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
-          lanes: bool) -> launch.Plan:
-    """``ints``: wire_row_stride, :func:`launch.message_ints`, :func:`launch.chunk_ints`."""
+          lanes: bool) -> LaunchPlan:
+    """``ints``: wire_row_stride, :func:`contract.message_ints`, :func:`contract.chunk_ints`."""
     p = layout.world_size
-    return launch.Plan(
-        grid=(launch.programs(layout), p, rows),
-        ints=(p * layout.chunk_bytes, *launch.message_ints(layout), *launch.chunk_ints(layout)),
+    return LaunchPlan(
+        launcher=_LAUNCH,
+        grid=(contract.programs(layout), p, rows),
+        ints=(p * layout.chunk_bytes, *contract.message_ints(layout), *contract.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            G=layout.group_size, BG=launch.groups_per_program(layout), **launch.qmax_constants(qmax),
+            G=layout.group_size, BG=contract.groups_per_program(layout), **contract.qmax_constants(qmax),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, LANES=lanes,
         ),
         wire_shape=(rows, p, layout.chunk_bytes),
@@ -71,15 +72,15 @@ def stage1(
     """Kernel version of ``quant.stage1_reference``: ``x [R, numel]`` ->
     wire ``[R, P, chunk_bytes]``; rewrites ``feedback[:, :padded_numel]``."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    launch.check_rows("x", x, rows, layout.numel, launch.INPUT_DTYPES)
+    contract.check_rows("x", x, rows, layout.numel, contract.INPUT_DTYPES)
     if x.shape[1] != layout.numel:
         raise ValueError(f"x: {x.shape[1]} values per row, layout says {layout.numel}")
     if feedback is not None:
-        launch.check_feedback(feedback, rows, layout)
-    launch.check_device(x, feedback, out)
+        contract.check_feedback(feedback, rows, layout)
+    contract.check_device(x, feedback, out)
     plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
-                 launch.lane_layout(layout.cols, launch.TILE_VALUES, launch.NUM_WARPS, x))
-    wire = launch.wire_or_new(out, plan.wire_shape, x)
+                 contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, x))
+    wire = contract.wire_or_new(out, plan.wire_shape, x)
     fb = feedback if feedback is not None else x
-    _LAUNCH(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)
+    plan.launcher(plan.grid, (x, fb, wire), (x.stride(0), fb.stride(0), *plan.ints), plan.constexprs)
     return wire

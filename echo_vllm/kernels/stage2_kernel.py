@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ..quant import WireLayout
-from . import launch
-from .direct_launch import Launcher
+from . import contract
+from .direct_launch import Launcher, LaunchPlan
 from .bodies import stage2_tile
 from .tile import store_chunk_groups
 
@@ -58,18 +58,19 @@ def own_chunk_progression(own_chunks: list[int], world_size: int) -> tuple[int, 
 #: :func:`own_chunk_progression`, cached: a call passes the same few lists.
 _progression = functools.lru_cache(maxsize=256)(own_chunk_progression)
 
-_LAUNCH = Launcher(_stage2_kernel, launch.LAUNCH_OPTIONS)
+_LAUNCH = Launcher(_stage2_kernel, contract.LAUNCH_OPTIONS)
 
 
-@functools.lru_cache(maxsize=launch.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool) -> launch.Plan:
-    """``ints``: recv_row_stride, out_row_stride, then :func:`launch.chunk_ints`."""
+@functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
+def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool) -> LaunchPlan:
+    """``ints``: recv_row_stride, out_row_stride, then :func:`contract.chunk_ints`."""
     p = layout.world_size
-    return launch.Plan(
-        grid=(launch.programs(layout), rows, 1),
-        ints=(p * layout.chunk_bytes, layout.chunk_bytes, *launch.chunk_ints(layout)),
+    return LaunchPlan(
+        launcher=_LAUNCH,
+        grid=(contract.programs(layout), rows, 1),
+        ints=(p * layout.chunk_bytes, layout.chunk_bytes, *contract.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            P=p, G=layout.group_size, BG=launch.groups_per_program(layout), **launch.qmax_constants(qmax),
+            P=p, G=layout.group_size, BG=contract.groups_per_program(layout), **contract.qmax_constants(qmax),
             HAS_FB=has_fb,
         ),
         wire_shape=(rows, layout.chunk_bytes),
@@ -89,17 +90,17 @@ def stage2(
     -> wire ``[R, chunk_bytes]``; adds the error into ``feedback``'s own chunk."""
     p = layout.world_size
     rows = recv.shape[0] if recv.dim() == 3 else -1
-    launch.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
+    contract.check_wire("recv", recv, (rows, p, layout.chunk_bytes))
     if len(own_chunks) != rows:
         raise ValueError(f"own_chunks: {len(own_chunks)} entries for {rows} local ranks")
     base, stride = _progression(tuple(own_chunks), p)
     if feedback is not None:
-        launch.check_feedback(feedback, rows, layout)
-    launch.check_device(recv, feedback, out)
+        contract.check_feedback(feedback, rows, layout)
+    contract.check_device(recv, feedback, out)
     plan = _plan(layout, rows, qmax, feedback is not None)
-    wire = launch.wire_or_new(out, plan.wire_shape, recv)
+    wire = contract.wire_or_new(out, plan.wire_shape, recv)
     fb = feedback if feedback is not None else recv
     recv_stride, out_stride, *chunk = plan.ints
-    _LAUNCH(plan.grid, (recv, fb, wire), (recv_stride, fb.stride(0), out_stride, base, stride, *chunk),
+    plan.launcher(plan.grid, (recv, fb, wire), (recv_stride, fb.stride(0), out_stride, base, stride, *chunk),
             plan.constexprs)
     return wire

@@ -253,7 +253,7 @@ def block_offsets(lg, rows, cols, msg_groups, G: tl.constexpr):
     (computed once per tile, :func:`block_shift` once per chunk): ``(offsets
     [BG, G] of chunk 0, columns [BG, G] in the column block, live rows [BG, 1])``;
     the columns in int32 (a block has ``row_groups * G < 2**31``, checked by
-    ``launch.message_ints``)."""
+    ``contract.message_ints``)."""
     t, b = rows
     c = b.to(tl.int32)[:, None] * G + tl.arange(0, G)[None, :]
     return _row_index(t)[:, None] * cols + c, c, (lg < msg_groups)[:, None]

@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     fb = torch.zeros(1, quant.feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype,
                      device="cuda")
     y = torch.empty(1, lay.numel, dtype=torch.bfloat16, device="cuda")
-    plan = fk.plan_for(lay, torch.cuda.get_device_properties(0).multi_processor_count)
-    table, _, _ = local_buffers(p, lay.chunk_bytes, fk.signal_slots(plan.programs, p), "cuda")
+    tiling = fk.tiling_for(lay, torch.cuda.get_device_properties(0).multi_processor_count)
+    table, _, _ = local_buffers(p, lay.chunk_bytes, fk.signal_slots(tiling.programs, p), "cuda")
     for phase in (1, 2, 3, 1, 2, 3):  # the second round is the one to read (warm caches, compiled)
         fk.fused_all_reduce(x, fb, table, lay, rank=0, gathered_offset=p * lay.chunk_bytes, qmax=7, hadamard=True,
-                            has_incoming=True, plan=plan, timeout_ns=10**10, out=y, phase=phase)
+                            has_incoming=True, tiling=tiling, timeout_ns=10**10, out=y, phase=phase)
     st = TritonStages()
     wire = torch.empty(1, p, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
     q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         st.stage2(wire, fb, [0], lay, qmax=7, out=q2)
         st.output(wire[0], lay, torch.bfloat16, hadamard=True, out=y[0])
     torch.cuda.synchronize()
-    print("plan", plan)
+    print("tiling", tiling)
     return 0
 
 

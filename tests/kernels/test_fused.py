@@ -85,7 +85,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     table, bufs, _ = fused_mod.local_buffers(world, cb, fk.signal_slots(programs, world), DEVICE)
     for b in bufs:
         b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
-    plan = fk.FusedPlan(tile_groups, 2, programs)
+    tiling = fk.FusedTiling(tile_groups, 2, programs)
     ys = [torch.empty(numel, dtype=x.dtype, device=DEVICE) for _ in range(world)]
     wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
     fb_after = {1: None, 2: fb_ref}
@@ -97,7 +97,7 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
     for phase in (1, 2, 3):
         for r in range(world):
             fk.fused_all_reduce(x[r:r + 1], fbs[r], table, lay, rank=r, gathered_offset=world * cb, qmax=QMAX,
-                                hadamard=hadamard, has_incoming=incoming, plan=plan, timeout_ns=0, out=ys[r],
+                                hadamard=hadamard, has_incoming=incoming, tiling=tiling, timeout_ns=0, out=ys[r],
                                 phase=phase)
         for r in range(world):
             if phase == 1:
@@ -214,12 +214,12 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
     fb0 = _feedback(world, lay, FB_DTYPES[fb_dtype], 51, device="cpu")
     fbs = fb0.clone().share_memory_()
     ys = torch.zeros(calls, world, lay.numel, dtype=torch.bfloat16).share_memory_()
-    plan = fk.FusedPlan(tile_groups, 2, programs)
+    tiling = fk.FusedTiling(tile_groups, 2, programs)
     def one_rank(rank):
         for c in range(calls):
             fk.fused_all_reduce(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, rank=rank,
                                 gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=hadamard,
-                                has_incoming=c > 0, plan=plan, timeout_ns=0, out=ys[c, rank])
+                                has_incoming=c > 0, tiling=tiling, timeout_ns=0, out=ys[c, rank])
 
     run_forked_ranks(world, one_rank, deadline_s)
     fb_ref = fb0.clone()
@@ -254,9 +254,9 @@ def _compiled_ptx(fp_fusion: bool = False) -> str:
     lay = WireLayout(4 * 4096, 4, 32, 4096)
     x, fb, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     with compile_only():
-        plan = fk.plan_for(lay, 132)
-        lp = fk._launch_plan(lay, plan, 1, 4 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES,
-                             fk.plan_lanes(plan, lay, x, y))
+        tiling = fk.tiling_for(lay, 132)
+        lp = fk._launch_plan(lay, tiling, 1, 4 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES,
+                             fk.tiling_lanes(tiling, lay, x, y))
         options = lp.launcher.options
         try:
             lp.launcher.options = {**options, "enable_fp_fusion": fp_fusion}
@@ -328,19 +328,19 @@ def test_tile_table_and_plans():
             for g in SUPPORTED_GROUP_SIZES:
                 lay = WireLayout(numel, p, g, cols)
                 for sms in (1, 7, 132):
-                    plan = fk.plan_for(lay, sms)
+                    tiling = fk.tiling_for(lay, sms)
                     row = next(r for r in rows if lay.chunk_numel <= r.max_chunk_numel)
                     # every program gets the same number of tiles, give or take one, in as few rounds as fit
-                    rounds = -(-plan.tiles(lay) // plan.programs)
-                    assert 1 <= plan.programs <= sms * row.per_sm and rounds == -(-plan.tiles(lay) // (sms * row.per_sm))
-                    assert plan.programs * rounds - plan.tiles(lay) < rounds
-                    assert plan.groups_per_tile * g == row.tile_values and plan.num_warps == row.num_warps
-                    assert plan.tiles(lay) * plan.groups_per_tile >= lay.chunk_groups
+                    rounds = -(-tiling.tiles(lay) // tiling.programs)
+                    assert 1 <= tiling.programs <= sms * row.per_sm and rounds == -(-tiling.tiles(lay) // (sms * row.per_sm))
+                    assert tiling.programs * rounds - tiling.tiles(lay) < rounds
+                    assert tiling.groups_per_tile * g == row.tile_values and tiling.num_warps == row.num_warps
+                    assert tiling.tiles(lay) * tiling.groups_per_tile >= lay.chunk_groups
                     # the register cap lets per_sm programs share an SM, and no more fit by registers
-                    assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= row.per_sm
-                    assert plan.registers == 255 or fk.resident_programs(plan.registers + 8, 0, plan.num_warps) < row.per_sm
+                    assert fk.resident_programs(tiling.registers, 0, tiling.num_warps) >= row.per_sm
+                    assert tiling.registers == 255 or fk.resident_programs(tiling.registers + 8, 0, tiling.num_warps) < row.per_sm
     with pytest.raises(ValueError, match="sms"):
-        fk.plan_for(WireLayout(64, 2, 32), 0)
+        fk.tiling_for(WireLayout(64, 2, 32), 0)
 
 
 def test_residency_follows_the_sm_limits():
@@ -362,14 +362,14 @@ def test_a_grid_that_cannot_be_resident_is_refused():
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(4096 * 8192, 8, 32, 8192)
-    plan = fk.plan_for(lay, 132)
-    lp = fk._launch_plan(lay, plan, 1, 8 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES, True)
+    tiling = fk.tiling_for(lay, 132)
+    lp = fk._launch_plan(lay, tiling, 1, 8 * lay.chunk_bytes, QMAX, True, True, True, fk.ALL_PHASES, True)
     try:
-        fk._RESIDENT[lp] = (plan.registers, 0, 0)
+        fk._RESIDENT[lp] = (tiling.registers, 0, 0)
         fk.check_resident(lp, (), (), 132, fk.SMLimits())  # as planned: fits
         with pytest.raises(fk.ResidencyError, match="cannot be resident on 100 SMs"):
             fk.check_resident(lp, (), (), 100, fk.SMLimits())
-        fk._RESIDENT[lp] = (plan.registers + 8, 0, 0)  # a specialization that needed more registers
+        fk._RESIDENT[lp] = (tiling.registers + 8, 0, 0)  # a specialization that needed more registers
         with pytest.raises(fk.ResidencyError, match="registers/thread"):
             fk.check_resident(lp, (), (), 132, fk.SMLimits())
     finally:
@@ -383,7 +383,7 @@ def test_bad_arguments_raise_clear_errors():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     table = torch.zeros(2, 2, dtype=torch.int64)
     kw = dict(rank=0, gathered_offset=2 * lay.chunk_bytes, qmax=QMAX, hadamard=True, has_incoming=False,
-              plan=fk.plan_for(lay, 4), timeout_ns=1)
+              tiling=fk.tiling_for(lay, 4), timeout_ns=1)
     with pytest.raises(ValueError, match="table"):
         fk.fused_all_reduce(x, None, torch.zeros(2, 3, dtype=torch.int64), lay, **kw)
     with pytest.raises(ValueError, match="rank"):
@@ -582,7 +582,7 @@ def test_a_call_from_a_second_stream_on_the_same_buffers_is_refused(monkeypatch)
     backends = [fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32), _OneRank(), sms=4, facts=_facts(),
                                               buffers=buffers) for _ in range(2)]
     for b in backends:
-        b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(on[0]) or "y", plan_for=lambda *a: None)
+        b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(on[0]) or "y", tiling_for=lambda *a: None)
     lay = WireLayout(256, 2, 32)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert backends[0].all_reduce(x, lay, None, has_incoming=False) == "y"
@@ -627,7 +627,7 @@ def test_a_trap_is_logged_once_and_every_later_call_raises_it(caplog, monkeypatc
                                       buffers=_cpu_buffers())
     launches = []
     b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(k["status"]) or "y",
-                           decode_trap=fk.decode_trap, plan_for=lambda *a: None)
+                           decode_trap=fk.decode_trap, tiling_for=lambda *a: None)
     lay, x = WireLayout(256, 2, 32), torch.zeros(1, 256, dtype=torch.bfloat16)
     assert b.all_reduce(x, lay, None, has_incoming=False) == "y" and launches == [b.status]
     assert b.trap() is None and b.trap_error() is None and fused_mod.TRAPS.poll() == []

@@ -42,8 +42,8 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     table, bufs, _ = fused_mod.local_buffers(world, cb, fk.signal_slots(programs, world), DEVICE)
     for b in bufs:
         b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
-    plan = fk.FusedPlan(tiling.groups_per_tile, 1, programs, norm=tiling)
-    assert plan.tiles(lay) > programs or programs == 1
+    fused_tiling = fk.FusedTiling(tiling.groups_per_tile, 1, programs, norm=tiling)
+    assert fused_tiling.tiles(lay) > programs or programs == 1
     res0, w = norm_operands(rows, cols, dtype, DTYPES[w_dt or dt], 5)
     ress = [res0.clone() if residual else None for _ in range(world)]
     outs = [torch.empty(lay.numel, dtype=dtype, device=DEVICE) for _ in range(world)]
@@ -58,7 +58,7 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
         for r in range(world):
             got_out, got_res = fk.fused_all_reduce_norm(
                 x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
-                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, plan=plan, timeout_ns=0, out=outs[r], phase=phase)
+                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 assert_same_bits(bufs[r][:n].view(world, lay.chunk_bytes), wire[:, r], f"phase 1 recv {r} [{tag}]")
@@ -117,7 +117,7 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
 
     lay = WireLayout(rows * cols, world, group, cols)
     tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
-    plan = fk.FusedPlan(tiling.groups_per_tile, 1, programs, norm=tiling)
+    fused_tiling = fk.FusedTiling(tiling.groups_per_tile, 1, programs, norm=tiling)
     table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
     for t in (*bufs, *pads):
         t.share_memory_()
@@ -132,7 +132,7 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
         for c in range(calls):
             fk.fused_all_reduce_norm(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, w, EPS,
                                      residual=ress[rank], rank=rank, gathered_offset=bufs[0].numel() // 2,
-                                     qmax=QMAX, hadamard=True, has_incoming=c > 0, plan=plan, timeout_ns=0,
+                                     qmax=QMAX, hadamard=True, has_incoming=c > 0, tiling=fused_tiling, timeout_ns=0,
                                      out=outs[c, rank])
 
     run_forked_ranks(world, one_rank, deadline_s)
@@ -168,8 +168,8 @@ def _one_launch_matches_composed(rows, cols, world, residual):
     tiling, reason = norm_tiling(lay)
     assert tiling is not None, reason
     sms = torch.cuda.get_device_properties(0).multi_processor_count // world
-    plan = fk.plan_for_norm(lay, tiling, sms)
-    table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), "cuda")
+    fused_tiling = fk.tiling_for_norm(lay, tiling, sms)
+    table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(fused_tiling.programs, world), "cuda")
     x = partials((world, lay.numel), 8).to(torch.bfloat16)
     fb = _feedback(world, lay, torch.bfloat16, 9)
     fb_c = fb.clone()
@@ -177,7 +177,7 @@ def _one_launch_matches_composed(rows, cols, world, residual):
     res = res0.reshape(1, -1).repeat(world, 1) if residual else None
     out, new_res = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=res, rank=0,
                                             gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=True,
-                                            has_incoming=True, plan=plan, timeout_ns=10**10, sms=sms * world)
+                                            has_incoming=True, tiling=fused_tiling, timeout_ns=10**10, sms=sms * world)
     # the composed stage kernels on the same inputs
     wire = kernels.stage1(x, fb_c, lay, qmax=QMAX, hadamard=True, has_incoming=True)
     q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=QMAX)
@@ -210,7 +210,7 @@ def test_one_launch_other_shapes_on_gpu(rows, cols, world):
     _one_launch_matches_composed(rows, cols, world, True)
 
 
-# -- the plan ---------------------------------------------------------------------------
+# -- the tiling -------------------------------------------------------------------------
 
 
 def test_norm_plan_covers_every_group_with_resident_programs():
@@ -221,14 +221,14 @@ def test_norm_plan_covers_every_group_with_resident_programs():
             lay = WireLayout(rows * cols, world, 32, cols)
             tiling, _ = norm_tiling(lay)
             for sms in (1, 66, 132):
-                plan = fk.plan_for_norm(lay, tiling, sms)
-                assert plan.norm == tiling and plan.groups_per_tile == tiling.groups_per_tile
-                assert plan.num_warps == tiling.num_warps and 1 <= plan.programs <= sms * tiling.per_sm()
-                assert plan.tiles(lay) == tiling.tiles(lay)
-                assert fk.resident_programs(plan.registers, 0, plan.num_warps) >= tiling.per_sm()
-                assert plan.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
-    with pytest.raises(ValueError, match="not a norm plan"):
+                fused_tiling = fk.tiling_for_norm(lay, tiling, sms)
+                assert fused_tiling.norm == tiling and fused_tiling.groups_per_tile == tiling.groups_per_tile
+                assert fused_tiling.num_warps == tiling.num_warps and 1 <= fused_tiling.programs <= sms * tiling.per_sm()
+                assert fused_tiling.tiles(lay) == tiling.tiles(lay)
+                assert fk.resident_programs(fused_tiling.registers, 0, fused_tiling.num_warps) >= tiling.per_sm()
+                assert fused_tiling.programs <= sms * fk.max_per_sm()  # the backend's flag areas hold them
+    with pytest.raises(ValueError, match="not a norm tiling"):
         lay = WireLayout(64, 2, 32)
         fk.fused_all_reduce_norm(torch.zeros(1, 64), None, torch.zeros(2, 2, dtype=torch.int64), lay,
                                  torch.ones(64), EPS, rank=0, gathered_offset=1024, qmax=QMAX, hadamard=True,
-                                 has_incoming=False, plan=fk.plan_for(lay, 1), timeout_ns=0)
+                                 has_incoming=False, tiling=fk.tiling_for(lay, 1), timeout_ns=0)

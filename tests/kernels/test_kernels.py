@@ -271,14 +271,14 @@ CASES = [
 ]
 
 
-#: Values per program of the stage kernels (``launch.TILE_VALUES``: this
+#: Values per program of the stage kernels (``contract.TILE_VALUES``: this
 #: module imports no Triton; the interpreter worker checks the number).
 TILE_VALUES = 2048
 
 
 def _chunk_programs(numel: int, world: int, group: int) -> int:
     """Programs of the stage kernels along one chunk of a one-row message
-    (``launch.programs``, without importing it)."""
+    (``contract.programs``, without importing it)."""
     return -(-WireLayout(numel, world, group).chunk_groups // (TILE_VALUES // group))
 
 
@@ -317,9 +317,9 @@ def test_interpreter_cases_keep_several_programs_a_chunk():
 
 
 def _tile_values() -> int:
-    from echo_vllm.kernels import launch
+    from echo_vllm.kernels import contract
 
-    return launch.TILE_VALUES
+    return contract.TILE_VALUES
 
 
 # compiled on a GPU host (in_kernel_process runs there): the whole cases, as the acceptance run verified them
@@ -500,12 +500,12 @@ def test_a_row_too_wide_for_int32_columns_is_refused():
     """The kernels address a rank's column block in int32 (``tile.block_offsets``):
     a row whose block reaches 2**31 values is refused by name before any
     launch, one just below passes. (Pure host code: no kernel runs.)"""
-    from echo_vllm.kernels import launch
+    from echo_vllm.kernels import contract
 
     with pytest.raises(ValueError, match="int32 columns"):
-        launch.message_ints(WireLayout(2**32, 2, 32, 2**32))
+        contract.message_ints(WireLayout(2**32, 2, 32, 2**32))
     ok = WireLayout(2**31, 2, 32, 2**31)  # a block of 2**30 values
-    assert launch.message_ints(ok) == (ok.row_groups, ok.cols, ok.rows * ok.row_groups)
+    assert contract.message_ints(ok) == (ok.row_groups, ok.cols, ok.rows * ok.row_groups)
 
 
 def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32"):

@@ -148,7 +148,7 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     (stage 1 with and without a carried error) and the whole fused kernel."""
     from echo_vllm import kernels
     from echo_vllm.bench.host_overhead import compile_only
-    from echo_vllm.kernels import consume_kernel, fused_kernel, launch, output_kernel, stage1_kernel, stage2_kernel
+    from echo_vllm.kernels import consume_kernel, fused_kernel, contract, output_kernel, stage1_kernel, stage2_kernel
     from echo_vllm.quant import WireLayout, feedback_row_len
 
     world = 4
@@ -171,11 +171,11 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
             call()
             out[name] = list(module._LAUNCH.fn.device_caches[-1][0].values())[-1].asm["ttgir"]
         if fb is not None:
-            plan = fused_kernel.plan_for(lay, 132)
+            tiling = fused_kernel.tiling_for(lay, 132)
             y = torch.empty(1, lay.numel, dtype=dtype)
             for incoming in (True, False):
-                lp = fused_kernel._launch_plan(lay, plan, 1, world * lay.chunk_bytes, 7, True, True, incoming,
-                                               fused_kernel.ALL_PHASES, fused_kernel.plan_lanes(plan, lay, x[:1], y))
+                lp = fused_kernel._launch_plan(lay, tiling, 1, world * lay.chunk_bytes, 7, True, True, incoming,
+                                               fused_kernel.ALL_PHASES, fused_kernel.tiling_lanes(tiling, lay, x[:1], y))
                 k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
                                         fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
                                         lp.constexprs)
@@ -273,7 +273,7 @@ def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, 
     """The GPU runs these small cases compiled. Two defects only the H200
     showed: a tile smaller than its threads (8 groups of 32 on 2 warps)
     spread the threads along a lane's values and the shuffles paired wrong
-    values (``launch.lane_layout`` now turns them off there); a width of 1
+    values (``contract.lane_layout`` now turns them off there); a width of 1
     came into the norm kernels as a constant int and failed to compile."""
     problems = _compiler_pool().submit(_reporting, _case_problems, module, fn, args, kwargs).result(timeout=600)
     assert problems == {}, problems
@@ -281,18 +281,18 @@ def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, 
 
 def test_lane_layout_needs_a_lane_per_thread_and_aligned_rows():
     from echo_vllm.kernels import fused_kernel as fk
-    from echo_vllm.kernels import launch
+    from echo_vllm.kernels import contract
     from echo_vllm.quant import WireLayout
 
     x = torch.zeros(2, 4096, dtype=torch.bfloat16)
-    assert launch.lane_layout(4096, 2048, 4, x) and launch.lane_layout(4096, 256, 1, x)
-    assert not launch.lane_layout(4096, 255, 1, x) and not launch.lane_layout(4096, 256, 2, x)  # threads > lanes
-    assert not launch.lane_layout(4088, 2048, 4, torch.zeros(2, 4088, dtype=torch.bfloat16))  # rows 8 bytes apart
-    assert launch.lane_layout(4096, 2048, 4, x.view(-1)[8:4104])  # a row starting 16 bytes in
-    assert not launch.lane_layout(4096, 2048, 4, x.view(-1)[4:4100])  # a row starting 8 bytes in
+    assert contract.lane_layout(4096, 2048, 4, x) and contract.lane_layout(4096, 256, 1, x)
+    assert not contract.lane_layout(4096, 255, 1, x) and not contract.lane_layout(4096, 256, 2, x)  # threads > lanes
+    assert not contract.lane_layout(4088, 2048, 4, torch.zeros(2, 4088, dtype=torch.bfloat16))  # rows 8 bytes apart
+    assert contract.lane_layout(4096, 2048, 4, x.view(-1)[8:4104])  # a row starting 16 bytes in
+    assert not contract.lane_layout(4096, 2048, 4, x.view(-1)[4:4100])  # a row starting 8 bytes in
     lay = WireLayout(3 * 96, 4, 32, 96)
-    assert not fk.plan_lanes(fk.FusedPlan(8, 2, 1), lay, x)  # the test plan the H200 showed wrong
-    assert fk.plan_lanes(fk.FusedPlan(8, 1, 1), lay, x)
+    assert not fk.tiling_lanes(fk.FusedTiling(8, 2, 1), lay, x)  # the test plan the H200 showed wrong
+    assert fk.tiling_lanes(fk.FusedTiling(8, 1, 1), lay, x)
     for numel, world, cols in [(4096 * 8192, 8, 8192), (1 << 20, 2, 4096), (4096, 8, 4096)]:
         lay = WireLayout(numel, world, 32, cols)  # every plan the table makes fits its lanes
-        assert fk.plan_lanes(fk.plan_for(lay, 132), lay, torch.zeros(1, numel, dtype=torch.bfloat16))
+        assert fk.tiling_lanes(fk.tiling_for(lay, 132), lay, torch.zeros(1, numel, dtype=torch.bfloat16))

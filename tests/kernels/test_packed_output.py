@@ -190,14 +190,14 @@ def _kernels_decode_crafted_bytes(group, hadamard, dtype, every):
     q2 = gathered.to(DEVICE)
     assert_same_bits(output(q2, lay, dtype, hadamard=hadamard), want, f"output kernel [{tag}]", nan_any=True)
     world, n = lay.world_size, q2.numel()
-    plan = fk.plan_for(lay, 4)  # fewer programs than tiles: the persistent loop
-    table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(plan.programs, world), DEVICE)
+    tiling = fk.tiling_for(lay, 4)  # fewer programs than tiles: the persistent loop
+    table, bufs, _ = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(tiling.programs, world), DEVICE)
     x = torch.zeros(1, lay.numel, dtype=dtype, device=DEVICE)
     for r in range(world):
         bufs[r][world * lay.chunk_bytes:world * lay.chunk_bytes + n] = q2.reshape(-1)
         y = torch.empty(lay.numel, dtype=dtype, device=DEVICE)
         fk.fused_all_reduce(x, None, table, lay, rank=r, gathered_offset=world * lay.chunk_bytes, qmax=7,
-                            hadamard=hadamard, has_incoming=False, plan=plan, timeout_ns=0, out=y,
+                            hadamard=hadamard, has_incoming=False, tiling=tiling, timeout_ns=0, out=y,
                             phase=3)
         assert_same_bits(y, want, f"fused phase 3 of rank {r} [{tag}]", nan_any=True)
 

@@ -1,4 +1,4 @@
-"""How the Echo kernels are launched: tile sizes, compiler options, checks.
+"""What every Echo kernel takes: tile sizes, compiler options, argument checks, integer arguments.
 
 Every stage kernel processes :data:`TILE_VALUES` values per program (whole
 quantization groups, in the lane layout of ``tile``), and is compiled with
@@ -11,8 +11,8 @@ tensor metadata: no device synchronisation, nothing allocated when the
 caller supplies the output buffers), so bad input raises a clear error
 instead of reading out of bounds. Everything else a launch needs that
 depends only on the shapes and options (grid, layout-derived integers,
-constexprs) is a :class:`Plan`, cached per wrapper, and the launch itself
-goes through ``direct_launch.Launcher``, which skips Triton's per-call
+constexprs) is a ``direct_launch.LaunchPlan``, cached per wrapper, and the
+launch itself goes through its ``Launcher``, which skips Triton's per-call
 dispatch once a specialization is compiled (host time per eager call:
 BENCHMARKS.md, appendix, "Triton's per-call dispatch").
 """
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import NamedTuple
-
 import torch
 
 from ..quant import FEEDBACK_STORAGE, WIRE_DTYPE, WireLayout, feedback_row_len, inv_qmax_f32
@@ -64,22 +62,6 @@ def qmax_constants(qmax: int) -> types.MappingProxyType:
     if not isinstance(qmax, int) or isinstance(qmax, bool) or not 1 <= qmax <= MAX_QMAX:
         raise ValueError(f"qmax={qmax!r}: the 4-bit kernels support 1..{MAX_QMAX}")
     return types.MappingProxyType({"INV_QMAX": float(inv_qmax_f32(qmax))})
-
-
-class Plan(NamedTuple):
-    """What one launch needs that depends only on the shapes and the static
-    options, computed once per distinct call (each wrapper caches its plans
-    with ``functools.lru_cache``) so that an eager call does no arithmetic
-    on the layout and builds no dicts."""
-
-    grid: tuple[int, int, int]
-    ints: tuple[int, ...]
-    """Layout-derived integer arguments (which ones: see each wrapper)."""
-    constexprs: tuple
-    """The kernel's constexpr values, in parameter order."""
-    wire_shape: tuple[int, ...]
-    """Shape of the wire buffer the kernel writes (stages 1, 2) or reads
-    (output); ``()`` for consume."""
 
 
 #: Plans cached per wrapper: distinct (layout, rows, options) seen at once.
