@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance run: everything a GPU path can break, on one GPU host,
-# in three runs of at most 9 minutes each (the device tool's calls), the
-# vLLM bundle travelling one part per run. Every change to a GPU path ends
-# with all three on the tree it submits; the closing note quotes the summary.
+# in four runs of at most 9 minutes each (the device tool's calls, back to
+# back: about 1400 s of device time in all), the vLLM bundle travelling one
+# part per run in runs 1-3. Every change to a GPU path ends with all four
+# on the tree it submits; the closing note quotes the summary.
 #
 # Usage (repository root, on the GPU host):
 #   ECHO_COMMIT=<sha> OUT=<dir> bash scripts/gpu_accept.sh RUN
@@ -13,25 +14,28 @@
 #      `bench fused` at P = 8, 64 MiB against the floor recorded in
 #      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first),
 #      and the fused backend's lost-peer checks (an absent and a killed
-#      peer: a named timeout, never a hang). The kernel tests took 365 s at
-#      -n 14 on an H200 (2026-12-04, 969 passed); the bench 24 s.
+#      peer: a named timeout, never a hang). The kernel tests took 378 s at
+#      -n 14 on an H200 (2026-12-04, 979 passed); the bench 24 s.
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, and the shape sweep at P = 2,
-#      3, 4, 8), then every other GPU-marked test that needs no
+#      3 and 4), then every other GPU-marked test that needs no
 #      vLLM (health counters under CUDA-graph replay and in inference mode,
 #      a training step through the kernels, the norm's division), and
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
 #      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2; verifies first;
 #      Qwen3-8B's layer compute for the TTFT projection is measured apart,
 #      `python3 -m echo_vllm.bench.layer_compute`).
-#   3  vLLM: the bundle unpacked (parts stashed by runs 1 and 2, the last one
-#      carried), then scripts/gpu_vllm_check.py (all phases) and
+#   3  the shape sweep through the fused backend at P = 8, alone (eight
+#      processes on the one GPU: 253 s alone, and past run 2's limit
+#      beside its other checks, 2026-12-04).
+#   4  vLLM: the bundle unpacked (the parts stashed by runs 1-3), then
+#      scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
 #      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
 #      check requires fused calls in /metrics; vllm_check serves the
 #      default path), side by side on the one GPU.
 # Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN,
-# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse for run 3); each
+# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse for run 4); each
 # run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
 # host keeps it while it stays warm between back-to-back runs).
 # Output: $OUT/accept_summary.txt (this run's lines, also appended to
@@ -39,7 +43,7 @@
 # Exit status: 0 when every step of the run passed.
 case "${1:-}" in -h|--help|"") sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 RUN=$1
-case "$RUN" in 1|2|3) ;; *) echo "gpu_accept.sh: RUN must be 1, 2 or 3, got '$RUN'" >&2; exit 2 ;; esac
+case "$RUN" in 1|2|3|4) ;; *) echo "gpu_accept.sh: RUN must be 1, 2, 3 or 4, got '$RUN'" >&2; exit 2 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
@@ -52,7 +56,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 source scripts/step.sh
 SUMMARY="$OUT/accept_summary.txt"
 
-# the bundle part(s) this run carried, kept for run 3
+# the bundle part(s) this run carried, kept for run 4
 cp -f .gpu-bundle/bundle.part.* .gpu-bundle/SHA256SUMS .gpu-bundle/install.py "$STASH"/ 2>/dev/null
 echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '\n' ' ')"
 
@@ -66,15 +70,19 @@ if [ "$RUN" = 1 ]; then
   # the fused backend's absent and killed peers: short, and here so that run 2's sweeps have its time
   step lost_peers 60 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
 elif [ "$RUN" = 2 ]; then
-  # 2026-12-04 (ef8cb0f), one H200, the sweeps beside the P = 2, 4 checks: every check done by 184 s,
-  # the P = 8 sweep at 359 s
-  step fused_check 400 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4,8 --skip-lost-peer \
+  # 2026-12-04 (6d8d749), one H200, beside the P = 8 sweep: the P = 2, 4 checks and the P = 2, 3, 4
+  # sweeps each done within 209 s of the start
+  step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4 --skip-lost-peer \
     --json "$OUT/fused_check.json"
   step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
   # 2026-12-04: the 9 cases took 81 s
   step bench_norm 95 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
+elif [ "$RUN" = 3 ]; then
+  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s
+  step fused_sweep_p8 480 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
+    --json "$OUT/fused_sweep_p8.json"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
   step bundle 90 "$PY" "$STASH/install.py" /tmp/echo-accept/site "$STASH"

@@ -32,7 +32,7 @@ counters and switch the emulation's variant between requests):
 Prints a table and writes ``gpu_vllm_check.json`` (+ per-phase logs) under
 ``--out`` (default ``$OUT``). Four phases took 223 s on an H200
 (2026-11-29, before ``graphs_norm_on``; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled);
-all five 344 s beside the serve check (2026-12-04, ``scripts/gpu_accept.sh 3``).
+all five 344 s beside the serve check (2026-12-04, ``scripts/gpu_accept.sh``'s vLLM run).
 
     PYTHONPATH=<vllm bundle>:<repo> python scripts/gpu_vllm_check.py --out $OUT
 """
