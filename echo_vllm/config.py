@@ -162,7 +162,7 @@ class EchoConfig:
     the checks off."""
 
     fuse_norm: bool = False
-    """Off by default: it saves little (3-16 us per call at 8k x 4096 on one
+    """Off by default: it saves little (2-23 us per call at 8k x 4096 on one
     H200, BENCHMARKS.md, "Echo + residual add + RMSNorm"), and its
     variance rounds in another order than Inductor's, which can move
     tokens as much as compilation itself does. When on, under
