@@ -361,7 +361,8 @@ def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
     """Every rank's buffer and signal pad in this process (one address
     space), for driving the ranks' phases one at a time (``phase=`` 1, 2, 3
     of ``fused_all_reduce``: tests, per-phase timing): ``(table, buffers,
-    pads)``; ``table`` is the one every emulated rank passes."""
+    pads)``; ``table`` is the one every emulated rank passes (it keeps the
+    buffers and pads alive: a caller may drop the other two)."""
     from ..kernels.fused_kernel import buffer_bytes
 
     bufs = [torch.zeros(buffer_bytes(chunk_bytes, world_size), dtype=WIRE_DTYPE, device=device)
@@ -369,6 +370,7 @@ def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
     pads = [torch.zeros(signal_slots, dtype=torch.int32, device=device) for _ in range(world_size)]
     table = torch.tensor([[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]], dtype=torch.int64,
                          device=device)
+    table.owned = (bufs, pads)  # the table holds raw addresses: it keeps what they point to alive
     return table, bufs, pads
 
 

@@ -535,6 +535,22 @@ def _cpu_buffers(world=2, chunk_bytes=4096, slots=None):
     return fused_mod.SymmBuffers(bufs[0], None, table, 0, chunk_bytes, pads[0].numel())
 
 
+def test_local_buffers_live_as_long_as_their_table():
+    # the table holds raw addresses: buffers freed under it would be written by the next kernel
+    import gc
+    import weakref
+
+    table, bufs, pads = fused_mod.local_buffers(2, 64, 4, "cpu")
+    refs = [weakref.ref(t) for t in bufs + pads]
+    assert table.tolist() == [[b.data_ptr() for b in bufs], [p.data_ptr() for p in pads]]
+    del bufs, pads
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    del table
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_close_frees_the_shared_buffers_when_the_last_user_closes(monkeypatch):
     """Backends of one group share its buffers (one rendezvous); each close
     gives them back, the last frees them: nothing stays cached, and the

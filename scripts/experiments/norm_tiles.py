@@ -1,0 +1,185 @@
+"""Time the fused Echo + add + RMSNorm under tile plans other than
+``norm_plan.norm_tiling``'s: rows per tile and the output phase's second
+pass (Echo's output read back, or decoded again), every rank of P emulated
+in one launch (time over P, as ``bench norm``'s (b)), and phase 3 alone
+(one rank). Each plan's output and new residual are first compared bit for
+bit with the plan's own (the tiling must not change the numerics).
+
+    python scripts/experiments/norm_tiles.py --world-sizes 8,4 --tokens 8192 --rows 1,2,4 --jobs 12
+
+A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm``
+launches every rank's phases, then phase 3 alone):
+
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats -k regex:_fused_norm --launch-skip 1 --launch-count 1 \
+        python scripts/experiments/norm_tiles.py --compile-only 8:8192:4096:4:0:4:24
+
+Compilation is the slow part: ``--jobs`` processes compile the plans first
+(each runs its plan once, which fills Triton's cache), then this process
+times them one after another. An experiment (BENCHMARKS.md, the norm
+fusion, reports what it showed), not a tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+EPS = 1e-6
+
+
+def _tiling(lay, rows: int, once: bool, step: int, warps_per_sm: int):
+    """The plan's tiling with ``rows`` rows per tile (its warps and values per thread to match), and
+    ``warps_per_sm`` in place of ``norm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers)."""
+    from echo_vllm import norm_plan
+    from echo_vllm.norm_plan import MAX_WARPS, WARP_VALUES, norm_tiling
+
+    norm_plan.NORM_WARPS_PER_SM = warps_per_sm  # read by NormTiling.per_sm()
+
+    base, reason = norm_tiling(lay)
+    if base is None:
+        raise SystemExit(f"no fused norm: {reason}")
+    chunk_row = base.padded_row_groups * lay.group_size
+    warps = max(1, min(MAX_WARPS, rows * chunk_row // WARP_VALUES))
+    return base, base._replace(rows=rows, num_warps=warps, values_per_thread=rows * chunk_row // (32 * warps),
+                               chunks_per_step=min(step, lay.world_size), decode_once=once)
+
+
+def _case(world: int, tokens: int, hidden: int, dev: str = "cuda"):
+    import torch
+
+    from echo_vllm.backends.fused import local_buffers
+    from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.quant import WireLayout
+
+    lay = WireLayout(tokens * hidden, world, 32, hidden)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else world
+    table, _, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(sms * 32, world), dev)  # 32: the most programs an SM holds
+    torch.manual_seed(world * 7919 + tokens)  # (a torch.Generator object crashes Triton's interpreter)
+    x = torch.randn(world, lay.numel, device=dev).to(torch.bfloat16)
+    res = torch.randn(lay.numel, device=dev).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, device=dev)).to(torch.bfloat16)
+    return lay, sms, table, x, res, w
+
+
+def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: int = 0, out=None, fb=None,
+         ress=None):
+    """One call of the fused norm kernel with ``norm``'s tiles: ``(out, new residual)``."""
+    import torch
+
+    from echo_vllm.kernels import fused_kernel as fk
+
+    p = lay.world_size
+    ranks = p if ranks is None else ranks
+    tiling = fk.tiling_for_norm(lay, norm, sms // p if ranks == p else sms)
+    if fb is None:
+        fb = torch.zeros(ranks, lay.padded_numel, dtype=torch.bfloat16, device=x.device)
+    if ress is None:
+        ress = res.repeat(ranks, 1)
+    kw = dict(gathered_offset=p * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True, tiling=tiling)
+    if x.device.type == "cpu":  # the interpreter runs programs one by one: the phases, and the ranks, one at a time
+        if out is None:
+            out = torch.empty_like(x[:ranks])
+        for ph in (1, 2, 3) if phase == 0 else (phase,):
+            for r in range(ranks):
+                fk.fused_all_reduce_norm(x[r:r + 1], fb[r:r + 1], table, lay, w, EPS, residual=ress[r], rank=r,
+                                         timeout_ns=0, out=out[r], phase=ph, **kw)
+        return out, ress
+    out, _ = fk.fused_all_reduce_norm(x[:ranks], fb, table, lay, w, EPS, residual=ress, rank=0,
+                                      timeout_ns=10 * 10**9, out=out, phase=phase, **kw)
+    return out, ress
+
+
+def _compile(spec: str) -> int:
+    """``P:T:H:rows:once:step:warps_per_sm``: run that plan once, then its phase 3 alone (fills Triton's cache)."""
+    import torch
+
+    world, tokens, hidden, rows, once, step, wps = (int(v) for v in spec.split(":"))
+    lay, sms, table, x, res, w = _case(world, tokens, hidden)
+    _, norm = _tiling(lay, rows, bool(once), step, wps)
+    _run(lay, sms, table, x, res, w, norm)  # launch 1: every rank, all phases
+    _run(lay, sms, table, x, res, w, norm, ranks=1, phase=3)  # launch 2: phase 3 alone (for a profiler)
+    torch.cuda.synchronize()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="8,4")
+    ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--rows", default="1,2,4", help="rows per tile to try (beside the plan's own)")
+    ap.add_argument("--once", default="on,off", help="second passes to try: on (read back), off (decode again)")
+    ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
+    ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
+    ap.add_argument("--jobs", type=int, default=1, help="processes compiling the plans first")
+    ap.add_argument("--compile-only", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the timings here")
+    ap.add_argument("--device", default="cuda", help="cpu: the bit comparison only, under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+    if args.compile_only:
+        return _compile(args.compile_only)
+    import torch
+
+    from echo_vllm.bench import timing
+    from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.norm_plan import NORM_WARPS_PER_SM as PLAN_WPS
+    from echo_vllm.norm_plan import WARP_VALUES
+
+    cases = []
+    for world in (int(v) for v in args.world_sizes.split(",")):
+        for tokens in (int(v) for v in args.tokens.split(",")):
+            for rows in (int(v) for v in args.rows.split(",")):
+                for once in args.once.split(","):
+                    for step in (int(v) for v in args.steps.split(",")):
+                        for wps in (int(v) for v in args.warps_per_sm.split(",")):
+                            cases.append((world, tokens, args.hidden, rows, int(once == "on"), step, wps))
+    if args.jobs > 1:
+        def compile_one(c):
+            spec = ":".join(map(str, c))
+            r = subprocess.run([sys.executable, __file__, "--compile-only", spec], capture_output=True, text=True)
+            return spec, r.returncode, r.stderr[-400:]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for spec, rc, err in pool.map(compile_one, cases):
+                print(f"compiled {spec}: rc={rc}" + (f" {err}" if rc else ""), flush=True)
+    results, last = [], None
+    for world, tokens, hidden, rows, once, step, wps in cases:
+        if last != (world, tokens):
+            setup = _case(world, tokens, hidden, args.device)
+            lay = setup[0]
+            base, _ = _tiling(lay, 1, True, 4, PLAN_WPS)
+            want, want_res = (t.clone() for t in _run(*setup, base))
+            last = (world, tokens)
+        _, norm = _tiling(lay, rows, bool(once), step, wps)
+        if norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
+            continue  # a warp's 32 lanes of 8 values is the smallest tile
+        got, got_res = _run(*setup, norm)
+        same = (torch.equal(got.view(torch.int16), want.view(torch.int16))
+                and torch.equal(got_res.view(torch.int16), want_res.view(torch.int16)))
+        row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, decode_once=bool(once), step=step,
+                   warps=norm.num_warps, per_sm=norm.per_sm(), plan=norm == base and wps == PLAN_WPS,
+                   registers=fk.tiling_for_norm(lay, norm, setup[1] // world).registers, same_bits=same)
+        results.append(row)
+        if args.device != "cuda":
+            print(json.dumps(row), flush=True)
+            continue
+        out = torch.empty_like(setup[3])
+        fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
+        ress = setup[4].repeat(world, 1)
+        full = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress), iters=5,
+                                      calls_per_graph=2).median_s * 1e6 / world
+        ph3 = timing.cuda_graph_time(lambda i: _run(*setup, norm, ranks=1, phase=3, out=out[:1], fb=fb[:1],
+                                                    ress=ress[:1]), iters=10, calls_per_graph=2).median_s * 1e6
+        row.update(echo_norm_us=round(full, 2), phase3_norm_us=round(ph3, 2))
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["same_bits"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
