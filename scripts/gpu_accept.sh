@@ -2,8 +2,9 @@
 # The GPU acceptance run: everything a GPU path can break, on one GPU host,
 # in four runs of at most 9 minutes each (the device tool's calls, back to
 # back: about 1400 s of device time in all), the vLLM bundle travelling one
-# part per run in runs 1-3. Every change to a GPU path ends with all four
-# on the tree it submits; the closing note quotes the summary.
+# part per run (4 parts of 42 MB: the tree and one part fit a call's 64
+# MiB). Every change to a GPU path ends with all four on the tree it
+# submits; the closing note quotes the summary.
 #
 # Usage (repository root, on the GPU host):
 #   ECHO_COMMIT=<sha> OUT=<dir> bash scripts/gpu_accept.sh RUN
@@ -28,14 +29,15 @@
 #   3  the shape sweep through the fused backend at P = 8, alone (eight
 #      processes on the one GPU: 253 s alone, and past run 2's limit
 #      beside its other checks, 2026-12-04).
-#   4  vLLM: the bundle unpacked (the parts stashed by runs 1-3), then
+#   4  vLLM: the bundle unpacked (the parts stashed by runs 1-3, and its own), then
 #      scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
 #      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
 #      check requires fused calls in /metrics; vllm_check serves the
 #      default path), side by side on the one GPU.
-# Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN,
-# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse for run 4); each
+# Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN: the
+# wheelhouse's build.sh output split in 4 with `split -n 4 -d -a 2`, their
+# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse); each
 # run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
 # host keeps it while it stays warm between back-to-back runs).
 # Output: $OUT/accept_summary.txt (this run's lines, also appended to
