@@ -1,4 +1,4 @@
-"""Launch each phase of the fused kernel once (one rank, P = 8, 64 MiB of
+r"""Launch each phase of the fused kernel once (one rank, P = 8, 64 MiB of
 rows of 8192, every peer's buffer local), and each composed stage kernel
 (stage 1, stage 2, output) on the same layout, for a profiler to read:
 

@@ -1,4 +1,4 @@
-"""Time the fused Echo + add + RMSNorm under tile plans other than
+r"""Time the fused Echo + add + RMSNorm under tile plans other than
 ``norm_plan.norm_tiling``'s: rows per tile and the output phase's second
 pass (Echo's output read back, or decoded again), every rank of P emulated
 in one launch (time over P, as ``bench norm``'s (b)), and phase 3 alone
@@ -6,6 +6,13 @@ in one launch (time over P, as ``bench norm``'s (b)), and phase 3 alone
 bit with the plan's own (the tiling must not change the numerics).
 
     python scripts/experiments/norm_tiles.py --world-sizes 8,4 --tokens 8192 --rows 1,2,4 --jobs 12
+
+``--grids plan,full`` also tries a persistent grid with a program in every
+slot of every SM (:func:`full_grid`), and ``--echo-phases`` times Echo's
+own phases alone (one rank on every SM, as a rank on its own GPU runs
+them) under each grid:
+
+    python scripts/experiments/norm_tiles.py --echo-phases --world-sizes 8,4,2 --tokens 1024,8192 --grids plan,full
 
 A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm``
 launches every rank's phases, then phase 3 alone):
@@ -65,16 +72,35 @@ def _case(world: int, tokens: int, hidden: int, dev: str = "cuda"):
     return lay, sms, table, x, res, w
 
 
+def full_grid(tiling, layout, sms: int):
+    """``tiling`` with a program in every slot of the ``sms`` SMs (``per_sm`` each, as many as the tiles):
+    the plan's persistent grid takes as few programs as give each the same number of tiles, which
+    leaves some SMs a program short."""
+    per_sm = tiling.norm.per_sm() if tiling.norm is not None else next(
+        r.per_sm for r in _fk().TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
+    return tiling._replace(programs=min(tiling.tiles(layout), sms * per_sm))
+
+
+def _fk():
+    from echo_vllm.kernels import fused_kernel
+
+    return fused_kernel
+
+
 def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: int = 0, out=None, fb=None,
-         ress=None):
-    """One call of the fused norm kernel with ``norm``'s tiles: ``(out, new residual)``."""
+         ress=None, full: bool = False):
+    """One call of the fused norm kernel with ``norm``'s tiles (``full``: :func:`full_grid`):
+    ``(out, new residual)``."""
     import torch
 
     from echo_vllm.kernels import fused_kernel as fk
 
     p = lay.world_size
     ranks = p if ranks is None else ranks
-    tiling = fk.tiling_for_norm(lay, norm, sms // p if ranks == p else sms)
+    used = sms // p if ranks == p else sms
+    tiling = fk.tiling_for_norm(lay, norm, used)
+    if full:
+        tiling = full_grid(tiling, lay, used)
     if fb is None:
         fb = torch.zeros(ranks, lay.padded_numel, dtype=torch.bfloat16, device=x.device)
     if ress is None:
@@ -115,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--once", default="on,off", help="second passes to try: on (read back), off (decode again)")
     ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
     ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
+    ap.add_argument("--grids", default="plan", help="persistent grids to try: plan (the plan's), full "
+                    "(a program in every slot of every SM)")
+    ap.add_argument("--echo-phases", action="store_true",
+                    help="instead: Echo's own phases alone (one rank, every SM; no norm) under --grids")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the plans first")
     ap.add_argument("--compile-only", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the timings here")
@@ -129,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     from echo_vllm.norm_plan import NORM_WARPS_PER_SM as PLAN_WPS
     from echo_vllm.norm_plan import WARP_VALUES
 
+    if args.echo_phases:
+        return _echo_phases(args, timing)
+    grids = args.grids.split(",")
     cases = []
     for world in (int(v) for v in args.world_sizes.split(",")):
         for tokens in (int(v) for v in args.tokens.split(",")):
@@ -143,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             r = subprocess.run([sys.executable, __file__, "--compile-only", spec], capture_output=True, text=True)
             return spec, r.returncode, r.stderr[-400:]
         with ThreadPoolExecutor(args.jobs) as pool:
-            for spec, rc, err in pool.map(compile_one, cases):
+            for spec, rc, err in pool.map(compile_one, cases):  # the grid is no constant: compiled once
                 print(f"compiled {spec}: rc={rc}" + (f" {err}" if rc else ""), flush=True)
     results, last = [], None
-    for world, tokens, hidden, rows, once, step, wps in cases:
+    for world, tokens, hidden, rows, once, step, wps, grid in ((*c, g) for c in cases for g in grids):
         if last != (world, tokens):
             setup = _case(world, tokens, hidden, args.device)
             lay = setup[0]
@@ -156,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         _, norm = _tiling(lay, rows, bool(once), step, wps)
         if norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
             continue  # a warp's 32 lanes of 8 values is the smallest tile
-        got, got_res = _run(*setup, norm)
+        got, got_res = _run(*setup, norm, full=grid == "full")
         same = (torch.equal(got.view(torch.int16), want.view(torch.int16))
                 and torch.equal(got_res.view(torch.int16), want_res.view(torch.int16)))
         row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, decode_once=bool(once), step=step,
-                   warps=norm.num_warps, per_sm=norm.per_sm(), plan=norm == base and wps == PLAN_WPS,
+                   grid=grid, warps=norm.num_warps, per_sm=norm.per_sm(),
+                   plan=norm == base and wps == PLAN_WPS and grid == "plan",
                    registers=fk.tiling_for_norm(lay, norm, setup[1] // world).registers, same_bits=same)
         results.append(row)
         if args.device != "cuda":
@@ -169,16 +203,61 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(setup[3])
         fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
         ress = setup[4].repeat(world, 1)
-        full = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress), iters=5,
-                                      calls_per_graph=2).median_s * 1e6 / world
+        f = grid == "full"
+        whole = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress, full=f), iters=5,
+                                       calls_per_graph=2).median_s * 1e6 / world
         ph3 = timing.cuda_graph_time(lambda i: _run(*setup, norm, ranks=1, phase=3, out=out[:1], fb=fb[:1],
-                                                    ress=ress[:1]), iters=10, calls_per_graph=2).median_s * 1e6
-        row.update(echo_norm_us=round(full, 2), phase3_norm_us=round(ph3, 2))
+                                                    ress=ress[:1], full=f), iters=10, calls_per_graph=2).median_s * 1e6
+        row.update(echo_norm_us=round(whole, 2), phase3_norm_us=round(ph3, 2))
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0 if all(r["same_bits"] for r in results) else 1
+
+
+def _echo_phases(args, timing) -> int:
+    """Echo's phases alone (no norm), one rank on every SM, under each of ``--grids``; the
+    output after phase 3 compared bit for bit across the grids."""
+    import torch
+
+    from echo_vllm.backends.fused import local_buffers
+    from echo_vllm.quant import WireLayout
+
+    fk, dev = _fk(), args.device
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 2
+    results, ok = [], True
+    for world in (int(v) for v in args.world_sizes.split(",")):
+        for tokens in (int(v) for v in args.tokens.split(",")):
+            lay = WireLayout(tokens * args.hidden, world, 32, args.hidden)
+            table, _, _ = local_buffers(world, lay.chunk_bytes, fk.signal_slots(sms * 32, world), dev)
+            torch.manual_seed(world + tokens)
+            x = torch.randn(1, lay.numel, device=dev).to(torch.bfloat16)
+            ys = {}
+            for grid in args.grids.split(","):
+                plan = fk.tiling_for(lay, sms)
+                tiling = full_grid(plan, lay, sms) if grid == "full" else plan
+                fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16, device=dev)
+                y = torch.empty(1, lay.numel, dtype=torch.bfloat16, device=dev)
+                kw = dict(rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
+                          tiling=tiling, timeout_ns=0 if dev == "cpu" else 10**10, out=y)
+                for ph in (1, 2, 3):
+                    fk.fused_all_reduce(x, fb, table, lay, phase=ph, **kw)
+                ys[grid] = y.clone()
+                row = dict(world=world, tokens=tokens, hidden=args.hidden, grid=grid, programs=tiling.programs,
+                           same_bits=torch.equal(y.view(torch.int16), next(iter(ys.values())).view(torch.int16)))
+                ok &= row["same_bits"]
+                if dev == "cuda":
+                    for ph in (1, 2, 3):
+                        row[f"phase{ph}_us"] = round(timing.cuda_graph_time(
+                            lambda i, ph=ph: fk.fused_all_reduce(x, fb, table, lay, phase=ph, **kw), iters=10,
+                            calls_per_graph=4).median_s * 1e6, 2)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
