@@ -40,18 +40,23 @@
 # SHA256SUMS, and install.py from ../shared/gpu-wheelhouse); each
 # run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
 # host keeps it while it stays warm between back-to-back runs).
+# A host lost between runs loses the stash with it: `gpu_accept.sh stash`
+# only stashes the part it carries (seconds), so calls carrying the missing
+# parts, back to back on the fresh host, let run 4 go ahead without
+# repeating runs 1-3. $BUNDLE names the folder of parts (default .gpu-bundle).
 # Output: $OUT/accept_summary.txt (this run's lines, also appended to
 # $STASH/../summary.txt and printed last), one log per step in $OUT.
 # Exit status: 0 when every step of the run passed.
 case "${1:-}" in -h|--help|"") sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 RUN=$1
-case "$RUN" in 1|2|3|4) ;; *) echo "gpu_accept.sh: RUN must be 1, 2, 3 or 4, got '$RUN'" >&2; exit 2 ;; esac
+case "$RUN" in 1|2|3|4|stash) ;; *) echo "gpu_accept.sh: RUN must be 1, 2, 3, 4 or stash, got '$RUN'" >&2; exit 2 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STASH=${STASH:-/tmp/echo-accept/parts}
+BUNDLE=${BUNDLE:-.gpu-bundle}
 mkdir -p "$STASH"
 COMMIT=${ECHO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,8 +64,9 @@ source scripts/step.sh
 SUMMARY="$OUT/accept_summary.txt"
 
 # the bundle part(s) this run carried, kept for run 4
-cp -f .gpu-bundle/bundle.part.* .gpu-bundle/SHA256SUMS .gpu-bundle/install.py "$STASH"/ 2>/dev/null
+cp -f "$BUNDLE"/bundle.part.* "$BUNDLE"/SHA256SUMS "$BUNDLE"/install.py "$STASH"/ 2>/dev/null
 echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '\n' ' ')"
+[ "$RUN" = stash ] && exit 0
 
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores

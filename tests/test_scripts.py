@@ -145,3 +145,23 @@ def test_each_gpu_acceptance_run_fits_one_device_call():
         # run 4: the bundle, then the two checks side by side
         total = limits[0] + max(limits[1:]) if run == "4" else sum(limits)
         assert limits and total <= 540, (run, limits)
+
+
+def test_gpu_acceptance_stash_keeps_the_carried_parts_and_runs_nothing(tmp_path):
+    """`gpu_accept.sh stash` (a host lost between runs): the parts it
+    carries go to $STASH for run 4, and no step runs."""
+    bundle, stash, out = tmp_path / "bundle", tmp_path / "stash", tmp_path / "out"
+    bundle.mkdir()
+    for name in ("bundle.part.02", "SHA256SUMS", "install.py"):
+        (bundle / name).write_text(name)
+    env = {**os.environ, "BUNDLE": str(bundle), "STASH": str(stash), "OUT": str(out)}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "stash"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in stash.iterdir()) == ["SHA256SUMS", "bundle.part.02", "install.py"]
+    assert [p.read_text() for p in sorted(stash.iterdir())] == ["SHA256SUMS", "bundle.part.02", "install.py"]
+    assert "stashed bundle parts: bundle.part.02" in r.stdout
+    assert list(out.iterdir()) == []  # no step, no summary
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "5"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4 or stash, got '5'" in bad.stderr
