@@ -7,8 +7,10 @@ bit with the plan's own (the tiling must not change the numerics).
 
     python scripts/experiments/norm_tiles.py --world-sizes 8,4 --tokens 8192 --rows 1,2,4 --jobs 12
 
-``--grids plan,full`` also tries a persistent grid with a program in every
-slot of every SM (:func:`full_grid`), and ``--echo-phases`` times Echo's
+``--grids plan,full,few`` also tries a persistent grid with a program in
+every slot of every SM (:func:`full_grid`) and one with as few programs as
+share the tiles evenly (:func:`fewest_grid`, the plan's until now, whatever
+the checked-out plan is), and ``--echo-phases`` times Echo's
 own phases alone (one rank on every SM, as a rank on its own GPU runs
 them) under each grid:
 
@@ -81,6 +83,14 @@ def full_grid(tiling, layout, sms: int):
     return tiling._replace(programs=min(tiling.tiles(layout), sms * per_sm))
 
 
+def fewest_grid(tiling, layout, sms: int):
+    """``tiling`` with as few programs as give each the same number of tiles, give or take one, in as
+    few rounds as a full grid (the plan's persistent grid until a full one replaces it)."""
+    full = full_grid(tiling, layout, sms)
+    rounds = -(-tiling.tiles(layout) // full.programs)
+    return tiling._replace(programs=-(-tiling.tiles(layout) // rounds))
+
+
 def _fk():
     from echo_vllm.kernels import fused_kernel
 
@@ -88,9 +98,9 @@ def _fk():
 
 
 def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: int = 0, out=None, fb=None,
-         ress=None, full: bool = False):
-    """One call of the fused norm kernel with ``norm``'s tiles (``full``: :func:`full_grid`):
-    ``(out, new residual)``."""
+         ress=None, full: str = ""):
+    """One call of the fused norm kernel with ``norm``'s tiles (``full``: ``"full"``,
+    :func:`full_grid`, or ``"few"``, :func:`fewest_grid`; else the plan's grid): ``(out, new residual)``."""
     import torch
 
     from echo_vllm.kernels import fused_kernel as fk
@@ -100,7 +110,7 @@ def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: i
     used = sms // p if ranks == p else sms
     tiling = fk.tiling_for_norm(lay, norm, used)
     if full:
-        tiling = full_grid(tiling, lay, used)
+        tiling = (full_grid if full == "full" else fewest_grid)(tiling, lay, used)
     if fb is None:
         fb = torch.zeros(ranks, lay.padded_numel, dtype=torch.bfloat16, device=x.device)
     if ress is None:
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
     ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
     ap.add_argument("--grids", default="plan", help="persistent grids to try: plan (the plan's), full "
-                    "(a program in every slot of every SM)")
+                    "(a program in every slot of every SM), few (as few programs as share the tiles evenly)")
     ap.add_argument("--echo-phases", action="store_true",
                     help="instead: Echo's own phases alone (one rank, every SM; no norm) under --grids")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the plans first")
@@ -189,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         _, norm = _tiling(lay, rows, bool(once), step, wps)
         if norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
             continue  # a warp's 32 lanes of 8 values is the smallest tile
-        got, got_res = _run(*setup, norm, full=grid == "full")
+        f = "" if grid == "plan" else grid
+        got, got_res = _run(*setup, norm, full=f)
         same = (torch.equal(got.view(torch.int16), want.view(torch.int16))
                 and torch.equal(got_res.view(torch.int16), want_res.view(torch.int16)))
         row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, decode_once=bool(once), step=step,
@@ -203,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(setup[3])
         fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
         ress = setup[4].repeat(world, 1)
-        f = grid == "full"
         whole = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress, full=f), iters=5,
                                        calls_per_graph=2).median_s * 1e6 / world
         ph3 = timing.cuda_graph_time(lambda i: _run(*setup, norm, ranks=1, phase=3, out=out[:1], fb=fb[:1],
@@ -236,7 +246,7 @@ def _echo_phases(args, timing) -> int:
             ys = {}
             for grid in args.grids.split(","):
                 plan = fk.tiling_for(lay, sms)
-                tiling = full_grid(plan, lay, sms) if grid == "full" else plan
+                tiling = {"full": full_grid, "few": fewest_grid}.get(grid, lambda t, *_: t)(plan, lay, sms)
                 fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16, device=dev)
                 y = torch.empty(1, lay.numel, dtype=torch.bfloat16, device=dev)
                 kw = dict(rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
