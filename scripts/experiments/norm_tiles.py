@@ -78,8 +78,10 @@ def full_grid(tiling, layout, sms: int):
     """``tiling`` with a program in every slot of the ``sms`` SMs (``per_sm`` each, as many as the tiles):
     the plan's persistent grid takes as few programs as give each the same number of tiles, which
     leaves some SMs a program short."""
+    from echo_vllm.kernels.fused_kernel import TILE_TABLE
+
     per_sm = tiling.norm.per_sm() if tiling.norm is not None else next(
-        r.per_sm for r in _fk().TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
+        r.per_sm for r in TILE_TABLE if layout.chunk_numel <= r.max_chunk_numel)
     return tiling._replace(programs=min(tiling.tiles(layout), sms * per_sm))
 
 
@@ -91,16 +93,15 @@ def fewest_grid(tiling, layout, sms: int):
     return tiling._replace(programs=-(-tiling.tiles(layout) // rounds))
 
 
-def _fk():
-    from echo_vllm.kernels import fused_kernel
-
-    return fused_kernel
+def with_grid(grid: str, tiling, layout, sms: int):
+    """``tiling`` with the persistent grid ``grid`` names: plan (its own), full or few."""
+    return {"full": full_grid, "few": fewest_grid}.get(grid, lambda t, *_: t)(tiling, layout, sms)
 
 
 def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: int = 0, out=None, fb=None,
-         ress=None, full: str = ""):
-    """One call of the fused norm kernel with ``norm``'s tiles (``full``: ``"full"``,
-    :func:`full_grid`, or ``"few"``, :func:`fewest_grid`; else the plan's grid): ``(out, new residual)``."""
+         ress=None, grid: str = "plan"):
+    """One call of the fused norm kernel with ``norm``'s tiles on the persistent grid ``grid``
+    (:func:`with_grid`): ``(out, new residual)``."""
     import torch
 
     from echo_vllm.kernels import fused_kernel as fk
@@ -108,9 +109,7 @@ def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: i
     p = lay.world_size
     ranks = p if ranks is None else ranks
     used = sms // p if ranks == p else sms
-    tiling = fk.tiling_for_norm(lay, norm, used)
-    if full:
-        tiling = (full_grid if full == "full" else fewest_grid)(tiling, lay, used)
+    tiling = with_grid(grid, fk.tiling_for_norm(lay, norm, used), lay, used)
     if fb is None:
         fb = torch.zeros(ranks, lay.padded_numel, dtype=torch.bfloat16, device=x.device)
     if ress is None:
@@ -199,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         _, norm = _tiling(lay, rows, bool(once), step, wps)
         if norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
             continue  # a warp's 32 lanes of 8 values is the smallest tile
-        f = "" if grid == "plan" else grid
-        got, got_res = _run(*setup, norm, full=f)
+        got, got_res = _run(*setup, norm, grid=grid)
         same = (torch.equal(got.view(torch.int16), want.view(torch.int16))
                 and torch.equal(got_res.view(torch.int16), want_res.view(torch.int16)))
         row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, decode_once=bool(once), step=step,
@@ -214,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.empty_like(setup[3])
         fb = torch.zeros(world, lay.padded_numel, dtype=torch.bfloat16, device="cuda")
         ress = setup[4].repeat(world, 1)
-        whole = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress, full=f), iters=5,
+        whole = timing.cuda_graph_time(lambda i: _run(*setup, norm, out=out, fb=fb, ress=ress, grid=grid), iters=5,
                                        calls_per_graph=2).median_s * 1e6 / world
         ph3 = timing.cuda_graph_time(lambda i: _run(*setup, norm, ranks=1, phase=3, out=out[:1], fb=fb[:1],
-                                                    ress=ress[:1], full=f), iters=10, calls_per_graph=2).median_s * 1e6
+                                                    ress=ress[:1], grid=grid), iters=10, calls_per_graph=2).median_s * 1e6
         row.update(echo_norm_us=round(whole, 2), phase3_norm_us=round(ph3, 2))
         print(json.dumps(row), flush=True)
     if args.json:
@@ -234,7 +232,9 @@ def _echo_phases(args, timing) -> int:
     from echo_vllm.backends.fused import local_buffers
     from echo_vllm.quant import WireLayout
 
-    fk, dev = _fk(), args.device
+    from echo_vllm.kernels import fused_kernel as fk
+
+    dev = args.device
     sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 2
     results, ok = [], True
     for world in (int(v) for v in args.world_sizes.split(",")):
@@ -246,7 +246,7 @@ def _echo_phases(args, timing) -> int:
             ys = {}
             for grid in args.grids.split(","):
                 plan = fk.tiling_for(lay, sms)
-                tiling = {"full": full_grid, "few": fewest_grid}.get(grid, lambda t, *_: t)(plan, lay, sms)
+                tiling = with_grid(grid, plan, lay, sms)
                 fb = torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16, device=dev)
                 y = torch.empty(1, lay.numel, dtype=torch.bfloat16, device=dev)
                 kw = dict(rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
