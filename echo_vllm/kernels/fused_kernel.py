@@ -542,11 +542,13 @@ def tiling_for_norm(layout: WireLayout, norm: NormTiling, sms: int, sm: SMLimits
 
 def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, sm: SMLimits,
                 norm: NormTiling | None = None) -> FusedTiling:
-    """One program per tile up to ``per_sm`` programs on each of the ``sms``."""
+    """One program per tile up to ``per_sm`` programs on each of the ``sms``:
+    every slot filled, so every SM gets the same number of programs (fewer
+    programs, each with the same number of tiles, left some SMs a program
+    short: BENCHMARKS.md, the P = 8 output phase)."""
     if sms < 1:
         raise ValueError(f"sms={sms}: need at least one SM")
-    rounds = -(-tiles // (sms * per_sm))  # tiles per program; then as few programs as give every one that many
-    return FusedTiling(groups, num_warps, -(-tiles // rounds), register_cap(per_sm, num_warps, sm), norm)
+    return FusedTiling(groups, num_warps, min(tiles, sms * per_sm), register_cap(per_sm, num_warps, sm), norm)
 
 
 # -- launch ------------------------------------------------------------------------
