@@ -68,7 +68,9 @@ class NormTiling(NamedTuple):
     one chunk a thread holds, ``chunks_per_step`` chunks whose loads the
     output phase's first pass issues at once, ``decode_once``: whether its
     second pass reads Echo's output back from the output buffer (else it
-    decodes the chunks again)."""
+    decodes the chunks again), ``aligned``: a row is exactly
+    ``padded_row_groups`` groups of each chunk (a power of two), so a tile's
+    rows are consecutive groups and the kernels index them as such."""
 
     rows: int
     padded_row_groups: int
@@ -76,6 +78,7 @@ class NormTiling(NamedTuple):
     values_per_thread: int = TILE_VALUES // (32 * MIN_WARPS)
     chunks_per_step: int = CHUNKS_PER_STEP
     decode_once: bool = True
+    aligned: bool = False
 
     @property
     def groups_per_tile(self) -> int:
@@ -124,7 +127,7 @@ def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
     per_thread = rows * chunk_row // (32 * warps)
     step = min(layout.world_size, CHUNKS_PER_STEP)
     once = rows * chunk_row * layout.world_size <= DECODE_ONCE_MAX_VALUES
-    return NormTiling(rows, rgp, warps, per_thread, step, once), (
+    return NormTiling(rows, rgp, warps, per_thread, step, once, layout.row_groups == rgp), (
         f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, {warps} warps, "
         + ("decoded once" if once else f"decoded twice (tiles over {DECODE_ONCE_MAX_VALUES} values)"))
 

@@ -266,13 +266,13 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
             HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
-            K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+            K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic.
     Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``norm_tile.tile_groups``)."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         rows = group_rows(lg, row_groups)
         # rank r starts with chunk r + 1: at any moment the ranks write to
         # different peers instead of all to the same one
@@ -295,14 +295,14 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
 @triton.jit
 def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
     ``gathered`` slot ``rank``; the P peer bases are loaded together before
     the stores, one latency per tile instead of one per peer (kept out of
     the loop they would hold 2 P registers through the sum)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
                                     lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
         gmask = lg < chunk_groups
@@ -378,13 +378,13 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
-                 DECODE_ONCE: tl.constexpr):
+                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
+        lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP, ALIGNED)
         output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
                          row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
                          STEP, DECODE_ONCE)
@@ -398,6 +398,7 @@ def _fused_norm_kernel(
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -415,18 +416,18 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                 chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, K,
-                RGP)
+                RGP, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP)
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, LANES, STEP, DECODE_ONCE)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -597,7 +598,7 @@ def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathe
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
-            DECODE_ONCE=t.decode_once,
+            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned,
         ),
     )
 

@@ -45,12 +45,16 @@ DROP: tl.constexpr = tl.constexpr("evict_first")
 
 
 @triton.jit
-def tile_groups(t, BG: tl.constexpr, row_groups, chunk_groups, K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+def tile_groups(t, BG: tl.constexpr, row_groups, chunk_groups, K: tl.constexpr = 0, RGP: tl.constexpr = 0,
+                ALIGNED: tl.constexpr = False):
     """int64 groups ``[BG]`` of tile ``t`` of every chunk: ``BG`` consecutive
     groups (``K == 0``), or whole rows: element ``k * RGP + b`` is group
     ``(t * K + k) * row_groups + b``, and ``chunk_groups`` (masked by every
-    load and store) where ``b >= row_groups``."""
-    if K == 0:
+    load and store) where ``b >= row_groups``. ``ALIGNED`` (``row_groups ==
+    RGP``, ``NormTiling.aligned``): the rows' groups are the ``BG``
+    consecutive ones, taken as such (fewer registers: the general index
+    spilled in the fused kernel's phase 1 at P = 8)."""
+    if K == 0 or ALIGNED:
         return tl.cast(t, tl.int64) * BG + tl.arange(0, BG)
     else:
         tl.static_assert(K * RGP == BG, "a row tile is K rows of RGP groups")

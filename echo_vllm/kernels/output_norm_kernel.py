@@ -31,8 +31,9 @@ def _output_norm_kernel(
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP)
+    lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP, ALIGNED)
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
                      STEP, DECODE_ONCE)
@@ -57,7 +58,7 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
                                  LANES=lanes, STEP=tiling.chunks_per_step,
-                                 DECODE_ONCE=tiling.decode_once),
+                                 DECODE_ONCE=tiling.decode_once, ALIGNED=tiling.aligned),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 

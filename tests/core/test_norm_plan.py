@@ -32,6 +32,11 @@ def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
     assert per_sm == 1 or per_sm * need <= SM_REGISTERS
     assert t.tiles(lay) * t.rows * lay.row_groups >= lay.chunk_groups  # every group of a chunk in some tile
     assert t.row_tiles(lay) * t.rows >= lay.rows
+    # rows of exactly a power of two of groups per chunk are consecutive groups: the kernels index them so
+    assert t.aligned == (lay.row_groups == t.padded_row_groups)
+    if t.aligned:
+        tile = [(r * lay.row_groups + b) for r in range(t.rows) for b in range(t.padded_row_groups)]
+        assert tile == list(range(t.groups_per_tile))
 
 
 def test_tiling_refuses_wide_rows_with_a_reason():

@@ -28,13 +28,15 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False):
+                       w_dt=None, special=False, aligned=None):
     from echo_vllm.kernels import fused_kernel as fk
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
-    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
-    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual}"
+    plan = norm_tiling(lay)[0]
+    aligned = plan.aligned if aligned is None else aligned
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned)
+    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned}"
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
@@ -102,6 +104,15 @@ def test_norm_phases_without_residual_and_fp32_weight():
                       w_dt="fp32")
 
 
+def test_norm_phases_of_aligned_rows_by_either_index():
+    """Rows of a power-of-two number of groups per chunk: the general row
+    index and the consecutive one (``NormTiling.aligned``) give the same bits."""
+    lay = WireLayout(4 * 256, 4, 32, 256)
+    assert norm_tiling(lay)[0].aligned
+    for aligned in (False, True):
+        in_kernel_process(_norm_phases_match, 4, 256, 4, 32, "bf16", "bf16", True, True, 2, 1, aligned=aligned)
+
+
 def test_norm_phases_special_values():
     in_kernel_process(_norm_phases_match, 3, 450, 2, 32, "bf16", "fp32", True, True, 1, 2, special=True)
 
@@ -116,7 +127,8 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(rows * cols, world, group, cols)
-    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
+    plan = norm_tiling(lay)[0]
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=plan.aligned)
     fused_tiling = fk.FusedTiling(tiling.groups_per_tile, 1, programs, norm=tiling)
     table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
     for t in (*bufs, *pads):
