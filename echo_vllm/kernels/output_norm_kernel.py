@@ -22,7 +22,7 @@ from ..quant import WireLayout
 from . import contract
 from .direct_launch import Launcher, LaunchPlan
 from ..norm_plan import NormTiling, norm_tiling
-from .norm_tile import output_norm_tile, tile_groups
+from .norm_tile import output_norm_tile
 
 
 @triton.jit
@@ -31,12 +31,11 @@ def _output_norm_kernel(
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
 ):
-    lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP, ALIGNED)
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
-                     STEP, DECODE_ONCE)
+                     tl.program_id(0), row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD,
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +50,8 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
     """``ints``: :func:`contract.message_ints`' ``row_groups, cols, msg_groups``,
     then ``chunk_groups, chunk_bytes, payload_bytes``."""
     la = _launcher(tiling.num_warps)
+    if tiling.one_pass_rows:  # a program per one-pass step: its kernel has no loop
+        tiling = tiling._replace(rows=tiling.one_pass_rows)
     return LaunchPlan(
         launcher=la,
         grid=(tiling.row_tiles(layout), 1, 1),
@@ -58,7 +59,8 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
                                  LANES=lanes, STEP=tiling.chunks_per_step,
-                                 DECODE_ONCE=tiling.decode_once, ALIGNED=tiling.aligned),
+                                 DECODE_ONCE=tiling.decode_once, ALIGNED=tiling.aligned,
+                                 ONE_PASS_ROWS=tiling.one_pass_rows),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -118,16 +120,19 @@ def output_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    tiling: NormTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel version of ``quant.output_reference`` then
     ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``:
     ``gathered [P, chunk_bytes]`` -> ``(out [numel], new residual [numel])``
     of ``out_dtype`` (without ``residual``: ``norm.rms_norm``, and None).
     The new residual goes into ``residual_out``, by default ``residual``
-    itself (in place, as vLLM's op)."""
-    tiling, reason = norm_tiling(layout)
+    itself (in place, as vLLM's op). ``tiling``: the tile plan, by default
+    ``norm_tiling(layout)``'s (tests and experiments give others)."""
     if tiling is None:
-        raise ValueError(f"output_norm: {reason}")
+        tiling, reason = norm_tiling(layout)
+        if tiling is None:
+            raise ValueError(f"output_norm: {reason}")
     out, residual_out = check_norm_operands(layout, out_dtype, weight, residual, out, residual_out)
     res = residual if residual is not None else out  # unused pointers without a residual
     rows = (out, weight, res, residual_out if residual_out is not None else out)

@@ -28,15 +28,16 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False, aligned=None):
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0):
     from echo_vllm.kernels import fused_kernel as fk
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
     plan = norm_tiling(lay)[0]
     aligned = plan.aligned if aligned is None else aligned
-    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned)
-    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned}"
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows)
+    tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
+           f"one pass={one_pass_rows}")
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
@@ -93,9 +94,14 @@ NORM_PHASE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("passes", ["two", "one"])
 @pytest.mark.parametrize("rows,cols,world,group,dt,fb,hadamard,incoming,tile_rows,programs", NORM_PHASE_CASES)
-def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs):
-    in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs)
+def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
+                                     passes):
+    """``one``: phase 3 in one pass, in steps of half a tile's rows where it has several (the steps of every
+    tile of a program in one loop)."""
+    in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
+                      one_pass_rows=0 if passes == "two" else max(1, tile_rows // 2))
 
 
 def test_norm_phases_without_residual_and_fp32_weight():
@@ -120,7 +126,7 @@ def test_norm_phases_special_values():
 # -- the whole kernel with its barriers, over processes sharing memory ---------------
 
 
-def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, deadline_s=60.0):
+def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, deadline_s=60.0, one_pass_rows=0):
     """``world`` forked ranks run ``calls`` chained calls of the whole norm
     kernel (barriers, tiles looped over fewer programs, the residual
     updated in place call after call) on shared-memory buffers."""
@@ -128,7 +134,7 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
 
     lay = WireLayout(rows * cols, world, group, cols)
     plan = norm_tiling(lay)[0]
-    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=plan.aligned)
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=plan.aligned, one_pass_rows=one_pass_rows)
     fused_tiling = fk.FusedTiling(tiling.groups_per_tile, 1, programs, norm=tiling)
     table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
     for t in (*bufs, *pads):
@@ -161,23 +167,24 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
 
 
 @INTERPRETER_ONLY
-def test_whole_norm_kernel_with_barriers_over_processes():
+@pytest.mark.parametrize("one_pass_rows", [0, 1])
+def test_whole_norm_kernel_with_barriers_over_processes(one_pass_rows):
     """P = 3 processes, 3 chained calls (NaN/Inf in call 1), 4 tiles of two
-    rows on 2 programs: outputs, residuals, feedback as the reference
-    chain; every flag back to 0."""
+    rows on 2 programs (phase 3 in two passes, or in one a row at a time):
+    outputs, residuals, feedback as the reference chain; every flag back to 0."""
     _interpreter_pool().submit(_reporting, _emulate_norm_ranks, world=3, rows=7, cols=77, group=16, calls=3,
-                               tile_rows=2, programs=2).result(timeout=300)
+                               tile_rows=2, programs=2, one_pass_rows=one_pass_rows).result(timeout=300)
 
 
 # -- every rank in one launch on the GPU ---------------------------------------------------
 
 
-def _one_launch_matches_composed(rows, cols, world, residual):
+def _one_launch_matches_composed(rows, cols, world, residual, one_pass=True):
     from echo_vllm import kernels
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(rows * cols, world, 32, cols)
-    tiling, reason = norm_tiling(lay)
+    tiling, reason = norm_tiling(lay, one_pass=one_pass)
     assert tiling is not None, reason
     sms = torch.cuda.get_device_properties(0).multi_processor_count // world
     fused_tiling = fk.tiling_for_norm(lay, tiling, sms)
@@ -194,7 +201,7 @@ def _one_launch_matches_composed(rows, cols, world, residual):
     wire = kernels.stage1(x, fb_c, lay, qmax=QMAX, hadamard=True, has_incoming=True)
     q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=QMAX)
     res_c = res0.clone().reshape(-1) if residual else None
-    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c)
+    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c)  # the plan's
     torch.cuda.synchronize()
     for r in range(world):
         assert_same_bits(out[r], want_out, f"rank {r} normed output", nan_any=True)
@@ -210,8 +217,9 @@ def _one_launch_matches_composed(rows, cols, world, residual):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [8, 2])
 @pytest.mark.parametrize("residual", [True, False])
-def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual):
-    _one_launch_matches_composed(8192, 4096, world, residual)
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual, one_pass):
+    _one_launch_matches_composed(8192, 4096, world, residual, one_pass)
 
 
 @pytest.mark.gpu

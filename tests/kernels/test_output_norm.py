@@ -54,13 +54,21 @@ def expected(gathered, layout, dtype, res, w, *, hadamard):
     return norm.add_rms_norm(y, res, w, EPS, variance="kernel")
 
 
-def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0):
+def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0,
+                         one_pass=True):
     from echo_vllm import kernels
-    from echo_vllm.kernels.output_norm_kernel import output_norm
+    from echo_vllm.kernels.output_norm_kernel import output_norm as kernel
+    from echo_vllm.norm_plan import norm_tiling
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
-    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual}"
+    tiling = norm_tiling(lay, one_pass=one_pass)[0]
+    tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual} "
+           f"one pass={tiling.one_pass_rows}")
+
+    def output_norm(*args, **kw):
+        return kernel(*args, **kw, tiling=tiling)
+
     x = partials((world, lay.numel), seed + cols, special=special).to(dtype)
     g = gathered_of(x, lay, hadamard=hadamard)
     res, w = norm_operands(rows, cols, dtype, DTYPES[w_dt], seed + 1)
@@ -101,14 +109,30 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
 @pytest.mark.parametrize("rows,cols,world,group,dt,w_dt,hadamard,residual", CASES)
-def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual):
-    in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual)
+def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual, one_pass):
+    in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual,
+                      one_pass=one_pass)
 
 
-def test_output_norm_special_values_match_reference():
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_output_norm_special_values_match_reference(one_pass):
     """NaN/Inf groups (whole rows of NaN), huge and tiny scales, zeros."""
-    in_kernel_process(_output_norm_matches, 3, 450, 2, 32, "bf16", "bf16", True, True, special=True)
+    in_kernel_process(_output_norm_matches, 3, 450, 2, 32, "bf16", "bf16", True, True, special=True,
+                      one_pass=one_pass)
+
+
+def test_plan_cases_cover_the_one_pass_paths():
+    """Under the plan the cases above take one pass with steps of fewer rows
+    than a tile, chunks padded to a power of two and unaligned rows (and
+    ``two-passes`` runs them all in two)."""
+    from echo_vllm.norm_plan import norm_tiling
+
+    one = [(norm_tiling(WireLayout(r * c, p, g, c))[0], p) for r, c, p, g, *_ in CASES]
+    assert all(t.one_pass_rows for t, _ in one)
+    assert any(t.one_pass_rows < t.rows for t, _ in one) and any(p & (p - 1) for _, p in one)
+    assert any(not t.aligned for t, _ in one)
 
 
 def _stage_ops_agree(impl):
@@ -171,9 +195,10 @@ def test_output_norm_sums_squares_in_the_references_order(rows, cols, world, gro
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [8, 2])
 @pytest.mark.parametrize("residual", [True, False])
-def test_output_norm_qwen3_8b_prefill_on_gpu(world, residual):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_output_norm_qwen3_8b_prefill_on_gpu(world, residual, one_pass):
     """Qwen3-8B's 8192 x 4096 bf16, compiled (the bf16x2 decode included)."""
-    _output_norm_matches(8192, 4096, world, 32, "bf16", "bf16", True, residual, seed=3)
+    _output_norm_matches(8192, 4096, world, 32, "bf16", "bf16", True, residual, seed=3, one_pass=one_pass)
 
 
 @pytest.mark.gpu
