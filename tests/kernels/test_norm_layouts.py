@@ -4,7 +4,9 @@ Qwen3-8B's 8192 x 4096, P = 8, 4 and 2, compile without spilling
 (``bench.sass_report.norm_report``; the fused one under the register cap
 its plan gives, ``norm_plan.registers``: 3 programs per SM), and the whole
 fused norm kernel spills no more than Echo's own whole fused kernel on the
-same rows (whole-row tiles in phases 1-2 once spilled 30 loads at P = 8)."""
+same rows (whole-row tiles in phases 1-2 once spilled 30 loads at P = 8),
+and every lane shuffle of theirs is in the lane layout (``test_layouts``:
+the one-pass step holds every chunk of a row on 8 warps)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,25 @@ def test_norm_kernels_compile_for_sm90_without_spills():
 def _spills(row, op):
     """Local-memory instructions (spills) of ``op`` (LDL or STL, every width) in a report row."""
     return sum(n for name, n in row["memory"].items() if name.startswith(op))
+
+
+def _shuffle_problems():
+    from test_layouts import shuffle_layout_problems
+
+    from echo_vllm.bench import sass_report
+    from echo_vllm.bench.host_overhead import compile_only
+
+    out = {}
+    with compile_only():
+        for p in (8, 4, 2):
+            kernels = sass_report._norm_kernels(p)
+            kernels.pop("values_per_thread")
+            out.update({name: (shuffle_layout_problems(k.asm["ttgir"]), k.asm["ttgir"].count("shfl.sync.bfly"))
+                        for name, k in kernels.items()})
+    return out
+
+
+def test_norm_kernels_shuffle_in_the_lane_layout():
+    got = _compiler_pool().submit(_reporting, _shuffle_problems).result(timeout=900)
+    assert len(got) == 12 and all(shuffles > 0 for _, shuffles in got.values()), got  # the decodes shuffle
+    assert {name: problems for name, (problems, _) in got.items() if problems} == {}
