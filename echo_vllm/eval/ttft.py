@@ -189,8 +189,7 @@ def shown_command(words: list[str]) -> str:
 
 
 def launch_arg(text: str) -> str:
-    """argparse type of ``--launch``: a command line shlex can split, with
-    ``{mode}`` or ``{mode_args}`` (each label's server differs by them), whose
+    """argparse type of ``--launch``: a command line shlex can split, whose
     program (first word) is on PATH or a path to an executable."""
     try:
         words = shlex.split(text)
@@ -198,9 +197,6 @@ def launch_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not a command line ({e})") from None
     if not words:
         raise argparse.ArgumentTypeError("'': expected the server's command line")
-    if "{mode" not in text:
-        raise argparse.ArgumentTypeError(f"{shown_command(words)}: has no {{mode}} or {{mode_args}}: every label "
-                                         "would start the same server")
     if shutil.which(words[0]) is None:
         raise argparse.ArgumentTypeError(f"{shown_command(words[:1])}: no such program (the first word of "
                                          "--launch: a command on PATH or the path of an executable)")
@@ -362,6 +358,9 @@ def main(argv: list[str]) -> int:
         labels = args.labels or [args.label or "server"]
         if len(labels) > 1 and not args.launch:
             p.error("several --labels need --launch (one server per label)")
+        if len(labels) > 1 and "{mode" not in args.launch:
+            p.error(f"--launch {shown_command(shlex.split(args.launch))} has no {{mode}} or {{mode_args}}: every "
+                    "label would start the same server")
         if len(set(labels)) != len(labels):
             p.error(f"--labels {' '.join(labels)}: a label is given twice")
         for label in labels:

@@ -142,13 +142,16 @@ def test_a_launched_server_command_is_printed_without_its_keys(tmp_path, refused
     assert "SECRETK" not in printed
 
 
-@pytest.mark.parametrize("launch, message", [
-    ("no mode here", "argument --launch: no mode here: has no {mode} or {mode_args}"),
-    ("no-such-program-x --api-key SECRETK3 {mode}", "argument --launch: no-such-program-x: no such program"),
-    ("VLLM_API_KEY=SECRETK4 serve {mode}", "argument --launch: 'VLLM_API_KEY=***': no such program"),
+@pytest.mark.parametrize("launch, labels, message", [
+    ("true serve --api-key SECRETK5 m", ["a", "b"], "has no {mode} or {mode_args}: every label would start the same"),
+    ("no mode here", ["a"], "argument --launch: no: no such program"),
+    ("no-such-program-x --api-key SECRETK3 {mode}", ["a"], "argument --launch: no-such-program-x: no such program"),
+    ("VLLM_API_KEY=SECRETK4 serve {mode}", ["a"], "argument --launch: 'VLLM_API_KEY=***': no such program"),
 ])
-def test_a_launch_that_cannot_start_a_server_per_label_is_refused_up_front(tmp_path, refused, launch, message):
-    error, printed = refused(["eval", "ttft", "--launch", launch, "--labels", "a", "--out", str(tmp_path / "out")])
+def test_a_launch_that_cannot_start_a_server_per_label_is_refused_up_front(tmp_path, refused, launch, labels,
+                                                                            message):
+    error, printed = refused(["eval", "ttft", "--launch", launch, "--labels", *labels, "--out",
+                              str(tmp_path / "out")])
     assert message in error and "SECRETK" not in printed
     assert not (tmp_path / "out").exists()
 
