@@ -110,7 +110,7 @@ BAD = [
     (["eval", "ttft", "--input-lens", "0"], "argument --input-lens: 0: must be from 1"),
     (["eval", "ttft", "--base-url", "ftp://host"], "expected http://HOST[:PORT]"),
     (["eval", "ttft", "--labels", "a", "b"], "several --labels need --launch"),
-    (["eval", "ttft", "--launch", "serve", "--labels", "a", "b"], "has no {mode} or {mode_args}"),
+    (["eval", "ttft", "--launch", "true serve", "--labels", "a", "b"], "has no {mode} or {mode_args}"),
     (["eval", "ttft", "--launch", "serve 'x", "--labels", "a"], "not a command line (No closing quotation)"),
     (["eval", "ttft", "--report", "--out", "/tmp/echo-vllm-no-such-results"], "no ttft_*.json or raw_*.json in"),
     (["eval", "bundle", "--part-mib", "0"], "argument --part-mib: 0: must be from 1"),
