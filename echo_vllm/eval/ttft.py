@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from ..cli_args import UsageError, count, counts, file_stem, http_url, out_dir, real
-from ..server.credentials import SECRET_OPTIONS, secret_option
+from ..server.credentials import scrub
 from .background import BackgroundTraffic, TrafficSpec
 from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
 
@@ -172,20 +172,8 @@ def parse_mode_args(items: list[str]) -> dict[str, str]:
 
 
 def shown_command(words: list[str]) -> str:
-    """Command line ``words`` as printed: the values of secret options
-    (``--api-key``, ``--hf-token``, in any spelling vLLM takes) and of
-    ``VLLM_API_KEY=`` / ``HF_TOKEN=`` assignments are ``***``, so that no
-    log or error line holds a key."""
-    out: list[str] = []
-    hiding = False  # after a secret option: its values, up to the next option
-    for word in words:
-        name, eq, _ = word.partition("=")
-        if hiding and not word.startswith("-"):
-            out.append("***")
-            continue
-        hiding = bool(secret_option(name)) and not eq
-        out.append(f"{name}=***" if eq and (secret_option(name) or name in SECRET_OPTIONS.values()) else word)
-    return shlex.join(out)
+    """Command line ``words`` as printed: no key shows (``credentials.scrub``)."""
+    return shlex.join(scrub(words))
 
 
 def launch_arg(text: str) -> str:

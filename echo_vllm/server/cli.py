@@ -68,34 +68,6 @@ def _help(argv: list[str]) -> int:
     return vllm_serve.print_help(searched or ["--help"])
 
 
-def _multiprocess_dir() -> str:
-    """The Prometheus multiprocess folder, checked and switched on before
-    vLLM imports ``prometheus_client``; nothing is removed yet. Without
-    ``PROMETHEUS_MULTIPROC_DIR`` a private temporary one; the user's is
-    judged as :func:`metrics.prepare_multiprocess_dir` will judge it right
-    before the server starts (:class:`metrics.MultiprocessDirError` now if
-    it would refuse it), made if missing."""
-    from ..vllm_glue import metrics
-
-    path = os.environ.get(metrics.MULTIPROC_ENV)
-    if not path or (metrics._tmpdir is not None and path == metrics._tmpdir.name):
-        return metrics.prepare_multiprocess_dir()[0]  # a private one: made, or ours already
-    where = f"{metrics.MULTIPROC_ENV}={path}"
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise metrics.MultiprocessDirError(f"{where}: not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-        entries = [(e.name, e.is_file(follow_symlinks=False)) for e in os.scandir(path)]
-    except OSError as e:
-        raise metrics.MultiprocessDirError(f"{where}: cannot use it as a folder ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise metrics.MultiprocessDirError(f"{where}: the folder is not writable")
-    problem, _stale = metrics.judge_multiprocess_dir(path, entries, metrics._pid_running)
-    if problem:
-        raise metrics.MultiprocessDirError(problem)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _wants_help(argv):
@@ -107,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_argv, settings = rewrite_args(argv)
         if settings.glue_active:
             envs.read()  # the engine's workers read them: refuse a bad value now
-            path = _multiprocess_dir()  # before vLLM imports prometheus_client
+            path, _ = metrics.prepare_multiprocess_dir(remove_stale=False)  # before vLLM imports prometheus_client
     except (ServeArgsError, envs.EchoEnvError, metrics.MultiprocessDirError) as e:
         _say(f"error: {e}")
         return 2

@@ -91,10 +91,19 @@ def looks_secret(name: str) -> bool:
     return bool(secret_option(name) or misspelled_secret(name) or words[-1] in SECRET_WORDS)
 
 
+def _secret_variable(name: str) -> bool:
+    """Whether an environment assignment ``name=VALUE`` (a command line's
+    leading words) may carry a secret: ``VLLM_API_KEY``, ``HF_TOKEN``, or a
+    name whose last word is one of :data:`SECRET_WORDS`."""
+    return name.isidentifier() and (name in SECRET_OPTIONS.values()
+                                    or name.lower().split("_")[-1] in SECRET_WORDS)
+
+
 def scrub(argv: list[str]) -> list[str]:
     """``argv`` as it may be printed: the value of every option that
     :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
-    shown as ``***``, after ``--`` too."""
+    and of every secret environment assignment (``HF_TOKEN=VALUE``) shown as
+    ``***``, after ``--`` too."""
     shown: list[str] = []
     hiding = False
     for token in argv:
@@ -103,7 +112,9 @@ def scrub(argv: list[str]) -> list[str]:
             continue
         hiding = False
         name, eq, _ = token.partition("=")
-        if looks_secret(name):
+        if eq and _secret_variable(name):
+            shown.append(f"{name}={HIDDEN}")
+        elif looks_secret(name):
             shown.append(f"{name}={HIDDEN}" if eq else token)
             hiding = not eq
         else:

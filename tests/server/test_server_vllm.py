@@ -101,9 +101,10 @@ SCRIPT = textwrap.dedent("""
     private_dir, user_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"], tempfile.mkdtemp()
     stale = os.path.join(user_dir, "counter_%d.db" % (2**22 + 12345))  # above pid_max: no such process
     real_prepare, seen_at_prepare = metrics.prepare_multiprocess_dir, []
-    def prepare():
-        seen_at_prepare.append(sorted(os.listdir(user_dir)))  # nothing of this process's yet
-        return real_prepare()
+    def prepare(remove_stale=True):
+        if remove_stale:  # the removal, right before the start
+            seen_at_prepare.append(sorted(os.listdir(user_dir)))  # nothing of this process's yet
+        return real_prepare(remove_stale)
     metrics.prepare_multiprocess_dir = prepare
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = user_dir
     def user_run(argv):
