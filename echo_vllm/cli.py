@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import envs
 from .cli_args import report_errors
 
 SUBCOMMANDS = {
@@ -44,9 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echo-vllm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
+
+    def run() -> int | None:
+        if name != "serve":  # serve reads them itself, only where Echo runs
+            envs.read()  # workers and caches read them mid-run: refuse a bad value before any work
+        return module.main(rest)
+
     try:
         # bad input found after parsing: one line, exit 2, no traceback
-        return report_errors(f"echo-vllm {name}", lambda: module.main(rest))
+        return report_errors(f"echo-vllm {name}", run)
     except SystemExit as e:  # argparse's errors and --help: the exit code, as a return value
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

@@ -226,25 +226,36 @@ def real(low: float, high: float, *, low_open: bool = False, why: str = "") -> C
     return _type("number", parse)
 
 
-def out_dir(text: str) -> str:
-    """argparse type: a folder the tool can write into, existing or to be
-    made. Checked by making (and removing) a folder where the output goes:
-    permission bits say nothing for root, nor of /proc or a read-only mount."""
+def folder_problem(text: str) -> str | None:
+    """Why a folder cannot be made or written at ``text`` (``None``: it can).
+    Checked by making (and removing) a folder where it goes: permission bits
+    say nothing for root, nor of /proc or a read-only mount."""
     path = os.path.abspath(os.path.expanduser(str(text)))
-    if not str(text).strip():
-        raise argparse.ArgumentTypeError("'': expected a folder")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: exists and is not a folder")
+        return "exists and is not a folder"
     parent = path
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # makedirs cannot make a folder where a dangling link stands
+            return f"{parent} is a link to {os.readlink(parent)}, which does not exist"
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: cannot be made, {parent} is not a folder")
+        return f"cannot be made, {parent} is not a folder"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".echo-vllm-write-check-", dir=parent))
     except OSError as e:
         where = "the folder" if parent == path else f"{parent}, where it would be made,"
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: {where} is not writable ({e.strerror})") from None
+        return f"{where} is not writable ({e.strerror})"
+    return None
+
+
+def out_dir(text: str) -> str:
+    """argparse type: a folder the tool can write into, existing or to be
+    made (:func:`folder_problem`)."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("'': expected a folder")
+    problem = folder_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
     return str(text)
 
 
@@ -334,5 +345,5 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 __all__ = [
     "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
     "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
-    "file_stem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+    "file_stem", "folder_problem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
 ]

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from .cli_args import UsageError, did_you_mean
+from .cli_args import UsageError, did_you_mean, folder_problem
 
 #: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
 KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
@@ -62,7 +62,8 @@ VARIABLES = {
 
 def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     """Parse the ``ECHO_*`` variables of ``environ`` (default ``os.environ``);
-    a value outside its choices raises :class:`EchoEnvError` naming it."""
+    a value outside its choices, or an ``ECHO_VLLM_CACHE`` that is not a
+    folder and cannot be made one, raises :class:`EchoEnvError` naming it."""
     env = os.environ if environ is None else environ
     kernels = env.get("ECHO_KERNELS", "auto").strip().lower() or "auto"
     kernels = "numba" if kernels == "cpu" else kernels
@@ -73,8 +74,13 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     direct = env.get("ECHO_KERNEL_DIRECT_LAUNCH", "1").strip()
     if direct not in ("0", "1"):
         raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r:.60}: 0 or 1")
-    return EchoEnv(kernels=kernels, direct_launch=direct == "1",
-                   cache_dir=env.get("ECHO_VLLM_CACHE") or None,
+    cache = env.get("ECHO_VLLM_CACHE") or None
+    # made on first use, mid-run: refuse now what makedirs would fail on (an existing folder is
+    # taken as it is, so a read-only prepared cache still serves)
+    problem = folder_problem(cache) if cache and not os.path.isdir(cache) else None
+    if problem:
+        raise EchoEnvError(f"ECHO_VLLM_CACHE={cache!r:.60}: {problem}")
+    return EchoEnv(kernels=kernels, direct_launch=direct == "1", cache_dir=cache,
                    triton_interpret=env.get("TRITON_INTERPRET", "0").strip() == "1")
 
 

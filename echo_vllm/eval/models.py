@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, parse_int
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, parse_int
 from .assets import (
     AssetError,
     cache_dir,
@@ -126,6 +126,19 @@ def tp_size_arg(text: str) -> int:
             f"{value}: TP size must be at least 2 (at TP=1 there is no all-reduce to quantize) and at most "
             f"{MAX_RANKS} ({RANKS_WHY}), or 0 for the model's default")
     return value
+
+
+def check_device(name: str) -> None:
+    """Refuse (:class:`UsageError`) a ``--device`` (``cpu``, ``cuda``,
+    ``cuda:N``) this host does not have, before a model loads onto it."""
+    if not name.startswith("cuda"):
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(name.partition(":")[2] or 0) >= have:
+        here = f"only {have} CUDA device(s)" if have else "no CUDA device"
+        raise UsageError(f"--device {name}: {here} here (--device cpu)")
 
 
 def assemble_gguf(src: ModelSource, dest: Path) -> Path:

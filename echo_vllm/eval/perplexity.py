@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from ..cli_args import UsageError, count, device, file_stem, out_dir
 from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from ..postnorm import POSTNORM_POLICIES
-from .data import lambada_passages, load_text
+from .data import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
-from .models import default_emulate_tp, resolve_model, tp_size_arg
+from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
@@ -445,5 +445,8 @@ def main(argv: list[str]) -> int:
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
+    check_device(args.device)
+    for name in args.texts:  # an unknown play: refused before the model loads
+        text_file(name)
     run(args)
     return 0

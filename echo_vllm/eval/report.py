@@ -8,6 +8,7 @@ table a human reads, with the command line that made it) and ``<stem>.png``.
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import platform
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from ..cli_args import UsageError
 
 
 def environment() -> dict[str, Any]:
@@ -35,6 +38,22 @@ def environment() -> dict[str, Any]:
         except Exception:
             pass
     return info
+
+
+def read_json(path: Path, required: Sequence[str] = ()) -> dict:
+    """The JSON object in ``path`` (xz-compressed when it ends in ``.xz``), a
+    results file of an earlier run. Raises :class:`UsageError` naming the file
+    when it cannot be read, is not a JSON object or lacks a ``required`` key."""
+    try:
+        data = path.read_bytes()
+        value = json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
+    except (OSError, lzma.LZMAError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a readable JSON results file ({e})") from None
+    missing = [k for k in required if k not in value] if isinstance(value, dict) else None
+    if missing is None or missing:
+        what = "not a JSON object" if missing is None else f"no {', '.join(map(repr, missing))}"
+        raise UsageError(f"{path}: {what} (not a results file of this tool, or cut short)")
+    return value
 
 
 def fmt(value: Any, digits: int = 4) -> str:

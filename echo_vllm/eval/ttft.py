@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import socket
@@ -37,8 +38,9 @@ import urllib.request
 from pathlib import Path
 
 from ..cli_args import UsageError, count, counts, file_stem, http_url, out_dir, real
+from ..server.credentials import scrub
 from .background import BackgroundTraffic, TrafficSpec
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
 
 ONE_GPU_NOTE = (
     "ONE GPU: tensor parallelism is emulated in-process; these times include the emulation's "
@@ -169,14 +171,23 @@ def parse_mode_args(items: list[str]) -> dict[str, str]:
     return out
 
 
+def shown_command(words: list[str]) -> str:
+    """Command line ``words`` as printed: no key shows (``credentials.scrub``)."""
+    return shlex.join(scrub(words))
+
+
 def launch_arg(text: str) -> str:
-    """argparse type of ``--launch``: a command line shlex can split."""
+    """argparse type of ``--launch``: a command line shlex can split, whose
+    program (first word) is on PATH or a path to an executable."""
     try:
         words = shlex.split(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a command line ({e})") from None
+    except ValueError as e:  # the text itself may hold a key: not shown
+        raise argparse.ArgumentTypeError(f"not a command line ({e})") from None
     if not words:
         raise argparse.ArgumentTypeError("'': expected the server's command line")
+    if shutil.which(words[0]) is None:
+        raise argparse.ArgumentTypeError(f"{shown_command(words[:1])}: no such program (the first word of "
+                                         "--launch: a command on PATH or the path of an executable)")
     return text
 
 
@@ -192,9 +203,9 @@ def run_label(args, label: str) -> dict:
     args.label = label
     server = None
     if args.launch:
-        cmd = launch_command(args.launch, label, args.mode_args)
-        print(f"[ttft] starting: {cmd}", file=sys.stderr)
-        server = subprocess.Popen(shlex.split(cmd))
+        cmd = shlex.split(launch_command(args.launch, label, args.mode_args))
+        print(f"[ttft] starting: {shown_command(cmd)}", file=sys.stderr)
+        server = subprocess.Popen(cmd)
     try:
         wait_healthy(args.base_url, args.server_timeout, server)
         if args.background_traffic:
@@ -233,7 +244,7 @@ def runs_from_raw(out: Path, covered: set[tuple[str, int, int]]) -> list[dict]:
         key = (m["label"], int(m["input_len"]), int(m["concurrency"]))
         if key in covered:
             continue
-        raw = json.loads(path.read_text())
+        raw = read_json(path)
         run = by_label.setdefault(key[0], {"label": key[0], "model": raw.get("model_id"), "cells": [],
                                            "gpus": 0, "from_raw": True})
         run["cells"].append({"label": key[0], "input_len": key[1], "concurrency": key[2],
@@ -241,8 +252,22 @@ def runs_from_raw(out: Path, covered: set[tuple[str, int, int]]) -> list[dict]:
     return list(by_label.values())
 
 
+#: What every cell of a ``ttft_<label>.json`` holds (the report's keys).
+CELL_KEYS = ("label", "input_len", "concurrency", "mean_ttft_ms")
+
+
+def read_run(path: Path) -> dict:
+    """One label's run as :func:`run_label` wrote it; :class:`UsageError`
+    naming the file when it is not one."""
+    run = read_json(path, ("label", "model", "cells"))
+    cells = run["cells"]
+    if not isinstance(cells, list) or not all(isinstance(c, dict) and all(k in c for k in CELL_KEYS) for c in cells):
+        raise UsageError(f"{path}: 'cells' is not a list of cells with {', '.join(CELL_KEYS)}")
+    return run
+
+
 def report(out: str, baseline: str = "exact") -> dict:
-    runs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("ttft_*.json"))]
+    runs = [read_run(p) for p in sorted(Path(out).glob("ttft_*.json"))]
     covered = {(c["label"], c["input_len"], c["concurrency"]) for r in runs for c in r["cells"]}
     runs += runs_from_raw(Path(out), covered)
     if not runs:
@@ -322,8 +347,8 @@ def main(argv: list[str]) -> int:
         if len(labels) > 1 and not args.launch:
             p.error("several --labels need --launch (one server per label)")
         if len(labels) > 1 and "{mode" not in args.launch:
-            p.error(f"--launch {args.launch!r} has no {{mode}} or {{mode_args}}: every label would start the same "
-                    "server")
+            p.error(f"--launch {shown_command(shlex.split(args.launch))} has no {{mode}} or {{mode_args}}: every "
+                    "label would start the same server")
         if len(set(labels)) != len(labels):
             p.error(f"--labels {' '.join(labels)}: a label is given twice")
         for label in labels:

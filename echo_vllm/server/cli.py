@@ -2,7 +2,8 @@
 
 1. :func:`~echo_vllm.server.credentials.take_secrets` takes ``--api-key`` /
    ``--hf-token`` off the command line: they reach vLLM through the
-   environment variables it reads, so no log ever shows them;
+   environment variables it reads, so no log ever shows them (the command
+   line printed shows ``***`` for anything else that looks like a secret);
 2. :func:`~echo_vllm.server.rewrite.rewrite_args` turns the command line into
    a ``vllm serve`` one (Echo's flags -> ``--additional-config``, bypassing
    compilation passes off, contradictions rejected in one line), and with
@@ -13,10 +14,13 @@
    Echo counters reach ``/metrics``
    (:mod:`echo_vllm.vllm_glue.metrics`): in a private temporary folder, or
    in the user's ``PROMETHEUS_MULTIPROC_DIR`` if it is empty (or holds only
-   an earlier run's value files, which are removed); anything else there
-   is refused, never deleted;
+   an earlier run's value files); anything else there is refused, never
+   deleted;
 4. vLLM's own ``vllm serve`` runs in this process
-   (:mod:`~echo_vllm.server.vllm_serve`).
+   (:mod:`~echo_vllm.server.vllm_serve`): vLLM parses and checks the
+   arguments (on a host without a GPU too, where the start is then refused),
+   and only once every check has passed are an earlier run's value files
+   removed from the user's folder: a refused command removes nothing.
 
 Every refusal is one line, ``echo-vllm serve: error: ...``, exit 2.
 """
@@ -29,7 +33,7 @@ import shlex
 import sys
 
 from .. import envs
-from .credentials import take_secrets
+from .credentials import scrub, take_secrets
 from .flags import format_help
 from .rewrite import ServeArgsError, ServeSettings, rewrite_args
 
@@ -75,32 +79,34 @@ def main(argv: list[str] | None = None) -> int:
         vllm_argv, settings = rewrite_args(argv)
         if settings.glue_active:
             envs.read()  # the engine's workers read them: refuse a bad value now
-            path, stale = metrics.prepare_multiprocess_dir()  # before vLLM imports prometheus_client
+            path, _ = metrics.prepare_multiprocess_dir(remove_stale=False)  # before vLLM imports prometheus_client
     except (ServeArgsError, envs.EchoEnvError, metrics.MultiprocessDirError) as e:
         _say(f"error: {e}")
         return 2
-    _say(f"tp_comm={settings.tp_comm}; running: vllm serve {shlex.join(vllm_argv)}")
+    _say(f"tp_comm={settings.tp_comm}; running: vllm serve {shlex.join(scrub(vllm_argv))}")
     for name in sorted(secret_env):
         _say(f"{name} set from the command line (handed to vLLM through the environment, kept out of every log)")
     for warning in settings.warnings + tuple(envs.unknown_variables() if settings.glue_active else ()):
         _say(f"warning: {warning}")
 
-    on_parsed = None
+    on_ready = None
     if settings.glue_active:
         _say(f"Prometheus multiprocess dir {path}")
-        if stale:
-            _say(f"removed {len(stale)} prometheus_client value file(s) of an earlier run from {path} "
-                 f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''})")
 
-        def on_parsed(_args):
+        def on_ready(_args):
+            # every check has passed (vLLM's parsing too): only now is anything removed
+            path, stale = metrics.prepare_multiprocess_dir()
+            if stale:
+                _say(f"removed {len(stale)} prometheus_client value file(s) of an earlier run from {path} "
+                     f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''})")
             metrics.publish_config(config_labels(settings))
 
     from . import vllm_serve
 
     os.environ.update(secret_env)
     try:
-        return vllm_serve.serve(vllm_argv, settings, on_parsed=on_parsed)
-    except ServeArgsError as e:
+        return vllm_serve.serve(vllm_argv, settings, on_ready=on_ready)
+    except (ServeArgsError, metrics.MultiprocessDirError) as e:
         _say(f"error: {e}")
         return 2
 

@@ -9,9 +9,22 @@ vLLM 0.26 reads in their place: ``VLLM_API_KEY`` (what the API server
 checks when ``--api-key`` is not given) and ``HF_TOKEN`` (huggingface_hub's
 token, what ``--hf-token TOKEN`` passes). ``--hf-token`` without a value
 (use the stored login) holds no secret and stays.
+
+vLLM's argument errors print the tokens they refuse (``unrecognized
+arguments: --api-kye KEY``), so what argparse would refuse around a secret
+is refused here first, without the value: a close misspelling of a secret
+option (:func:`misspelled_secret`), a secret-looking option after ``--``
+(every token there is a positional argument to argparse), and, with vLLM's
+parser at hand, any option vLLM does not know whose name ends like a secret's
+(:func:`unknown_secret_option`). The command line ``echo-vllm serve``
+prints shows ``***`` for the value of anything that looks like a secret
+option (:func:`scrub`).
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Collection
 
 from .flags import ServeArgsError
 
@@ -19,6 +32,14 @@ from .flags import ServeArgsError
 SECRET_OPTIONS = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
 #: --hf-token alone means "the stored login" (vLLM's ``const=True``).
 _OPTIONAL_VALUE = frozenset({"--hf-token"})
+#: The last word of an option name that may carry a secret (``--auth-token``).
+SECRET_WORDS = frozenset({"key", "keys", "apikey", "token", "secret", "secrets", "password", "passwd"})
+#: How close (difflib's ratio of the letters) a name must be to a secret
+#: option's to count as its misspelling: ``--api-kye`` 0.83, ``--hf-tokn``
+#: 0.92; ``--auth-token`` 0.75 is not one; the closest of vLLM 0.26's other options,
+#: ``--tokenizer``, 0.63.
+MISSPELLING_RATIO = 0.8
+HIDDEN = "***"
 
 
 def secret_option(name: str) -> str | None:
@@ -36,22 +57,103 @@ def secret_option(name: str) -> str | None:
     return None
 
 
+def _letters(name: str) -> str:
+    return name.lstrip("-").lower().replace("_", "").replace("-", "")
+
+
+def misspelled_secret(name: str) -> str | None:
+    """The secret option ``name`` is a near miss of, which argparse would
+    refuse (printing the value that follows): a misspelling (``--api-kye``,
+    ``--apikey``, ``-api-key``, ``--hf-tokn``) or an abbreviation too short
+    to be unique (``--api``, ``--hf-``). None for a spelling
+    :func:`secret_option` accepts, and for anything not close."""
+    if not name.startswith("-") or secret_option(name):
+        return None
+    letters = _letters(name)
+    if len(letters) < 2:
+        return None
+    for option in SECRET_OPTIONS:
+        target = _letters(option)
+        if name.startswith("--") and target.startswith(letters):
+            return option
+        if difflib.SequenceMatcher(None, letters, target).ratio() >= MISSPELLING_RATIO:
+            return option
+    return None
+
+
+def looks_secret(name: str) -> bool:
+    """Whether the option ``name`` (no ``=value``) may carry a secret: a
+    secret option in any spelling, a near miss of one, or a name whose last
+    word is one of :data:`SECRET_WORDS` (``--auth-token``, ``--password``)."""
+    if not name.startswith("-") or name.strip("-") == "":
+        return False
+    words = name.lstrip("-").lower().replace("_", "-").split(".")[0].split("-")
+    return bool(secret_option(name) or misspelled_secret(name) or words[-1] in SECRET_WORDS)
+
+
+def _secret_variable(name: str) -> bool:
+    """Whether an environment assignment ``name=VALUE`` (a command line's
+    leading words) may carry a secret: ``VLLM_API_KEY``, ``HF_TOKEN``, or a
+    name whose last word is one of :data:`SECRET_WORDS`."""
+    return name.isidentifier() and (name in SECRET_OPTIONS.values()
+                                    or name.lower().split("_")[-1] in SECRET_WORDS)
+
+
+def scrub(argv: list[str]) -> list[str]:
+    """``argv`` as it may be printed: the value of every option that
+    :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
+    and of every secret environment assignment (``HF_TOKEN=VALUE``) shown as
+    ``***``, after ``--`` too."""
+    shown: list[str] = []
+    hiding = False
+    for token in argv:
+        if hiding and not token.startswith("-"):
+            shown.append(HIDDEN)
+            continue
+        hiding = False
+        name, eq, _ = token.partition("=")
+        if eq and _secret_variable(name):
+            shown.append(f"{name}={HIDDEN}")
+        elif looks_secret(name):
+            shown.append(f"{name}={HIDDEN}" if eq else token)
+            hiding = not eq
+        else:
+            shown.append(token)
+    return shown
+
+
+def _near_miss_error(name: str, option: str) -> ServeArgsError:
+    return ServeArgsError(
+        f"{name} is not an option of vllm serve; did you mean {option}? (refused here: vLLM's error would "
+        "print the value that follows)")
+
+
 def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """``argv`` without the values of :data:`SECRET_OPTIONS`, and the
-    environment that hands them to vLLM. The last occurrence wins, as in
-    argparse. Refused (:class:`ServeArgsError`): an option without a value,
-    an empty value (an empty key would leave the server open), and several
-    API keys (``VLLM_API_KEY`` holds one). Tokens after ``--`` are kept."""
+    environment that hands them to vLLM. Refused (:class:`ServeArgsError`,
+    never showing a value): an option without a value, an empty value (an
+    empty key would leave the server open), several API keys (``--api-key A
+    B`` or ``--api-key`` twice: ``VLLM_API_KEY`` holds one), a near miss of a
+    secret option (:func:`misspelled_secret`), and a secret-looking option
+    after ``--``. A repeated ``--hf-token``: the last one wins, as in argparse."""
     out: list[str] = []
     env: dict[str, str] = {}
     i = 0
     while i < len(argv):
         token = argv[i]
         if token == "--":
+            after = next((t.partition("=")[0] for t in argv[i + 1:] if looks_secret(t.partition("=")[0])), None)
+            if after is not None:
+                raise ServeArgsError(
+                    f"{after} after '--': argparse reads every token after '--' as a positional argument, "
+                    f"so vLLM would refuse it and print its value; put {after} before '--'")
             return out + argv[i:], env
         name, eq, inline = token.partition("=")
         option = secret_option(name)
         if option is None:
+            near = misspelled_secret(name)
+            if near is not None:
+                raise _near_miss_error(name, near)
             out.append(token)
             i += 1
             continue
@@ -68,12 +170,36 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 env.pop(SECRET_OPTIONS[option], None)
                 continue
             raise ServeArgsError(f"{name} needs a value (write {name}=VALUE for one that starts with '-')")
+        why_one = (f"echo-vllm serve hands the key to vLLM as {SECRET_OPTIONS[option]}, which holds one "
+                   "(so vLLM's argument log never shows it)")
         if len(values) > 1:
             raise ServeArgsError(
-                f"{name} with {len(values)} keys: echo-vllm serve hands the key to vLLM as "
-                f"{SECRET_OPTIONS[option]}, which holds one (so vLLM's argument log never shows it); give one key")
+                f"{name} takes exactly one value, got {len(values)}: {why_one}; give one key (and the model "
+                f"name first: echo-vllm serve MODEL ... {option} KEY)")
+        if option == "--api-key" and SECRET_OPTIONS[option] in env:
+            raise ServeArgsError(f"{name} given more than once: {why_one}; give one {option}")
         if not values[0]:
             why = " (vLLM would then check no key at all)" if option == "--api-key" else ""
             raise ServeArgsError(f"{name} is empty{why}: give a value or drop the option")
         env[SECRET_OPTIONS[option]] = values[0]
     return out, env
+
+
+def unknown_secret_option(argv: list[str], known: Collection[str]) -> str | None:
+    """The first option in ``argv`` (before ``--``) that :func:`looks_secret`
+    but is none of ``known`` (a parser's option strings) nor an abbreviation
+    of one: argparse would refuse it and print the value after it. None if
+    there is none."""
+    for token in argv:
+        if token == "--":
+            return None
+        name = token.partition("=")[0]
+        if not looks_secret(name):
+            continue
+        if name.startswith("--"):
+            head, dot, tail = name[2:].partition(".")
+            name = "--" + head.replace("_", "-")  # vLLM's spelling rule; a dotted path is the option's
+        if name in known or any(option.startswith(name) for option in known if len(name) > 2):
+            continue
+        return name
+    return None

@@ -22,6 +22,8 @@ Merging: vLLM itself keeps only the dotted form when a JSON and a dotted
 replaces the JSON one). With ``--tp-comm echo`` we merge them instead, in
 command-line order (later keys win), and hand vLLM one JSON object per
 option; with ``--tp-comm nccl`` (stock vLLM) the argv is left as vLLM sees it.
+A dotted Echo key (``--additional-config.echo_min_bytes 256k``) is read by
+its flag's parser, never by vLLM's "human integer" reading of dotted values.
 
 It reads nothing but ``argv`` (and the ``--config`` file, through an
 injectable reader; the installed vLLM's version, from its metadata, when
@@ -51,7 +53,7 @@ from .flags import (
     ServeArgsError,
     flags_by_option,
 )
-from .credentials import secret_option
+from .credentials import misspelled_secret, secret_option
 
 ADDITIONAL_CONFIG = "--additional-config"
 COMPILATION_CONFIG = "--compilation-config"
@@ -298,15 +300,30 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
     return scan
 
 
+def _echo_key(key: str) -> bool:
+    """An additional_config key of Echo's (``echo_*``, ``tp_comm*``, in
+    either spelling), read by Echo's own parsers, not vLLM's."""
+    key = next(iter(normalize_keys({key: None})))
+    return isinstance(key, str) and key.startswith((ECHO_KEY_PREFIX, TP_COMM_KEY))
+
+
 def _config_entry(option: str, path: str, raw: str) -> tuple[list[str], Any, bool]:
     """One ``--additional-config`` / ``-cc`` occurrence: a JSON object, or a
-    dotted ``.a.b value`` assignment (``.a.b+ x,y`` appends to a list)."""
+    dotted ``.a.b value`` assignment (``.a.b+ x,y`` appends to a list).
+
+    A dotted value is read as vLLM reads it (:func:`parse_dotted_value`),
+    except an Echo key's (``--additional-config.echo_min_bytes 256k``): that
+    text is kept as typed, for the same parser as its ``--echo-*`` flag
+    (``256k`` is 262144 bytes there, not vLLM's 256000, and ``5k`` calls or
+    ``1.1k`` bytes are refused, not read as 5000 and 1100)."""
     if not path:
         return [], _json_object(option, raw), False
     keys = path.split(".")
     if keys[-1].endswith("+"):
         keys[-1] = keys[-1][:-1]
         return keys, list(raw.split(",")), True
+    if option == ADDITIONAL_CONFIG and len(keys) == 1 and _echo_key(keys[0]):
+        return keys, raw, False
     return keys, parse_dotted_value(raw), False
 
 
@@ -359,6 +376,11 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
             raise ServeArgsError(
                 f"--config {path}: holds {key}, which vLLM would print in its argument log; pass it as "
                 f"{name} on the command line (handed to vLLM through its environment) instead")
+        near = misspelled_secret(name)
+        if near is not None:  # vLLM would refuse it, printing its value
+            raise ServeArgsError(
+                f"--config {path}: holds {key}, not an option of vllm serve; did you mean {near[2:]}? "
+                f"(refused here: vLLM's error would print its value; pass {near} on the command line)")
         if name in _CONFIG_ALIASES:
             option = _CONFIG_ALIASES[name]
             # before every command-line entry, wherever --config stood
@@ -433,6 +455,12 @@ def _bool_value(name: str, raw: Any) -> bool:
     return raw if isinstance(raw, bool) else _parse_bool(name, str(raw))
 
 
+def _as_given(value: Any) -> str:
+    """A user's additional_config value in an error: text as typed (a dotted
+    value is kept as text), anything else as JSON wrote it."""
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= 60 else json.dumps(value)[:60]
+
+
 def _flag_or_key(scan: _Scan, additional: dict, key: str, parse: Callable[[str, Any], Any]) -> Any:
     """One setting given as a flag, as an additional_config key, or both
     (then they must agree); None when neither."""
@@ -442,7 +470,7 @@ def _flag_or_key(scan: _Scan, additional: dict, key: str, parse: Callable[[str, 
         in_config = parse(f"--additional-config {key}", additional[key])
         if value is not None and value != in_config:
             raise ServeArgsError(
-                f"{flagged[2]} {flagged[1]} contradicts --additional-config {key}={additional[key]!r}")
+                f"{flagged[2]} {flagged[1]} contradicts --additional-config {key}={_as_given(additional[key])}")
         value = in_config if value is None else value
     return value
 
@@ -459,7 +487,7 @@ def _echo_values(scan: _Scan, additional: dict) -> dict[str, Any]:
         value = _coerce_field(key, raw, spelled)
         if key in values and values[key] != value:
             raise ServeArgsError(
-                f"{spelled} {raw} contradicts --additional-config {key}={additional[key]!r}")
+                f"{spelled} {raw} contradicts --additional-config {key}={_as_given(additional[key])}")
         values[key] = value
     return values
 

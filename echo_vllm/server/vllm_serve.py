@@ -2,8 +2,11 @@
 
 The same steps as ``vllm.entrypoints.cli.main.main`` for the ``serve``
 subcommand (environment setup, vLLM's parser, ``validate``, dispatch), with
-one step added between parsing and dispatch: :func:`verify_parsed` checks
-that vLLM read the settings the rewrite decided. Checked against vLLM 0.26.
+steps added around parsing: an unknown secret-looking option is refused
+before vLLM's parser could print its value; on a host without an accelerator
+vLLM parses on the CPU platform and the start is refused after parsing (one
+line, not a traceback); :func:`verify_parsed` checks that vLLM read the
+settings the rewrite decided. Checked against vLLM 0.26.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 from ..vllm_glue import compat
+from .credentials import unknown_secret_option
 from .rewrite import ServeArgsError, ServeSettings, verify_parsed
 
 #: vLLM versions this glue was written against: [min, max) as (major, minor) --
@@ -38,21 +42,62 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
+#: Set when :func:`ensure_platform_for_parsing` found no platform: vLLM's
+#: parser then runs on the CPU one, and :func:`serve` refuses to start.
+_no_device: bool = False
+
+
 def ensure_platform_for_parsing() -> None:
     """vLLM's argument defaults need a device type; on a machine without an
     accelerator (``--help`` on a laptop, CI) use the CPU platform, as
-    ``vllm bench`` does. Serving is unaffected on a GPU host."""
+    ``vllm bench`` does, so that parsing works (and vLLM's own one-line
+    refusals of bad flags with it). :func:`serve` still refuses to start
+    there (:func:`check_device`). Serving is unaffected on a GPU host."""
+    global _no_device
     from vllm import platforms
 
     if platforms.current_platform.is_unspecified():
         from vllm.platforms.cpu import CpuPlatform
 
         platforms.current_platform = CpuPlatform()
+        _no_device = True
+
+
+def _nvml_says() -> str:
+    """What NVML (what vLLM's CUDA detection asks) says, in a few words."""
+    try:
+        from vllm.utils.import_utils import import_pynvml
+
+        pynvml = import_pynvml()
+        pynvml.nvmlInit()
+    except Exception as e:  # no driver library, no kernel module, no permission
+        reason = " ".join(str(e).split())[:80] or type(e).__name__
+        return f"NVIDIA's driver is not reachable: {reason}"
+    try:
+        return f"NVML lists {pynvml.nvmlDeviceGetCount()} NVIDIA GPU(s)"
+    except Exception:
+        return "NVML lists no NVIDIA GPU"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def check_device() -> None:
+    """Refuse to start on a host where vLLM detected no accelerator: its
+    parser ran on the CPU platform (:func:`ensure_platform_for_parsing`),
+    and vLLM would otherwise end in a traceback."""
+    if _no_device:
+        raise ServeArgsError(
+            f"no GPU: vLLM finds no accelerator on this host (no CUDA, ROCm, TPU or XPU platform; {_nvml_says()}); "
+            "the arguments are fine, run it on a GPU host")
 
 
 def build_parser() -> Any:
     """vLLM's top-level parser with only the ``serve`` subcommand (whose
-    ``validate`` step is available as ``parser.echo_serve_command``)."""
+    ``validate`` step is available as ``parser.echo_serve_command``, its
+    option strings as ``parser.echo_serve_options``)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -61,8 +106,10 @@ def build_parser() -> Any:
                                     epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="serve"))
     subparsers = parser.add_subparsers(required=False, dest="subparser")
     command = ServeSubcommand()
-    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    serve_parser = command.subparser_init(subparsers)
+    serve_parser.set_defaults(dispatch_function=command.cmd)
     parser.echo_serve_command = command
+    parser.echo_serve_options = {o for action in serve_parser._actions for o in action.option_strings}
     return parser
 
 
@@ -97,13 +144,23 @@ def check_plugin(settings: ServeSettings) -> None:
         raise ServeArgsError(f"{asked} needs echo-vllm's vLLM plugin, but {problem}")
 
 
-def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) -> int:
-    """Parse with vLLM's parser, check, then hand over to ``vllm serve``."""
+def serve(vllm_argv: list[str], settings: ServeSettings, on_ready: Any = None) -> int:
+    """Parse with vLLM's parser, check, then hand over to ``vllm serve``.
+
+    ``on_ready(args)`` runs after every check has passed (vLLM's parsing and
+    ``validate``, :func:`verify_parsed`, the plugin, a device present), right
+    before vLLM's ``serve`` starts: what a refused command must not do
+    belongs there."""
     check_vllm_version()
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
+    ensure_platform_for_parsing()
     parser = build_parser()
+    unknown = unknown_secret_option(vllm_argv, parser.echo_serve_options)
+    if unknown is not None:
+        raise ServeArgsError(f"{unknown} is not an option of vllm serve (refused here: vLLM's error would "
+                             "print the value that follows)")
     args = parse(vllm_argv, parser)
     parser.echo_serve_command.validate(args)
     problems = verify_parsed(args, settings)
@@ -113,7 +170,8 @@ def serve(vllm_argv: list[str], settings: ServeSettings, on_parsed: Any = None) 
             + "; ".join(problems))
     if settings.glue_active:
         check_plugin(settings)
-    if on_parsed is not None:
-        on_parsed(args)
+    check_device()
+    if on_ready is not None:
+        on_ready(args)
     args.dispatch_function(args)
     return 0

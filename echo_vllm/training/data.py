@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from echo_vllm.cli_args import UsageError
+
 SOURCES = ("shakespeare", "lambada", "boolq", "hellaswag")
 VOCAB_SIZE = 256
 SEPARATOR = "\n\n"
@@ -115,18 +117,23 @@ class Corpus:
 
     @classmethod
     def load(cls, folder: str | Path) -> "Corpus":
+        """The splits of a :func:`prepare_corpus` folder; one that is not
+        (a file missing, unreadable or not matching ``corpus.json``) raises
+        :class:`UsageError` naming it."""
         folder = Path(folder)
         if not (folder / "corpus.json").is_file():
-            raise FileNotFoundError(
-                f"{folder} holds no prepared corpus; run `echo-vllm train-demo --prepare-data {folder}`"
-            )
-        info = json.loads((folder / "corpus.json").read_text())
+            raise UsageError(f"{folder} holds no prepared corpus; run `echo-vllm train-demo --prepare-data {folder}`")
         splits = {}
-        for name in ("train", "val"):
-            data = gzip.decompress((folder / f"{name}.txt.gz").read_bytes())
-            if hashlib.sha256(data).hexdigest() != info["sha256"][name]:
-                raise ValueError(f"{folder}/{name}.txt.gz does not match corpus.json; prepare again")
-            splits[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            info = json.loads((folder / "corpus.json").read_text())
+            for name in ("train", "val"):
+                data = gzip.decompress((folder / f"{name}.txt.gz").read_bytes())
+                if hashlib.sha256(data).hexdigest() != info["sha256"][name]:
+                    raise ValueError(f"{name}.txt.gz does not match corpus.json")
+                splits[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # JSON, gzip, a missing file or key
+            raise UsageError(f"{folder}: not a prepared corpus ({type(e).__name__}: {e}); "
+                             f"prepare it again with --prepare-data") from None
         return cls(splits["train"], splits["val"], info)
 
 

@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         records = load_runs(Path(args.report))
         if not records:
             raise UsageError(f"--report {args.report}: no train_*.json in it")
-        write_report(records, out)
+        try:
+            write_report(records, out)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+            raise UsageError(f"--report {args.report}: a run in it lacks what the report needs "
+                             f"({type(e).__name__}: {e})") from None
         return 0
 
     modes = args.modes
@@ -217,12 +221,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_runs(folder: Path) -> list[dict]:
+    """The runs (``train_<mode>.json``) in ``folder``, in :data:`MODES`
+    order; a file that is not a run's JSON raises :class:`UsageError` naming it."""
     runs = {}
     for path in sorted(folder.glob("train_*.json")):
         if path.name == "train_results.json":
             continue
-        rec = json.loads(path.read_text())
-        runs[rec["mode"]] = rec
+        try:
+            rec = json.loads(path.read_text())
+            mode = rec["mode"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--report {folder}: {path.name} is not a train-demo run ({type(e).__name__}: {e})") \
+                from None
+        if mode not in MODES:
+            raise UsageError(f"--report {folder}: {path.name} has mode {mode!r:.40}, not one of {', '.join(MODES)}")
+        runs[mode] = rec
     return [runs[m] for m in MODES if m in runs]
 
 
@@ -285,7 +298,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def write_report(records: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """``train_table.md``, ``train_results.json`` and ``train_loss.png`` of
+    ``records`` in ``out``; all three are made before any is written, so a
+    malformed record raises (KeyError, TypeError...) with nothing written."""
     rows = table_rows(records)
     first = records[0]
     m, t = first["model"], first["train"]
@@ -295,10 +310,12 @@ def write_report(records: list[dict], out: Path) -> None:
              f"both chains, timed by {first['timing']['comm_timer']}"
              + (" (one GPU emulating TP: the kernels' time, no link)" if first["device"] != "cpu" else ""))
     table = format_table(rows)
+    results = json.dumps({"setup": setup, "table": rows, "runs": {r["mode"]: r for r in records}}) + "\n"
+    fig = figure(records)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "train_table.md").write_text(setup + "\n\n" + table + "\n")
-    (out / "train_results.json").write_text(json.dumps({"setup": setup, "table": rows,
-                                                         "runs": {r["mode"]: r for r in records}}) + "\n")
-    png = plot(records, out / "train_loss.png")
+    (out / "train_results.json").write_text(results)
+    png = plot(fig, out / "train_loss.png")
     print(setup)
     print(table)
     print(f"wrote {out}/train_results.json, train_table.md" + (", train_loss.png" if png else
@@ -315,16 +332,16 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(records: list[dict], path: Path) -> bool:
-    """Loss curves and the gap to exact; False if matplotlib is missing (the
-    JSON holds every number)."""
+def figure(records: list[dict]):
+    """Loss curves and the gap to exact, a matplotlib figure; None if
+    matplotlib is missing (the JSON holds every number)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
 
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(11, 4.2))
     exact = next((r for r in records if r["mode"] == "exact"), None)
@@ -364,6 +381,15 @@ def plot(records: list[dict], path: Path) -> bool:
     gap.legend(fontsize=8)
     gap.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot(fig, path: Path) -> bool:
+    """Save :func:`figure`'s ``fig`` to ``path`` and close it; False for no figure."""
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

@@ -138,9 +138,9 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
-def _user_dir(path: str) -> list[str]:
+def _user_dir(path: str, remove: bool) -> list[str]:
     """Check (and make, if missing) the user's folder; returns the stale
-    value files removed. Raises :class:`MultiprocessDirError`."""
+    value files, removed if ``remove``. Raises :class:`MultiprocessDirError`."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise MultiprocessDirError(f"{MULTIPROC_ENV}={path}: not a folder")
     try:
@@ -153,15 +153,16 @@ def _user_dir(path: str) -> list[str]:
     problem, stale = judge_multiprocess_dir(path, entries, _pid_running)
     if problem:
         raise MultiprocessDirError(problem)
-    for name in stale:
+    for name in stale if remove else ():
         os.remove(os.path.join(path, name))
     return stale
 
 
-def prepare_multiprocess_dir() -> tuple[str, list[str]]:
+def prepare_multiprocess_dir(remove_stale: bool = True) -> tuple[str, list[str]]:
     """Turn on prometheus_client multiprocess mode for this process and the
-    ones it starts; returns the directory and the stale value files removed
-    from it.
+    ones it starts; returns the directory and the stale value files in it,
+    removed if ``remove_stale`` (``serve`` checks first, before vLLM imports
+    the client, and removes only once every check has passed).
 
     Call before vLLM (or anything else) imports ``prometheus_client``.
     Without ``PROMETHEUS_MULTIPROC_DIR`` a private temporary folder is made
@@ -175,7 +176,7 @@ def prepare_multiprocess_dir() -> tuple[str, list[str]]:
         _tmpdir = tempfile.TemporaryDirectory(prefix="echo-vllm-prometheus-")
         path = os.environ[MULTIPROC_ENV] = _tmpdir.name
     elif _tmpdir is None or path != _tmpdir.name:  # ours is checked when made
-        removed = _user_dir(path)
+        removed = _user_dir(path, remove_stale)
     if "prometheus_client" in sys.modules:
         # The client chose its value store when imported; metrics created
         # from now on must write to the shared files.

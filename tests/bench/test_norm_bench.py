@@ -111,3 +111,46 @@ def test_a_saved_run_reports_again_with_the_given_layer_times(tmp_path, capsys):
     bad.write_text("{}")
     assert norm_bench.run(ap.parse_args(["--from-json", str(bad)])) == 2
     assert "not a norm.json of this bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-sizes", "1"], "argument --world-sizes: 1: must be from 2 to 64"),
+    (["--tokens", "-5"], "argument --tokens: -5: must be at least 1"),
+    (["--hidden", "-1"], "argument --hidden: -1: must be from 1 to 1048576"),
+    (["--buffer-sets", "0"], "argument --buffer-sets: 0: must be from 1 to 64"),
+    (["--from-json", "/nonexistent/norm.json"], "argument --from-json: /nonexistent/norm.json: no such file"),
+    (["--out", "/etc/hostname"], "argument --out: /etc/hostname: exists and is not a folder"),
+    (["--out", "/proc/echo-vllm-x"], "/proc, where it would be made, is not writable"),
+])
+def test_options_are_typed_as_bench_fused(argv, message, capsys):
+    from echo_vllm import cli
+
+    assert cli.main(["bench", "norm", *argv]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_a_message_above_the_bench_limit_is_refused(capsys):
+    ap = argparse.ArgumentParser()
+    norm_bench.add_arguments(ap)
+    assert norm_bench.run(ap.parse_args(["--tokens", "8,99999999", "--hidden", "1048576"])) == 2
+    assert "--tokens 99999999 x --hidden 1048576 is 199999998 MiB of bf16: at most 64 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"cases": []}, "(KeyError: 'copy_gbps')"),
+    ({"cases": [], "copy_gbps": "x"}, "(ValueError: "),
+    ({"cases": [], "copy_gbps": 1.0, "layer_compute_us": []}, "(AttributeError: "),
+    ({"cases": [{"world_size": 2}], "copy_gbps": 1.0}, "(TypeError: "),
+])
+def test_a_malformed_saved_run_is_one_line_and_writes_nothing(content, message, tmp_path, capsys):
+    saved = tmp_path / "norm.json"
+    saved.write_text(json.dumps(content))
+    ap = argparse.ArgumentParser()
+    norm_bench.add_arguments(ap)
+    assert norm_bench.run(ap.parse_args(["--from-json", str(saved), "--out", str(tmp_path / "again")])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"--from-json {saved}: not a norm.json of this bench {message}" in captured.err
+    assert not (tmp_path / "again").exists()

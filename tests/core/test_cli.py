@@ -110,7 +110,7 @@ BAD = [
     (["eval", "ttft", "--input-lens", "0"], "argument --input-lens: 0: must be from 1"),
     (["eval", "ttft", "--base-url", "ftp://host"], "expected http://HOST[:PORT]"),
     (["eval", "ttft", "--labels", "a", "b"], "several --labels need --launch"),
-    (["eval", "ttft", "--launch", "serve", "--labels", "a", "b"], "has no {mode} or {mode_args}"),
+    (["eval", "ttft", "--launch", "true serve", "--labels", "a", "b"], "has no {mode} or {mode_args}"),
     (["eval", "ttft", "--launch", "serve 'x", "--labels", "a"], "not a command line (No closing quotation)"),
     (["eval", "ttft", "--report", "--out", "/tmp/echo-vllm-no-such-results"], "no ttft_*.json or raw_*.json in"),
     (["eval", "bundle", "--part-mib", "0"], "argument --part-mib: 0: must be from 1"),
@@ -124,3 +124,24 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], err
     assert "Traceback" not in err
+
+
+#: (variable, value, what the one error line must say): read by worker processes and caches mid-run
+BAD_ENV = [
+    ("ECHO_KERNELS", "trition", "ECHO_KERNELS='trition': choose one of auto, reference, triton, numba; "
+                                "did you mean 'triton'?"),
+    ("ECHO_KERNEL_DIRECT_LAUNCH", "2", "ECHO_KERNEL_DIRECT_LAUNCH='2': 0 or 1"),
+    ("ECHO_VLLM_CACHE", "/etc/hostname", "ECHO_VLLM_CACHE='/etc/hostname': exists and is not a folder"),
+]
+ENV_COMMANDS = [["demo", "-p", "2", "-l", "1"],
+                ["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k"],
+                ["train-demo", "--steps", "1"], ["eval", "perplexity", "--tokens", "16"]]
+
+
+@pytest.mark.parametrize("argv", ENV_COMMANDS, ids=[a[0] for a in ENV_COMMANDS])
+@pytest.mark.parametrize("name,value,message", BAD_ENV, ids=[n for n, _, _ in BAD_ENV])
+def test_bad_environment_is_refused_before_any_process_starts(argv, name, value, message, monkeypatch, capsys):
+    monkeypatch.setenv(name, value)
+    assert cli.main(argv) == 2  # the tripwires would raise Reached
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

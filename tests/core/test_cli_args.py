@@ -79,6 +79,16 @@ def test_the_types_return_their_values(tmp_path):
     assert os.listdir(tmp_path) == []  # the write check left nothing behind
 
 
+def test_out_dir_refuses_a_dangling_link(tmp_path, capsys):
+    """makedirs would fail on it after the work: refused up front, with the
+    folder to be made below it too."""
+    (tmp_path / "dl").symlink_to(tmp_path / "no_such_target")
+    for out in (tmp_path / "dl", tmp_path / "dl" / "sub"):
+        line = refusal(_parser(out=cli_args.out_dir), ["--out", str(out)], capsys)
+        assert f"{tmp_path}/dl is a link to {tmp_path}/no_such_target, which does not exist" in line
+    assert sorted(os.listdir(tmp_path)) == ["dl"]
+
+
 def test_parse_bytes_and_parse_int():
     assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("0x40000") == 1 << 18 and parse_bytes("4 MiB") == 4 << 20
     for bad in ("1.1k", "", "-1", "1e3", "9" * 41 + "k"):

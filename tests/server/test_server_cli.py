@@ -10,7 +10,8 @@ import os
 import pytest
 
 from echo_vllm.server import cli, vllm_serve
-from echo_vllm.server.credentials import take_secrets
+from echo_vllm.server.credentials import (looks_secret, misspelled_secret, scrub, take_secrets,
+                                          unknown_secret_option)
 from echo_vllm.server.rewrite import ServeArgsError
 from echo_vllm.vllm_glue import metrics
 
@@ -18,15 +19,14 @@ TAKEN = [
     (["m", "--api-key", "s3cret", "--port", "8000"], ["m", "--port", "8000"], {"VLLM_API_KEY": "s3cret"}),
     (["m", "--api-key=s3cret"], ["m"], {"VLLM_API_KEY": "s3cret"}),
     (["m", "--api_key", "s3cret", "-tp", "2"], ["m", "-tp", "2"], {"VLLM_API_KEY": "s3cret"}),
-    (["m", "--api-k=s3cret", "--api-key", "s3cret2"], ["m"], {"VLLM_API_KEY": "s3cret2"}),  # last one wins
     (["m", "--api-key=-starts-with-dash"], ["m"], {"VLLM_API_KEY": "-starts-with-dash"}),
     (["--hf-token", "hf_x", "m"], ["m"], {"HF_TOKEN": "hf_x"}),
     (["m", "--hf_token=hf_x", "--hf-t", "hf_y"], ["m"], {"HF_TOKEN": "hf_y"}),
     # --hf-token alone: the stored login, no secret on the line
     (["m", "--hf-token", "hf_x", "--hf-token", "--seed", "1"], ["m", "--hf-token", "--seed", "1"], {}),
-    # not secrets: other options sharing the first word, and anything after "--"
-    (["m", "--api-server-count", "2", "--hf-overrides", "{}", "--", "--api-key", "x"],
-     ["m", "--api-server-count", "2", "--hf-overrides", "{}", "--", "--api-key", "x"], {}),
+    # not secrets: other options sharing the first word (or a word), and plain tokens after "--"
+    (["m", "--api-server-count", "2", "--hf-overrides", "{}", "--tokenizer", "t", "--", "x"],
+     ["m", "--api-server-count", "2", "--hf-overrides", "{}", "--tokenizer", "t", "--", "x"], {}),
 ]
 
 
@@ -39,7 +39,24 @@ def test_secrets_leave_the_command_line_for_the_environment(argv, kept, env):
     (["m", "--api-key"], "--api-key needs a value"),
     (["m", "--api-key", "--port", "1"], "--api-key needs a value (write --api-key=VALUE"),
     (["m", "--api-key", "s3cretA", "s3cretB"],
-     "--api-key with 2 keys: echo-vllm serve hands the key to vLLM as VLLM_API_KEY"),
+     "--api-key takes exactly one value, got 2: echo-vllm serve hands the key to vLLM as VLLM_API_KEY"),
+    # the model name after the key is not a second key: the message says where it goes
+    (["--api-key", "s3cretA", "m"], "give one key (and the model name first: echo-vllm serve MODEL ... --api-key KEY)"),
+    # repeated: VLLM_API_KEY holds one (argparse would silently keep the last)
+    (["m", "--api-key", "s3cretA", "--api-key", "s3cretB"], "--api-key given more than once: echo-vllm serve"),
+    (["m", "--api-k=s3cretA", "--port", "1", "--api_key", "s3cretB"], "--api_key given more than once"),
+    (["m", "--api-key", "s3cretA", "--api-key", "s3cretA"], "--api-key given more than once"),
+    # near misses of a secret option: vLLM's "unrecognized arguments" would print the value
+    (["m", "--api-kye", "s3cret"], "--api-kye is not an option of vllm serve; did you mean --api-key?"),
+    (["m", "--apikey=s3cret"], "--apikey is not an option of vllm serve; did you mean --api-key?"),
+    (["m", "-api-key", "s3cret"], "-api-key is not an option of vllm serve; did you mean --api-key?"),
+    (["m", "--api", "s3cret"], "--api is not an option of vllm serve; did you mean --api-key?"),
+    (["m", "--hf-tokn", "s3cret"], "--hf-tokn is not an option of vllm serve; did you mean --hf-token?"),
+    (["m", "--api-keys", "s3cret"], "--api-keys is not an option of vllm serve; did you mean --api-key?"),
+    # after "--" every token is a positional argument: vLLM would refuse and print it
+    (["m", "--", "--api-key", "s3cret"], "--api-key after '--': argparse reads every token after '--' as a positional"),
+    (["m", "--", "--api-kye=s3cret"], "--api-kye after '--'"),
+    (["m", "--", "--auth-token", "s3cret"], "--auth-token after '--'"),
     (["m", "--api-key="], "--api-key is empty (vLLM would then check no key at all)"),
     (["m", "--hf-token="], "--hf-token is empty: give a value or drop the option"),
 ])
@@ -47,6 +64,41 @@ def test_secret_options_refused(argv, message):
     with pytest.raises(ServeArgsError) as info:
         take_secrets(argv)
     assert message in str(info.value) and "\n" not in str(info.value) and "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["--api-key", "--api_key", "--api-k", "--hf-token", "--hf-tok", "--api-kye",
+                                  "--apikey", "-api-key", "--hf-tokn", "--auth-token", "--password",
+                                  "--my-secret", "--ssl-key", "--API-KEY"])
+def test_what_looks_secret(name):
+    assert looks_secret(name)
+
+
+@pytest.mark.parametrize("name", ["--api-server-count", "--hf-overrides", "--hf-config-path", "--tokenizer",
+                                  "--tokenizer-mode", "--max-num-batched-tokens", "--dbo-decode-token-threshold",
+                                  "--return-tokens-as-token-ids", "--ssl-keyfile", "--allow-credentials",
+                                  "--port", "-tp", "-O3", "--", "-", "m", "api-key"])
+def test_what_does_not_look_secret(name):
+    assert not looks_secret(name) and misspelled_secret(name) is None
+
+
+@pytest.mark.parametrize("argv,shown", [
+    (["m", "--auth-token", "s3cret", "--port", "8000"], ["m", "--auth-token", "***", "--port", "8000"]),
+    (["m", "--my_password=s3cret"], ["m", "--my_password=***"]),
+    (["m", "--x-key", "s3cretA", "s3cretB", "-tp", "2"], ["m", "--x-key", "***", "***", "-tp", "2"]),
+    (["m", "--", "--api-key", "s3cret"], ["m", "--", "--api-key", "***"]),
+    (["m", "--hf-token", "--tokenizer", "t"], ["m", "--hf-token", "--tokenizer", "t"]),
+])
+def test_the_printed_command_line_hides_secret_values(argv, shown):
+    assert scrub(argv) == shown
+
+
+def test_unknown_secret_options_against_a_parsers_options():
+    known = {"--api-key", "--hf-token", "--tokenizer", "--port", "--hf-overrides"}
+    assert unknown_secret_option(["m", "--api-key", "k", "--hf_token=t", "--port", "1"], known) is None
+    assert unknown_secret_option(["m", "--api-k", "k", "--hf-to", "t"], known) is None  # abbreviations
+    assert unknown_secret_option(["m", "--auth-token", "s3cret"], known) == "--auth-token"
+    assert unknown_secret_option(["m", "--my_secret=s3cret"], known) == "--my-secret"
+    assert unknown_secret_option(["m", "--", "--auth-token", "s3cret"], known) is None  # take_secrets' case
 
 
 @pytest.fixture
@@ -64,9 +116,14 @@ def served(monkeypatch, tmp_path):
         monkeypatch.delenv(name)
     seen = []
 
-    def fake_serve(vllm_argv, settings, on_parsed=None):
+    def fake_serve(vllm_argv, settings, on_ready=None):
         path = os.environ.get(metrics.MULTIPROC_ENV)
-        seen.append({"argv": vllm_argv, "files": sorted(os.listdir(path)) if path else None,
+        before = sorted(os.listdir(path)) if path and os.path.isdir(path) else None
+        if on_ready is not None:  # every check passed: the start of the server
+            monkeypatch.setattr(metrics, "publish_config", lambda labels: None)
+            on_ready(None)
+        seen.append({"argv": vllm_argv, "files_before": before,
+                     "files": sorted(os.listdir(path)) if path else None,
                      "api_key": os.environ.get("VLLM_API_KEY"), "hf_token": os.environ.get("HF_TOKEN")})
         return 0
 
@@ -92,10 +149,26 @@ def test_no_secret_in_what_serve_prints_or_hands_vllm_as_arguments(served, capsy
         assert "s3cret" in (got["api_key"], got["hf_token"])  # vLLM reads it from there
 
 
-def test_a_refused_secret_stops_before_vllm(served, capsys):
-    assert cli.main(["m", "--api-key", "a", "b"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("echo-vllm serve: error: --api-key with 2 keys") and not served
+@pytest.mark.parametrize("argv,start", [
+    (["m", "--api-key", "SECRETK1", "SECRETK2"], "--api-key takes exactly one value, got 2"),
+    (["--api-key", "SECRETK1", "m"], "--api-key takes exactly one value, got 2"),
+    (["m", "--api-key", "SECRETK1", "--api-key", "SECRETK2"], "--api-key given more than once"),
+    (["m", "--api-kye", "SECRETK1"], "--api-kye is not an option of vllm serve; did you mean --api-key?"),
+    (["m", "--", "--api-key", "SECRETK1"], "--api-key after '--'"),
+])
+def test_a_refused_secret_stops_before_vllm(served, capsys, argv, start):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith(f"echo-vllm serve: error: {start}") and not served
+    assert "SECRETK" not in out + err
+
+
+def test_a_secret_looking_option_is_shown_hidden(served, capsys):
+    """An option vLLM may not know (refused by vllm_serve before vLLM's parser
+    sees it): the printed command line never holds its value."""
+    assert cli.main(["m", "--auth-token", "SECRETK1", "--port", "8000"]) == 0
+    out, err = capsys.readouterr()
+    assert "running: vllm serve m --auth-token '***' --port 8000" in err and "SECRETK" not in out + err
 
 
 def test_a_user_folder_of_user_files_is_refused_and_kept(served, capsys, tmp_path):
@@ -114,7 +187,8 @@ def test_an_earlier_runs_value_files_are_removed(served, capsys, tmp_path):
     for name in names:
         (tmp_path / name).write_text("x")
     assert cli.main(["m", *ECHO]) == 0
-    assert served[-1]["files"] == []  # gone before vLLM started
+    assert served[-1]["files_before"] == sorted(names)  # kept while vLLM parses (it may still refuse)
+    assert served[-1]["files"] == []  # gone once every check passed, before vLLM started
     assert "removed 3 prometheus_client value file(s) of an earlier run" in capsys.readouterr().err
     assert cli.main(["m", *ECHO]) == 0  # nothing stale, nothing said
     assert "removed" not in capsys.readouterr().err

@@ -209,6 +209,43 @@ def test_merges_user_configs(extra, additional, compilation):
     assert got_compilation == compilation
 
 
+@pytest.mark.parametrize("field,text,value", [
+    ("min_bytes", "256k", 262144), ("min_bytes", "4MiB", 4194304), ("min_bytes", "1024", 1024),
+    ("min_bytes", "auto", EchoConfig(min_bytes="auto").min_bytes), ("group_size", "64", 64),
+    ("feedback", "false", False), ("first_exact_calls", "7", 7),
+    # vLLM's "human integer" reading would take these as 1100, 5000 and 1500
+    ("min_bytes", "1.1k", None), ("first_exact_calls", "5k", None), ("seed", "1.5k", None),
+    ("group_size", "true", None),
+])
+def test_dotted_echo_keys_read_like_their_flags(field, text, value):
+    """``--additional-config.echo_<field> TEXT`` is read by the parser of
+    ``--echo-<field>=TEXT`` (and of the JSON string form): the same value,
+    or the same refusal."""
+    key, dashed = "echo_" + field, field.replace("_", "-")
+    forms = {"flag": [f"--echo-{dashed}={text}"],
+             "dotted": [f"--additional-config.{key}", text],
+             "dotted, dashed, =": [f"--additional-config.echo-{dashed}={text}"],
+             "json": ["--additional-config", json.dumps({key: text})]}
+    got = {}
+    for form, tokens in forms.items():
+        try:
+            got[form] = split_tail(rewrite(["m", "-tp", "2", "--tp-comm", "echo", *tokens])[0])[1][key]
+        except ServeArgsError as e:
+            got[form] = "refused: " + str(e).partition(f"{field}=")[2]  # EchoConfig's message, without the source
+    assert set(got.values()) == {value if value is not None else got["flag"]}, got
+    if value is None:
+        assert got["flag"].startswith(f"refused: {text!r}")
+
+
+def test_dotted_tp_comm_keys_read_like_their_flags():
+    for tokens in (["--echo-emulate-tp", "2k"], ["--additional-config.tp_comm_emulate", "2k"]):
+        with pytest.raises(ServeArgsError, match="'2k' is not an integer"):
+            rewrite(["m", "--tp-comm", "echo", *tokens])
+    _, settings = rewrite(["m", "--additional-config.tp-comm-emulate=2", "--additional-config.tp_comm", "echo",
+                           "--additional-config.tp_comm_emulate_measure", "on"])
+    assert settings.emulate_tp == 2 and settings.additional_config["tp_comm_emulate_measure"] is True
+
+
 def test_echo_selected_from_additional_config_alone():
     vllm_argv, settings = rewrite(["m", "-tp", "2", "--additional-config.tp_comm", "echo"])
     assert settings.echo_on and split_tail(vllm_argv)[1] == {"tp_comm": "echo"}
@@ -278,7 +315,7 @@ REJECTS = [
     (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config", "[1]"], "must be a JSON object"),
     (["m", "-tp", "two", "--tp-comm", "echo"], "-tp 'two' is not an integer"),
     (["m", "-tp", "2", "--tp-comm", "echo", "--additional-config.tp_comm", "nccl"],
-     "--tp-comm echo contradicts --additional-config tp_comm='nccl'"),
+     "--tp-comm echo contradicts --additional-config tp_comm=nccl"),
     (["m", "-tp", "2", "--additional-config.tp_comm", "ring"], "tp_comm='ring': choose one of"),
     (["m", "-tp", "2", "--additional-config.tp_comm_emulat", "2"],
      "unknown option(s) ['tp_comm_emulat'] in additional_config; did you mean 'tp_comm_emulate'? known: "
@@ -497,6 +534,13 @@ def test_eager_from_a_config_file():
 @pytest.mark.parametrize("key", ["api-key", "api_key", "hf-token"])
 def test_a_config_file_with_a_secret_is_refused(key):
     with pytest.raises(ServeArgsError, match=f"holds {key}, which vLLM would print in its argument log") as info:
+        rewrite(["m", "--config", "c.yaml"], read_config={"c.yaml": {key: "s3cret"}}.__getitem__)
+    assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("key,near", [("api-kye", "api-key"), ("apikey", "api-key"), ("hf_tokn", "hf-token")])
+def test_a_config_file_with_a_near_miss_of_a_secret_is_refused(key, near):
+    with pytest.raises(ServeArgsError, match=f"holds {key}, not an option of vllm serve; did you mean {near}") as info:
         rewrite(["m", "--config", "c.yaml"], read_config={"c.yaml": {key: "s3cret"}}.__getitem__)
     assert "s3cret" not in str(info.value)
 

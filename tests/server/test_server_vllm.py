@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent("""
 
     vllm_serve.ensure_platform_for_parsing()
     parser = vllm_serve.build_parser()
-    report = {"help_rc": help_rc, "help": help_out.getvalue(), "rows": []}
+    report = {"help_rc": help_rc, "help": help_out.getvalue(), "rows": [], "no_device": vllm_serve._no_device}
+    vllm_serve._no_device = False  # the runs below as on a GPU host (vLLM's dispatch is replaced)
     for argv, stock in rows:
         vllm_argv, settings = rewrite_args(argv)
         ours = parser.parse_args(["serve", *vllm_argv])
@@ -67,6 +68,10 @@ SCRIPT = textwrap.dedent("""
     options = [o for a in serve._actions for o in a.option_strings]
     report["n_options"] = len(options)
     report["collisions"] = [o for o in options if o.startswith(("--echo", "--no-echo", "--tp-comm"))]
+    from echo_vllm.server.credentials import looks_secret, misspelled_secret, secret_option
+    report["secret_looking"] = sorted(o for o in options if looks_secret(o))
+    report["secret_spellings"] = sorted({secret_option(o) for o in options} - {None})
+    report["near_misses"] = [o for o in options if misspelled_secret(o)]
     from vllm.utils.argparse_utils import human_readable_int
     report["human"] = [[t, human_readable_int(t), parse_dotted_value(t)] for t in ("2k", "2K", "25.6k", "3G", "7")]
 
@@ -88,6 +93,43 @@ SCRIPT = textwrap.dedent("""
     report["main_rc_rejected"] = cli.main(["m", "--tp-comm", "echo"])
     report["n_dispatched"] = len(dispatched)
 
+    # the user's folder: an earlier run's value file stays while vLLM parses and every check runs;
+    # it is removed only once all have passed, right before the start (a refused run removes nothing)
+    import tempfile
+    from echo_vllm.vllm_glue import metrics
+    metrics.publish_config = lambda labels, registry=None: None  # registered once per process, by the first run
+    private_dir, user_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"], tempfile.mkdtemp()
+    stale = os.path.join(user_dir, "counter_%d.db" % (2**22 + 12345))  # above pid_max: no such process
+    real_prepare, seen_at_prepare = metrics.prepare_multiprocess_dir, []
+    def prepare(remove_stale=True):
+        if remove_stale:  # the removal, right before the start
+            seen_at_prepare.append(sorted(os.listdir(user_dir)))  # nothing of this process's yet
+        return real_prepare(remove_stale)
+    metrics.prepare_multiprocess_dir = prepare
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = user_dir
+    def user_run(argv):
+        with open(stale, "w") as f:
+            f.write("x")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                rc = cli.main(argv)
+            except SystemExit as e:  # vLLM's parser refused
+                rc = e.code
+        return [rc, os.path.exists(stale), err.getvalue()]
+    runs = report["user_dir_runs"] = {}
+    runs["bad_flag"] = user_run(["m", "--tp-comm", "echo", "-tp", "2", "--max-model-len", "abc"])
+    runs["abbreviated"] = user_run(["m", "-tp", "2", "--tp-comm", "echo", "--enable-db"])
+    runs["unknown_secret"] = user_run(["m", "--tp-comm", "echo", "-tp", "2", "--auth-token", "sk-SECRET1"])
+    vllm_serve._no_device = True
+    runs["no_device"] = user_run(["m", "--tp-comm", "echo", "-tp", "2"])
+    vllm_serve._no_device = False
+    runs["started"] = user_run(["m", "--tp-comm", "echo", "-tp", "2", "--port", "8126"])
+    report["seen_at_prepare"] = seen_at_prepare
+    metrics.prepare_multiprocess_dir = real_prepare
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = private_dir
+    report["n_dispatched_user_dir"] = len(dispatched)
+
     # secrets, every spelling: vLLM's real serve runs up to its argument log, then stops
     import logging
     for handler in logging.getLogger("vllm").handlers:  # made while --help's output was redirected
@@ -102,8 +144,6 @@ SCRIPT = textwrap.dedent("""
                                 os.environ.get("HF_TOKEN") == "hf_SECRET2"]})
         raise Stop()
     api_server.validate_api_server_args = stop_after_the_log
-    from echo_vllm.vllm_glue import metrics
-    metrics.publish_config = lambda labels, registry=None: None  # registered once per process, by the first run
     ServeSubcommand.cmd = real_cmd
     report["secret_runs"] = []
     echo = ["--tp-comm", "echo", "--echo-emulate-tp", "2"]
@@ -197,6 +237,36 @@ def test_main_runs_vllm_serve_with_metrics_set_up(report):
 
 
 @pytest.mark.vllm
+def test_a_users_stale_metric_files_are_removed_only_by_a_run_that_starts(report):
+    """Refused by vLLM's parser, by verify_parsed, by the secret check or for
+    want of a GPU: the earlier run's value file is still there. Kept while
+    vLLM parsed, removed right before the start."""
+    runs = report["user_dir_runs"]
+    for name in ("bad_flag", "abbreviated", "unknown_secret", "no_device"):
+        rc, kept, err = runs[name]
+        assert rc == 2 and kept and "removed" not in err, (name, err)
+    assert "error: argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'" in runs["bad_flag"][2]
+    assert "error: vLLM parsed settings the rewrite did not see" in runs["abbreviated"][2]
+    assert "error: --auth-token is not an option of vllm serve" in runs["unknown_secret"][2]
+    assert "SECRET" not in runs["unknown_secret"][2]
+    assert "error: no GPU: vLLM finds no accelerator on this host" in runs["no_device"][2]
+    rc, kept, err = runs["started"]
+    assert rc == 0 and not kept and "removed 1 prometheus_client value file(s) of an earlier run" in err
+    # parsing wrote no value file of this process's into the folder (removing stale files then is safe)
+    assert report["seen_at_prepare"] == [["counter_%d.db" % (2**22 + 12345)]]
+    assert report["n_dispatched_user_dir"] == report["n_dispatched"] + 1
+
+
+@pytest.mark.vllm
+def test_only_vllms_secret_options_look_secret(report):
+    """Of vLLM's own options, only --api-key and --hf-token look like secrets
+    (their values hidden), and none is taken for a near miss of one."""
+    assert report["secret_looking"] == ["--api-key", "--hf-token"]
+    assert report["secret_spellings"] == ["--api-key", "--hf-token"]
+    assert report["near_misses"] == []
+
+
+@pytest.mark.vllm
 def test_help_shows_echo_then_vllm(report):
     text = report["help"]
     assert report["help_rc"] == 0
@@ -214,7 +284,7 @@ def test_an_echo_run_without_the_plugin_does_not_start(report):
     assert rc == 2 and "--tp-comm echo --echo-emulate-tp 4 needs echo-vllm's vLLM plugin" in err
     assert "cannot install its hook: vLLM 0.25.0 is older than 0.26 (simulated)" in err
     assert report["no_hook_nccl"][0] == 0
-    assert report["n_dispatched_after"] == report["n_dispatched"] + 1  # only the run without Echo
+    assert report["n_dispatched_after"] == report["n_dispatched_user_dir"] + 1  # only the run without Echo
 
 
 @pytest.mark.vllm
@@ -230,3 +300,63 @@ def test_no_secret_reaches_any_log(run, report):
     for seen in report["secret_runs"]:
         assert seen != "not stopped" and seen["api_key"] is None and seen["hf_token"] in (None, False)
         assert any(seen["env"])
+
+
+#: ``echo-vllm serve`` as a user runs it on this (GPU-less) host: name ->
+#: (argv, extra environment, whether PROMETHEUS_MULTIPROC_DIR holds an earlier run's file)
+CPU_RUNS = {
+    "bad_flag": (["m", "--tp-comm", "echo", "-tp", "2", "--max-model-len", "abc"], {}, True),
+    "no_plugin": (["m", "--tp-comm", "echo", "-tp", "2"], {"VLLM_PLUGINS": "foo"}, True),
+    "no_gpu_echo": (["m", "--tp-comm", "echo", "-tp", "2"], {}, True),
+    "no_gpu_stock": (["m", "-tp", "2", "--api-key", "SECRETK1"], {}, False),
+}
+STALE = "counter_%d.db" % (2**22 + 12345)  # above Linux's pid_max: no such process
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(report, tmp_path_factory):
+    """Every row of :data:`CPU_RUNS` in its own process, all at once:
+    name -> (exit status, stdout + stderr, whether the stale file is left)."""
+    if not report["no_device"]:
+        pytest.skip("this host has an accelerator")
+    started = {}
+    for name, (argv, extra, stale) in CPU_RUNS.items():
+        folder = tmp_path_factory.mktemp(name)
+        if stale:
+            (folder / STALE).write_text("an earlier run's")
+        env = dict(os.environ, PYTHONPATH=REPO, PROMETHEUS_MULTIPROC_DIR=str(folder), **extra)
+        for name_ in ("VLLM_API_KEY", "HF_TOKEN", *(() if "VLLM_PLUGINS" in extra else ("VLLM_PLUGINS",))):
+            env.pop(name_, None)
+        proc = subprocess.Popen([sys.executable, "-m", "echo_vllm.cli", "serve", *argv], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started[name] = (proc, folder / STALE)
+    done = {}
+    for name, (proc, stale) in started.items():
+        out, _ = proc.communicate(timeout=300)
+        done[name] = (proc.returncode, out, stale.exists())
+    return done
+
+
+def _refusals(out):
+    return [line for line in out.splitlines() if "error:" in line]
+
+
+@pytest.mark.vllm
+def test_on_a_host_without_gpu_serve_refuses_in_one_line(cpu_runs):
+    """No traceback from vLLM's parser (it parses on the CPU platform): its
+    own refusal of a bad flag, Echo's refusals, and with good arguments one
+    line saying the GPU is missing. A refused run removes no file from
+    PROMETHEUS_MULTIPROC_DIR. (Secrets: test_a_users_stale_metric_files...'s
+    unknown_secret run, and test_server_cli.py.)"""
+    for name, (rc, out, _) in cpu_runs.items():
+        assert rc == 2 and "Traceback" not in out and len(_refusals(out)) == 1, (name, out[-3000:])
+    assert "error: argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'" in \
+        _refusals(cpu_runs["bad_flag"][1])[0]
+    assert "VLLM_PLUGINS='foo' does not list 'echo_vllm'" in _refusals(cpu_runs["no_plugin"][1])[0]
+    for name in ("no_gpu_echo", "no_gpu_stock"):
+        (line,) = _refusals(cpu_runs[name][1])
+        assert line.startswith("echo-vllm serve: error: no GPU: vLLM finds no accelerator on this host"), line
+    for name in ("bad_flag", "no_plugin", "no_gpu_echo"):
+        rc, out, kept = cpu_runs[name]
+        assert kept and "removed" not in out, name
+    assert "SECRETK" not in cpu_runs["no_gpu_stock"][1]
