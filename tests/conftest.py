@@ -89,3 +89,20 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = {_file(item.nodeid) for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: _file(item.nodeid) not in slow)  # stable: files in their order, slow ones first
+
+
+@pytest.fixture
+def refused(capsys):
+    """``refused(argv)``: runs ``echo-vllm ARGV``, checks the answer to bad
+    input (exit 2, one error line, no traceback) and returns that line with
+    everything else printed (to check that no secret was)."""
+    from echo_vllm import cli
+
+    def check(argv: list[str]) -> tuple[str, str]:
+        assert cli.main(argv) == 2
+        out = capsys.readouterr()
+        errors = [line for line in out.err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "Traceback" not in out.err, out.err
+        return errors[0], out.out + out.err
+
+    return check

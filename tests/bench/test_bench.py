@@ -126,23 +126,13 @@ def test_the_route_measure_times_echo_calls(capsys):
     assert "no-op backend" in capsys.readouterr().out
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0]
-
-
 @pytest.mark.parametrize("flag,message", [
     ("--warmup", "argument --warmup: 0: must be from 1 to 1048576 (the first call compiles kernels"),
     ("--iters", "argument --iters: 0: must be from 1 to 1048576"),
 ])
-def test_allreduce_refuses_zero_calls_instead_of_its_default(flag, message, capsys):
-    from echo_vllm import cli as echo_cli
-
-    assert echo_cli.main(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k",
-                          flag, "0"]) == 2
-    assert message in _one_error_line(capsys)
+def test_allreduce_refuses_zero_calls_instead_of_its_default(flag, message, refused):
+    error, _ = refused(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k", flag, "0"])
+    assert message in error
 
 
 def test_kernels_model_only_writes_what_it_modelled(tmp_path, capsys):
@@ -153,8 +143,7 @@ def test_kernels_model_only_writes_what_it_modelled(tmp_path, capsys):
     assert f"wrote {tmp_path}/kernels.json (modelled, nothing measured" in capsys.readouterr().out
 
 
-def test_kernels_refuses_a_size_the_device_cannot_hold_before_work(monkeypatch, capsys):
-    from echo_vllm import cli as echo_cli
+def test_kernels_refuses_a_size_the_device_cannot_hold_before_work(monkeypatch, refused):
     from echo_vllm.bench import kernels_bench
 
     def tripwire(*args, **kwargs):
@@ -163,5 +152,5 @@ def test_kernels_refuses_a_size_the_device_cannot_hold_before_work(monkeypatch, 
     monkeypatch.setattr(kernels_bench, "verify", tripwire)
     monkeypatch.setattr(kernels_bench, "measure_copy_gbps", tripwire)
     monkeypatch.setattr(kernels_bench, "device_memory_bytes", lambda device: 1 << 30)
-    assert echo_cli.main(["bench", "kernels", "--device", "cpu", "--sizes", "8K,64M", "--world-sizes", "2"]) == 2
-    assert "size 64 MiB at P=2: needs about 1.7 GiB, more than the 1.0 GiB of cpu memory" in _one_error_line(capsys)
+    error, _ = refused(["bench", "kernels", "--device", "cpu", "--sizes", "8K,64M", "--world-sizes", "2"])
+    assert "size 64 MiB at P=2: needs about 1.7 GiB, more than the 1.0 GiB of cpu memory" in error
