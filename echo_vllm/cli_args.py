@@ -317,18 +317,33 @@ def file_stem(text: str) -> str:
     return str(text)
 
 
+#: ``scheme://user:password@``: the password of a URL, never printed.
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*):[^/\s@]*@", re.IGNORECASE)
+
+
+def hide_url_password(text: str) -> str:
+    """``text`` with the password of every URL in it shown as ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", str(text))
+
+
 def http_url(text: str) -> str:
     """argparse type: an ``http://`` or ``https://`` URL with a host (and,
-    if given, a port in 1..65535)."""
+    if given, a port in 1..65535), without ``user:password@``: the clients
+    that read it (urllib, ``vllm bench serve``) would take that for part of
+    the host name, and it would be printed. No error shows the password."""
     from urllib.parse import urlsplit
 
+    shown = _short(hide_url_password(text))
     try:
         parts = urlsplit(str(text).strip())
         port = parts.port
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{_short(text)}: not a URL ({e})") from None
+        raise argparse.ArgumentTypeError(f"{shown}: not a URL ({e})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
-        raise argparse.ArgumentTypeError(f"{_short(text)}: expected http://HOST[:PORT] or https://...")
+        raise argparse.ArgumentTypeError(f"{shown}: expected http://HOST[:PORT] or https://...")
+    if "@" in parts.netloc:
+        raise argparse.ArgumentTypeError(f"{shown}: a user or password in the URL is not supported (the "
+                                         "clients would read it as part of the host name); give http://HOST[:PORT]")
     return str(text).strip()
 
 
@@ -345,5 +360,5 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 __all__ = [
     "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
     "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
-    "file_stem", "folder_problem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+    "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
 ]

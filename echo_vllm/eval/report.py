@@ -11,6 +11,7 @@ import json
 import lzma
 import math
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..cli_args import UsageError
+from ..cli_args import UsageError, hide_url_password
 
 
 def environment() -> dict[str, Any]:
@@ -30,7 +31,7 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "command": "echo-vllm eval " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]),
+        "command": "echo-vllm eval " + recorded_command(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]),
     }
     for mod in ("transformers", "vllm", "lm_eval"):
         try:
@@ -38,6 +39,24 @@ def environment() -> dict[str, Any]:
         except Exception:
             pass
     return info
+
+
+def recorded_command(argv: list[str]) -> str:
+    """``argv`` as the reports record it: no secret shows
+    (``credentials.scrub``), also inside a word that is itself a command line
+    (``eval ttft --launch 'echo-vllm serve M --api-key KEY'``), and no URL's
+    password."""
+    from ..server.credentials import scrub
+
+    def word(text: str) -> str:
+        if any(c.isspace() for c in text):
+            try:
+                text = shlex.join(scrub(shlex.split(text)))
+            except ValueError:  # not a command line: nothing of it is shown
+                text = "***"
+        return hide_url_password(text)
+
+    return " ".join(word(w) for w in scrub(list(argv)))
 
 
 def read_json(path: Path, required: Sequence[str] = ()) -> dict:

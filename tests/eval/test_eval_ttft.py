@@ -167,3 +167,32 @@ def test_report_refuses_files_it_did_not_write(tmp_path, refused, name, text, me
     (tmp_path / name).write_text(text)
     error, _ = refused(["eval", "ttft", "--report", "--out", str(tmp_path)])
     assert f"{tmp_path / message}" in error
+
+
+def test_the_command_recorded_in_the_report_shows_no_key(tmp_path, monkeypatch, capsys):
+    """ttft.md / ttft.json record the command line: a key inside --launch's
+    command line (one word to argparse) or an environment assignment there
+    is shown as ***, like the printed ``[ttft] starting:`` line."""
+    from echo_vllm import cli
+
+    (tmp_path / "ttft_exact.json").write_text(json.dumps(_run("exact", {512: 10.0}, 1)))
+    launch = "env HF_TOKEN=SECRETK7 true serve m --api-key SECRETK6 --tp-comm {mode}"
+    argv = ["eval", "ttft", "--report", "--out", str(tmp_path), "--launch", launch]
+    monkeypatch.setattr("sys.argv", ["echo-vllm", *argv])
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    recorded = json.loads((tmp_path / "ttft.json").read_text())["environment"]["command"]
+    assert "--api-key '***'" in recorded and "'HF_TOKEN=***'" in recorded and "--tp-comm '{mode}'" in recorded
+    for name in ("ttft.json", "ttft.md"):
+        assert "SECRETK" not in (tmp_path / name).read_text()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://bob:SECRETK8@127.0.0.1:8000", "'http://bob:***@127.0.0.1:8000': a user or password in the URL is not"),
+    ("ftp://bob:SECRETK8@h", "'ftp://bob:***@h': expected http://HOST[:PORT]"),
+    ("http://bob:SECRETK8@h:99999", "'http://bob:***@h:99999': not a URL (Port out of range"),
+])
+def test_a_base_url_with_a_password_is_refused_without_showing_it(tmp_path, refused, url, message):
+    error, printed = refused(["eval", "ttft", "--base-url", url, "--out", str(tmp_path / "out")])
+    assert message in error and "SECRETK" not in printed
+    assert not (tmp_path / "out").exists()
