@@ -186,3 +186,19 @@ def test_registry_is_consistent():
         assert len(m.packages) == len(m.members) and len(m.sha256) >= 16
         for req in m.packages:
             assets.split_requirement(req)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "--no-data"], "nothing to bundle: --models names none and --no-data leaves out the data"),
+    (["--models", "smollm2-135m", "smollm2-135m"], "--models smollm2-135m smollm2-135m: a model is given twice"),
+])
+def test_a_bundle_of_nothing_or_of_a_model_twice_is_refused(cache, tmp_path, refused, monkeypatch, argv, message):
+    """An empty bundle (one part holding an empty tar) was written and
+    reported as done; a model named twice was packed twice."""
+    def no_work(*args):
+        raise AssertionError("reached the work")
+
+    monkeypatch.setattr(bundle, "prepare_model", no_work)
+    error, _ = refused(["eval", "bundle", *argv, "--out", str(tmp_path / "bout")])
+    assert message in error
+    assert not (tmp_path / "bout").exists()
