@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..cli_args import UsageError, count, counts, file_stem, http_url, out_dir, real
+from ..cli_args import UsageError, count, counts, did_you_mean, file_stem, http_url, out_dir, real
 from ..server.credentials import scrub
 from .background import BackgroundTraffic, TrafficSpec
 from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
@@ -167,6 +167,8 @@ def parse_mode_args(items: list[str]) -> dict[str, str]:
         label, sep, rest = item.partition("=")
         if not sep or not label:
             raise ValueError(f"--mode-args wants LABEL=ARGS, got {item!r}")
+        if label in out:  # the ARGS may hold a key: not shown
+            raise ValueError(f"--mode-args: label {label!r} is given twice")
         out[label] = rest
     return out
 
@@ -351,6 +353,11 @@ def main(argv: list[str]) -> int:
                     "label would start the same server")
         if len(set(labels)) != len(labels):
             p.error(f"--labels {' '.join(labels)}: a label is given twice")
+        for label in args.mode_args:  # a misspelt label would start its server without its ARGS
+            if not args.launch or label not in labels:
+                p.error(f"--mode-args {label}=...: " + (
+                    "needs --launch (its text goes in place of {mode_args})" if not args.launch else
+                    f"{label!r} is none of the labels ({', '.join(labels)}){did_you_mean(label, labels)}"))
         for label in labels:
             run_label(args, label)
     report(args.out, args.baseline)

@@ -196,3 +196,20 @@ def test_a_base_url_with_a_password_is_refused_without_showing_it(tmp_path, refu
     error, printed = refused(["eval", "ttft", "--base-url", url, "--out", str(tmp_path / "out")])
     assert message in error and "SECRETK" not in printed
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--launch", "true {mode} {mode_args}", "--labels", "exact", "echo", "--mode-args", "ecoh=--api-key SECRETK9"],
+     "--mode-args ecoh=...: 'ecoh' is none of the labels (exact, echo); did you mean 'echo'?"),
+    (["--label", "echo", "--mode-args", "echo=--api-key SECRETK9"],
+     "--mode-args echo=...: needs --launch (its text goes in place of {mode_args})"),
+    (["--launch", "true {mode} {mode_args}", "--labels", "echo", "--mode-args", "echo=--x", "echo=--api-key SECRETK9"],
+     "--mode-args: label 'echo' is given twice"),
+])
+def test_mode_args_that_no_server_would_get_are_refused(tmp_path, refused, argv, message):
+    """A misspelt label's ARGS were dropped silently: its server started
+    without them (and measured another configuration under its label)."""
+    error, printed = refused(["eval", "ttft", *argv, "--out", str(tmp_path / "out"),
+                              "--base-url", f"http://127.0.0.1:{_free_port()}"])
+    assert message in error and "SECRETK" not in printed
+    assert not (tmp_path / "out").exists()
