@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ap.add_argument_group("data")
     d.add_argument("--prepare-data", metavar="DIR", type=out_dir, help="build the corpus folder DIR and exit")
-    d.add_argument("--sources", type=choice_list(SOURCES), default=",".join(SOURCES),
+    d.add_argument("--sources", type=choice_list(SOURCES), default=None,
                    help=f"for --prepare-data (default {','.join(SOURCES)})")
     d.add_argument("--data", metavar="DIR", type=existing_dir,
                    help="prepared corpus folder (default: the echo-vllm cache's, prepared on first use)")
@@ -162,8 +162,11 @@ def _default_corpus() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.sources is not None and not args.prepare_data:  # the corpus of --data or the cache's is used as it is
+        raise UsageError(f"--sources {','.join(args.sources)}: only read with --prepare-data DIR (a run trains on "
+                         "the corpus --data names, or the cache's, as it was prepared)")
     if args.prepare_data:
-        out = prepare_corpus(args.prepare_data, tuple(args.sources))
+        out = prepare_corpus(args.prepare_data, tuple(args.sources or SOURCES))
         info = json.loads((out / "corpus.json").read_text())
         size = sum(f.stat().st_size for f in out.iterdir())
         print(json.dumps(info["sources"], indent=1))

@@ -140,3 +140,11 @@ def test_runs_that_differ_only_in_their_time_limit_are_compared():
 
     runs = {m: json.loads(_run_file(m, max_time_s=t)) for m, t in (("exact", 0.0), ("echo", 60.0))}
     _check_comparable(Path("runs"), runs, {m: f"train_{m}.json" for m in runs})
+
+
+def test_sources_without_prepare_data_are_refused(tmp_path, refused):
+    """--sources chose nothing for a run: it trained on the full corpus of
+    the cache (or --data) and said nothing."""
+    error, _ = refused(["train-demo", "--sources", "shakespeare", "--steps", "1", "--out", str(tmp_path / "out")])
+    assert "--sources shakespeare: only read with --prepare-data DIR" in error
+    assert not (tmp_path / "out").exists()
