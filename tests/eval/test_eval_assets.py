@@ -202,3 +202,21 @@ def test_a_bundle_of_nothing_or_of_a_model_twice_is_refused(cache, tmp_path, ref
     error, _ = refused(["eval", "bundle", *argv, "--out", str(tmp_path / "bout")])
     assert message in error
     assert not (tmp_path / "bout").exists()
+
+
+def test_verify_checks_a_local_folder_too(cache, tmp_path, refused, capsys):
+    """prepare-model FOLDER --verify printed the folder and exit 0 without
+    checking anything: now its manifest is checked like a registered model's."""
+    from echo_vllm import cli
+
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    error, _ = refused(["eval", "prepare-model", str(local), "--verify"])
+    assert f"{local}: no complete echo_manifest.json" in error
+    assets.write_manifest(local, {"model": "mine"})
+    assert cli.main(["eval", "prepare-model", str(local), "--verify"]) == 0
+    assert '"model": "mine"' in capsys.readouterr().out
+    (local / "config.json").write_text('{"changed": 1}')
+    error, _ = refused(["eval", "prepare-model", str(local), "--verify"])
+    assert "config.json: sha256 mismatch" in error
