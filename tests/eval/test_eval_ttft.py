@@ -213,3 +213,62 @@ def test_mode_args_that_no_server_would_get_are_refused(tmp_path, refused, argv,
                               "--base-url", f"http://127.0.0.1:{_free_port()}"])
     assert message in error and "SECRETK" not in printed
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cell_whose_server_stops_answering_ends_at_its_timeout(tmp_path, monkeypatch):
+    """vLLM's benchmark client waits hours on a server that passed /health
+    and then stalls: the cell's process is ended at ``--cell-timeout``,
+    naming the cell and the option. The stalled client is a process that
+    sleeps, under the real ``subprocess.run`` timeout."""
+    import sys
+    import time
+
+    from echo_vllm.cli_args import UsageError
+
+    real_run = subprocess.run
+    seen = {}
+
+    def stalled(cmd, **kw):
+        seen.update(kw)
+        return real_run([sys.executable, "-c", "import time; time.sleep(120)"], **kw)
+
+    monkeypatch.setattr(ttft.subprocess, "run", stalled)
+    args = ttft.parser().parse_args(["--cell-timeout", "1.5", "--out", str(tmp_path)])
+    args.label = "echo"
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match=r"vllm bench serve at 512 prompt tokens, 8 clients did not end within 2 s "
+                                         r"\(--cell-timeout\): is http://127.0.0.1:8000 still answering\?"):
+        ttft.bench_cell(args, "m", "m", 512, 8, tmp_path)
+    assert seen["timeout"] == 1.5 and time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("status,body,problem", [
+    (404, b"", "HTTP 404"),
+    (200, b"not json", "JSONDecodeError"),
+    (200, b'{"data": []}', "no model listed"),
+])
+def test_a_server_without_a_model_list_is_named(status, body, problem):
+    import http.server
+    import threading
+
+    from echo_vllm.cli_args import UsageError
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(UsageError, match=rf"^{url}/v1/models: {problem} \(give the served name with --model\)$"):
+            ttft.served_model(url)
+    finally:
+        server.shutdown()
+    with pytest.raises(UsageError, match=r"/v1/models: .*refused"):
+        ttft.served_model(f"http://127.0.0.1:{_free_port()}")
