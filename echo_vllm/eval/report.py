@@ -62,7 +62,10 @@ def recorded_command(argv: list[str]) -> str:
 def read_json(path: Path, required: Sequence[str] = ()) -> dict:
     """The JSON object in ``path`` (xz-compressed when it ends in ``.xz``), a
     results file of an earlier run. Raises :class:`UsageError` naming the file
-    when it cannot be read, is not a JSON object or lacks a ``required`` key."""
+    when it cannot be read, is not a JSON object or lacks a ``required`` key,
+    and before reading when it is not a regular file (a FIFO would block)."""
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file (a results file of this tool is one)")
     try:
         data = path.read_bytes()
         value = json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)

@@ -233,6 +233,8 @@ def load_runs(folder: Path) -> list[dict]:
     for path in sorted(folder.glob("train_*.json")):
         if path.name == "train_results.json":
             continue
+        if not path.is_file():  # a FIFO would block the read
+            raise UsageError(f"--report {folder}: {path.name} is not a regular file (a train-demo run is one)")
         try:
             rec = json.loads(path.read_text())
             mode = rec["mode"]

@@ -169,6 +169,14 @@ def test_report_refuses_files_it_did_not_write(tmp_path, refused, name, text, me
     assert f"{tmp_path / message}" in error
 
 
+def test_report_refuses_a_fifo_without_reading_it(tmp_path, refused):
+    import os
+
+    os.mkfifo(tmp_path / "ttft_x.json")  # read, it would block until a writer came
+    error, _ = refused(["eval", "ttft", "--report", "--out", str(tmp_path)])
+    assert f"{tmp_path / 'ttft_x.json'}: not a regular file" in error
+
+
 def test_the_command_recorded_in_the_report_shows_no_key(tmp_path, monkeypatch, capsys):
     """ttft.md / ttft.json record the command line: a key inside --launch's
     command line (one word to argparse) or an environment assignment there

@@ -108,6 +108,16 @@ def test_a_malformed_run_is_one_line_and_the_report_is_left_alone(name, text, me
     assert (out / "train_table.md").read_text() == "an earlier report"
 
 
+def test_a_fifo_among_the_runs_is_refused_without_reading_it(tmp_path, refused):
+    import os
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    os.mkfifo(runs / "train_exact.json")  # read, it would block until a writer came
+    error, _ = refused(["train-demo", "--report", str(runs), "--out", str(tmp_path / "out")])
+    assert f"--report {runs}: train_exact.json is not a regular file" in error
+
+
 def _run_file(mode: str, seed: int = 0, layers: int = 4, max_time_s: float = 0.0) -> str:
     return json.dumps({"mode": mode, "world_size": 4, "model": {"num_layers": layers, "hidden_size": 128},
                        "train": {"steps": 6, "seed": seed, "max_time_s": max_time_s},
