@@ -154,3 +154,30 @@ def test_kernels_refuses_a_size_the_device_cannot_hold_before_work(monkeypatch, 
     monkeypatch.setattr(kernels_bench, "device_memory_bytes", lambda device: 1 << 30)
     error, _ = refused(["bench", "kernels", "--device", "cpu", "--sizes", "8K,64M", "--world-sizes", "2"])
     assert "size 64 MiB at P=2: needs about 1.7 GiB, more than the 1.0 GiB of cpu memory" in error
+
+
+@pytest.mark.parametrize("backends,device,message", [
+    ("triton", "cpu", "--echo-backends triton with tensors on cpu: backend 'triton' (configured) takes CPU "
+                      "tensors only in Triton's interpreter"),
+    ("reference,fused", "cpu", "--echo-backends fused with tensors on cpu: backend='fused' does not run on cpu"),
+    ("numba", "cuda", "--echo-backends numba with tensors on cuda: backend='numba' does not run on cuda"),
+])
+def test_allreduce_refuses_an_echo_backend_the_device_cannot_run_before_any_rank_starts(
+        backends, device, message, monkeypatch, refused):
+    """The ranks timed every other column first, then died in a traceback."""
+    from echo_vllm.bench import allreduce_bench
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(allreduce_bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(allreduce_bench, "_launch", lambda *a, **k: pytest.fail("a rank started"))
+    error, _ = refused(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k",
+                        "--device", device, "--echo-backends", backends])
+    assert message in error
+
+
+def test_allreduce_takes_triton_on_cpu_tensors_in_the_interpreter(monkeypatch):
+    from echo_vllm.bench import allreduce_bench
+    from echo_vllm.envs import EchoEnv
+
+    allreduce_bench.check_echo_backends(["triton", "reference", "numba"], "cpu", EchoEnv(triton_interpret=True))
+    allreduce_bench.check_echo_backends(["triton", "fused", "reference"], "cuda", EchoEnv())
