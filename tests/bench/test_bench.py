@@ -181,3 +181,17 @@ def test_allreduce_takes_triton_on_cpu_tensors_in_the_interpreter(monkeypatch):
 
     allreduce_bench.check_echo_backends(["triton", "reference", "numba"], "cpu", EchoEnv(triton_interpret=True))
     allreduce_bench.check_echo_backends(["triton", "fused", "reference"], "cuda", EchoEnv())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kernels", "--model-only", "--sizes", "8K,8K"], "argument --sizes: '8K,8K': 8K is given twice"),
+    (["kernels", "--model-only", "--world-sizes", "4,4"], "argument --world-sizes: '4,4': 4 is given twice"),
+    (["allreduce", "--backend", "gloo", "--sizes", "1M,1048576"], "1048576 is given twice (1M is the same: 1048576)"),
+    (["norm", "--tokens", "1024,1024"], "argument --tokens: '1024,1024': 1024 is given twice"),
+    (["fused", "--world-sizes", "2,8,2"], "argument --world-sizes: '2,8,2': 2 is given twice"),
+])
+def test_a_size_or_world_size_given_twice_is_refused(argv, message, refused):
+    """``--sizes 8K,8K`` measured (or modelled) every row twice, and the
+    all-reduce table merged the repeats into one row."""
+    error, _ = refused(["bench", *argv])
+    assert message in error
