@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..communicator import EchoCommunicator
-from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, byte_size, byte_sizes, choice_list, count, factor, out_dir
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
@@ -303,11 +303,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="auto: nccl under torchrun with CUDA, the kernel table on one GPU, gloo otherwise")
     ap.add_argument("--world-size", type=count(2, MAX_RANKS, RANKS_WHY + "; each is a process here"), default=4,
                     help="gloo processes")
-    size = byte_size(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY)
+    size = report.message_size()
     ap.add_argument("--min-size", type=size, default=None, help="smallest message (default 8K on GPUs, 1M on gloo)")
     ap.add_argument("--max-size", type=size, default=None, help="largest message (default 1G on GPUs, 256M on gloo)")
     ap.add_argument("--factor", type=factor(), default=2, help="size step factor (2..1024)")
-    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
+    ap.add_argument("--sizes", type=report.message_sizes(), default=None,
                     help="explicit comma list of sizes (overrides min/max)")
     ap.add_argument("--iters", type=count(1, 1 << 20), default=None,
                     help="timed calls per point, the median reported (default 20 GPU, 5 gloo)")

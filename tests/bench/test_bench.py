@@ -195,3 +195,18 @@ def test_a_size_or_world_size_given_twice_is_refused(argv, message, refused):
     all-reduce table merged the repeats into one row."""
     error, _ = refused(["bench", *argv])
     assert message in error
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kernels", "--model-only", "--sizes", "8K,3"], "argument --sizes: '8K,3': 3 bytes is not a whole number of "
+                                                     "bf16 values (2 bytes each)"),
+    (["kernels", "--model-only", "--min-size", "1025"], "argument --min-size: '1025': 1025 bytes"),
+    (["allreduce", "--backend", "gloo", "--sizes", "3"], "argument --sizes: '3': 3 bytes is not a whole number"),
+    (["allreduce", "--backend", "gloo", "--max-size", "0x41"], "argument --max-size: '0x41': 65 bytes"),
+    (["fused", "--sizes", "64M,1k,7"], "argument --sizes: '64M,1k,7': 7 bytes"),
+])
+def test_an_odd_message_size_is_refused(argv, message, refused):
+    """A bf16 message of 3 bytes is 1 value: it was timed as 2 bytes and
+    reported (bandwidth included) as 3."""
+    error, _ = refused(["bench", *argv])
+    assert message in error
