@@ -170,7 +170,7 @@ def count(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str
 
 
 def counts(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
-    """argparse type: a comma list of :func:`count` values (at least one)."""
+    """argparse type: a comma list of :func:`count` values (at least one, each once)."""
     one = count(low, high, why)
     return _type("counts", lambda text: _list(text, one))
 
@@ -187,7 +187,7 @@ def byte_size(low: int = 1, high: int | None = None, why: str = "") -> Callable[
 
 
 def byte_sizes(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
-    """argparse type: a comma list of :func:`byte_size` values (at least one)."""
+    """argparse type: a comma list of :func:`byte_size` values (at least one, each once)."""
     one = byte_size(low, high, why)
     return _type("sizes", lambda text: _list(text, one))
 
@@ -197,9 +197,16 @@ def _list(text: str, one: Callable[[str], object]) -> list:
     if not items:
         raise ValueError(f"{_short(text)}: expected a comma list of values")
     try:
-        return [one(t.strip()) for t in items]
+        values = [one(t.strip()) for t in items]
     except argparse.ArgumentTypeError as e:
         raise ValueError(str(e)) from None
+    seen: dict[object, str] = {}
+    for typed, value in zip(items, values):  # a repeat would be run twice and reported twice (or merged)
+        if value in seen:
+            same = "" if seen[value] == typed.strip() else f" ({seen[value]} is the same: {value})"
+            raise ValueError(f"{_short(text)}: {typed.strip()} is given twice{same}")
+        seen[value] = typed.strip()
+    return values
 
 
 def factor(high: int = 1024) -> Callable[[str], int]:

@@ -24,6 +24,7 @@ option (:func:`scrub`).
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Collection
 
 from .flags import ServeArgsError
@@ -99,11 +100,17 @@ def _secret_variable(name: str) -> bool:
                                     or name.lower().split("_")[-1] in SECRET_WORDS)
 
 
+#: The password of a URL's ``user:password@`` part (``--otlp-traces-endpoint
+#: http://bob:pw@collector``): what comes after the scheme and the user name.
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:)[^/?#@\s]*@")
+
+
 def scrub(argv: list[str]) -> list[str]:
     """``argv`` as it may be printed: the value of every option that
     :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
     and of every secret environment assignment (``HF_TOKEN=VALUE``) shown as
-    ``***``, after ``--`` too."""
+    ``***``, after ``--`` too; so is the password of any URL
+    (``https://user:***@host``)."""
     shown: list[str] = []
     hiding = False
     for token in argv:
@@ -111,6 +118,7 @@ def scrub(argv: list[str]) -> list[str]:
             shown.append(HIDDEN)
             continue
         hiding = False
+        token = _URL_PASSWORD.sub(lambda m: m.group(1) + HIDDEN + "@", token)
         name, eq, _ = token.partition("=")
         if eq and _secret_variable(name):
             shown.append(f"{name}={HIDDEN}")
