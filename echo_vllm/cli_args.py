@@ -325,7 +325,7 @@ def file_stem(text: str) -> str:
 
 
 #: ``scheme://user:password@``: the password of a URL, never printed.
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*):[^/\s@]*@", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/?#@\s:]*):[^/?#@\s]*@", re.IGNORECASE)
 
 
 def hide_url_password(text: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..cli_args import UsageError, hide_url_password
+from ..cli_args import UsageError
 
 
 def environment() -> dict[str, Any]:
@@ -49,12 +49,12 @@ def recorded_command(argv: list[str]) -> str:
     from ..server.credentials import scrub
 
     def word(text: str) -> str:
-        if any(c.isspace() for c in text):
-            try:
-                text = shlex.join(scrub(shlex.split(text)))
-            except ValueError:  # not a command line: nothing of it is shown
-                text = "***"
-        return hide_url_password(text)
+        if not any(c.isspace() for c in text):
+            return text
+        try:
+            return shlex.join(scrub(shlex.split(text)))
+        except ValueError:  # not a command line: nothing of it is shown
+            return "***"
 
     return " ".join(word(w) for w in scrub(list(argv)))
 

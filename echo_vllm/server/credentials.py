@@ -24,9 +24,9 @@ option (:func:`scrub`).
 from __future__ import annotations
 
 import difflib
-import re
 from typing import Collection
 
+from ..cli_args import hide_url_password
 from .flags import ServeArgsError
 
 #: vLLM's secret options -> the environment variable vLLM reads instead.
@@ -100,11 +100,6 @@ def _secret_variable(name: str) -> bool:
                                     or name.lower().split("_")[-1] in SECRET_WORDS)
 
 
-#: The password of a URL's ``user:password@`` part (``--otlp-traces-endpoint
-#: http://bob:pw@collector``): what comes after the scheme and the user name.
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:]*:)[^/?#@\s]*@")
-
-
 def scrub(argv: list[str]) -> list[str]:
     """``argv`` as it may be printed: the value of every option that
     :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
@@ -118,7 +113,7 @@ def scrub(argv: list[str]) -> list[str]:
             shown.append(HIDDEN)
             continue
         hiding = False
-        token = _URL_PASSWORD.sub(lambda m: m.group(1) + HIDDEN + "@", token)
+        token = hide_url_password(token)
         name, eq, _ = token.partition("=")
         if eq and _secret_variable(name):
             shown.append(f"{name}={HIDDEN}")
