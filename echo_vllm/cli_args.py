@@ -170,7 +170,7 @@ def count(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str
 
 
 def counts(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
-    """argparse type: a comma list of :func:`count` values (at least one)."""
+    """argparse type: a comma list of :func:`count` values (at least one, each once)."""
     one = count(low, high, why)
     return _type("counts", lambda text: _list(text, one))
 
@@ -187,7 +187,7 @@ def byte_size(low: int = 1, high: int | None = None, why: str = "") -> Callable[
 
 
 def byte_sizes(low: int = 1, high: int | None = None, why: str = "") -> Callable[[str], list[int]]:
-    """argparse type: a comma list of :func:`byte_size` values (at least one)."""
+    """argparse type: a comma list of :func:`byte_size` values (at least one, each once)."""
     one = byte_size(low, high, why)
     return _type("sizes", lambda text: _list(text, one))
 
@@ -197,9 +197,16 @@ def _list(text: str, one: Callable[[str], object]) -> list:
     if not items:
         raise ValueError(f"{_short(text)}: expected a comma list of values")
     try:
-        return [one(t.strip()) for t in items]
+        values = [one(t.strip()) for t in items]
     except argparse.ArgumentTypeError as e:
         raise ValueError(str(e)) from None
+    seen: dict[object, str] = {}
+    for typed, value in zip(items, values):  # a repeat would be run twice and reported twice (or merged)
+        if value in seen:
+            same = "" if seen[value] == typed.strip() else f" ({seen[value]} is the same: {value})"
+            raise ValueError(f"{_short(text)}: {typed.strip()} is given twice{same}")
+        seen[value] = typed.strip()
+    return values
 
 
 def factor(high: int = 1024) -> Callable[[str], int]:
@@ -317,18 +324,33 @@ def file_stem(text: str) -> str:
     return str(text)
 
 
+#: ``scheme://user:password@``: the password of a URL, never printed.
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/?#@\s:]*):[^/?#@\s]*@", re.IGNORECASE)
+
+
+def hide_url_password(text: str) -> str:
+    """``text`` with the password of every URL in it shown as ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", str(text))
+
+
 def http_url(text: str) -> str:
     """argparse type: an ``http://`` or ``https://`` URL with a host (and,
-    if given, a port in 1..65535)."""
+    if given, a port in 1..65535), without ``user:password@``: the clients
+    that read it (urllib, ``vllm bench serve``) would take that for part of
+    the host name, and it would be printed. No error shows the password."""
     from urllib.parse import urlsplit
 
+    shown = _short(hide_url_password(text))
     try:
         parts = urlsplit(str(text).strip())
         port = parts.port
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{_short(text)}: not a URL ({e})") from None
+        raise argparse.ArgumentTypeError(f"{shown}: not a URL ({e})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
-        raise argparse.ArgumentTypeError(f"{_short(text)}: expected http://HOST[:PORT] or https://...")
+        raise argparse.ArgumentTypeError(f"{shown}: expected http://HOST[:PORT] or https://...")
+    if "@" in parts.netloc:
+        raise argparse.ArgumentTypeError(f"{shown}: a user or password in the URL is not supported (the "
+                                         "clients would read it as part of the host name); give http://HOST[:PORT]")
     return str(text).strip()
 
 
@@ -345,5 +367,5 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 __all__ = [
     "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
     "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
-    "file_stem", "folder_problem", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+    "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
 ]

@@ -15,6 +15,10 @@ from typing import Mapping
 
 from .cli_args import UsageError, did_you_mean, folder_problem
 
+#: ``TRITON_INTERPRET`` values Triton reads as on (3.x ``getenv_bool``: any
+#: case, no spaces stripped); every other value is off, for Triton and here.
+TRITON_TRUE = frozenset({"1", "true", "on", "yes", "y"})
+
 #: Values of ``ECHO_KERNELS`` (see :attr:`EchoEnv.kernels`).
 KERNEL_CHOICES = ("auto", "reference", "triton", "numba")
 
@@ -48,7 +52,8 @@ class EchoEnv:
     triton_interpret: bool = False
     """``TRITON_INTERPRET`` (Triton's own): ``1`` runs Triton kernels in its
     interpreter, the only way the ``triton`` backend takes CPU tensors;
-    read here so that a CPU request without it is refused by name."""
+    read here, as Triton reads it (:data:`TRITON_TRUE`), so that a CPU
+    request without it is refused by name."""
 
 
 #: Environment variable -> field of :class:`EchoEnv`.
@@ -81,7 +86,7 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     if problem:
         raise EchoEnvError(f"ECHO_VLLM_CACHE={cache!r:.60}: {problem}")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1", cache_dir=cache,
-                   triton_interpret=env.get("TRITON_INTERPRET", "0").strip() == "1")
+                   triton_interpret=env.get("TRITON_INTERPRET", "0").lower() in TRITON_TRUE)
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -32,9 +32,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..communicator import EchoCommunicator
-from ..cli_args import MAX_RANKS, RANKS_WHY, byte_size, byte_sizes, choice_list, count, factor, out_dir
-from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir
+from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
+from ..envs import EchoEnv
 from ..feedback import FeedbackChain
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
@@ -301,11 +303,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="auto: nccl under torchrun with CUDA, the kernel table on one GPU, gloo otherwise")
     ap.add_argument("--world-size", type=count(2, MAX_RANKS, RANKS_WHY + "; each is a process here"), default=4,
                     help="gloo processes")
-    size = byte_size(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY)
+    size = report.message_size()
     ap.add_argument("--min-size", type=size, default=None, help="smallest message (default 8K on GPUs, 1M on gloo)")
     ap.add_argument("--max-size", type=size, default=None, help="largest message (default 1G on GPUs, 256M on gloo)")
     ap.add_argument("--factor", type=factor(), default=2, help="size step factor (2..1024)")
-    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
+    ap.add_argument("--sizes", type=report.message_sizes(), default=None,
                     help="explicit comma list of sizes (overrides min/max)")
     ap.add_argument("--iters", type=count(1, 1 << 20), default=None,
                     help="timed calls per point, the median reported (default 20 GPU, 5 gloo)")
@@ -325,12 +327,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=out_dir, default=None, help="directory for JSON and PNG")
 
 
+def check_echo_backends(names, device_type: str, env: EchoEnv) -> None:
+    """Refuse (:class:`UsageError`, before any process starts) a
+    ``--echo-backends`` name that cannot run on ``device_type`` tensors:
+    the ranks would fail only after timing the other columns."""
+    from ..backends import choose_backend
+
+    for name in names:
+        try:  # the group is not probed here: the ranks do that
+            choose_backend(name, device_type=device_type, stochastic=False, env_kernels=env.kernels,
+                           interpreted=env.triton_interpret, probe=lambda: (True, ""))
+        except EchoConfigError as e:
+            raise UsageError(f"--echo-backends {name} with tensors on {device_type}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     backend = args.backend
     under_torchrun = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if backend == "auto":
         backend = "nccl" if (under_torchrun and torch.cuda.is_available()) else (
             "one-gpu" if torch.cuda.is_available() else "gloo")
+    if backend in ("gloo", "nccl"):
+        check_echo_backends(args.echo_backends, args.device if backend == "gloo" else "cuda", envs.read())
     gpu = backend in ("nccl", "one-gpu")
     args.iters = (20 if gpu else 5) if args.iters is None else args.iters
     args.warmup = (5 if gpu else 1) if args.warmup is None else args.warmup

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, byte_sizes, count, counts, out_dir
+from ..cli_args import MAX_RANKS, RANKS_WHY, count, counts, out_dir
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len
 from . import report, timing
 from .kernels_bench import random_feedback
@@ -318,7 +318,7 @@ def table(cases: list[Case], gbps: float) -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--world-sizes", type=counts(2, MAX_RANKS, RANKS_WHY), default="2,4,8")
-    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default="64M,1G",
+    ap.add_argument("--sizes", type=report.message_sizes(), default="64M,1G",
                     help="message bytes per rank (bf16)")
     ap.add_argument("--hidden", type=count(1, 1 << 20), default=8192, help="values per row")
     ap.add_argument("--buffer-sets", type=count(1, 64, "each set is a full copy of the buffers"), default=3,

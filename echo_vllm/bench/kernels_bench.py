@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import quant
-from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, byte_size, byte_sizes, count, counts, device, out_dir, real
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, counts, device, out_dir, real
 from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
@@ -400,10 +400,10 @@ def model_results(worlds, sizes, cfg: EchoConfig, copy_gbps: float, efficiency: 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--world-sizes", type=counts(2, MAX_RANKS, RANKS_WHY), default="4,8",
                     help="virtual world sizes P (comma list)")
-    size = byte_size(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY)
+    size = report.message_size()
     ap.add_argument("--min-size", type=size, default="8K", help="smallest message (bytes of bf16 input)")
     ap.add_argument("--max-size", type=size, default="1G", help="largest message")
-    ap.add_argument("--sizes", type=byte_sizes(2, report.MAX_BENCH_BYTES, report.MAX_BENCH_WHY), default=None,
+    ap.add_argument("--sizes", type=report.message_sizes(), default=None,
                     help="explicit comma list of sizes (overrides min/max)")
     ap.add_argument("--iters", type=count(1, 1 << 20), default=20, help="timed calls per point (median reported)")
     ap.add_argument("--timing", default="auto", choices=TIMINGS,

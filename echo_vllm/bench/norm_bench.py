@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -130,8 +131,11 @@ def parse_layer_us(spec: str) -> dict[tuple[int, int], float]:
             tp, tokens, us = int(tp_s), int(tokens_s), float(us_s)
         except ValueError:
             raise ValueError(f"--layer-us {item!r}: expected TP:TOKENS:MICROSECONDS") from None
-        if tp < 2 or tokens < 1 or us <= 0:
-            raise ValueError(f"--layer-us {item!r}: TP >= 2, TOKENS >= 1 and a positive time")
+        if not (2 <= tp <= MAX_RANKS and tokens >= 1 and 0 < us < math.inf):  # NaN fails too
+            raise ValueError(f"--layer-us {item!r}: TP from 2 to {MAX_RANKS}, TOKENS >= 1 and a positive, "
+                             "finite time")
+        if (tp, tokens) in out:
+            raise ValueError(f"--layer-us {item!r}: TP={tp} T={tokens} is given twice")
         out[(tp, tokens)] = us
     return out
 

@@ -8,12 +8,13 @@ message the user asked to reduce, not on the bytes Echo happens to send.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from ..cli_args import UsageError
+from ..cli_args import UsageError, byte_size, byte_sizes
 from ..config import parse_bytes
 
 
@@ -61,6 +62,33 @@ parse_size = parse_bytes
 #: buffers stop fitting in one device's (or host's) memory.
 MAX_BENCH_BYTES = 1 << 36
 MAX_BENCH_WHY = "a bf16 value is 2 bytes; above 64 GiB the message and its buffers do not fit in memory"
+
+
+def _whole_values(parse):
+    """argparse type ``parse`` (a size or a list of sizes) that refuses an
+    odd byte count: a bf16 message of 3 bytes would be 1 value (2 bytes),
+    timed as 2 bytes and reported as 3."""
+
+    def convert(text: str):
+        got = parse(text)
+        for value in got if isinstance(got, list) else [got]:
+            if value % 2:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r:.60}: {value} bytes is not a whole number of bf16 values (2 bytes each)")
+        return got
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def message_size() -> Callable[[str], int]:
+    """argparse type: one bf16 message's bytes, even, from 2 bytes to :data:`MAX_BENCH_BYTES`."""
+    return _whole_values(byte_size(2, MAX_BENCH_BYTES, MAX_BENCH_WHY))
+
+
+def message_sizes() -> Callable[[str], list[int]]:
+    """argparse type: a comma list of :func:`message_size` values (each once)."""
+    return _whole_values(byte_sizes(2, MAX_BENCH_BYTES, MAX_BENCH_WHY))
 
 
 def size_range(lo: int, hi: int, factor: int = 2) -> list[int]:

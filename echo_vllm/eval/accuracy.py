@@ -50,6 +50,20 @@ def batch_size_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or an integer from 1 to 4096")
     return value
 
+
+_LIMIT = real(0, 1e9, low_open=True)
+
+
+def limit_arg(text: str) -> float | int:
+    """argparse type of ``--limit``: a fraction of each task below 1, else a
+    whole number of documents (lm-eval would cut 2.5 to 2 silently)."""
+    value = _LIMIT(text)
+    if value >= 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{text}: a fraction of each task is below 1; from 1 up, a whole number "
+                                         "of documents")
+    return int(value) if value >= 1 else value
+
+
 METRICS = ("acc", "acc_norm")
 
 
@@ -392,7 +406,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", type=variant_arg, default=["exact", "naive", "default"],
                    help="default = Echo as shipped (EchoConfig())")
     p.add_argument("--tasks", nargs="+", default=SEVEN, choices=SEVEN)
-    p.add_argument("--limit", type=real(0, 1e9, low_open=True), default=None,
+    p.add_argument("--limit", type=limit_arg, default=None,
                    help="documents per task (lm-eval --limit; below 1: a fraction of each task)")
     p.add_argument("--batch-size", type=batch_size_arg, default=16, help="lm-eval batch size (int or 'auto')")
     p.add_argument("--max-length", type=count(2, 1 << 17), default=2048)
@@ -429,6 +443,8 @@ def main(argv: list[str]) -> int:
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
     variants = parse_variants(args.variants)
+    if len(set(args.tasks)) != len(args.tasks):  # counted twice in the average
+        raise UsageError(f"--tasks {' '.join(args.tasks)}: a task is given twice")
     if args.backend == "hf" and not args.merge:  # a device this host lacks: refused before the model loads
         check_device(args.device)
     if args._one:

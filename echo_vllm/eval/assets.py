@@ -155,5 +155,6 @@ def verify_manifest(folder: Path, name: str = "echo_manifest.json", *, full: boo
         if not f.is_file():
             return None
         if full and sha256_file(f) != digest:
-            raise AssetError(f"{f}: sha256 mismatch with {path}; delete {folder} and prepare again")
+            raise AssetError(f"{f}: sha256 differs from {path}: the file changed after it was recorded (a "
+                             "folder of the cache is made again with `eval prepare-model NAME --force`)")
     return manifest

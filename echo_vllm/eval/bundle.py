@@ -201,6 +201,10 @@ def main(argv: list[str]) -> int:
         unpack(Path(a.unpack[0]), [Path(d) for d in a.unpack[1:]])
         print(f"unpacked into {a.unpack[0]}; export ECHO_VLLM_CACHE={a.unpack[0]}")
         return 0
+    if not a.models and a.no_data:
+        p.error("nothing to bundle: --models names none and --no-data leaves out the data")
+    if len(set(a.models)) != len(a.models):  # packed twice
+        p.error(f"--models {' '.join(a.models)}: a model is given twice")
     check_no_bundle(Path(a.out))  # before any model is prepared
     entries = [prepare_model(m) for m in a.models]
     if not a.no_data:

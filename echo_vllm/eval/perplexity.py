@@ -442,6 +442,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.texts and not args.lambada:
         p.error("nothing to score: give --texts or --lambada N")
+    if len(set(args.texts)) != len(args.texts):  # one name, two table sections
+        p.error(f"--texts {' '.join(args.texts)}: a text is given twice")
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads

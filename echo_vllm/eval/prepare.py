@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
             path = prepare_model(a.name, force=a.force, keep_gguf=a.keep_gguf)
         else:
             path = resolve_model(a.name)
-        if a.verify and a.name in MODELS:
+        if a.verify:  # a local folder too: its manifest (a prepared folder copied here), or refused
             manifest = verify_model(a.name)
             print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
         print(path)

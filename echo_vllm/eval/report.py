@@ -11,6 +11,7 @@ import json
 import lzma
 import math
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "command": "echo-vllm eval " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]),
+        "command": "echo-vllm eval " + recorded_command(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:]),
     }
     for mod in ("transformers", "vllm", "lm_eval"):
         try:
@@ -40,10 +41,31 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def recorded_command(argv: list[str]) -> str:
+    """``argv`` as the reports record it: no secret shows
+    (``credentials.scrub``), also inside a word that is itself a command line
+    (``eval ttft --launch 'echo-vllm serve M --api-key KEY'``), and no URL's
+    password."""
+    from ..server.credentials import scrub
+
+    def word(text: str) -> str:
+        if not any(c.isspace() for c in text):
+            return text
+        try:
+            return shlex.join(scrub(shlex.split(text)))
+        except ValueError:  # not a command line: nothing of it is shown
+            return "***"
+
+    return " ".join(word(w) for w in scrub(list(argv)))
+
+
 def read_json(path: Path, required: Sequence[str] = ()) -> dict:
     """The JSON object in ``path`` (xz-compressed when it ends in ``.xz``), a
     results file of an earlier run. Raises :class:`UsageError` naming the file
-    when it cannot be read, is not a JSON object or lacks a ``required`` key."""
+    when it cannot be read, is not a JSON object or lacks a ``required`` key,
+    and before reading when it is not a regular file (a FIFO would block)."""
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file (a results file of this tool is one)")
     try:
         data = path.read_bytes()
         value = json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)

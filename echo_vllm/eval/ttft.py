@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..cli_args import UsageError, count, counts, file_stem, http_url, out_dir, real
+from ..cli_args import UsageError, count, counts, did_you_mean, file_stem, http_url, out_dir, real
 from ..server.credentials import scrub
 from .background import BackgroundTraffic, TrafficSpec
 from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
@@ -61,8 +61,19 @@ def gpu_count() -> int:
 
 
 def served_model(base_url: str) -> str:
-    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=10) as r:
-        return json.loads(r.read())["data"][0]["id"]
+    """The first model ``base_url``'s ``/v1/models`` lists; a server that does
+    not answer it, or answers something else, raises :class:`UsageError`."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return str(json.loads(r.read())["data"][0]["id"])
+    except urllib.error.HTTPError as e:
+        problem = f"HTTP {e.code}"
+    except (OSError, ValueError) as e:  # no answer in 10 s, a reset connection, not JSON
+        problem = str(getattr(e, "reason", "")) or type(e).__name__
+    except (KeyError, IndexError, TypeError):
+        problem = "no model listed"
+    raise UsageError(f"{url}: {problem} (give the served name with --model)")
 
 
 #: Seconds between "still waiting" lines while a server starts.
@@ -138,7 +149,11 @@ def bench_cell(args, model: str, tokenizer: str, input_len: int, concurrency: in
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname, "--disable-tqdm",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout)
+    except subprocess.TimeoutExpired:  # a server that is healthy but stopped answering: vLLM's client waits hours
+        raise UsageError(f"vllm bench serve at {input_len} prompt tokens, {concurrency} clients did not end within "
+                         f"{args.cell_timeout:.0f} s (--cell-timeout): is {args.base_url} still answering?") from None
     if proc.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     raw = json.loads((out_dir / fname).read_text())
@@ -167,6 +182,8 @@ def parse_mode_args(items: list[str]) -> dict[str, str]:
         label, sep, rest = item.partition("=")
         if not sep or not label:
             raise ValueError(f"--mode-args wants LABEL=ARGS, got {item!r}")
+        if label in out:  # the ARGS may hold a key: not shown
+            raise ValueError(f"--mode-args: label {label!r} is given twice")
         out[label] = rest
     return out
 
@@ -310,7 +327,7 @@ def _plot(rows, path, note) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="echo-vllm eval ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000")
     p.add_argument("--label", type=file_stem, default=None, help="comm mode of the running server (exact, echo, ...)")
@@ -319,6 +336,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode-args", nargs="*", default=[], metavar="LABEL=ARGS",
                    help="with --launch: text put in place of {mode_args} for that label")
     p.add_argument("--server-timeout", type=real(0, 86400, low_open=True, why="seconds, at most a day"), default=900)
+    p.add_argument("--cell-timeout", type=real(0, 86400, low_open=True, why="seconds, at most a day"), default=1800,
+                   help="seconds one cell's vllm bench serve may take")
     p.add_argument("--model", default=None, help="served model name (default: asked from /v1/models)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the served name)")
     p.add_argument("--input-lens", type=count(1, 1 << 20), nargs="+", default=[512, 1024, 2048, 4096, 8192])
@@ -335,6 +354,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--report", action="store_true", help="only merge ttft_*.json in --out into a table")
     p.add_argument("--baseline", type=file_stem, default="exact")
     p.add_argument("--out", type=out_dir, default="eval/results/ttft")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = parser()
     args = p.parse_args(argv)
     try:
         args.mode_args = parse_mode_args(args.mode_args)
@@ -351,6 +375,11 @@ def main(argv: list[str]) -> int:
                     "label would start the same server")
         if len(set(labels)) != len(labels):
             p.error(f"--labels {' '.join(labels)}: a label is given twice")
+        for label in args.mode_args:  # a misspelt label would start its server without its ARGS
+            if not args.launch or label not in labels:
+                p.error(f"--mode-args {label}=...: " + (
+                    "needs --launch (its text goes in place of {mode_args})" if not args.launch else
+                    f"{label!r} is none of the labels ({', '.join(labels)}){did_you_mean(label, labels)}"))
         for label in labels:
             run_label(args, label)
     report(args.out, args.baseline)

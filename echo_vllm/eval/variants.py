@@ -125,8 +125,17 @@ def variant_arg(spec: str) -> str:
 
 
 def parse_variants(specs: list[str]) -> list[Variant]:
+    """The variants ``specs`` name; a spec given twice, or two specs of one
+    setting (``naive`` and ``naive:``, or specs that differ in spaces only,
+    which would also share one results file), raise :class:`EchoConfigError`."""
     variants = [parse_variant(s) for s in specs]
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise EchoConfigError(f"duplicate variants in {names}")
+    seen: dict[tuple, str] = {}
+    for v in variants:
+        key = (v.mode, tuple(sorted(v.config.to_dict().items())))
+        if key in seen:
+            raise EchoConfigError(f"variants {seen[key]!r} and {v.name!r} are one setting: give one of them")
+        seen[key] = v.name
     return variants

@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 from typing import Collection
 
+from ..cli_args import hide_url_password
 from .flags import ServeArgsError
 
 #: vLLM's secret options -> the environment variable vLLM reads instead.
@@ -103,7 +104,8 @@ def scrub(argv: list[str]) -> list[str]:
     """``argv`` as it may be printed: the value of every option that
     :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
     and of every secret environment assignment (``HF_TOKEN=VALUE``) shown as
-    ``***``, after ``--`` too."""
+    ``***``, after ``--`` too; so is the password of any URL
+    (``https://user:***@host``)."""
     shown: list[str] = []
     hiding = False
     for token in argv:
@@ -111,6 +113,7 @@ def scrub(argv: list[str]) -> list[str]:
             shown.append(HIDDEN)
             continue
         hiding = False
+        token = hide_url_password(token)
         name, eq, _ = token.partition("=")
         if eq and _secret_variable(name):
             shown.append(f"{name}={HIDDEN}")

@@ -28,6 +28,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ..cli_args import real
+
+#: Longest ``wait --timeout``: a day. NaN or inf would wait forever for a
+#: server that never answers.
+MAX_WAIT_S = 24 * 3600.0
+WAIT_WHY = "a wait without an end is a hang"
+
 ECHO_PREFIX = "echo:"
 CALLS = ECHO_PREFIX + "allreduce_calls_total"
 
@@ -243,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--base-url", default="http://127.0.0.1:8000")
         if name == "wait":
-            p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+            p.add_argument("--timeout", type=real(0, MAX_WAIT_S, low_open=True, why=WAIT_WHY), default=600.0,
+                           help="seconds (above 0, at most a day)")
             p.add_argument("--pid", type=int, default=None, help="fail early if this process exits")
         else:
             p.add_argument("--out", type=Path, required=True)

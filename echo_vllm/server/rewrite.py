@@ -34,6 +34,7 @@ and raises :class:`ServeArgsError` with a one-line message on bad input.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -429,6 +430,9 @@ def _deep_update(into: dict, update: Mapping) -> None:
 def _read_yaml(path: str) -> Mapping[str, Any]:
     import yaml  # vLLM depends on PyYAML; only needed with --config
 
+    if os.path.exists(path) and not os.path.isfile(path):
+        # a FIFO (``<(...)``) or a device would block the read forever, and vLLM reads the file again
+        raise ValueError("not a regular file (vLLM reads it a second time; a pipe or a device cannot be read twice)")
     with open(path) as f:
         return yaml.safe_load(f) or {}
 

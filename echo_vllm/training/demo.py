@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ap.add_argument_group("data")
     d.add_argument("--prepare-data", metavar="DIR", type=out_dir, help="build the corpus folder DIR and exit")
-    d.add_argument("--sources", type=choice_list(SOURCES), default=",".join(SOURCES),
+    d.add_argument("--sources", type=choice_list(SOURCES), default=None,
                    help=f"for --prepare-data (default {','.join(SOURCES)})")
     d.add_argument("--data", metavar="DIR", type=existing_dir,
                    help="prepared corpus folder (default: the echo-vllm cache's, prepared on first use)")
@@ -162,8 +162,11 @@ def _default_corpus() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.sources is not None and not args.prepare_data:  # the corpus of --data or the cache's is used as it is
+        raise UsageError(f"--sources {','.join(args.sources)}: only read with --prepare-data DIR (a run trains on "
+                         "the corpus --data names, or the cache's, as it was prepared)")
     if args.prepare_data:
-        out = prepare_corpus(args.prepare_data, tuple(args.sources))
+        out = prepare_corpus(args.prepare_data, tuple(args.sources or SOURCES))
         info = json.loads((out / "corpus.json").read_text())
         size = sum(f.stat().st_size for f in out.iterdir())
         print(json.dumps(info["sources"], indent=1))
@@ -222,11 +225,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_runs(folder: Path) -> list[dict]:
     """The runs (``train_<mode>.json``) in ``folder``, in :data:`MODES`
-    order; a file that is not a run's JSON raises :class:`UsageError` naming it."""
-    runs = {}
+    order; a file that is not a run's JSON, two runs of one mode or runs of
+    different setups (:func:`_check_comparable`) raise :class:`UsageError`
+    naming the files."""
+    runs: dict[str, dict] = {}
+    names: dict[str, str] = {}
     for path in sorted(folder.glob("train_*.json")):
         if path.name == "train_results.json":
             continue
+        if not path.is_file():  # a FIFO would block the read
+            raise UsageError(f"--report {folder}: {path.name} is not a regular file (a train-demo run is one)")
         try:
             rec = json.loads(path.read_text())
             mode = rec["mode"]
@@ -235,8 +243,45 @@ def load_runs(folder: Path) -> list[dict]:
                 from None
         if mode not in MODES:
             raise UsageError(f"--report {folder}: {path.name} has mode {mode!r:.40}, not one of {', '.join(MODES)}")
-        runs[mode] = rec
+        if mode in runs:
+            raise UsageError(f"--report {folder}: {names[mode]} and {path.name} are both runs of mode {mode!r}: "
+                             "keep one of them there")
+        runs[mode], names[mode] = rec, path.name
+    _check_comparable(folder, runs, names)
     return [runs[m] for m in MODES if m in runs]
+
+
+def _setup(record: dict) -> dict:
+    """What must agree between runs for their losses to be compared: the
+    model, the training settings (all but the time limit, whose effect the
+    table shows as "truncated"), the emulated TP size and the message dtype."""
+    train = record.get("train")
+    comm = record.get("comm")
+    return {"model": record.get("model"), "world_size": record.get("world_size"),
+            "train": {k: v for k, v in train.items() if k != "max_time_s"} if isinstance(train, dict) else train,
+            "comm_dtype": comm.get("comm_dtype") if isinstance(comm, dict) else comm}
+
+
+def _check_comparable(folder: Path, runs: dict[str, dict], names: dict[str, str]) -> None:
+    """Refuse (:class:`UsageError`) runs of different setups (:func:`_setup`):
+    their loss gap would be read as the all-reduce's effect."""
+    if len(runs) < 2:
+        return
+    first = next(iter(runs))
+    base = _setup(runs[first])
+    for mode, rec in runs.items():
+        diff = []
+        for key, value in _setup(rec).items():
+            want = base[key]
+            if isinstance(value, dict) and isinstance(want, dict):
+                diff += [f"{key}.{k}: {value.get(k)!r:.20} vs {want.get(k)!r:.20}"
+                         for k in sorted(set(value) | set(want)) if value.get(k) != want.get(k)]
+            elif value != want:
+                diff.append(f"{key}: {value!r:.20} vs {want!r:.20}")
+        if diff:
+            raise UsageError(f"--report {folder}: {names[mode]} and {names[first]} are runs of different setups "
+                             f"({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}): their losses are not "
+                             "comparable")
 
 
 def table_rows(records: list[dict]) -> list[dict]:

@@ -154,3 +154,59 @@ def test_kernels_refuses_a_size_the_device_cannot_hold_before_work(monkeypatch, 
     monkeypatch.setattr(kernels_bench, "device_memory_bytes", lambda device: 1 << 30)
     error, _ = refused(["bench", "kernels", "--device", "cpu", "--sizes", "8K,64M", "--world-sizes", "2"])
     assert "size 64 MiB at P=2: needs about 1.7 GiB, more than the 1.0 GiB of cpu memory" in error
+
+
+@pytest.mark.parametrize("backends,device,message", [
+    ("triton", "cpu", "--echo-backends triton with tensors on cpu: backend 'triton' (configured) takes CPU "
+                      "tensors only in Triton's interpreter"),
+    ("reference,fused", "cpu", "--echo-backends fused with tensors on cpu: backend='fused' does not run on cpu"),
+    ("numba", "cuda", "--echo-backends numba with tensors on cuda: backend='numba' does not run on cuda"),
+])
+def test_allreduce_refuses_an_echo_backend_the_device_cannot_run_before_any_rank_starts(
+        backends, device, message, monkeypatch, refused):
+    """The ranks timed every other column first, then died in a traceback."""
+    from echo_vllm.bench import allreduce_bench
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(allreduce_bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(allreduce_bench, "_launch", lambda *a, **k: pytest.fail("a rank started"))
+    error, _ = refused(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k",
+                        "--device", device, "--echo-backends", backends])
+    assert message in error
+
+
+def test_allreduce_takes_triton_on_cpu_tensors_in_the_interpreter(monkeypatch):
+    from echo_vllm.bench import allreduce_bench
+    from echo_vllm.envs import EchoEnv
+
+    allreduce_bench.check_echo_backends(["triton", "reference", "numba"], "cpu", EchoEnv(triton_interpret=True))
+    allreduce_bench.check_echo_backends(["triton", "fused", "reference"], "cuda", EchoEnv())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kernels", "--model-only", "--sizes", "8K,8K"], "argument --sizes: '8K,8K': 8K is given twice"),
+    (["kernels", "--model-only", "--world-sizes", "4,4"], "argument --world-sizes: '4,4': 4 is given twice"),
+    (["allreduce", "--backend", "gloo", "--sizes", "1M,1048576"], "1048576 is given twice (1M is the same: 1048576)"),
+    (["norm", "--tokens", "1024,1024"], "argument --tokens: '1024,1024': 1024 is given twice"),
+    (["fused", "--world-sizes", "2,8,2"], "argument --world-sizes: '2,8,2': 2 is given twice"),
+])
+def test_a_size_or_world_size_given_twice_is_refused(argv, message, refused):
+    """``--sizes 8K,8K`` measured (or modelled) every row twice, and the
+    all-reduce table merged the repeats into one row."""
+    error, _ = refused(["bench", *argv])
+    assert message in error
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kernels", "--model-only", "--sizes", "8K,3"], "argument --sizes: '8K,3': 3 bytes is not a whole number of "
+                                                     "bf16 values (2 bytes each)"),
+    (["kernels", "--model-only", "--min-size", "1025"], "argument --min-size: '1025': 1025 bytes"),
+    (["allreduce", "--backend", "gloo", "--sizes", "3"], "argument --sizes: '3': 3 bytes is not a whole number"),
+    (["allreduce", "--backend", "gloo", "--max-size", "0x41"], "argument --max-size: '0x41': 65 bytes"),
+    (["fused", "--sizes", "64M,1k,7"], "argument --sizes: '64M,1k,7': 7 bytes"),
+])
+def test_an_odd_message_size_is_refused(argv, message, refused):
+    """A bf16 message of 3 bytes is 1 value: it was timed as 2 bytes and
+    reported (bandwidth included) as 3."""
+    error, _ = refused(["bench", *argv])
+    assert message in error

@@ -55,6 +55,21 @@ def test_layer_times_parse_and_refuse_by_name():
         norm_bench.parse_layer_us("1:8192:5")
 
 
+@pytest.mark.parametrize("spec,message", [
+    ("8:8192:nan", "'8:8192:nan': TP from 2 to 64, TOKENS >= 1 and a positive, finite time"),
+    ("8:8192:inf", "'8:8192:inf'"),
+    ("8:8192:1e400", "'8:8192:1e400'"),
+    ("65:8192:5", "'65:8192:5'"),
+    ("8:8192:725,8:8192:900", "'8:8192:900': TP=8 T=8192 is given twice"),
+])
+def test_layer_times_that_would_make_the_projection_nan_or_ambiguous_are_refused(spec, message):
+    """NaN passed ``us <= 0``: the TTFT projection printed nan; a repeated
+    (TP, T) silently kept the last time."""
+    with pytest.raises(ValueError) as info:
+        norm_bench.parse_layer_us(spec)
+    assert str(info.value).startswith(f"--layer-us {message}")
+
+
 def test_cli_help_and_bad_layer_times():
     out = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "bench", "norm", "--help"], capture_output=True,
                          text=True, timeout=120)

@@ -95,6 +95,9 @@ BAD = [
     (["eval", "perplexity", "--variants", "naive:group_sise=16"], "unknown option 'group_sise'; did you mean "
                                                                   "'group_size'?"),
     (["eval", "perplexity", "--variants", "naive", "naive"], "duplicate variants in ['naive', 'naive']"),
+    (["eval", "perplexity", "--variants", "naive", "naive:"], "variants 'naive' and 'naive:' are one setting"),
+    (["eval", "accuracy", "--variants", "naive:group_size= 16", "naive:group_size =16"],
+     "variants 'naive:group_size= 16' and 'naive:group_size =16' are one setting"),  # one results file
     (["eval", "perplexity", "--exact-calls", "0-99999999999"], "expected 0 <= I <= J < 65536"),
     (["eval", "perplexity", "--texts"], "nothing to score: give --texts or --lambada N"),
     (["eval", "perplexity", "--stem", "../x"], "not a file name stem"),

@@ -44,6 +44,8 @@ def refusal(ap: argparse.ArgumentParser, argv: list[str], capsys) -> str:
     (cli_args.byte_size(2, 1 << 30), "0", "0: must be from 2 to 1073741824"),
     (cli_args.byte_size(2, 1 << 30), "2G", "2G (2147483648 bytes): must be from 2 to 1073741824"),
     (cli_args.byte_sizes(2, 1 << 30), "1M,-1", "not a byte count: '-1'"),
+    (cli_args.counts(2, 8), "4,8,4", "'4,8,4': 4 is given twice"),
+    (cli_args.byte_sizes(2, 1 << 30), "8K,64K,8192", "'8K,64K,8192': 8192 is given twice (8K is the same: 8192)"),
     (cli_args.factor(), "1", "1: must be from 2 to 1024 (a factor of 1 or less never reaches the largest size)"),
     (cli_args.real(0, 1, low_open=True), "0", "0: must be a finite number above 0 to 1"),
     (cli_args.real(0, 1), "nan", "nan: must be a finite number from 0 to 1"),

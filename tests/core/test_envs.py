@@ -51,3 +51,14 @@ def test_a_cache_folder_to_be_made_is_checked_not_made(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "missing")
     with pytest.raises(envs.EchoEnvError, match="dangling.* is a link to .*missing, which does not exist"):
         envs.read({"ECHO_VLLM_CACHE": str(tmp_path / "dangling")})
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "Yes", "y", " 1", "1 ", "t", "0", "false", "junk", ""])
+def test_triton_interpret_is_read_as_triton_reads_it(value, monkeypatch):
+    """``TRITON_INTERPRET=true`` runs Triton's interpreter, but Echo read it
+    as off (refusing the triton backend on CPU: "set TRITON_INTERPRET=1");
+    `` 1`` is off for Triton, but Echo read it as on (Triton then launched
+    on CPU tensors)."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert envs.read({"TRITON_INTERPRET": value}).triton_interpret is triton.knobs.runtime.interpret

@@ -71,7 +71,7 @@ def test_manifest_detects_corruption(cache):
     assets.write_manifest(folder, {"model": "m"})
     assert assets.verify_manifest(folder)["model"] == "m"
     (folder / "w.bin").write_bytes(b"weightz")
-    with pytest.raises(AssetError, match="sha256 mismatch"):
+    with pytest.raises(AssetError, match="sha256 differs from"):
         assets.verify_manifest(folder)
     (folder / "w.bin").unlink()
     assert assets.verify_manifest(folder, full=False) is None
@@ -186,3 +186,37 @@ def test_registry_is_consistent():
         assert len(m.packages) == len(m.members) and len(m.sha256) >= 16
         for req in m.packages:
             assets.split_requirement(req)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "--no-data"], "nothing to bundle: --models names none and --no-data leaves out the data"),
+    (["--models", "smollm2-135m", "smollm2-135m"], "--models smollm2-135m smollm2-135m: a model is given twice"),
+])
+def test_a_bundle_of_nothing_or_of_a_model_twice_is_refused(cache, tmp_path, refused, monkeypatch, argv, message):
+    """An empty bundle (one part holding an empty tar) was written and
+    reported as done; a model named twice was packed twice."""
+    def no_work(*args):
+        raise AssertionError("reached the work")
+
+    monkeypatch.setattr(bundle, "prepare_model", no_work)
+    error, _ = refused(["eval", "bundle", *argv, "--out", str(tmp_path / "bout")])
+    assert message in error
+    assert not (tmp_path / "bout").exists()
+
+
+def test_verify_checks_a_local_folder_too(cache, tmp_path, refused, capsys):
+    """prepare-model FOLDER --verify printed the folder and exit 0 without
+    checking anything: now its manifest is checked like a registered model's."""
+    from echo_vllm import cli
+
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    error, _ = refused(["eval", "prepare-model", str(local), "--verify"])
+    assert f"{local}: no complete echo_manifest.json" in error
+    assets.write_manifest(local, {"model": "mine"})
+    assert cli.main(["eval", "prepare-model", str(local), "--verify"]) == 0
+    assert '"model": "mine"' in capsys.readouterr().out
+    (local / "config.json").write_text('{"changed": 1}')
+    error, _ = refused(["eval", "prepare-model", str(local), "--verify"])
+    assert "config.json: sha256 differs from" in error and "delete" not in error  # the user's own folder

@@ -111,3 +111,23 @@ def test_accuracy_dtype_is_one_of_the_model_dtypes(plays, refused):
 def test_an_unknown_play_is_refused_before_the_model_loads(plays, refused, argv, text):
     error, _ = refused(["eval", *argv])
     assert f"no text {text}: not a file nor a play (plays: hamlet)" in error
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["perplexity", "--texts", "hamlet", "hamlet"], "--texts hamlet hamlet: a text is given twice"),
+    (["accuracy", "--tasks", "piqa", "boolq", "piqa"], "--tasks piqa boolq piqa: a task is given twice"),
+])
+def test_a_text_or_task_given_twice_is_refused_before_the_model_loads(plays, refused, argv, message):
+    """Twice the same text made two table sections with one name (both
+    compared with the second one's exact run); twice a task counted it twice
+    in the average."""
+    error, _ = refused(["eval", *argv])
+    assert message in error
+
+
+@pytest.mark.parametrize("text", ["2.5", "1.0001"])
+def test_a_fractional_limit_above_one_is_refused(plays, refused, text):
+    """Below 1 --limit is a fraction of each task; 2.5 documents was cut to 2 silently."""
+    error, _ = refused(["eval", "accuracy", "--limit", text])
+    assert f"argument --limit: {text}: a fraction of each task is below 1; from 1 up, a whole number of documents" \
+        in error

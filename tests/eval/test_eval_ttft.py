@@ -167,3 +167,116 @@ def test_report_refuses_files_it_did_not_write(tmp_path, refused, name, text, me
     (tmp_path / name).write_text(text)
     error, _ = refused(["eval", "ttft", "--report", "--out", str(tmp_path)])
     assert f"{tmp_path / message}" in error
+
+
+def test_report_refuses_a_fifo_without_reading_it(tmp_path, refused):
+    import os
+
+    os.mkfifo(tmp_path / "ttft_x.json")  # read, it would block until a writer came
+    error, _ = refused(["eval", "ttft", "--report", "--out", str(tmp_path)])
+    assert f"{tmp_path / 'ttft_x.json'}: not a regular file" in error
+
+
+def test_the_command_recorded_in_the_report_shows_no_key(tmp_path, monkeypatch, capsys):
+    """ttft.md / ttft.json record the command line: a key inside --launch's
+    command line (one word to argparse) or an environment assignment there
+    is shown as ***, like the printed ``[ttft] starting:`` line."""
+    from echo_vllm import cli
+
+    (tmp_path / "ttft_exact.json").write_text(json.dumps(_run("exact", {512: 10.0}, 1)))
+    launch = "env HF_TOKEN=SECRETK7 true serve m --api-key SECRETK6 --tp-comm {mode}"
+    argv = ["eval", "ttft", "--report", "--out", str(tmp_path), "--launch", launch]
+    monkeypatch.setattr("sys.argv", ["echo-vllm", *argv])
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    recorded = json.loads((tmp_path / "ttft.json").read_text())["environment"]["command"]
+    assert "--api-key '***'" in recorded and "'HF_TOKEN=***'" in recorded and "--tp-comm '{mode}'" in recorded
+    for name in ("ttft.json", "ttft.md"):
+        assert "SECRETK" not in (tmp_path / name).read_text()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://bob:SECRETK8@127.0.0.1:8000", "'http://bob:***@127.0.0.1:8000': a user or password in the URL is not"),
+    ("ftp://bob:SECRETK8@h", "'ftp://bob:***@h': expected http://HOST[:PORT]"),
+    ("http://bob:SECRETK8@h:99999", "'http://bob:***@h:99999': not a URL (Port out of range"),
+])
+def test_a_base_url_with_a_password_is_refused_without_showing_it(tmp_path, refused, url, message):
+    error, printed = refused(["eval", "ttft", "--base-url", url, "--out", str(tmp_path / "out")])
+    assert message in error and "SECRETK" not in printed
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--launch", "true {mode} {mode_args}", "--labels", "exact", "echo", "--mode-args", "ecoh=--api-key SECRETK9"],
+     "--mode-args ecoh=...: 'ecoh' is none of the labels (exact, echo); did you mean 'echo'?"),
+    (["--label", "echo", "--mode-args", "echo=--api-key SECRETK9"],
+     "--mode-args echo=...: needs --launch (its text goes in place of {mode_args})"),
+    (["--launch", "true {mode} {mode_args}", "--labels", "echo", "--mode-args", "echo=--x", "echo=--api-key SECRETK9"],
+     "--mode-args: label 'echo' is given twice"),
+])
+def test_mode_args_that_no_server_would_get_are_refused(tmp_path, refused, argv, message):
+    """A misspelt label's ARGS were dropped silently: its server started
+    without them (and measured another configuration under its label)."""
+    error, printed = refused(["eval", "ttft", *argv, "--out", str(tmp_path / "out"),
+                              "--base-url", f"http://127.0.0.1:{_free_port()}"])
+    assert message in error and "SECRETK" not in printed
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cell_whose_server_stops_answering_ends_at_its_timeout(tmp_path, monkeypatch):
+    """vLLM's benchmark client waits hours on a server that passed /health
+    and then stalls: the cell's process is ended at ``--cell-timeout``,
+    naming the cell and the option. The stalled client is a process that
+    sleeps, under the real ``subprocess.run`` timeout."""
+    import sys
+    import time
+
+    from echo_vllm.cli_args import UsageError
+
+    real_run = subprocess.run
+    seen = {}
+
+    def stalled(cmd, **kw):
+        seen.update(kw)
+        return real_run([sys.executable, "-c", "import time; time.sleep(120)"], **kw)
+
+    monkeypatch.setattr(ttft.subprocess, "run", stalled)
+    args = ttft.parser().parse_args(["--cell-timeout", "1.5", "--out", str(tmp_path)])
+    args.label = "echo"
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match=r"vllm bench serve at 512 prompt tokens, 8 clients did not end within 2 s "
+                                         r"\(--cell-timeout\): is http://127.0.0.1:8000 still answering\?"):
+        ttft.bench_cell(args, "m", "m", 512, 8, tmp_path)
+    assert seen["timeout"] == 1.5 and time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("status,body,problem", [
+    (404, b"", "HTTP 404"),
+    (200, b"not json", "JSONDecodeError"),
+    (200, b'{"data": []}', "no model listed"),
+])
+def test_a_server_without_a_model_list_is_named(status, body, problem):
+    import http.server
+    import threading
+
+    from echo_vllm.cli_args import UsageError
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(UsageError, match=rf"^{url}/v1/models: {problem} \(give the served name with --model\)$"):
+            ttft.served_model(url)
+    finally:
+        server.shutdown()
+    with pytest.raises(UsageError, match=r"/v1/models: .*refused"):
+        ttft.served_model(f"http://127.0.0.1:{_free_port()}")

@@ -87,6 +87,12 @@ def test_what_does_not_look_secret(name):
     (["m", "--x-key", "s3cretA", "s3cretB", "-tp", "2"], ["m", "--x-key", "***", "***", "-tp", "2"]),
     (["m", "--", "--api-key", "s3cret"], ["m", "--", "--api-key", "***"]),
     (["m", "--hf-token", "--tokenizer", "t"], ["m", "--hf-token", "--tokenizer", "t"]),
+    (["m", "--otlp-traces-endpoint", "http://bob:hunter2@collector:4317/v1"],
+     ["m", "--otlp-traces-endpoint", "http://bob:***@collector:4317/v1"]),
+    (["m", "--otlp-traces-endpoint=https://:hunter2@c", "--x", "git+ssh://u:p%40ss@h/r@v1"],
+     ["m", "--otlp-traces-endpoint=https://:***@c", "--x", "git+ssh://u:***@h/r@v1"]),
+    (["m", "--served-model-name", "user@example", "http://bob@h:80/a:b@c"],
+     ["m", "--served-model-name", "user@example", "http://bob@h:80/a:b@c"]),
 ])
 def test_the_printed_command_line_hides_secret_values(argv, shown):
     assert scrub(argv) == shown

@@ -138,6 +138,18 @@ def test_wait_gives_up(tmp_path):
         probe.wait_healthy("http://127.0.0.1:9", timeout_s=5, pid=2**22 + 12345)
 
 
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-5", "0", "1e9"])
+def test_wait_refuses_a_timeout_that_never_ends_or_never_waits(timeout, monkeypatch, capsys):
+    """``wait --timeout nan`` never compared greater, so it waited forever."""
+    monkeypatch.setattr(probe, "wait_healthy", lambda *a, **k: pytest.fail(f"waited with --timeout {timeout}"))
+    with pytest.raises(SystemExit) as info:
+        probe.main(["wait", "--base-url", "http://127.0.0.1:9", "--timeout", timeout])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert info.value.code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert f"argument --timeout: {timeout}: must be a finite number above 0 to 86400" in errors[0]
+
+
 def test_summary_checks_the_fused_norm_when_the_pass_is_on(server, tmp_path):
     probe.run_probe(server, "tiny", tmp_path)
     ok, lines = probe.summarize(server, tmp_path, None, expect_fused_norm=True)

@@ -382,6 +382,37 @@ def test_config_file_read_with_yaml(tmp_path):
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_config_file_that_is_a_pipe_or_a_device_is_refused_not_read(kind, tmp_path):
+    """``--config <(...)`` or ``/dev/zero``: reading a FIFO blocks until a
+    writer comes (forever), and vLLM reads the file a second time anyway."""
+    import os
+    import threading
+
+    if kind == "fifo":
+        path = str(tmp_path / "serve.yaml")
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    outcome = []
+
+    def run():
+        try:
+            rewrite(["m", "--config", path, "--tp-comm", "echo"])
+        except ServeArgsError as e:
+            outcome.append(str(e))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if kind == "fifo" and worker.is_alive():  # unblock the read, so the thread can end
+        with open(path, "w") as f:
+            f.write("{}")
+    assert not worker.is_alive() and outcome, f"--config {path} was read as a file"
+    assert outcome == [f"--config {path}: not a regular file (vLLM reads it a second time; a pipe or a device "
+                       "cannot be read twice)"]
+
+
 # -- helpers ---------------------------------------------------------------------
 
 

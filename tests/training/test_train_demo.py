@@ -106,3 +106,55 @@ def test_a_malformed_run_is_one_line_and_the_report_is_left_alone(name, text, me
     assert f"--report {runs}: {message}" in refused(["train-demo", "--report", str(runs), "--out", str(out)])[0]
     assert [p.name for p in out.iterdir()] == ["train_table.md"]
     assert (out / "train_table.md").read_text() == "an earlier report"
+
+
+def test_a_fifo_among_the_runs_is_refused_without_reading_it(tmp_path, refused):
+    import os
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    os.mkfifo(runs / "train_exact.json")  # read, it would block until a writer came
+    error, _ = refused(["train-demo", "--report", str(runs), "--out", str(tmp_path / "out")])
+    assert f"--report {runs}: train_exact.json is not a regular file" in error
+
+
+def _run_file(mode: str, seed: int = 0, layers: int = 4, max_time_s: float = 0.0) -> str:
+    return json.dumps({"mode": mode, "world_size": 4, "model": {"num_layers": layers, "hidden_size": 128},
+                       "train": {"steps": 6, "seed": seed, "max_time_s": max_time_s},
+                       "comm": {"mode": mode, "comm_dtype": "bfloat16"}})
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"train_exact.json": _run_file("exact"), "train_echo.json": _run_file("echo", seed=9, layers=2)},
+     "train_exact.json and train_echo.json are runs of different setups (model.num_layers: 4 vs 2; "
+     "train.seed: 0 vs 9): their losses are not comparable"),
+    ({"train_echo.json": _run_file("echo"), "train_echo_old.json": _run_file("echo")},
+     "train_echo.json and train_echo_old.json are both runs of mode 'echo'"),
+])
+def test_runs_that_cannot_be_compared_are_refused_and_the_report_is_left_alone(files, message, tmp_path, refused):
+    """A gap to exact between runs of different models, seeds or step counts
+    (or of whichever of two same-mode files came last) is no measurement of
+    the all-reduce."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    for name, text in files.items():
+        (runs / name).write_text(text)
+    assert f"--report {runs}: {message}" in refused(["train-demo", "--report", str(runs), "--out", str(out)])[0]
+    assert not out.exists()
+
+
+def test_runs_that_differ_only_in_their_time_limit_are_compared():
+    from pathlib import Path
+
+    from echo_vllm.training.demo import _check_comparable
+
+    runs = {m: json.loads(_run_file(m, max_time_s=t)) for m, t in (("exact", 0.0), ("echo", 60.0))}
+    _check_comparable(Path("runs"), runs, {m: f"train_{m}.json" for m in runs})
+
+
+def test_sources_without_prepare_data_are_refused(tmp_path, refused):
+    """--sources chose nothing for a run: it trained on the full corpus of
+    the cache (or --data) and said nothing."""
+    error, _ = refused(["train-demo", "--sources", "shakespeare", "--steps", "1", "--out", str(tmp_path / "out")])
+    assert "--sources shakespeare: only read with --prepare-data DIR" in error
+    assert not (tmp_path / "out").exists()
