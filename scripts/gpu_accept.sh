@@ -24,7 +24,8 @@
 #      vLLM (health counters under CUDA-graph replay and in inference mode,
 #      a training step through the kernels, the norm's division), and
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
-#      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2; verifies first;
+#      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2, and the fused
+#      output phase in two passes where the plan takes one; verifies both first;
 #      Qwen3-8B's layer compute for the TTFT projection is measured apart,
 #      `python3 -m echo_vllm.bench.layer_compute`).
 #   3  the shape sweep through the fused backend at P = 8, alone (eight
@@ -85,8 +86,8 @@ elif [ "$RUN" = 2 ]; then
     --json "$OUT/fused_check.json"
   step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
-  # 2026-12-04: the 9 cases took 81 s
-  step bench_norm 95 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
+  # 2026-12-04: the 9 cases took 81 s in two passes; one pass adds a second plan to compile, verify and time
+  step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 elif [ "$RUN" = 3 ]; then
   # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s
