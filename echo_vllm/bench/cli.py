@@ -13,7 +13,8 @@
   GPUs, gloo processes on CPU (``--backend gloo --world-size 4``); on one
   GPU without torchrun it prints the kernel table.
 
-Both print a table last and, with ``--out DIR``, write JSON and PNG files.
+Each prints its tables and, with ``--out DIR``, writes a JSON file (and,
+except ``fused``, PNG plots).
 """
 
 from __future__ import annotations
