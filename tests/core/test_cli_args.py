@@ -91,6 +91,13 @@ def test_out_dir_refuses_a_dangling_link(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["dl"]
 
 
+def test_out_dir_expands_a_quoted_tilde(tmp_path, monkeypatch):
+    """``--out=~/x`` reaches the tool unexpanded: the check looked at
+    $HOME/x, but the tool wrote into a folder named ``~`` in the cwd."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _parser(out=cli_args.out_dir).parse_args(["--out=~/x"]).out == str(tmp_path / "x")
+
+
 def test_parse_bytes_and_parse_int():
     assert parse_bytes("1.5G") == 3 << 29 and parse_bytes("0x40000") == 1 << 18 and parse_bytes("4 MiB") == 4 << 20
     for bad in ("1.1k", "", "-1", "1e3", "9" * 41 + "k"):

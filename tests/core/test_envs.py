@@ -53,6 +53,13 @@ def test_a_cache_folder_to_be_made_is_checked_not_made(tmp_path):
         envs.read({"ECHO_VLLM_CACHE": str(tmp_path / "dangling")})
 
 
+def test_a_quoted_tilde_in_the_cache_is_the_home_folder(tmp_path, monkeypatch):
+    """An env file's ``ECHO_VLLM_CACHE=~/c`` was checked as $HOME/c but used
+    as a folder named ``~`` in the current folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert envs.read({"ECHO_VLLM_CACHE": "~/c"}).cache_dir == str(tmp_path / "c")
+
+
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "Yes", "y", " 1", "1 ", "t", "0", "false", "junk", ""])
 def test_triton_interpret_is_read_as_triton_reads_it(value, monkeypatch):
     """``TRITON_INTERPRET=true`` runs Triton's interpreter, but Echo read it
