@@ -268,9 +268,11 @@ def out_dir(text: str) -> str:
 
 
 def existing_file(text: str) -> str:
-    """argparse type: a readable file."""
+    """argparse type: a readable regular file (a FIFO or a device would block
+    the read, or never end it)."""
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such file")
+        what = "not a regular file" if os.path.exists(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {what}")
     if not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"{_shown(text)}: the file is not readable")
     return text

@@ -61,6 +61,7 @@ def refusal(ap: argparse.ArgumentParser, argv: list[str], capsys) -> str:
                                                                       "mean 'echo'?"),
     (cli_args.choice_list(("exact", "naive")), "exact,exact", "a value is given twice"),
     (cli_args.existing_file, "/nonexistent/f", "/nonexistent/f: no such file"),
+    (cli_args.existing_file, "/dev/zero", "/dev/zero: not a regular file"),
     (cli_args.existing_dir, "/nonexistent/d", "/nonexistent/d: no such folder"),
     (cli_args.out_dir, "/proc/echo-vllm-x", "/proc, where it would be made, is not writable"),
     (cli_args.out_dir, "/etc/hostname", "exists and is not a folder"),
