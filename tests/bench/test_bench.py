@@ -126,6 +126,17 @@ def test_the_route_measure_times_echo_calls(capsys):
     assert "no-op backend" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("calls", ["0", "-5"])
+def test_host_overhead_refuses_a_call_count_below_one(calls, capsys):
+    """``--calls 0`` was a ZeroDivisionError traceback, ``--calls -5``
+    printed negative times per call."""
+    from echo_vllm.bench import host_overhead
+
+    with pytest.raises(SystemExit) as info:
+        host_overhead.main(["--route", f"--calls={calls}"])
+    assert info.value.code == 2 and f"argument --calls: {calls}: must be from 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--warmup", "argument --warmup: 0: must be from 1 to 1048576 (the first call compiles kernels"),
     ("--iters", "argument --iters: 0: must be from 1 to 1048576"),
