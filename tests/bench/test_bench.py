@@ -126,6 +126,18 @@ def test_the_route_measure_times_echo_calls(capsys):
     assert "no-op backend" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("dtypes,message", [("bfloat16,bfloat16", "a value is given twice"),
+                                            ("bfloat16,int7", "'int7': choose from float32,bfloat16,int8")])
+def test_sass_report_refuses_a_repeated_or_unknown_feedback_dtype(dtypes, message, monkeypatch, capsys):
+    """A repeated format compiled and printed its table twice."""
+    from echo_vllm.bench import sass_report
+
+    monkeypatch.setattr(sass_report, "report", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as info:
+        sass_report.main(["--feedback-dtype", dtypes])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("calls", ["0", "-5"])
 def test_host_overhead_refuses_a_call_count_below_one(calls, capsys):
     """``--calls 0`` was a ZeroDivisionError traceback, ``--calls -5``
