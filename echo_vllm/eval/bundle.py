@@ -162,8 +162,8 @@ def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
     want = read_sums(parts_dirs)
     reader = _PartReader(sorted(want), want, parts_dirs, wait_s)
     if not wait_s:  # all must be here: say which are not, or do not match, before unpacking any
-        have = {p.name for d in parts_dirs for p in d.glob("bundle.part.*")}
-        missing = sorted(set(want) - have)
+        # regular files only, as the reader takes them: a FIFO or folder of that name is missing
+        missing = sorted(name for name in want if not any((d / name).is_file() for d in parts_dirs))
         if missing:
             raise UsageError(f"missing parts: {missing} (listed in SHA256SUMS, not in "
                              f"{', '.join(map(str, parts_dirs))})")
