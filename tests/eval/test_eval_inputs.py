@@ -125,6 +125,12 @@ def test_a_text_or_task_given_twice_is_refused_before_the_model_loads(plays, ref
     assert message in error
 
 
+def test_depth_refuses_lambada_passages_it_would_not_measure(plays, refused):
+    """``depth --text hamlet --lambada 100`` measured hamlet alone."""
+    error, _ = refused(["eval", "depth", "--text", "hamlet", "--lambada", "100"])
+    assert "--lambada 100: read only with --text '' (--text hamlet is measured instead)" in error
+
+
 @pytest.mark.parametrize("text", ["2.5", "1.0001"])
 def test_a_fractional_limit_above_one_is_refused(plays, refused, text):
     """Below 1 --limit is a fraction of each task; 2.5 documents was cut to 2 silently."""
