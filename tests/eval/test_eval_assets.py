@@ -90,6 +90,23 @@ def test_a_damaged_manifest_is_named_not_a_traceback(cache, tmp_path, refused, t
     assert f"{local}/echo_manifest.json: not a manifest with a 'files' table" in error
 
 
+def test_a_model_folder_echo_vllm_did_not_make_is_never_replaced(cache, monkeypatch):
+    """With ECHO_VLLM_CACHE=$HOME, a ~/models/smollm2-135m of the user's own
+    (no echo_manifest.json) was deleted and replaced by the conversion."""
+    def no_work(*args):
+        raise AssertionError("reached the download")
+
+    monkeypatch.setattr(models, "assemble_gguf", no_work)
+    monkeypatch.setattr(models, "sha256_file", no_work)
+    mine = models.model_dir("smollm2-135m")
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    for force in (False, True):
+        with pytest.raises(AssetError, match="has no echo_manifest.json: not a folder echo-vllm made"):
+            models.prepare_model("smollm2-135m", force=force)
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
 def test_resolve_model_passes_local_folders_through(cache, tmp_path):
     local = tmp_path / "my-model"
     local.mkdir()
