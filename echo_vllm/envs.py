@@ -84,6 +84,8 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     # made on first use, mid-run: refuse now what makedirs would fail on (an existing folder is
     # taken as it is, so a read-only prepared cache still serves)
     problem = folder_problem(cache) if cache and not os.path.isdir(cache) else None
+    if cache and cache.strip() != cache:  # an env file's ``= /data/c``: a folder named ' ' made in the cwd
+        problem = "begins or ends with a space (a relative path, made in the current folder)"
     if problem:
         raise EchoEnvError(f"ECHO_VLLM_CACHE={cache!r:.60}: {problem}")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1", cache_dir=cache,

@@ -38,6 +38,7 @@ def test_unknown_echo_variables_are_named_with_the_closest_known_one():
 @pytest.mark.parametrize("value,message", [
     ("/etc/hostname", "ECHO_VLLM_CACHE='/etc/hostname': exists and is not a folder"),
     ("/proc/echo-vllm-x", "ECHO_VLLM_CACHE='/proc/echo-vllm-x': /proc, where it would be made, is not writable"),
+    (" /tmp/echo-c", "ECHO_VLLM_CACHE=' /tmp/echo-c': begins or ends with a space"),  # was ./' '/tmp/echo-c
 ])
 def test_a_cache_that_cannot_be_a_folder_is_refused(value, message):
     with pytest.raises(envs.EchoEnvError) as info:
