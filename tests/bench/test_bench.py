@@ -126,6 +126,14 @@ def test_the_route_measure_times_echo_calls(capsys):
     assert "no-op backend" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["", "x", "2.0"])
+def test_allreduce_names_a_world_size_variable_that_is_no_integer(value, refused, monkeypatch):
+    """A leftover ``WORLD_SIZE=`` (torchrun's) was a ValueError traceback."""
+    monkeypatch.setenv("WORLD_SIZE", value)
+    error, _ = refused(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k"])
+    assert f"WORLD_SIZE={value!r}: not an integer (torchrun sets it: unset it outside torchrun)" in error
+
+
 @pytest.mark.parametrize("dtypes,message", [("bfloat16,bfloat16", "a value is given twice"),
                                             ("bfloat16,int7", "'int7': choose from float32,bfloat16,int8")])
 def test_sass_report_refuses_a_repeated_or_unknown_feedback_dtype(dtypes, message, monkeypatch, capsys):
