@@ -125,6 +125,13 @@ def test_a_text_or_task_given_twice_is_refused_before_the_model_loads(plays, ref
     assert message in error
 
 
+def test_accuracy_refuses_a_real_tp_the_hf_backend_would_emulate(plays, refused):
+    """``--real-tp 2`` on the hf backend ran the emulation at TP=2 and the
+    table called it real TP=2."""
+    error, _ = refused(["eval", "accuracy", "--real-tp", "2"])
+    assert "--real-tp 2: vLLM only (--backend vllm); the hf backend emulates TP (--tp)" in error
+
+
 def test_depth_refuses_lambada_passages_it_would_not_measure(plays, refused):
     """``depth --text hamlet --lambada 100`` measured hamlet alone."""
     error, _ = refused(["eval", "depth", "--text", "hamlet", "--lambada", "100"])
