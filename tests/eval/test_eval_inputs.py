@@ -132,10 +132,16 @@ def test_accuracy_refuses_a_real_tp_the_hf_backend_would_emulate(plays, refused)
     assert "--real-tp 2: vLLM only (--backend vllm); the hf backend emulates TP (--tp)" in error
 
 
-def test_depth_refuses_lambada_passages_it_would_not_measure(plays, refused):
-    """``depth --text hamlet --lambada 100`` measured hamlet alone."""
-    error, _ = refused(["eval", "depth", "--text", "hamlet", "--lambada", "100"])
-    assert "--lambada 100: read only with --text '' (--text hamlet is measured instead)" in error
+@pytest.mark.parametrize("argv, message", [
+    (["depth", "--text", "hamlet", "--lambada", "100"],
+     "--lambada 100: read only with --text '' (--text hamlet is measured instead)"),
+    (["perplexity", "--sweep", "naive"], "--sweep naive: read only with --group-sizes G ..."),
+])
+def test_an_option_whose_runs_would_not_happen_is_refused(plays, refused, argv, message):
+    """``depth --text hamlet --lambada 100`` measured hamlet alone; a
+    ``--sweep`` without ``--group-sizes`` swept nothing, without a word."""
+    error, _ = refused(["eval", *argv])
+    assert message in error
 
 
 @pytest.mark.parametrize("text", ["2.5", "1.0001"])
