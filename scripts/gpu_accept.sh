@@ -56,8 +56,9 @@ OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
 mkdir -p "$OUT"
 # the run ends by deleting every file in $OUT but the summary and the log archives: OUT=$HOME (or
 # the repository, OUT=.) would lose everything in it, so a folder holding anything else is refused
-if [ "$RUN" != stash ] && find "$OUT" -mindepth 1 ! -name accept_summary.txt ! -name 'accept_logs_run*.tgz' | grep -q .
-then
+# (-print -quit, not a pipe into grep -q: under pipefail find's SIGPIPE would let a full folder through)
+if [ "$RUN" != stash ] && [ -n "$(find "$OUT" -mindepth 1 ! -name accept_summary.txt ! -name 'accept_logs_run*.tgz' \
+    -print -quit)" ]; then
   echo "gpu_accept.sh: OUT=$OUT holds files of its own: the run ends by deleting every file in OUT but its" \
        "summary and log archives; give an empty or new folder" >&2
   exit 2

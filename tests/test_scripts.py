@@ -17,6 +17,7 @@ import ast
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,14 @@ def test_gpu_acceptance_refuses_an_out_folder_holding_other_files(tmp_path):
     assert run.returncode == 2 and f"OUT={out} holds files of its own" in run.stderr
     assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"] and (out / "thesis.tex").read_text() == "mine"
     (out / "thesis.tex").unlink()
+    many = out / "photos"  # more names than a pipe holds: a check piped into `grep -q` lets this through
+    many.mkdir()
+    for i in range(3000):
+        (many / f"holiday-{i:05d}-{'x' * 60}.jpg").touch()
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "3"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and len(list(many.iterdir())) == 3000
+    shutil.rmtree(many)
     for n in (1, 2):
         run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), str(n)], env=env,
                              capture_output=True, text=True, timeout=120)
