@@ -257,19 +257,22 @@ def folder_problem(text: str) -> str | None:
 
 def out_dir(text: str) -> str:
     """argparse type: a folder the tool can write into, existing or to be
-    made (:func:`folder_problem`)."""
+    made (:func:`folder_problem`), with ``~`` expanded."""
     if not str(text).strip():
         raise argparse.ArgumentTypeError("'': expected a folder")
     problem = folder_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
-    return str(text)
+    # the folder checked: a quoted ~ (``--out=~/x``) would else make a folder named ~ here
+    return os.path.expanduser(str(text))
 
 
 def existing_file(text: str) -> str:
-    """argparse type: a readable file."""
+    """argparse type: a readable regular file (a FIFO or a device would block
+    the read, or never end it)."""
     if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: no such file")
+        what = "not a regular file" if os.path.exists(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {what}")
     if not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"{_shown(text)}: the file is not readable")
     return text

@@ -79,10 +79,13 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     direct = env.get("ECHO_KERNEL_DIRECT_LAUNCH", "1").strip()
     if direct not in ("0", "1"):
         raise EchoEnvError(f"ECHO_KERNEL_DIRECT_LAUNCH={direct!r:.60}: 0 or 1")
-    cache = env.get("ECHO_VLLM_CACHE") or None
+    # the folder checked and used: a quoted ~ (an env file's) would else be a folder named ~ in the cwd
+    cache = os.path.expanduser(env["ECHO_VLLM_CACHE"]) if env.get("ECHO_VLLM_CACHE") else None
     # made on first use, mid-run: refuse now what makedirs would fail on (an existing folder is
     # taken as it is, so a read-only prepared cache still serves)
     problem = folder_problem(cache) if cache and not os.path.isdir(cache) else None
+    if cache and cache.strip() != cache:  # an env file's ``= /data/c``: a folder named ' ' made in the cwd
+        problem = "begins or ends with a space (a relative path, made in the current folder)"
     if problem:
         raise EchoEnvError(f"ECHO_VLLM_CACHE={cache!r:.60}: {problem}")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1", cache_dir=cache,

@@ -56,6 +56,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
 mkdir -p "$OUT"
+# the run ends by deleting every file in $OUT but the summary and the log archives: OUT=$HOME (or
+# the repository, OUT=.) would lose everything in it, so a folder holding anything else is refused
+# (-print -quit, not a pipe into grep -q: under pipefail find's SIGPIPE would let a full folder through)
+if [ "$RUN" != stash ] && [ -n "$(find "$OUT" -mindepth 1 ! -name accept_summary.txt ! -name 'accept_logs_run*.tgz' \
+    -print -quit)" ]; then
+  echo "gpu_accept.sh: OUT=$OUT holds files of its own: the run ends by deleting every file in OUT but its" \
+       "summary and log archives; give an empty or new folder" >&2
+  exit 2
+fi
 PY=${PYTHON:-python3}
 STASH=${STASH:-/tmp/echo-accept/parts}
 BUNDLE=${BUNDLE:-.gpu-bundle}
@@ -119,9 +128,9 @@ cat "$SUMMARY" >> "$STASH/../summary.txt"
 # the device tool brings back at most 8 files of 16 MiB: every file under 2 MB in one archive (model
 # weights and saved logits stay behind, listed in left_behind.txt), the summary beside it
 (cd "$OUT" && find . -type f -size +2M > left_behind.txt
-  find . -type f -size -2M ! -name accept_summary.txt ! -name "accept_logs_run$RUN.tgz" -print0 |
+  find . -type f -size -2M ! -name accept_summary.txt ! -name 'accept_logs_run*.tgz' -print0 |
   tar czf "accept_logs_run$RUN.tgz" --null -T - && find . -mindepth 1 ! -name accept_summary.txt \
-  ! -name "accept_logs_run$RUN.tgz" -delete)
+  ! -name 'accept_logs_run*.tgz' -delete)
 echo "=== summary"
 cat "$SUMMARY"
 ! grep -q "  FAIL" "$SUMMARY"

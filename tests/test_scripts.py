@@ -17,6 +17,7 @@ import ast
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,33 @@ def test_gpu_acceptance_stash_keeps_the_carried_parts_and_runs_nothing(tmp_path)
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "5"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4 or stash, got '5'" in bad.stderr
+
+
+def test_gpu_acceptance_refuses_an_out_folder_holding_other_files(tmp_path):
+    """A run ends by deleting every file in $OUT but its summary and log
+    archive: OUT=$HOME lost everything in it. Such a folder is refused
+    before any step; an earlier run's summary and archive are kept."""
+    out, stash = tmp_path / "out", tmp_path / "stash" / "parts"
+    out.mkdir()
+    (out / "thesis.tex").write_text("mine")
+    env = {**os.environ, "BUNDLE": str(tmp_path / "none"), "STASH": str(stash), "OUT": str(out),
+           "PYTHON": "false", "STEP_TAIL": "0"}  # a step that does run fails at once
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "3"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and f"OUT={out} holds files of its own" in run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"] and (out / "thesis.tex").read_text() == "mine"
+    (out / "thesis.tex").unlink()
+    many = out / "photos"  # more names than a pipe holds: a check piped into `grep -q` lets this through
+    many.mkdir()
+    for i in range(3000):
+        (many / f"holiday-{i:05d}-{'x' * 60}.jpg").touch()
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "3"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and len(list(many.iterdir())) == 3000
+    shutil.rmtree(many)
+    for n in (1, 2):
+        run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), str(n)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, run.stderr  # steps failed: ran, not refused
+    assert sorted(p.name for p in out.iterdir()) == ["accept_logs_run1.tgz", "accept_logs_run2.tgz",
+                                                     "accept_summary.txt"]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..communicator import EchoCommunicator
-from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir, parse_int
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
@@ -277,8 +277,19 @@ def _launch(fn, world, *fn_args, env):
     return run_processes(fn, world, *fn_args, backend="gloo", env=env, timeout_s=3600)
 
 
+def torchrun_int(name: str, default: int) -> int:
+    """torchrun's variable ``name`` (``WORLD_SIZE``, ``LOCAL_RANK``) as an
+    integer, ``default`` when unset; :class:`UsageError` naming it when it
+    is not one (a leftover ``WORLD_SIZE=`` was a traceback)."""
+    text = os.environ.get(name)
+    try:
+        return default if text is None else parse_int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r:.60}: not an integer (torchrun sets it: unset it outside torchrun)") from None
+
+
 def run_nccl(args) -> int:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = torchrun_int("LOCAL_RANK", 0)
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
@@ -343,7 +354,7 @@ def check_echo_backends(names, device_type: str, env: EchoEnv) -> None:
 
 def run(args: argparse.Namespace) -> int:
     backend = args.backend
-    under_torchrun = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    under_torchrun = torchrun_int("WORLD_SIZE", 1) > 1
     if backend == "auto":
         backend = "nccl" if (under_torchrun and torch.cuda.is_available()) else (
             "one-gpu" if torch.cuda.is_available() else "gloo")

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from ..cli_args import existing_file
+
 #: How much slower than the recorded figure a run may be.
 TOLERANCE = 0.10
 
@@ -64,16 +66,22 @@ def verdicts(fused: dict, recorded: list[Floor], tolerance: float = TOLERANCE) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.floor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("fused_json", help="fused.json written by `echo-vllm bench fused --out DIR`")
-    ap.add_argument("--benchmarks", default=str(Path(__file__).resolve().parents[2] / "BENCHMARKS.md"))
+    # regular files only: a FIFO or /dev/zero would block or fill the memory
+    ap.add_argument("fused_json", type=existing_file, help="fused.json written by `echo-vllm bench fused --out DIR`")
+    ap.add_argument("--benchmarks", type=existing_file,
+                    default=str(Path(__file__).resolve().parents[2] / "BENCHMARKS.md"))
     args = ap.parse_args(argv)
     try:
         fused = json.loads(Path(args.fused_json).read_text())
         recorded = floors(Path(args.benchmarks).read_text())
+        results = verdicts(fused, recorded)
     except (OSError, ValueError) as e:
         print(f"floor: cannot read the inputs: {e}", file=sys.stderr)
         return 2
-    results = verdicts(fused, recorded)
+    except (KeyError, TypeError, AttributeError) as e:  # JSON, but not what bench fused writes
+        print(f"floor: {args.fused_json}: not a fused.json of `echo-vllm bench fused` ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
     for ok, reason in results:
         print(("PASS " if ok else "FAIL ") + reason)
     return 0 if all(ok for ok, _ in results) else 1

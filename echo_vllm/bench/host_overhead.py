@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from ..cli_args import count
+
 #: What the fake device reports (an H100/H200-class sm_90 part).
 FAKE_SM = 90
 FAKE_MAX_SHARED = 232448
@@ -212,7 +214,8 @@ def route_s(calls: int = 5000, rows: int = 64, cols: int = 4096) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.host_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=2000, help="calls per timing (best of 5 means)")
+    # at least 1: 0 divided by zero, a negative count printed negative times
+    ap.add_argument("--calls", type=count(1, 1 << 24), default=2000, help="calls per timing (best of 5 means)")
     ap.add_argument("--route", action="store_true",
                     help="time EchoCommunicator.all_reduce above the backend instead (no kernel, no collective)")
     args = ap.parse_args(argv)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..cli_args import MAX_RANKS, RANKS_WHY, counts
+
 #: Attention kernels a serving engine runs (flash-style, no [T, T] scores in memory): on a GPU
 #: the layer refuses to fall back to the math kernel, which would time a different algorithm.
 _FUSED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -122,16 +124,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.layer_compute", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", default="2,4,8", help="tensor-parallel sizes")
-    ap.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths")
+    # checked before the GPU work: a TP that does not divide the heads failed after the first sizes' timings
+    ap.add_argument("--tp", type=counts(1, MAX_RANKS, RANKS_WHY), default="2,4,8", help="tensor-parallel sizes")
+    ap.add_argument("--tokens", type=counts(1, 1 << 20), default="1024,4096,8192", help="prompt lengths")
     ap.add_argument("--json", default="", help="also write the times here")
     args = ap.parse_args(argv)
+    for tp in args.tp:
+        try:
+            QWEN3_8B.shard(tp)
+        except ValueError as e:
+            ap.error(f"--tp {tp}: {e}")
     if not torch.cuda.is_available():
         print("layer_compute: needs a CUDA GPU (CPU times mean nothing)", file=sys.stderr)
         return 2
     times = {}
-    for tp in (int(v) for v in args.tp.split(",") if v):
-        for t in (int(v) for v in args.tokens.split(",") if v):
+    for tp in args.tp:
+        for t in args.tokens:
             us = times[f"{tp}:{t}"] = measure_us(QWEN3_8B, tp, t)
             print(f"TP={tp} T={t}: {us:.1f} us ({QWEN3_8B.flops(tp, t) / us / 1e6:.0f} TFLOP/s)", flush=True)
     print("--layer-us " + ",".join(f"{k}:{v:.1f}" for k, v in times.items()))

@@ -32,6 +32,7 @@ import tempfile
 
 import torch
 
+from ..cli_args import choice_list
 from ..quant import FEEDBACK_STORAGE
 from .host_overhead import _calls, compile_only
 
@@ -167,17 +168,14 @@ def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.sass_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--feedback-dtype", default="bfloat16",
+    ap.add_argument("--feedback-dtype", type=choice_list(tuple(FEEDBACK_STORAGE)), default="bfloat16",
                     help="comma-separated feedback buffer formats to compile for (of " + ", ".join(FEEDBACK_STORAGE)
                          + "), one table each")
     ap.add_argument("--norm", action="store_true",
                     help="also the output phase with the residual add + RMSNorm (8192 x 4096, P = 8 and 2)")
     args = ap.parse_args(argv)
-    dtypes = args.feedback_dtype.split(",")
-    if not set(dtypes) <= set(FEEDBACK_STORAGE):
-        ap.error(f"--feedback-dtype {args.feedback_dtype}: choose from {', '.join(FEEDBACK_STORAGE)}")
     torch.set_num_threads(1)
-    for dt in dtypes:
+    for dt in args.feedback_dtype:
         print(f"feedback {dt}:")
         print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
         for r in report(FEEDBACK_STORAGE[dt]):

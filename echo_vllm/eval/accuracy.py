@@ -439,6 +439,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     args._argv = list(argv)
+    if args.real_tp > 1 and args.backend == "hf" and not args.merge:  # hf emulated it, the table said "real TP"
+        raise UsageError(f"--real-tp {args.real_tp}: vLLM only (--backend vllm); the hf backend emulates TP (--tp)")
     args.world = args.real_tp if args.real_tp > 1 else (args.tp or default_emulate_tp(args.model))
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)

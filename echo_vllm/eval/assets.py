@@ -149,8 +149,16 @@ def verify_manifest(folder: Path, name: str = "echo_manifest.json", *, full: boo
     path = folder / name
     if not path.is_file():
         return None
-    manifest = json.loads(path.read_text())
-    for rel, digest in manifest.get("files", {}).items():
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        manifest = e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):  # damaged or not this tool's: named, not a traceback
+        why = f" ({manifest})" if isinstance(manifest, Exception) else ""
+        raise AssetError(f"{path}: not a manifest with a 'files' table{why} (a folder of the cache is made again "
+                         "with `eval prepare-model NAME --force`)")
+    for rel, digest in files.items():
         f = folder / rel
         if not f.is_file():
             return None

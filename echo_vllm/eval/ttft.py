@@ -47,6 +47,9 @@ ONE_GPU_NOTE = (
     "extra work and show NO communication savings. Echo's TTFT gain needs >= 2 GPUs and real links."
 )
 
+#: Prompts per cell when ``--num-prompts`` is not given (more where the concurrency is higher).
+DEFAULT_PROMPTS = 16
+
 METRICS = ["mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p50_itl_ms", "p99_itl_ms",
            "mean_tpot_ms", "request_throughput", "output_throughput", "completed"]
 
@@ -143,7 +146,8 @@ def bench_cell(args, model: str, tokenizer: str, input_len: int, concurrency: in
         "--backend", "vllm", "--base-url", args.base_url, "--model", model, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
-        "--num-prompts", str(max(args.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
+        "--num-prompts", str(args.num_prompts or max(DEFAULT_PROMPTS, concurrency)),
+        "--max-concurrency", str(concurrency),
         "--request-rate", "inf", "--ignore-eos", "--seed", str(cell_seed(input_len, concurrency)),
         "--num-warmups", str(args.warmups),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
@@ -343,7 +347,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-lens", type=count(1, 1 << 20), nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--concurrency", type=count(1, 1 << 12), nargs="+", default=[1, 8])
     p.add_argument("--output-len", type=count(1, 1 << 16), default=32)
-    p.add_argument("--num-prompts", type=count(1, 1 << 20), default=16)
+    p.add_argument("--num-prompts", type=count(1, 1 << 20), default=None,
+                   help=f"prompts per cell, at least each --concurrency (default: {DEFAULT_PROMPTS}, or the "
+                        "concurrency if larger)")
     p.add_argument("--warmups", type=count(0, 1 << 12), default=2)
     p.add_argument("--background-traffic", type=real(0, 1), default=0.0, metavar="DUTY",
                    help="NCCL all-reduce traffic on the same GPUs at this duty cycle (0-1)")
@@ -375,6 +381,12 @@ def main(argv: list[str]) -> int:
                     "label would start the same server")
         if len(set(labels)) != len(labels):
             p.error(f"--labels {' '.join(labels)}: a label is given twice")
+        for flag, values in (("--input-lens", args.input_lens), ("--concurrency", args.concurrency)):
+            if len(set(values)) != len(values):  # its cells were measured twice, two table rows of one cell
+                p.error(f"{flag} {' '.join(map(str, values))}: a value is given twice")
+        if args.num_prompts is not None and args.num_prompts < max(args.concurrency):  # was raised without a word
+            p.error(f"--num-prompts {args.num_prompts} is below --concurrency {max(args.concurrency)}: each client "
+                    "needs a prompt (leave --num-prompts out to get the concurrency where it is higher)")
         for label in args.mode_args:  # a misspelt label would start its server without its ARGS
             if not args.launch or label not in labels:
                 p.error(f"--mode-args {label}=...: " + (

@@ -24,7 +24,8 @@ option (:func:`scrub`).
 from __future__ import annotations
 
 import difflib
-from typing import Collection
+import json
+from typing import Any, Collection
 
 from ..cli_args import hide_url_password
 from .flags import ServeArgsError
@@ -88,8 +89,31 @@ def looks_secret(name: str) -> bool:
     word is one of :data:`SECRET_WORDS` (``--auth-token``, ``--password``)."""
     if not name.startswith("-") or name.strip("-") == "":
         return False
-    words = name.lstrip("-").lower().replace("_", "-").split(".")[0].split("-")
-    return bool(secret_option(name) or misspelled_secret(name) or words[-1] in SECRET_WORDS)
+    option, *keys = name.lstrip("-").split(".")  # --additional-config.api_key: the key's last word too
+    return bool(secret_option(name) or misspelled_secret(name) or any(map(_secret_word, [option, *keys[-1:]])))
+
+
+def _secret_word(name: object) -> bool:
+    """Whether the last word of ``name`` (``-``/``_`` separated) is one of :data:`SECRET_WORDS`."""
+    return str(name).lower().replace("_", "-").split("-")[-1] in SECRET_WORDS
+
+
+def _hide_json_secrets(token: str) -> str:
+    """``token`` with the value of every secret-looking key (``hf_token``,
+    nested too) shown as ``***`` when it is a JSON object
+    (``--additional-config '{...}'``); any other token as it is."""
+    def hide(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: HIDDEN if _secret_word(k) else hide(v) for k, v in value.items()}
+        return [hide(v) for v in value] if isinstance(value, list) else value
+
+    if not token.lstrip().startswith("{"):
+        return token
+    try:
+        value = json.loads(token)
+    except ValueError:
+        return token
+    return json.dumps(hide(value)) if hide(value) != value else token
 
 
 def _secret_variable(name: str) -> bool:
@@ -104,8 +128,9 @@ def scrub(argv: list[str]) -> list[str]:
     """``argv`` as it may be printed: the value of every option that
     :func:`looks_secret` (``--x=VALUE``, or the tokens up to the next option)
     and of every secret environment assignment (``HF_TOKEN=VALUE``) shown as
-    ``***``, after ``--`` too; so is the password of any URL
-    (``https://user:***@host``)."""
+    ``***``, after ``--`` too; so are the password of any URL
+    (``https://user:***@host``) and the value of a secret-looking key of a
+    JSON object (``--additional-config '{"hf_token": "***"}'``)."""
     shown: list[str] = []
     hiding = False
     for token in argv:
@@ -113,7 +138,7 @@ def scrub(argv: list[str]) -> list[str]:
             shown.append(HIDDEN)
             continue
         hiding = False
-        token = hide_url_password(token)
+        token = _hide_json_secrets(hide_url_password(token))
         name, eq, _ = token.partition("=")
         if eq and _secret_variable(name):
             shown.append(f"{name}={HIDDEN}")

@@ -28,12 +28,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ..cli_args import real
+from ..cli_args import UsageError, count, http_url, out_dir, real, report_errors
 
 #: Longest ``wait --timeout``: a day. NaN or inf would wait forever for a
 #: server that never answers.
 MAX_WAIT_S = 24 * 3600.0
 WAIT_WHY = "a wait without an end is a hang"
+
+#: Largest Linux pid (``/proc/sys/kernel/pid_max`` can be at most 2^22). 0
+#: and -1 name process groups, which always answer: the early exit never came.
+MAX_PID = 1 << 22
 
 ECHO_PREFIX = "echo:"
 CALLS = ECHO_PREFIX + "allreduce_calls_total"
@@ -195,7 +199,7 @@ def summarize(base_url: str, out: Path, bench_file: Path | None,
     """All checks in one list of lines; True when every one passed.
     ``expect_fused_norm``: the norm fusion pass is on (compiled engine, the
     default ``--echo-fuse-norm``): calls must have run it fused."""
-    probe = json.loads((out / "probe.json").read_text())
+    probe = _probe_result(out / "probe.json")
     lines, ok = [], True
 
     def line(passed: bool, text: str) -> None:
@@ -205,16 +209,16 @@ def summarize(base_url: str, out: Path, bench_file: Path | None,
 
     for c in probe["checks"]:
         line(c["ok"], f"{c['check']}: HTTP {c['status']}")
-    if bench_file is not None:
-        if bench_file.exists():
-            bench = json.loads(bench_file.read_text())
+    bench = None if bench_file is None else _json_object(bench_file)
+    if bench is not None:
+        if isinstance(bench, dict):
             n, done, failed = bench.get("num_prompts"), bench.get("completed"), bench.get("failed", 0)
             line(failed == 0 and done == n,
                  f"load: {done}/{n} completed, {failed} failed, concurrency {bench.get('max_concurrency')}, "
                  f"{bench.get('output_throughput', 0):.0f} output tok/s")
             lines.append(f"       TTFT ms {_percentiles(bench, 'ttft')}; ITL ms {_percentiles(bench, 'itl')}")
         else:
-            line(False, f"load: no result file {bench_file}")
+            line(False, f"load: {bench}")
     final = scrape(base_url, out, "metrics_final")
     start = probe["echo_before"]
     moved = total(final, CALLS) - total(start, CALLS)
@@ -242,19 +246,42 @@ def summarize(base_url: str, out: Path, bench_file: Path | None,
     return ok, lines
 
 
+def _json_object(path: Path) -> dict | str:
+    """The JSON object in ``path`` (``vllm bench serve``'s result), or why
+    there is none (a FIFO is not opened: reading it would wait forever)."""
+    if not path.is_file():
+        return f"{path} is not a regular file" if path.exists() else f"no result file {path}"
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{path} is not a JSON result ({e})"
+    return value if isinstance(value, dict) else f"{path} is not a JSON object"
+
+
+def _probe_result(path: Path) -> dict:
+    """What ``probe`` wrote in ``path``; :class:`UsageError` naming the file
+    when it is missing or not ``probe``'s."""
+    result = _json_object(path)
+    if not isinstance(result, dict) or not isinstance(result.get("checks"), list) or "echo_before" not in result:
+        raise UsageError(f"{path}: not what `probe --out {path.parent}` writes (run it first): "
+                         + (result if isinstance(result, str) else "no 'checks' or 'echo_before'"))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m echo_vllm.server.probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("wait", "probe", "summary"):
         p = sub.add_parser(name)
-        p.add_argument("--base-url", default="http://127.0.0.1:8000")
+        p.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000")
         if name == "wait":
             p.add_argument("--timeout", type=real(0, MAX_WAIT_S, low_open=True, why=WAIT_WHY), default=600.0,
                            help="seconds (above 0, at most a day)")
-            p.add_argument("--pid", type=int, default=None, help="fail early if this process exits")
+            p.add_argument("--pid", type=count(1, MAX_PID, "a Linux pid"), default=None,
+                           help="fail early if this process exits")
         else:
-            p.add_argument("--out", type=Path, required=True)
+            p.add_argument("--out", type=out_dir, required=True)
         if name == "probe":
             p.add_argument("--model", required=True, help="served model name")
         if name == "summary":
@@ -262,16 +289,24 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--expect-fused-norm", action="store_true",
                            help="fail unless calls ran the norm fused into Echo (echo:norm_calls_total{how=fused})")
     args = parser.parse_args(argv)
+    return report_errors(f"{parser.prog} {args.command}", lambda: _run(args))
+
+
+def _run(args) -> int:
     base = args.base_url.rstrip("/")
     if args.command == "wait":
-        print(f"healthy after {wait_healthy(base, args.timeout, args.pid):.1f} s")
+        try:
+            print(f"healthy after {wait_healthy(base, args.timeout, args.pid):.1f} s")
+        except (TimeoutError, RuntimeError) as e:  # the server's outcome, not a bug: one line, exit 1
+            print(f"wait: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "probe":
-        result = run_probe(base, args.model, args.out)
+        result = run_probe(base, args.model, Path(args.out))
         for c in result["checks"]:
             print(f"{c['check']}: HTTP {c['status']} {'ok' if c['ok'] else 'FAILED'}")
         return 0 if all(c["ok"] for c in result["checks"]) else 1
-    ok, lines = summarize(base, args.out, args.bench, args.expect_fused_norm)
+    ok, lines = summarize(base, Path(args.out), args.bench, args.expect_fused_norm)
     print("\n".join(lines))
     return 0 if ok else 1
 

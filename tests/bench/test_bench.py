@@ -126,6 +126,37 @@ def test_the_route_measure_times_echo_calls(capsys):
     assert "no-op backend" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["", "x", "2.0"])
+def test_allreduce_names_a_world_size_variable_that_is_no_integer(value, refused, monkeypatch):
+    """A leftover ``WORLD_SIZE=`` (torchrun's) was a ValueError traceback."""
+    monkeypatch.setenv("WORLD_SIZE", value)
+    error, _ = refused(["bench", "allreduce", "--backend", "gloo", "--world-size", "2", "--sizes", "1k"])
+    assert f"WORLD_SIZE={value!r}: not an integer (torchrun sets it: unset it outside torchrun)" in error
+
+
+@pytest.mark.parametrize("dtypes,message", [("bfloat16,bfloat16", "a value is given twice"),
+                                            ("bfloat16,int7", "'int7': choose from float32,bfloat16,int8")])
+def test_sass_report_refuses_a_repeated_or_unknown_feedback_dtype(dtypes, message, monkeypatch, capsys):
+    """A repeated format compiled and printed its table twice."""
+    from echo_vllm.bench import sass_report
+
+    monkeypatch.setattr(sass_report, "report", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as info:
+        sass_report.main(["--feedback-dtype", dtypes])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("calls", ["0", "-5"])
+def test_host_overhead_refuses_a_call_count_below_one(calls, capsys):
+    """``--calls 0`` was a ZeroDivisionError traceback, ``--calls -5``
+    printed negative times per call."""
+    from echo_vllm.bench import host_overhead
+
+    with pytest.raises(SystemExit) as info:
+        host_overhead.main(["--route", f"--calls={calls}"])
+    assert info.value.code == 2 and f"argument --calls: {calls}: must be from 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--warmup", "argument --warmup: 0: must be from 1 to 1048576 (the first call compiles kernels"),
     ("--iters", "argument --iters: 0: must be from 1 to 1048576"),

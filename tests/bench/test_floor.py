@@ -1,7 +1,11 @@
 """The fused kernel's regression floor (echo_vllm.bench.floor)."""
 
 import json
+import os
+import threading
 from pathlib import Path
+
+import pytest
 
 from echo_vllm.bench import floor
 
@@ -41,4 +45,33 @@ def test_the_command_exits_with_the_verdict(tmp_path, capsys):
     fused.write_text(json.dumps(_fused(130.0)))
     assert floor.main([str(fused), "--benchmarks", str(bench)]) == 1
     assert "FAIL" in capsys.readouterr().out
-    assert floor.main([str(tmp_path / "missing.json"), "--benchmarks", str(bench)]) == 2
+    with pytest.raises(SystemExit) as info:
+        floor.main([str(tmp_path / "missing.json"), "--benchmarks", str(bench)])
+    assert info.value.code == 2
+
+
+def _unblock(fifo: Path) -> None:
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader: nothing blocked
+        pass
+
+
+@pytest.mark.parametrize("make", ["fifo", "list", "no_size"])
+def test_an_input_that_is_not_a_fused_json_is_one_line_exit_2(tmp_path, capsys, monkeypatch, make):
+    """A FIFO (``<(...)``) blocked the read forever (``/dev/zero`` filled the
+    memory); JSON of another shape ended in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    bench, fused = Path("BENCHMARKS.md"), Path("fused.json")
+    bench.write_text(DOC)
+    if make == "fifo":
+        os.mkfifo(fused)
+        threading.Timer(5, _unblock, [fused]).start()  # a reader blocked in open() gets EOF: the test ends
+    else:
+        fused.write_text(json.dumps([1] if make == "list" else {"cases": [{"world_size": 8}]}))
+    try:
+        code = floor.main([str(fused), "--benchmarks", str(bench)])
+    except SystemExit as e:  # argparse's refusal
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "fused.json" in err and "Traceback" not in err

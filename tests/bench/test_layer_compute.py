@@ -57,3 +57,19 @@ def test_the_layer_runs_the_decoder_math_on_cpu():
 def test_measure_us_on_cpu_is_a_positive_median():
     shape = DecoderShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16)
     assert measure_us(shape, 2, 8, device="cpu", iters=3) > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tp", "3"], "--tp 3: tp=3 must divide heads=32"),
+    (["--tp", "2,x"], "argument --tp: not an integer: 'x'"),
+    (["--tokens", "1024,1024"], "argument --tokens: '1024,1024': 1024 is given twice"),
+])
+def test_the_command_refuses_its_sizes_before_any_gpu_work(argv, message, capsys):
+    """A TP that does not divide the heads, or a size that is no integer,
+    was a traceback on the GPU host after the sizes before it were timed;
+    a repeated size was timed twice."""
+    from echo_vllm.bench import layer_compute
+
+    with pytest.raises(SystemExit) as info:
+        layer_compute.main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -61,6 +61,7 @@ def refusal(ap: argparse.ArgumentParser, argv: list[str], capsys) -> str:
                                                                       "mean 'echo'?"),
     (cli_args.choice_list(("exact", "naive")), "exact,exact", "a value is given twice"),
     (cli_args.existing_file, "/nonexistent/f", "/nonexistent/f: no such file"),
+    (cli_args.existing_file, "/dev/zero", "/dev/zero: not a regular file"),
     (cli_args.existing_dir, "/nonexistent/d", "/nonexistent/d: no such folder"),
     (cli_args.out_dir, "/proc/echo-vllm-x", "/proc, where it would be made, is not writable"),
     (cli_args.out_dir, "/etc/hostname", "exists and is not a folder"),
@@ -89,6 +90,13 @@ def test_out_dir_refuses_a_dangling_link(tmp_path, capsys):
         line = refusal(_parser(out=cli_args.out_dir), ["--out", str(out)], capsys)
         assert f"{tmp_path}/dl is a link to {tmp_path}/no_such_target, which does not exist" in line
     assert sorted(os.listdir(tmp_path)) == ["dl"]
+
+
+def test_out_dir_expands_a_quoted_tilde(tmp_path, monkeypatch):
+    """``--out=~/x`` reaches the tool unexpanded: the check looked at
+    $HOME/x, but the tool wrote into a folder named ``~`` in the cwd."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _parser(out=cli_args.out_dir).parse_args(["--out=~/x"]).out == str(tmp_path / "x")
 
 
 def test_parse_bytes_and_parse_int():

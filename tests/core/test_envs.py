@@ -38,6 +38,7 @@ def test_unknown_echo_variables_are_named_with_the_closest_known_one():
 @pytest.mark.parametrize("value,message", [
     ("/etc/hostname", "ECHO_VLLM_CACHE='/etc/hostname': exists and is not a folder"),
     ("/proc/echo-vllm-x", "ECHO_VLLM_CACHE='/proc/echo-vllm-x': /proc, where it would be made, is not writable"),
+    (" /tmp/echo-c", "ECHO_VLLM_CACHE=' /tmp/echo-c': begins or ends with a space"),  # was ./' '/tmp/echo-c
 ])
 def test_a_cache_that_cannot_be_a_folder_is_refused(value, message):
     with pytest.raises(envs.EchoEnvError) as info:
@@ -51,6 +52,13 @@ def test_a_cache_folder_to_be_made_is_checked_not_made(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "missing")
     with pytest.raises(envs.EchoEnvError, match="dangling.* is a link to .*missing, which does not exist"):
         envs.read({"ECHO_VLLM_CACHE": str(tmp_path / "dangling")})
+
+
+def test_a_quoted_tilde_in_the_cache_is_the_home_folder(tmp_path, monkeypatch):
+    """An env file's ``ECHO_VLLM_CACHE=~/c`` was checked as $HOME/c but used
+    as a folder named ``~`` in the current folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert envs.read({"ECHO_VLLM_CACHE": "~/c"}).cache_dir == str(tmp_path / "c")
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "Yes", "y", " 1", "1 ", "t", "0", "false", "junk", ""])

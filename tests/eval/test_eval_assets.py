@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import threading
 import time
@@ -75,6 +76,35 @@ def test_manifest_detects_corruption(cache):
         assets.verify_manifest(folder)
     (folder / "w.bin").unlink()
     assert assets.verify_manifest(folder, full=False) is None
+
+
+@pytest.mark.parametrize("text", ["garbage", "[1]", '{"files": ["config.json"]}'])
+def test_a_damaged_manifest_is_named_not_a_traceback(cache, tmp_path, refused, text):
+    """``prepare-model FOLDER --verify`` on a cut or foreign
+    echo_manifest.json was a JSONDecodeError or AttributeError traceback."""
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    (local / "echo_manifest.json").write_text(text)
+    error, _ = refused(["eval", "prepare-model", str(local), "--verify"])
+    assert f"{local}/echo_manifest.json: not a manifest with a 'files' table" in error
+
+
+def test_a_model_folder_echo_vllm_did_not_make_is_never_replaced(cache, monkeypatch):
+    """With ECHO_VLLM_CACHE=$HOME, a ~/models/smollm2-135m of the user's own
+    (no echo_manifest.json) was deleted and replaced by the conversion."""
+    def no_work(*args):
+        raise AssertionError("reached the download")
+
+    monkeypatch.setattr(models, "assemble_gguf", no_work)
+    monkeypatch.setattr(models, "sha256_file", no_work)
+    mine = models.model_dir("smollm2-135m")
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    for force in (False, True):
+        with pytest.raises(AssetError, match="has no echo_manifest.json: not a folder echo-vllm made"):
+            models.prepare_model("smollm2-135m", force=force)
+    assert (mine / "notes.txt").read_text() == "mine"
 
 
 def test_resolve_model_passes_local_folders_through(cache, tmp_path):
@@ -157,6 +187,8 @@ def _small_bundle(cache, out):
      "SHA256SUMS line 1: '0123 bundle.part.00 x' is not '<sha256> <part name>'"),
     (lambda d: (d / "bundle.part.00").write_bytes(b"garbage"), "checksum mismatch: bundle.part.00"),
     (lambda d: (d / "bundle.part.00").unlink(), "missing parts: ['bundle.part.00'] (listed in SHA256SUMS, not in"),
+    (lambda d: ((d / "bundle.part.00").unlink(), os.mkfifo(d / "bundle.part.00")),
+     "missing parts: ['bundle.part.00']"),  # was a FileNotFoundError traceback
     (lambda d: (d / "SHA256SUMS").unlink(), "no SHA256SUMS in {parts}: not a folder of bundle parts"),
     (lambda d: (d / "SHA256SUMS").write_text("\n"), "SHA256SUMS: lists no parts"),
 ])

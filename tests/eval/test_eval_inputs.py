@@ -125,6 +125,25 @@ def test_a_text_or_task_given_twice_is_refused_before_the_model_loads(plays, ref
     assert message in error
 
 
+def test_accuracy_refuses_a_real_tp_the_hf_backend_would_emulate(plays, refused):
+    """``--real-tp 2`` on the hf backend ran the emulation at TP=2 and the
+    table called it real TP=2."""
+    error, _ = refused(["eval", "accuracy", "--real-tp", "2"])
+    assert "--real-tp 2: vLLM only (--backend vllm); the hf backend emulates TP (--tp)" in error
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["depth", "--text", "hamlet", "--lambada", "100"],
+     "--lambada 100: read only with --text '' (--text hamlet is measured instead)"),
+    (["perplexity", "--sweep", "naive"], "--sweep naive: read only with --group-sizes G ..."),
+])
+def test_an_option_whose_runs_would_not_happen_is_refused(plays, refused, argv, message):
+    """``depth --text hamlet --lambada 100`` measured hamlet alone; a
+    ``--sweep`` without ``--group-sizes`` swept nothing, without a word."""
+    error, _ = refused(["eval", *argv])
+    assert message in error
+
+
 @pytest.mark.parametrize("text", ["2.5", "1.0001"])
 def test_a_fractional_limit_above_one_is_refused(plays, refused, text):
     """Below 1 --limit is a fraction of each task; 2.5 documents was cut to 2 silently."""

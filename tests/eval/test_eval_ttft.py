@@ -223,6 +223,20 @@ def test_mode_args_that_no_server_would_get_are_refused(tmp_path, refused, argv,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--input-lens", "512", "512"], "--input-lens 512 512: a value is given twice"),
+    (["--concurrency", "1", "8", "1"], "--concurrency 1 8 1: a value is given twice"),
+    (["--concurrency", "1", "8", "--num-prompts", "4"], "--num-prompts 4 is below --concurrency 8"),
+])
+def test_a_grid_that_would_not_measure_what_it_says_is_refused(tmp_path, refused, monkeypatch, argv, message):
+    """A repeated size was measured twice, two table rows of one cell;
+    ``--num-prompts 4`` with 8 clients was raised to 8 without a word."""
+    monkeypatch.setattr(ttft, "run_label", lambda *a: pytest.fail("measured"))
+    error, _ = refused(["eval", "ttft", *argv, "--out", str(tmp_path / "out")])
+    assert message in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_cell_whose_server_stops_answering_ends_at_its_timeout(tmp_path, monkeypatch):
     """vLLM's benchmark client waits hours on a server that passed /health
     and then stalls: the cell's process is ended at ``--cell-timeout``,

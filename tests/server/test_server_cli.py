@@ -93,6 +93,11 @@ def test_what_does_not_look_secret(name):
      ["m", "--otlp-traces-endpoint=https://:***@c", "--x", "git+ssh://u:***@h/r@v1"]),
     (["m", "--served-model-name", "user@example", "http://bob@h:80/a:b@c"],
      ["m", "--served-model-name", "user@example", "http://bob@h:80/a:b@c"]),
+    # a secret-looking key of --additional-config, as JSON or dotted, was printed in clear
+    (["m", "--additional-config", '{"hf_token": "s3cret", "p": {"api-key": "s3cret"}, "echo_seed": 1}'],
+     ["m", "--additional-config", '{"hf_token": "***", "p": {"api-key": "***"}, "echo_seed": 1}']),
+    (["m", "--additional-config.plugin.api_key", "s3cret", "--additional-config.echo_seed=1"],
+     ["m", "--additional-config.plugin.api_key", "***", "--additional-config.echo_seed=1"]),
 ])
 def test_the_printed_command_line_hides_secret_values(argv, shown):
     assert scrub(argv) == shown

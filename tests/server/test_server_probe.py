@@ -8,6 +8,7 @@ verdicts), so the GPU run cannot fail on a client bug.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -148,6 +149,42 @@ def test_wait_refuses_a_timeout_that_never_ends_or_never_waits(timeout, monkeypa
     errors = [line for line in err.splitlines() if "error:" in line]
     assert info.value.code == 2 and len(errors) == 1 and "Traceback" not in err
     assert f"argument --timeout: {timeout}: must be a finite number above 0 to 86400" in errors[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["wait", "--base-url", "garbage"], "argument --base-url: 'garbage': expected http://HOST[:PORT]"),
+    (["wait", "--base-url", "http://u:s3cret@h:1"], "a user or password in the URL is not supported"),
+    (["wait", "--pid", "0"], "argument --pid: 0: must be from 1 to 4194304 (a Linux pid)"),
+    (["wait", "--pid", "99999999999999999999"], "argument --pid: 99999999999999999999: must be from 1"),
+    (["probe", "--model", "m", "--out", "/etc/hostname"], "argument --out: /etc/hostname: exists and is not a folder"),
+])
+def test_bad_arguments_are_one_line_exit_2(argv, message, monkeypatch, capsys):
+    """``garbage`` was urllib's ValueError, ``--pid 0`` (a process group,
+    always alive) never failed early, a huge pid and an --out file were
+    tracebacks; no error shows a password."""
+    monkeypatch.setattr(probe, "wait_healthy", lambda *a, **k: pytest.fail("waited"))
+    with pytest.raises(SystemExit) as info:
+        probe.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and "Traceback" not in err and "s3cret" not in err
+
+
+def test_wait_that_runs_out_is_one_line_exit_1(capsys):
+    """The server's outcome, not a bug: it was a TimeoutError traceback."""
+    assert probe.main(["wait", "--base-url", "http://127.0.0.1:9", "--timeout", "0.1"]) == 1
+    err = capsys.readouterr().err
+    assert err == "wait: /health did not answer 200 within 0 s\n"
+
+
+def test_summary_names_a_missing_probe_and_a_bench_file_it_cannot_read(server, tmp_path, capsys):
+    """No probe.json was a traceback; a FIFO as --bench blocked forever."""
+    assert probe.main(["summary", "--base-url", server, "--out", str(tmp_path)]) == 2
+    assert f"probe summary: error: {tmp_path}/probe.json: not what `probe --out {tmp_path}` writes" in \
+        capsys.readouterr().err
+    probe.run_probe(server, "tiny", tmp_path)
+    os.mkfifo(tmp_path / "bench.json")
+    ok, lines = probe.summarize(server, tmp_path, tmp_path / "bench.json")
+    assert not ok and f"[FAIL] load: {tmp_path}/bench.json is not a regular file" in lines
 
 
 def test_summary_checks_the_fused_norm_when_the_pass_is_on(server, tmp_path):
