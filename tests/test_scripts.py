@@ -112,6 +112,31 @@ def test_the_import_check_can_fail():
     assert _unresolved(_echo_imports("def f():\n    from echo_vllm import ops\n")) == ["echo_vllm.ops"]
 
 
+def _undefined_names(source: str, filename: str) -> list[str]:
+    """pyflakes' undefined names (and locals used before assignment, and
+    ``__all__`` entries that name nothing) in ``source``: found without
+    running it."""
+    from pyflakes import checker, messages
+
+    kinds = (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)
+    found = checker.Checker(ast.parse(source, filename), filename).messages
+    return [f"{m.filename}:{m.lineno}: {m.message % m.message_args}" for m in found if isinstance(m, kinds)]
+
+
+def test_no_undefined_name_in_code_ci_cannot_run():
+    """The package and the GPU host's scripts: the kernels' launchers, the
+    fused backend, the vLLM glue and the GPU scripts run nowhere in CI, so a
+    misspelt name there would first fail on the GPU host."""
+    sources = sorted((ROOT / "echo_vllm").rglob("*.py")) + PYTHON
+    assert len(sources) > 50
+    assert [u for path in sources for u in _undefined_names(path.read_text(), _id(path))] == []
+
+
+def test_the_undefined_name_check_can_fail():
+    assert _undefined_names("def f():\n    return launch_plan\n", "x.py") == [
+        "x.py:2: undefined name 'launch_plan'"]
+
+
 @pytest.mark.parametrize("path", SHELL, ids=_id)
 def test_shell_script_parses_and_answers_help(help_runs, path):
     text = path.read_text()
