@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import shutil
@@ -110,6 +111,87 @@ def test_python_script_imports_exist(path):
 
 def test_the_import_check_can_fail():
     assert _unresolved(_echo_imports("def f():\n    from echo_vllm import ops\n")) == ["echo_vllm.ops"]
+
+
+def _undefined_names(source: str, filename: str) -> list[str]:
+    """pyflakes' undefined names (and locals used before assignment, and
+    ``__all__`` entries that name nothing) in ``source``: found without
+    running it."""
+    from pyflakes import checker, messages
+
+    kinds = (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)
+    found = checker.Checker(ast.parse(source, filename), filename).messages
+    return [f"{m.filename}:{m.lineno}: {m.message % m.message_args}" for m in found if isinstance(m, kinds)]
+
+
+def test_no_undefined_name_in_code_ci_cannot_run():
+    """The package and the GPU host's scripts: the kernels' launchers, the
+    fused backend, the vLLM glue and the GPU scripts run nowhere in CI, so a
+    misspelt name there would first fail on the GPU host."""
+    sources = sorted((ROOT / "echo_vllm").rglob("*.py")) + PYTHON
+    assert len(sources) > 50
+    assert [u for path in sources for u in _undefined_names(path.read_text(), _id(path))] == []
+
+
+def test_the_undefined_name_check_can_fail():
+    assert _undefined_names("def f():\n    return launch_plan\n", "x.py") == [
+        "x.py:2: undefined name 'launch_plan'"]
+
+
+def _module_name(path: Path) -> str:
+    """``echo_vllm.a.b`` of a package file (``__init__``: the package); a script: ``__main__``."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts) if parts[0] == "echo_vllm" else "__main__"
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a name inside a module, not a package
+        return False
+
+
+def _missing_attributes(source: str, module: str, is_package: bool = False) -> list[str]:
+    """``alias.name`` uses in ``source`` where ``alias`` is a module of the
+    package (``from ..kernels import fused_kernel as fk``, ``import
+    echo_vllm.x as y``, anywhere in the file) and that module has no
+    ``name``: what pyflakes cannot see, found without running the code."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    aliases = {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            pkg = node.module or ""
+            if node.level:
+                pkg = ".".join(base[:len(base) - node.level + 1] + ([pkg] if pkg else []))
+            for a in node.names:
+                if pkg.startswith("echo_vllm") and _is_module(f"{pkg}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{pkg}.{a.name}"
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("echo_vllm")})
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            mod = importlib.import_module(aliases[node.value.id])
+            if not hasattr(mod, node.attr) and not _is_module(f"{mod.__name__}.{node.attr}"):
+                missing.append(f"line {node.lineno}: {node.value.id}.{node.attr} ({mod.__name__} has no {node.attr})")
+    return missing
+
+
+def test_every_attribute_of_a_package_module_exists():
+    """``fk.tiling_for_norm`` and the like, in the package and the GPU
+    host's scripts: a misspelt function of a module, in a path only the GPU
+    runs, fails here."""
+    sources = sorted((ROOT / "echo_vllm").rglob("*.py")) + PYTHON
+    found = {_id(p): _missing_attributes(p.read_text(), _module_name(p), p.name == "__init__.py") for p in sources}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_attribute_check_can_fail():
+    src = "def f():\n    from ..kernels import fused_kernel as fk\n    return fk.tiling_for_nrom\n"
+    assert _missing_attributes(src, "echo_vllm.bench.norm_bench") == [
+        "line 3: fk.tiling_for_nrom (echo_vllm.kernels.fused_kernel has no tiling_for_nrom)"]
 
 
 @pytest.mark.parametrize("path", SHELL, ids=_id)

@@ -297,8 +297,8 @@ def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
             results[v.name] = json.loads(out.read_text())  # the child saved its variant file too
     if failed and args.parallel and any(
             KV_CACHE_OOM in p.read_text(errors="replace") for p in logs if p.is_file()):
-        failed.append(f"hint: engines started side by side ran out of KV-cache memory; run fewer "
-                      f"variants per command (3 fit on an H200) or without --parallel")
+        failed.append("hint: engines started side by side ran out of KV-cache memory; run fewer "
+                      "variants per command (3 fit on an H200) or without --parallel")
     if failed:
         raise RuntimeError("vLLM run(s) failed: " + ", ".join(failed) +
                            (f"; logs in {args.out}/{args.stem}.log.*.txt" if args.parallel else ""))

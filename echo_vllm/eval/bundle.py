@@ -154,11 +154,19 @@ def read_sums(parts_dirs: list[Path]) -> dict[str, str]:
     return want
 
 
+#: The list, in an unpack's target, of the paths unpacks wrote there: the only files one may replace.
+UNPACKED = ".echo-unpacked"
+
+
 def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
     """Verify and unpack parts (possibly spread over several folders), part by
     part; ``wait_s`` > 0 waits that long for each part still in transit.
     Without waiting, every part is there and matches SHA256SUMS before
-    ``target`` is made: else :class:`UsageError` naming the parts."""
+    ``target`` is made: else :class:`UsageError` naming the parts. A file
+    already in ``target`` is replaced only if an earlier unpack wrote it
+    (listed in :data:`UNPACKED`: so an interrupted unpack, or bundles
+    sharing files, can unpack again); any other stops the unpack with a
+    :class:`UsageError` naming it, before it is touched."""
     want = read_sums(parts_dirs)
     reader = _PartReader(sorted(want), want, parts_dirs, wait_s)
     if not wait_s:  # all must be here: say which are not, or do not match, before unpacking any
@@ -172,8 +180,20 @@ def unpack(target: Path, parts_dirs: list[Path], wait_s: float = 0.0) -> None:
             raise UsageError(f"checksum mismatch: {', '.join(bad)} (not as SHA256SUMS lists: damaged or from "
                              "another bundle)")
     target.mkdir(parents=True, exist_ok=True)
-    with lzma.open(io.BufferedReader(reader, 1 << 20)) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
-        tar.extractall(target, filter="data")
+    written = target / UNPACKED
+    mine = set(written.read_text().splitlines()) if written.is_file() else set()
+    with lzma.open(io.BufferedReader(reader, 1 << 20)) as xz, tarfile.open(fileobj=xz, mode="r|") as tar, \
+            open(written, "a") as log:
+        for member in tar:  # in stream order: each member's bytes are read as it is extracted
+            dest = target / member.name
+            if not member.isdir() and (dest.exists() or dest.is_symlink()) and member.name not in mine:
+                raise UsageError(f"{dest} exists and no earlier unpack wrote it: unpack never replaces "
+                                 "files of yours; unpack into a new folder")
+            if member.name not in mine:  # logged before it is written: an interrupted unpack may redo it
+                log.write(member.name + "\n")
+                log.flush()
+                mine.add(member.name)
+            tar.extract(member, target, filter="data")
 
 
 def main(argv: list[str]) -> int:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..cli_args import UsageError, count, device, file_stem, out_dir
 from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import lzma
-import math
 import platform
 import shlex
 import sys

@@ -71,7 +71,7 @@ def wait_healthy(base_url: str, timeout_s: float, pid: int | None = None, poll_s
         except OSError:
             pass  # not listening yet
         if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"/health did not answer 200 within {timeout_s:.0f} s")
+            raise TimeoutError(f"/health did not answer 200 within {timeout_s:g} s")
         time.sleep(poll_s)
 
 

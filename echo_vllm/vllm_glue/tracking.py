@@ -178,8 +178,6 @@ class ForwardTracker:
     def number(self, rows: int, residual: bool) -> CallSlot:
         """The communicators' ``numbering``: :meth:`next_call` in the current
         forward context (vLLM's)."""
-        from . import compat
-
         return self.next_call(compat.forward_kwargs(), rows, residual=residual)
 
     def next_call(self, kwargs: dict | None, num_tokens: int, *, residual: bool = True) -> CallSlot:

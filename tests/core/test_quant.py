@@ -165,7 +165,7 @@ def test_encode_decode_chunks_round_trip():
 
 # -- range: finite in, finite out (quant's docstring, Range) ---------------------------
 
-from support.extremes import PATTERNS, exact_sum, extreme_inputs, one_call_bound  # noqa: E402
+from support.extremes import PATTERNS, extreme_inputs, one_call_bound  # noqa: E402
 
 from echo_vllm import CallSlot, EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport  # noqa: E402
 from echo_vllm import quant  # noqa: E402

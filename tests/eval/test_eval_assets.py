@@ -182,6 +182,26 @@ def _small_bundle(cache, out):
     return bundle.make_bundle([folder], out)
 
 
+def test_unpack_replaces_only_files_an_earlier_unpack_wrote(cache, tmp_path, refused):
+    """A target holding a file of the user's at a bundle's path stops the
+    unpack before that file is touched; files an earlier unpack wrote (an
+    interrupted one, or another bundle's) are replaced."""
+    parts = tmp_path / "parts"
+    _small_bundle(cache, parts)
+    home = tmp_path / "home"
+    (home / "models" / "m").mkdir(parents=True)
+    (home / "models" / "m" / "config.json").write_text("my own config")
+    error, _ = refused(["eval", "bundle", "--unpack", str(home), str(parts)])
+    assert f"{home / 'models' / 'm' / 'config.json'} exists and no earlier unpack wrote it" in error
+    assert (home / "models" / "m" / "config.json").read_text() == "my own config"
+    fresh = tmp_path / "fresh"
+    bundle.unpack(fresh, [parts])
+    (fresh / "models" / "m" / "config.json").write_text("cut short")  # as an interrupted unpack leaves it
+    bundle.unpack(fresh, [parts])
+    assert (fresh / "models" / "m" / "config.json").read_text() == "{}"
+    assert assets.verify_manifest(fresh / "models" / "m")["model"] == "m"
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "SHA256SUMS").write_text("0123 bundle.part.00 x\n"),
      "SHA256SUMS line 1: '0123 bundle.part.00 x' is not '<sha256> <part name>'"),

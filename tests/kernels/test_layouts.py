@@ -148,7 +148,7 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     (stage 1 with and without a carried error) and the whole fused kernel."""
     from echo_vllm import kernels
     from echo_vllm.bench.host_overhead import compile_only
-    from echo_vllm.kernels import consume_kernel, fused_kernel, contract, output_kernel, stage1_kernel, stage2_kernel
+    from echo_vllm.kernels import consume_kernel, fused_kernel, output_kernel, stage1_kernel, stage2_kernel
     from echo_vllm.quant import WireLayout, feedback_row_len
 
     world = 4

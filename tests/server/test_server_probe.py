@@ -173,7 +173,7 @@ def test_wait_that_runs_out_is_one_line_exit_1(capsys):
     """The server's outcome, not a bug: it was a TimeoutError traceback."""
     assert probe.main(["wait", "--base-url", "http://127.0.0.1:9", "--timeout", "0.1"]) == 1
     err = capsys.readouterr().err
-    assert err == "wait: /health did not answer 200 within 0 s\n"
+    assert err == "wait: /health did not answer 200 within 0.1 s\n"
 
 
 def test_summary_names_a_missing_probe_and_a_bench_file_it_cannot_read(server, tmp_path, capsys):
