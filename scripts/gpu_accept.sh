@@ -38,8 +38,8 @@
 #      check requires fused calls in /metrics; vllm_check serves the
 #      default path), side by side on the one GPU.
 # Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN: the
-# wheelhouse's build.sh output split in 4 with `split -n 4 -d -a 2`, their
-# SHA256SUMS, and install.py from ../shared/gpu-wheelhouse); each
+# wheelhouse's build.sh output split in 4, their SHA256SUMS, and install.py
+# from ../shared/gpu-wheelhouse: `bash scripts/gpu_bundle.sh` makes it); each
 # run stashes what it finds in $STASH (default /tmp/echo-accept/parts: the
 # host keeps it while it stays warm between back-to-back runs).
 # A host lost between runs loses the stash with it: `gpu_accept.sh stash`

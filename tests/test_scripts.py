@@ -278,3 +278,35 @@ def test_gpu_acceptance_refuses_an_out_folder_holding_other_files(tmp_path):
         assert run.returncode == 1, run.stderr  # steps failed: ran, not refused
     assert sorted(p.name for p in out.iterdir()) == ["accept_logs_run1.tgz", "accept_logs_run2.tgz",
                                                      "accept_summary.txt"]
+
+
+def test_gpu_bundle_cuts_the_wheelhouse_bundle_in_four_and_never_mixes(tmp_path):
+    """`gpu_bundle.sh`: the wheelhouse's one-part bundle cut in 4 parts that
+    join to it, their SHA256SUMS and install.py; a .gpu-bundle holding
+    anything is refused, untouched."""
+    import hashlib
+    import random
+
+    repo, wheelhouse = tmp_path / "repo", tmp_path / "wheelhouse"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu_bundle.sh", repo / "scripts")
+    wheelhouse.mkdir()
+    payload = random.Random(0).randbytes(1_000_003)
+    (wheelhouse / "payload").write_bytes(payload)
+    (wheelhouse / "build.sh").write_text('mkdir -p "$1" && cp "$(dirname "$0")/payload" "$1/bundle.part.00"\n')
+    (wheelhouse / "install.py").write_text("# unpacks\n")
+    run = subprocess.run(["bash", str(repo / "scripts" / "gpu_bundle.sh"), str(wheelhouse)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = repo / ".gpu-bundle"
+    parts = sorted(out.glob("bundle.part.*"))
+    assert [p.name for p in parts] == [f"bundle.part.0{i}" for i in range(4)]
+    assert b"".join(p.read_bytes() for p in parts) == payload
+    sums = dict(reversed(line.split()) for line in (out / "SHA256SUMS").read_text().splitlines())
+    assert sums == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in parts}
+    assert (out / "install.py").read_text() == "# unpacks\n"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = subprocess.run(["bash", str(repo / "scripts" / "gpu_bundle.sh"), str(wheelhouse)], capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and ".gpu-bundle holds files already" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
