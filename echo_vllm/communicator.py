@@ -65,6 +65,29 @@ def _no_pass(rows: int, residual: bool) -> CallSlot:
     return NO_PASS
 
 
+def argument_refusal(config: object, transport: object, **values: object) -> str:
+    """Why :class:`EchoCommunicator` cannot be built with these arguments
+    ("" if it can): ``config`` an :class:`EchoConfig`, ``transport`` a
+    :class:`Transport`; ``hidden_size``, ``residual_ndim``,
+    ``max_num_tokens`` None or an integer from 1, ``capacity_numel`` an
+    integer from 0; ``enabled``, ``fast_cpu`` (and ``fixed_capacity`` unless
+    None) True or False. A wrong type failed deep inside, or (a string
+    flag, a width of 0) ran every call on a path nobody asked for."""
+    if not isinstance(config, EchoConfig):
+        return f"config={config!r:.60}: must be an EchoConfig"
+    if not isinstance(transport, Transport):
+        return f"transport={transport!r:.60}: must be a Transport (VirtualTransport, ProcessGroupTransport)"
+    for name, value in values.items():
+        if name in ("enabled", "fast_cpu", "fixed_capacity"):
+            if not isinstance(value, bool) and not (name == "fixed_capacity" and value is None):
+                return f"{name}={value!r:.60}: must be True or False"
+            continue
+        low = 0 if name == "capacity_numel" else 1
+        if (value is not None or low == 0) and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            return f"{name}={value!r:.60}: must be an integer from {low}" + ("" if low == 0 else ", or None")
+    return ""
+
+
 class EchoCommunicator:
     """Echo over ``transport`` for one stream of calls (a model's forward
     passes, or one direction of a training step); see the module docstring.
@@ -112,6 +135,11 @@ class EchoCommunicator:
         sink: CallSink | None = None,
         health: HealthCounters | None = None,
     ):
+        refusal = argument_refusal(config, transport, hidden_size=hidden_size, residual_ndim=residual_ndim,
+                                   max_num_tokens=max_num_tokens, capacity_numel=capacity_numel,
+                                   fixed_capacity=fixed_capacity, enabled=enabled, fast_cpu=fast_cpu)
+        if refusal:
+            raise EchoConfigError(f"{type(self).__name__}: {refusal}")
         if transport.world_size < 2:
             raise EchoConfigError(f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}")
         local = len(transport.local_ranks)
@@ -442,4 +470,4 @@ class EchoCommunicator:
         self.disabled = True
 
 
-__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering"]
+__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering", "argument_refusal"]

@@ -1,13 +1,14 @@
 """``EchoCommunicator`` (here its stacked form over virtual ranks): what each
-call records about the path it took."""
+call records about the path it took, and the arguments it refuses by name."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
-from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, EchoConfigError, StackedCommunicator, VirtualTransport
 from echo_vllm.backends.composed import ComposedBackend
 from echo_vllm.backends.stages import ReferenceStages
 from echo_vllm.policy import Reason
@@ -73,3 +74,19 @@ def test_a_callers_exact_reason_takes_the_exact_path_and_is_recorded():
     y = comm.all_reduce(x, slot=CallSlot(3), exact_reason=Reason.FORCED_EXACT)
     assert torch.equal(y, VirtualTransport(P).exact_all_reduce(x))
     assert [(r.path, r.reason) for r in records] == [("exact", Reason.FORCED_EXACT.value)]
+
+
+@pytest.mark.parametrize("arguments, named", [
+    (dict(config={"min_bytes": 0}), "config="), (dict(transport=4), "transport=4"),
+    (dict(capacity_numel=-5), "capacity_numel=-5"), (dict(capacity_numel=1.5), "capacity_numel=1.5"),
+    (dict(hidden_size=0), "hidden_size=0"), (dict(max_num_tokens=-1), "max_num_tokens=-1"),
+    (dict(residual_ndim=2.0), "residual_ndim=2.0"), (dict(enabled="no"), "enabled='no'"),
+    (dict(fixed_capacity="no"), "fixed_capacity='no'")])
+def test_a_bad_constructor_argument_is_refused_by_name(arguments, named):
+    """Each failed inside torch (capacity_numel) or at the first call, or ran
+    every call on a path nobody asked for (enabled="no" ran Echo,
+    hidden_size=0 made every call exact)."""
+    given = dict(config=CFG, transport=VirtualTransport(P)) | arguments
+    with pytest.raises(EchoConfigError, match=f"StackedCommunicator: {named}"):
+        StackedCommunicator(given.pop("config"), given.pop("transport"), **given)
+
