@@ -215,9 +215,16 @@ class EchoCommunicator:
         ), self.config, enabled=self.enabled)
 
     def _slot(self, msg: torch.Tensor, slot: CallSlot | None, residual: bool) -> CallSlot:
-        """Steps 2-3: the call's slot, and the buffer reserved once."""
+        """Steps 2-3: the call's slot, and the buffer reserved once. Every
+        call passes here first, and is refused after :meth:`close` (the
+        backends are released; rebuilding one would allocate, and a fused
+        one rendezvous, behind the caller's back)."""
+        if self.disabled:
+            raise RuntimeError(f"this {type(self).__name__} is closed: its backends and feedback buffer are released")
         if slot is None:
             slot = self.numbering(msg.shape[0] if msg.dim() else 0, residual)
+        elif not isinstance(slot, CallSlot):  # an int failed deep inside the policy
+            raise TypeError(f"slot={slot!r:.60}: must be a CallSlot (CallSlot({slot!r:.20}) for a call index)")
         if residual and self.fixed_capacity and not self._reserved and not capturing():
             self.reserve(max(self.max_num_tokens or 0, msg.shape[0]), msg.shape[-1])
             self._reserved = True
@@ -230,8 +237,11 @@ class EchoCommunicator:
         """Reduce ``inp`` on the path the policy picks (Echo, or the exact path
         after absorbing the pending error); ``out``, if given, receives the
         result. ``slot``: the call's place in its pass (default: ``numbering``'s).
-        ``exact_reason``: the exact path, recorded under it, whatever the policy says."""
+        ``exact_reason``: the exact path, recorded under it, whatever the policy
+        says (a :class:`Reason` other than ``ECHO``)."""
         msg = self._message(inp)
+        if exact_reason is not None and (not isinstance(exact_reason, Reason) or exact_reason is Reason.ECHO):
+            raise ValueError(f"exact_reason={exact_reason!r:.60}: must be a policy.Reason other than ECHO")
         residual = self.is_residual(msg)
         slot = self._slot(msg, slot, residual)
         lay = self._layout_of(msg)

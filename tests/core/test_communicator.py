@@ -90,3 +90,25 @@ def test_a_bad_constructor_argument_is_refused_by_name(arguments, named):
     with pytest.raises(EchoConfigError, match=f"StackedCommunicator: {named}"):
         StackedCommunicator(given.pop("config"), given.pop("transport"), **given)
 
+
+def test_a_call_after_close_is_refused_and_closing_twice_is_harmless():
+    """After close() a call rebuilt the released backends (a fused one
+    allocates and rendezvous again) and reran Echo without a word."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    comm.all_reduce(x, slot=CallSlot(0))
+    comm.close()
+    comm.close()
+    with pytest.raises(RuntimeError, match="this StackedCommunicator is closed"):
+        comm.all_reduce(x, slot=CallSlot(1))
+
+
+def test_a_slot_or_exact_reason_of_another_type_is_refused_by_name():
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    with pytest.raises(TypeError, match=r"slot=3: must be a CallSlot \(CallSlot\(3\)"):
+        comm.all_reduce(x, slot=3)  # failed inside the policy
+    for reason in ("forced", Reason.ECHO):  # a string failed after the reduction ran; ECHO was recorded as exact
+        with pytest.raises(ValueError, match="exact_reason=.*must be a policy.Reason other than ECHO"):
+            comm.all_reduce(x, slot=CallSlot(0), exact_reason=reason)
+
