@@ -65,6 +65,22 @@ def _no_pass(rows: int, residual: bool) -> CallSlot:
     return NO_PASS
 
 
+def out_refusal(msg: torch.Tensor, out: torch.Tensor) -> str:
+    """Why ``out`` cannot receive the reduction of the message ``msg`` ("" if
+    it can): it must have its shape, dtype and device and be contiguous. The
+    Echo path writes ``out`` as one flat view and the exact path copied into
+    it, so anything else failed on one path and not the other, or (another
+    dtype or device) converted the result silently."""
+    if not isinstance(out, torch.Tensor):
+        return f"out={type(out).__name__}: must be a tensor"
+    if out.shape != msg.shape or out.dtype != msg.dtype or out.device != msg.device:
+        return (f"out is {tuple(out.shape)} {out.dtype} on {out.device}: must be the message's "
+                f"{tuple(msg.shape)} {msg.dtype} on {msg.device}")
+    if not out.is_contiguous():
+        return f"out {tuple(out.shape)} with strides {out.stride()}: must be contiguous"
+    return ""
+
+
 def argument_refusal(config: object, transport: object, **values: object) -> str:
     """Why :class:`EchoCommunicator` cannot be built with these arguments
     ("" if it can): ``config`` an :class:`EchoConfig`, ``transport`` a
@@ -238,8 +254,11 @@ class EchoCommunicator:
         after absorbing the pending error); ``out``, if given, receives the
         result. ``slot``: the call's place in its pass (default: ``numbering``'s).
         ``exact_reason``: the exact path, recorded under it, whatever the policy
-        says (a :class:`Reason` other than ``ECHO``)."""
+        says (a :class:`Reason` other than ``ECHO``). ``out`` has the message's
+        shape, dtype and device and is contiguous (:func:`out_refusal`)."""
         msg = self._message(inp)
+        if out is not None and (refusal := out_refusal(msg, out)):
+            raise ValueError(refusal)
         if exact_reason is not None and (not isinstance(exact_reason, Reason) or exact_reason is Reason.ECHO):
             raise ValueError(f"exact_reason={exact_reason!r:.60}: must be a policy.Reason other than ECHO")
         residual = self.is_residual(msg)
@@ -480,4 +499,4 @@ class EchoCommunicator:
         self.disabled = True
 
 
-__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering", "argument_refusal"]
+__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering", "argument_refusal", "out_refusal"]

@@ -112,3 +112,20 @@ def test_a_slot_or_exact_reason_of_another_type_is_refused_by_name():
         with pytest.raises(ValueError, match="exact_reason=.*must be a policy.Reason other than ECHO"):
             comm.all_reduce(x, slot=CallSlot(0), exact_reason=reason)
 
+
+@pytest.mark.parametrize("out, why", [
+    (torch.empty(128, 8, dtype=torch.bfloat16), r"is \(128, 8\) torch.bfloat16 on cpu: must be the message's"),
+    (torch.empty(2, 8, 128, dtype=torch.bfloat16), r"is \(2, 8, 128\)"),
+    (torch.empty(8, 128, dtype=torch.int32), "torch.int32"),
+    (torch.empty(8, 128, dtype=torch.bfloat16, device="meta"), "on meta"),
+    (torch.empty(128, 8, dtype=torch.bfloat16).t(), "must be contiguous")])
+@pytest.mark.parametrize("exact", [False, True])
+def test_out_must_be_the_messages_shape_dtype_and_device_on_both_paths(out, why, exact):
+    """Before, each path took a different subset: Echo's reshaped a [128, 8]
+    out, the exact path broadcast into [2, 8, 128]; both truncated into an
+    int32 out and wrote nothing into a meta one."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    with pytest.raises(ValueError, match=why):
+        comm.all_reduce(x, slot=CallSlot(0), out=out, exact_reason=Reason.FORCED_EXACT if exact else None)
+
