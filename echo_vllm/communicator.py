@@ -354,8 +354,19 @@ class EchoCommunicator:
         fb, incoming = None, False
         if chain is not None and self.config.feedback:
             incoming = chain.take(call_index, key)
-            fb = chain.buffer(lay.padded_numel)
+            fb = self._feedback(chain, lay.padded_numel, xs.device)
         return key, fb, incoming
+
+    @staticmethod
+    def _feedback(chain: FeedbackChain, numel: int, device: torch.device) -> torch.Tensor:
+        """The chain's buffer for ``numel`` values of a message on ``device``,
+        which must be the buffer's (the communicator's ``device``): a kernel
+        handed both failed deep inside, or read one as the other's memory."""
+        fb = chain.buffer(numel)
+        if fb.device != device:
+            raise ValueError(f"the input is on {device}, but this communicator's feedback buffer is on {fb.device}: "
+                             f"build it with device={str(device)!r}")
+        return fb
 
     def _leave(self, y: torch.Tensor, key: tuple, chain: FeedbackChain | None, call_index: int | None,
                fb: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -374,7 +385,7 @@ class EchoCommunicator:
         if chain.take(call_index, key):
             lay = self.message_layout(key[0])
             xs = self.backend(xs.device).consume(xs.reshape(xs.shape[0], lay.numel), lay,
-                                                 chain.buffer(lay.padded_numel)).reshape(xs.shape)
+                                                 self._feedback(chain, lay.padded_numel, xs.device)).reshape(xs.shape)
         chain.record(call_index, key, left_error=False)
         return xs
 

@@ -129,3 +129,10 @@ def test_out_must_be_the_messages_shape_dtype_and_device_on_both_paths(out, why,
     with pytest.raises(ValueError, match=why):
         comm.all_reduce(x, slot=CallSlot(0), out=out, exact_reason=Reason.FORCED_EXACT if exact else None)
 
+
+def test_an_input_on_another_device_than_the_communicator_is_refused_by_name():
+    """The feedback buffer lives on the communicator's ``device``: an input
+    elsewhere failed inside torch (or, on a GPU, inside a kernel)."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P), device="meta")
+    with pytest.raises(ValueError, match="the input is on cpu, but this communicator's feedback buffer is on meta"):
+        comm.all_reduce(torch.randn(P, 8, 128).bfloat16(), slot=CallSlot(0))
