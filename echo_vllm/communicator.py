@@ -65,6 +65,45 @@ def _no_pass(rows: int, residual: bool) -> CallSlot:
     return NO_PASS
 
 
+def out_refusal(msg: torch.Tensor, out: torch.Tensor) -> str:
+    """Why ``out`` cannot receive the reduction of the message ``msg`` ("" if
+    it can): it must have its shape, dtype and device and be contiguous. The
+    Echo path writes ``out`` as one flat view and the exact path copied into
+    it, so anything else failed on one path and not the other, or (another
+    dtype or device) converted the result silently."""
+    if not isinstance(out, torch.Tensor):
+        return f"out={type(out).__name__}: must be a tensor"
+    if out.shape != msg.shape or out.dtype != msg.dtype or out.device != msg.device:
+        return (f"out is {tuple(out.shape)} {out.dtype} on {out.device}: must be the message's "
+                f"{tuple(msg.shape)} {msg.dtype} on {msg.device}")
+    if not out.is_contiguous():
+        return f"out {tuple(out.shape)} with strides {out.stride()}: must be contiguous"
+    return ""
+
+
+def argument_refusal(config: object, transport: object, **values: object) -> str:
+    """Why :class:`EchoCommunicator` cannot be built with these arguments
+    ("" if it can): ``config`` an :class:`EchoConfig`, ``transport`` a
+    :class:`Transport`; ``hidden_size``, ``residual_ndim``,
+    ``max_num_tokens`` None or an integer from 1, ``capacity_numel`` an
+    integer from 0; ``enabled``, ``fast_cpu`` (and ``fixed_capacity`` unless
+    None) True or False. A wrong type failed deep inside, or (a string
+    flag, a width of 0) ran every call on a path nobody asked for."""
+    if not isinstance(config, EchoConfig):
+        return f"config={config!r:.60}: must be an EchoConfig"
+    if not isinstance(transport, Transport):
+        return f"transport={transport!r:.60}: must be a Transport (VirtualTransport, ProcessGroupTransport)"
+    for name, value in values.items():
+        if name in ("enabled", "fast_cpu", "fixed_capacity"):
+            if not isinstance(value, bool) and not (name == "fixed_capacity" and value is None):
+                return f"{name}={value!r:.60}: must be True or False"
+            continue
+        low = 0 if name == "capacity_numel" else 1
+        if (value is not None or low == 0) and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            return f"{name}={value!r:.60}: must be an integer from {low}" + ("" if low == 0 else ", or None")
+    return ""
+
+
 class EchoCommunicator:
     """Echo over ``transport`` for one stream of calls (a model's forward
     passes, or one direction of a training step); see the module docstring.
@@ -112,6 +151,11 @@ class EchoCommunicator:
         sink: CallSink | None = None,
         health: HealthCounters | None = None,
     ):
+        refusal = argument_refusal(config, transport, hidden_size=hidden_size, residual_ndim=residual_ndim,
+                                   max_num_tokens=max_num_tokens, capacity_numel=capacity_numel,
+                                   fixed_capacity=fixed_capacity, enabled=enabled, fast_cpu=fast_cpu)
+        if refusal:
+            raise EchoConfigError(f"{type(self).__name__}: {refusal}")
         if transport.world_size < 2:
             raise EchoConfigError(f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}")
         local = len(transport.local_ranks)
@@ -187,9 +231,16 @@ class EchoCommunicator:
         ), self.config, enabled=self.enabled)
 
     def _slot(self, msg: torch.Tensor, slot: CallSlot | None, residual: bool) -> CallSlot:
-        """Steps 2-3: the call's slot, and the buffer reserved once."""
+        """Steps 2-3: the call's slot, and the buffer reserved once. Every
+        call passes here first, and is refused after :meth:`close` (the
+        backends are released; rebuilding one would allocate, and a fused
+        one rendezvous, behind the caller's back)."""
+        if self.disabled:
+            raise RuntimeError(f"this {type(self).__name__} is closed: its backends and feedback buffer are released")
         if slot is None:
             slot = self.numbering(msg.shape[0] if msg.dim() else 0, residual)
+        elif not isinstance(slot, CallSlot):  # an int failed deep inside the policy
+            raise TypeError(f"slot={slot!r:.60}: must be a CallSlot (CallSlot({slot!r:.20}) for a call index)")
         if residual and self.fixed_capacity and not self._reserved and not capturing():
             self.reserve(max(self.max_num_tokens or 0, msg.shape[0]), msg.shape[-1])
             self._reserved = True
@@ -202,8 +253,14 @@ class EchoCommunicator:
         """Reduce ``inp`` on the path the policy picks (Echo, or the exact path
         after absorbing the pending error); ``out``, if given, receives the
         result. ``slot``: the call's place in its pass (default: ``numbering``'s).
-        ``exact_reason``: the exact path, recorded under it, whatever the policy says."""
+        ``exact_reason``: the exact path, recorded under it, whatever the policy
+        says (a :class:`Reason` other than ``ECHO``). ``out`` has the message's
+        shape, dtype and device and is contiguous (:func:`out_refusal`)."""
         msg = self._message(inp)
+        if out is not None and (refusal := out_refusal(msg, out)):
+            raise ValueError(refusal)
+        if exact_reason is not None and (not isinstance(exact_reason, Reason) or exact_reason is Reason.ECHO):
+            raise ValueError(f"exact_reason={exact_reason!r:.60}: must be a policy.Reason other than ECHO")
         residual = self.is_residual(msg)
         slot = self._slot(msg, slot, residual)
         lay = self._layout_of(msg)
@@ -297,8 +354,19 @@ class EchoCommunicator:
         fb, incoming = None, False
         if chain is not None and self.config.feedback:
             incoming = chain.take(call_index, key)
-            fb = chain.buffer(lay.padded_numel)
+            fb = self._feedback(chain, lay.padded_numel, xs.device)
         return key, fb, incoming
+
+    @staticmethod
+    def _feedback(chain: FeedbackChain, numel: int, device: torch.device) -> torch.Tensor:
+        """The chain's buffer for ``numel`` values of a message on ``device``,
+        which must be the buffer's (the communicator's ``device``): a kernel
+        handed both failed deep inside, or read one as the other's memory."""
+        fb = chain.buffer(numel)
+        if fb.device != device:
+            raise ValueError(f"the input is on {device}, but this communicator's feedback buffer is on {fb.device}: "
+                             f"build it with device={str(device)!r}")
+        return fb
 
     def _leave(self, y: torch.Tensor, key: tuple, chain: FeedbackChain | None, call_index: int | None,
                fb: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
@@ -317,7 +385,7 @@ class EchoCommunicator:
         if chain.take(call_index, key):
             lay = self.message_layout(key[0])
             xs = self.backend(xs.device).consume(xs.reshape(xs.shape[0], lay.numel), lay,
-                                                 chain.buffer(lay.padded_numel)).reshape(xs.shape)
+                                                 self._feedback(chain, lay.padded_numel, xs.device)).reshape(xs.shape)
         chain.record(call_index, key, left_error=False)
         return xs
 
@@ -442,4 +510,4 @@ class EchoCommunicator:
         self.disabled = True
 
 
-__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering"]
+__all__ = ["EXACT_PATH_NORM", "EchoCommunicator", "Numbering", "argument_refusal", "out_refusal"]

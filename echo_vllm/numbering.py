@@ -31,6 +31,15 @@ class CallSlot:
     first_of_forward: bool = False
     """The first call numbered since the pass started."""
 
+    def __post_init__(self) -> None:
+        # the policy compares the index and tests the flags: 3.5, -1 or "no" would pick a path silently
+        i = self.index
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool) or i < 0):
+            raise ValueError(f"CallSlot index={i!r:.60}: must be an integer from 0, or None outside any pass")
+        for name in ("last_call", "first_of_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CallSlot {name}={getattr(self, name)!r:.60}: must be True or False")
+
 
 #: The slot of a call made outside any pass.
 NO_PASS = CallSlot(None)

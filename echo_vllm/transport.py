@@ -83,11 +83,15 @@ class VirtualTransport(Transport):
         return chunks
 
     def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 accumulation in rank order, one rounding: what vLLM's custom
-        # all-reduce and NCCL's one-shot kernels do for 16-bit inputs.
-        acc = torch.zeros(x.shape[1:], dtype=torch.float32, device=x.device)
+        """The sum over ranks in rank order: floats narrower than fp32 in
+        fp32, one rounding (what vLLM's custom all-reduce and NCCL's one-shot
+        kernels do for 16-bit inputs); every other dtype in its own, as
+        ``torch.distributed`` sums it (fp32 would round int64 and fp64 and
+        drop a complex value's imaginary part)."""
+        wide = x.is_floating_point() and x.element_size() < 4
+        acc = torch.zeros(x.shape[1:], dtype=torch.float32 if wide else x.dtype, device=x.device)
         for r in range(x.shape[0]):
-            acc = acc + x[r].float()
+            acc = acc + (x[r].float() if wide else x[r])
         return acc.to(x.dtype)
 
 

@@ -1,13 +1,14 @@
 """``EchoCommunicator`` (here its stacked form over virtual ranks): what each
-call records about the path it took."""
+call records about the path it took, and the arguments it refuses by name."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
-from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, EchoConfigError, StackedCommunicator, VirtualTransport
 from echo_vllm.backends.composed import ComposedBackend
 from echo_vllm.backends.stages import ReferenceStages
 from echo_vllm.policy import Reason
@@ -73,3 +74,65 @@ def test_a_callers_exact_reason_takes_the_exact_path_and_is_recorded():
     y = comm.all_reduce(x, slot=CallSlot(3), exact_reason=Reason.FORCED_EXACT)
     assert torch.equal(y, VirtualTransport(P).exact_all_reduce(x))
     assert [(r.path, r.reason) for r in records] == [("exact", Reason.FORCED_EXACT.value)]
+
+
+@pytest.mark.parametrize("arguments, named", [
+    (dict(config={"min_bytes": 0}), "config="), (dict(transport=4), "transport=4"),
+    (dict(capacity_numel=-5), "capacity_numel=-5"), (dict(capacity_numel=1.5), "capacity_numel=1.5"),
+    (dict(hidden_size=0), "hidden_size=0"), (dict(max_num_tokens=-1), "max_num_tokens=-1"),
+    (dict(residual_ndim=2.0), "residual_ndim=2.0"), (dict(enabled="no"), "enabled='no'"),
+    (dict(fixed_capacity="no"), "fixed_capacity='no'")])
+def test_a_bad_constructor_argument_is_refused_by_name(arguments, named):
+    """Each failed inside torch (capacity_numel) or at the first call, or ran
+    every call on a path nobody asked for (enabled="no" ran Echo,
+    hidden_size=0 made every call exact)."""
+    given = dict(config=CFG, transport=VirtualTransport(P)) | arguments
+    with pytest.raises(EchoConfigError, match=f"StackedCommunicator: {named}"):
+        StackedCommunicator(given.pop("config"), given.pop("transport"), **given)
+
+
+def test_a_call_after_close_is_refused_and_closing_twice_is_harmless():
+    """After close() a call rebuilt the released backends (a fused one
+    allocates and rendezvous again) and reran Echo without a word."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    comm.all_reduce(x, slot=CallSlot(0))
+    comm.close()
+    comm.close()
+    with pytest.raises(RuntimeError, match="this StackedCommunicator is closed"):
+        comm.all_reduce(x, slot=CallSlot(1))
+
+
+def test_a_slot_or_exact_reason_of_another_type_is_refused_by_name():
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    with pytest.raises(TypeError, match=r"slot=3: must be a CallSlot \(CallSlot\(3\)"):
+        comm.all_reduce(x, slot=3)  # failed inside the policy
+    for reason in ("forced", Reason.ECHO):  # a string failed after the reduction ran; ECHO was recorded as exact
+        with pytest.raises(ValueError, match="exact_reason=.*must be a policy.Reason other than ECHO"):
+            comm.all_reduce(x, slot=CallSlot(0), exact_reason=reason)
+
+
+@pytest.mark.parametrize("out, why", [
+    (torch.empty(128, 8, dtype=torch.bfloat16), r"is \(128, 8\) torch.bfloat16 on cpu: must be the message's"),
+    (torch.empty(2, 8, 128, dtype=torch.bfloat16), r"is \(2, 8, 128\)"),
+    (torch.empty(8, 128, dtype=torch.int32), "torch.int32"),
+    (torch.empty(8, 128, dtype=torch.bfloat16, device="meta"), "on meta"),
+    (torch.empty(128, 8, dtype=torch.bfloat16).t(), "must be contiguous")])
+@pytest.mark.parametrize("exact", [False, True])
+def test_out_must_be_the_messages_shape_dtype_and_device_on_both_paths(out, why, exact):
+    """Before, each path took a different subset: Echo's reshaped a [128, 8]
+    out, the exact path broadcast into [2, 8, 128]; both truncated into an
+    int32 out and wrote nothing into a meta one."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    x = torch.randn(P, 8, 128).bfloat16()
+    with pytest.raises(ValueError, match=why):
+        comm.all_reduce(x, slot=CallSlot(0), out=out, exact_reason=Reason.FORCED_EXACT if exact else None)
+
+
+def test_an_input_on_another_device_than_the_communicator_is_refused_by_name():
+    """The feedback buffer lives on the communicator's ``device``: an input
+    elsewhere failed inside torch (or, on a GPU, inside a kernel)."""
+    comm = StackedCommunicator(CFG, VirtualTransport(P), device="meta")
+    with pytest.raises(ValueError, match="the input is on cpu, but this communicator's feedback buffer is on meta"):
+        comm.all_reduce(torch.randn(P, 8, 128).bfloat16(), slot=CallSlot(0))

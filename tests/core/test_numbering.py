@@ -1,7 +1,9 @@
 """Call numbering (echo_vllm.numbering): the one counter the vLLM tracker,
 the emulation and training's chains share."""
 
-from echo_vllm.numbering import NO_PASS, CallCounter
+import pytest
+
+from echo_vllm.numbering import NO_PASS, CallCounter, CallSlot
 
 
 def _pass(counter, n, **start):
@@ -54,3 +56,18 @@ def test_side_calls_take_no_number():
     c.start()
     c.next()
     assert not c.side().last_call and c.next().last_call
+
+
+@pytest.mark.parametrize("fields, named", [((-1,), "index=-1"), ((3.5,), "index=3.5"), ((float("nan"),), "index=nan"),
+                                           ((True,), "index=True"), (("3",), "index='3'"),
+                                           ((3, "no"), "last_call='no'"), ((3, False, 1), "first_of_forward=1")])
+def test_a_slot_the_policy_would_misread_is_refused_by_name(fields, named):
+    """-1 and 3.5 were compared as positions (-1: Echo at first_exact_calls=0,
+    never carrying), "no" read as the last call, "3" failed inside the policy."""
+    with pytest.raises(ValueError, match=f"CallSlot {named}"):
+        CallSlot(*fields)
+
+
+def test_every_slot_the_counter_gives_is_valid():
+    c = CallCounter(2)
+    assert _pass(c, 3)[-1] == CallSlot(2, False, False) and CallSlot(2**40).index == 2**40 and NO_PASS.index is None
