@@ -82,7 +82,7 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores
   step kernel_tests 450 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
-    --tb=line
+    --tb=line --durations=30
   step bench_fused 35 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 10 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
