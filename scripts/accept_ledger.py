@@ -148,7 +148,8 @@ def verdict(counted: list[RunResult]) -> tuple[bool, str]:
         return False, f"run(s) {', '.join(map(str, failed))} failed on this GPU code"
     if missing:
         return False, f"run(s) {', '.join(map(str, missing))} not passed on this GPU code"
-    return True, "all four runs passed on this GPU code"
+    devices = sorted({r.device for r in counted})
+    return True, f"all four runs passed on this GPU code ({', '.join(devices)})"
 
 
 def main(argv=None) -> int:

@@ -107,11 +107,13 @@ else
   step bundle 90 "$PY" "$STASH/install.py" /tmp/echo-accept/site "$STASH"
   export PYTHONPATH="/tmp/echo-accept/site:$PYTHONPATH"
   mkdir -p "$OUT/vllm" "$OUT/serve"
-  # side by side: each engine takes 0.3 of the GPU's memory
-  ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420
+  # side by side: the vLLM check runs two engines at a time (the eager phase's cold start beside the
+  # graph phases), 0.25 of the GPU's memory each, the serve check one of 0.3
+  ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420 --parallel 2 \
+      --gpu-memory-utilization 0.25
     printf '%s\n' "${status[-1]}" > "$OUT/.vllm_status" ) &  # its own line only: the bundle's is counted here
   vllm_pid=$!
-  sleep 20  # the first engine claims its memory before the second starts
+  sleep 40  # the vLLM check's first two engines (20 s apart) claim their memory before the serve check's starts
   step serve_check 440 env OUT="$OUT/serve" SERVE_EXTRA=--echo-fuse-norm bash server/gpu_serve_check.sh
   wait $vllm_pid
   [ -f "$OUT/.vllm_status" ] && mapfile -t -O "${#status[@]}" status < "$OUT/.vllm_status"

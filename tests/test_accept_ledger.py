@@ -143,7 +143,7 @@ def test_runs_of_two_sessions_add_up_across_document_commits(repo, capsys):
     d = repo.commit("results of runs 3 and 4")
     assert _main(repo, d) == 0
     out = capsys.readouterr().out
-    assert out.count(": same GPU code") == 4 and "PROVEN: all four runs passed" in out
+    assert out.count(": same GPU code") == 4 and "PROVEN: all four runs passed on this GPU code (NVIDIA H200)" in out
 
 
 def test_a_code_change_starts_the_count_again(repo, capsys):
