@@ -99,8 +99,9 @@ elif [ "$RUN" = 2 ]; then
   step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 elif [ "$RUN" = 3 ]; then
-  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s
-  step fused_sweep_p8 480 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
+  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s, then not done
+  # at 400 s (2026-12-05): the call needs 580 s; the sweep's own deadline (520 s) names the ranks first
+  step fused_sweep_p8 550 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
     --json "$OUT/fused_sweep_p8.json"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2
