@@ -100,8 +100,8 @@ elif [ "$RUN" = 2 ]; then
     --out "$OUT/norm"
 elif [ "$RUN" = 3 ]; then
   # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s, then not done
-  # at 400 s (2026-12-05): the call needs 580 s; the sweep's own deadline (520 s) names the ranks first
-  step fused_sweep_p8 550 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
+  # at 400 s (2026-12-05): the call needs 560 s; the sweep's own deadline (500 s) names the ranks first
+  step fused_sweep_p8 530 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
     --json "$OUT/fused_sweep_p8.json"
 else
   [ -f "$STASH/install.py" ] || echo "no install.py in $STASH: carry ../shared/gpu-wheelhouse/install.py in .gpu-bundle" >&2

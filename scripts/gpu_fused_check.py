@@ -479,7 +479,7 @@ def check_sweep(world: int, gpus: int) -> dict:
     t0 = time.monotonic()
     cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
     try:
-        got = run_ranks(rank_sweep, world, gpus, deadline_s=520)  # P = 8: 253 s on 2026-12-04, past 400 s on 12-05
+        got = run_ranks(rank_sweep, world, gpus, deadline_s=500)  # P = 8: 253 s on 2026-12-04, past 400 s on 12-05
         problems = []
         for case in cases:
             want = shape_sweep.reference_outputs(case)
