@@ -42,7 +42,7 @@ DECODE_ONCE_MAX_VALUES = 8192
 #: Most values a thread holds when the output phase reads a step's rows of
 #: every chunk at once (one pass: ``NormTiling.one_pass_rows``); wider rows
 #: take two passes, a chunk at a time. At 8 warps, 16 is one row of 4096
-#: (Qwen3-8B at any P). Not yet timed on a GPU against two passes.
+#: (Qwen3-8B at any P): 3-10 µs faster than two passes at 8k tokens on the H200 (BENCHMARKS.md).
 ONE_PASS_MAX_VALUES = 16
 #: Values one warp covers in the lane layout (32 lanes of 8): the smallest tile of a chunk.
 WARP_VALUES = 256

@@ -345,10 +345,27 @@ def _next_power_of_2(n: int) -> int:
 
 
 @triton.jit
-def _by_row(v, PP: tl.constexpr, R: tl.constexpr):
-    """A step's lane values ``[PP * R * RGP, L]`` (chunk-major) as ``[R, PP * RGP * L]``: each row's along the second axis."""
-    N: tl.constexpr = v.shape[0] * v.shape[1] // (PP * R)
-    return tl.reshape(tl.permute(tl.reshape(v, (PP, R, N)), (1, 0, 2)), (R, PP * N))
+def step_row_max(s, PP: tl.constexpr, R: tl.constexpr):
+    """``[R]``: the largest lane sum of each row of a step (``s [PP * R * RGP, L] >= 0``, chunk-major; NaN
+    if any is). One row: over all of ``s`` at once. Several: each group's lanes, then ``[PP, R, RGP]``
+    along its last axis and its first (as :func:`row_max`), no permute: reduced across a permuted view,
+    steps of several rows gave other rows' bits in the compiled fused kernel on the H200 (BENCHMARKS.md,
+    the norm fusion's appendix)."""
+    if R == 1:
+        return tl.reduce(tl.reshape(s, (1, s.shape[0] * s.shape[1])), 1, nan_max)
+    else:
+        g = tl.reshape(tl.reduce(s, 1, nan_max), (PP, R, s.shape[0] // (PP * R)))
+        return tl.reduce(tl.reduce(g, 2, nan_max), 0, nan_max)
+
+
+@triton.jit
+def step_row_total(t, PP: tl.constexpr, R: tl.constexpr):
+    """``[R]`` int64: the sum of each row's terms ``t [PP * R * RGP, L]`` of a step (exact, any order),
+    reduced as :func:`step_row_max`."""
+    if R == 1:
+        return tl.sum(tl.reshape(t, (1, t.shape[0] * t.shape[1])), 1)
+    else:
+        return tl.sum(tl.sum(tl.reshape(tl.sum(t, 1), (PP, R, t.shape[0] // (PP * R))), 2), 0)
 
 
 @triton.jit
@@ -425,10 +442,10 @@ def _step_out(words, s, r, w, start, offs, m, out_ptr, res_out_ptr, cols, eps, P
     R: tl.constexpr = words.shape[0] // (PP * RGP)
     x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE), r, RESIDUAL)
     sq = lane_sums(tl.where(as_lanes(m, G), x * x, 0.0))  # padding lanes and columns past the row: not in the row
-    mx = tl.reduce(_by_row(sq, PP, R), 1, nan_max)
+    mx = step_row_max(sq, PP, R)
     finite, k, up = row_scale(mx)
     terms = fixed(sq, _on_groups(up, PP, RGP))
-    rstd = _on_groups(row_rstd(tl.sum(_by_row(terms, PP, R), 1), finite, k, mx, cols, eps), PP, RGP)
+    rstd = _on_groups(row_rstd(step_row_total(terms, PP, R), finite, k, mx, cols, eps), PP, RGP)
     if RESIDUAL:
         store_values(res_out_ptr + start, offs, m, from_f32(x, OUT))
     store_values(out_ptr + start, offs, m, weighted(x * rstd[:, None, None], w, OUT))

@@ -235,11 +235,11 @@ def _compiled() -> dict:
             for key, k in cache[0].items()}
 
 
-def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+def _case_ttgir(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, str]:
     """Run a kernel test's body with launches compiled for sm_90 but not run
     (``compile_only``; its comparisons skipped: nothing ran) and return the
-    shuffle layout problems of every kernel it compiled. A compilation
-    error propagates."""
+    TTGIR of every kernel it compiled, by name. A compilation error
+    propagates."""
     import importlib
     from unittest import mock
 
@@ -251,8 +251,12 @@ def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str,
         for m in mods:  # the bodies compare results; no result exists here
             stack.enter_context(mock.patch.object(m, "assert_same_bits", lambda *a, **k: None))
         getattr(importlib.import_module(module), fn)(*args, **kwargs)
-    return {name: p for (name, key), k in _compiled().items() if (name, key) not in before
-            if (p := shuffle_layout_problems(k.asm["ttgir"]))}
+    return {name: k.asm["ttgir"] for (name, key), k in _compiled().items() if (name, key) not in before}
+
+
+def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+    """The shuffle layout problems of every kernel :func:`_case_ttgir` compiles."""
+    return {name: p for name, ir in _case_ttgir(module, fn, args, kwargs).items() if (p := shuffle_layout_problems(ir))}
 
 
 def _small_cases() -> list:
@@ -279,6 +283,25 @@ def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, 
     came into the norm kernels as a constant int and failed to compile."""
     problems = _compiler_pool().submit(_reporting, _case_problems, module, fn, args, kwargs).result(timeout=600)
     assert problems == {}, problems
+
+
+def _several_row_steps() -> list:
+    from test_fused_norm import NORM_PHASE_CASES
+
+    return [pytest.param(c, id=str(c)) for c in NORM_PHASE_CASES if c[8] // 2 > 1]
+
+
+@pytest.mark.parametrize("case", _several_row_steps())
+def test_one_pass_steps_of_several_rows_reduce_without_a_permute(case):
+    """The fused kernel's one pass in steps of several rows (half a tile's,
+    as ``test_fused_norm`` runs it) reduces the rows' statistics along the
+    step's own axes: reduced across a permuted view of the step
+    (``tt.trans``), it gave other rows' bits on the H200 while the
+    interpreter agreed with the reference."""
+    irs = _compiler_pool().submit(_reporting, _case_ttgir, "test_fused_norm", "_norm_phases_match", case,
+                                  {"one_pass_rows": case[8] // 2}).result(timeout=600)
+    assert "_fused_norm_kernel" in irs, sorted(irs)
+    assert {name: ir.count("tt.trans") for name, ir in irs.items() if "tt.trans" in ir} == {}
 
 
 def test_lane_layout_needs_a_lane_per_thread_and_aligned_rows():
