@@ -66,8 +66,6 @@ class RunResult:
     device: str
     steps: tuple[tuple[str, bool], ...]
     """(step name, passed) in the order the run made them."""
-    source: str
-    """The summary file it was read from."""
 
     @property
     def passed(self) -> bool:
@@ -86,7 +84,7 @@ def parse_summary(text: str, source: str) -> list[RunResult]:
             return
         if not steps:
             raise LedgerError(f"{source}: run {header[0]} on {header[1]} lists no steps")
-        runs.append(RunResult(header[0], header[1], header[2], header[3], tuple(steps), source))
+        runs.append(RunResult(header[0], header[1], header[2], header[3], tuple(steps)))
 
     for n, line in enumerate(text.splitlines(), 1):
         if m := _HEADER.match(line):

@@ -115,7 +115,7 @@ def test_floor_line_is_gpu_code(repo):
 # -- the verdict ---------------------------------------------------------------------------------------------
 
 def _run(n: int, passed: bool = True) -> ledger.RunResult:
-    return ledger.RunResult(n, "abc", "t", "H200", (("s", passed),), "f")
+    return ledger.RunResult(n, "abc", "t", "H200", (("s", passed),))
 
 
 @pytest.mark.parametrize("runs, proven, says", [
