@@ -28,16 +28,17 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False, aligned=None, one_pass_rows=0):
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0):
     from echo_vllm.kernels import fused_kernel as fk
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
     plan = norm_tiling(lay)[0]
     aligned = plan.aligned if aligned is None else aligned
-    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows)
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
+                        pipeline_stages=pipeline_stages)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows}")
+           f"one pass={one_pass_rows} stages={pipeline_stages}")
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
@@ -103,6 +104,12 @@ def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard,
     tile of a program in one loop)."""
     in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
                       one_pass_rows=0 if passes == "two" else max(1, tile_rows // 2))
+
+
+@pytest.mark.parametrize("case", [c for c in NORM_PHASE_CASES if c[8] > 1], ids=str)
+def test_norm_phases_pipelined_one_pass(case):
+    """The one-pass loop software-pipelined (``NormTiling.pipeline_stages``): the same bits."""
+    in_kernel_process(_norm_phases_match, *case, one_pass_rows=max(1, case[8] // 2), pipeline_stages=2)
 
 
 def test_norm_phases_without_residual_and_fp32_weight():
