@@ -29,8 +29,9 @@
 #      Qwen3-8B's layer compute for the TTFT projection is measured apart,
 #      `python3 -m echo_vllm.bench.layer_compute`).
 #   3  the shape sweep through the fused backend at P = 8, alone (eight
-#      processes on the one GPU: 253 s alone, and past run 2's limit
-#      beside its other checks, 2026-12-04).
+#      processes on the one GPU: 253 s beside the P = 3 and 4 sweeps and
+#      past run 2's limit beside its other checks, 2026-12-04; 377 s alone,
+#      2026-12-05).
 #   4  vLLM: the bundle unpacked (the parts stashed by runs 1-3, and its own), then
 #      scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
@@ -99,8 +100,8 @@ elif [ "$RUN" = 2 ]; then
   step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 elif [ "$RUN" = 3 ]; then
-  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 253 s, then not done
-  # at 400 s (2026-12-05): the call needs 560 s; the sweep's own deadline (500 s) names the ranks first
+  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 377 s of a 480 s
+  # limit (2026-12-05): the call needs 560 s; the sweep's own deadline (500 s) names the ranks first
   step fused_sweep_p8 530 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
     --json "$OUT/fused_sweep_p8.json"
 else
