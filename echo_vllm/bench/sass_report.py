@@ -91,10 +91,11 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
-def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
+def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_output: bool = False) -> dict:
     """The output-norm kernel, the fused kernel's phase 3 with the norm, the
     whole fused norm kernel and, beside it, Echo's own whole fused kernel,
-    compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default)."""
+    compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default), with
+    the residual add (``keep_output``: without one, Echo's output kept)."""
     from ..kernels import fused_kernel as fk
     from ..kernels import contract
     from ..kernels import output_norm_kernel as onk
@@ -107,7 +108,8 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    plan = onk._plan(lay, tiling, True, True, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
+    mode = onk.residual_mode(None if keep_output else res, res)
+    plan = onk._plan(lay, tiling, True, mode, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
                                                                      tiling.num_warps, res, w, out))
     composed = plan.launcher.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
@@ -116,7 +118,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
 
     def fused(phase):
         lp = fk._norm_launch_plan(lay, fused_tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                                  True, fk.tiling_lanes(fused_tiling, lay, res, w, out))
+                                  mode, fk.tiling_lanes(fused_tiling, lay, res, w, out))
         ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
         return lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
                                    ints, lp.constexprs)

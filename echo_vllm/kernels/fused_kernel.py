@@ -613,7 +613,7 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int,
-                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
+                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: int,
                       lanes: bool) -> LaunchPlan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``tiling.norm`` set)."""
     la = _launcher(tiling.num_warps, tiling.registers, True)
@@ -759,14 +759,15 @@ def fused_all_reduce_norm(
     """:func:`fused_all_reduce` followed by the residual add and RMSNorm in
     its phase 3: ``(out, new residual)``, the bits of its output then
     ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
-    (``norm.rms_norm`` and None without ``residual``), the same as the
+    (``norm.rms_norm`` without ``residual``, and ``residual_out`` holding
+    Echo's output, or None when not given), the same as the
     composed ``output_norm`` kernel's. ``tiling``: :func:`tiling_for_norm`'s
     (whole rows per tile in every phase). ``residual`` (``[numel]``
     values, ``[P, numel]`` for every rank in one launch) gets the new
     residual in place unless ``residual_out`` is given; ``out`` likewise
     shaped. ``x``, ``feedback``, ``phase``, ``sms``, ``status``: as
     :func:`fused_all_reduce`'s."""
-    from .output_norm_kernel import check_norm_operands
+    from .output_norm_kernel import check_norm_operands, residual_mode
 
     if tiling.norm is None:
         raise ValueError("tiling: not a norm tiling (tiling_for_norm)")
@@ -778,7 +779,7 @@ def fused_all_reduce_norm(
     res = residual if residual is not None else out  # unused pointers without a residual
     res_out = residual_out if residual_out is not None else out
     lp = _norm_launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                           bool(has_incoming), phase, residual is not None,
+                           bool(has_incoming), phase, residual_mode(residual, residual_out),
                            tiling_lanes(tiling, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))

@@ -7,7 +7,8 @@ chunk (``tile.decode_output``: Echo's output, rounded to the output dtype),
 adds the residual in fp32, and once the rows' mean squares are known
 stores the new residual and ``rmsnorm(sum) * weight`` -- the bits of
 ``quant.output_reference`` followed by ``norm.add_rms_norm(...,
-variance="kernel")`` (``norm.rms_norm`` without a residual). The composed
+variance="kernel")`` (``norm.rms_norm`` without a residual; with
+``KEEP_OUTPUT`` Echo's output itself is stored as the new residual). The composed
 output kernel (:mod:`.output_norm_kernel`) and the fused kernel's phase 3
 share it, so the two give the same bits by construction.
 
@@ -43,6 +44,12 @@ from .tile import (
 
 FIXED_BITS: tl.constexpr = tl.constexpr(_FIXED_BITS)
 MAX_SHIFT: tl.constexpr = tl.constexpr(_MAX_SHIFT)
+#: ``RESIDUAL`` of the norm kernels (``output_norm_kernel.residual_mode``): ``rms_norm`` alone;
+#: ``fused_add_rms_norm`` (the residual added, the sum stored as the new one); ``rms_norm`` of an
+#: output that is also the next residual (a decoder's first norm: Echo's output stored beside it).
+NO_RESIDUAL: tl.constexpr = tl.constexpr(0)
+ADD_RESIDUAL: tl.constexpr = tl.constexpr(1)
+KEEP_OUTPUT: tl.constexpr = tl.constexpr(2)
 #: Cache hints of the two passes over a tile's bytes: keep them for the second, then drop them.
 KEEP: tl.constexpr = tl.constexpr("evict_last")
 DROP: tl.constexpr = tl.constexpr("evict_first")
@@ -172,7 +179,7 @@ def _chunk_in(buf_ptr, chunk_first, payload_bytes, res_ptr, offs, c, live, lg, j
     d, limit = block_shift(j, row_groups, cols, G)
     m = live & (c < limit)
     r = m
-    if RESIDUAL:
+    if RESIDUAL == ADD_RESIDUAL:
         r = load_values(res_ptr + d, offs, m, G, EVICT)
     return words, s, r, m
 
@@ -183,7 +190,7 @@ def _plus_residual(a, r, RESIDUAL: tl.constexpr):
     residual ``r`` when there is one -- the same instructions in both passes,
     so the same bits."""
     x = to_f32(a)
-    if RESIDUAL:
+    if RESIDUAL == ADD_RESIDUAL:
         x = x + to_f32(r)
     return x
 
@@ -191,8 +198,9 @@ def _plus_residual(a, r, RESIDUAL: tl.constexpr):
 @triton.jit
 def _store_rows(x, rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT: tl.constexpr, G: tl.constexpr,
                 RESIDUAL: tl.constexpr):
-    """Chunk values ``x`` (fp32, at ``d`` of the rows): the new residual and ``rmsnorm(x) * weight``."""
-    if RESIDUAL:
+    """Chunk values ``x`` (fp32, at ``d`` of the rows): the new residual (``x`` rounded: the sum, or
+    with ``KEEP_OUTPUT`` Echo's output, exact) and ``rmsnorm(x) * weight``."""
+    if RESIDUAL != NO_RESIDUAL:
         store_values(res_out_ptr + d, offs, m, from_f32(x, OUT))
     w = load_values(w_ptr + d, c, m, G)
     store_values(out_ptr + d, offs, m, weighted(x * rstd, w, OUT))
@@ -231,14 +239,14 @@ def _second_pass_stored(res_ptr, w_ptr, out_ptr, res_out_ptr, rstd, offs, c, liv
     m = live & (c < limit)
     a = load_values(out_ptr + d, offs, m, G, DROP)
     r = m
-    if RESIDUAL:
+    if RESIDUAL == ADD_RESIDUAL:
         r = load_values(res_ptr + d, offs, m, G, DROP)
     for j in range(P):
         dn, limit_n = block_shift(tl.minimum(j + 1, P - 1), row_groups, cols, G)
         m_n = live & (c < limit_n) & (j + 1 < P)
         a_n = load_values(out_ptr + dn, offs, m_n, G, DROP)
         r_n = m_n
-        if RESIDUAL:
+        if RESIDUAL == ADD_RESIDUAL:
             r_n = load_values(res_ptr + dn, offs, m_n, G, DROP)
         _store_rows(_plus_residual(a, r, RESIDUAL), rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT, G,
                     RESIDUAL)
@@ -253,8 +261,8 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
                      ONE_PASS_ROWS: tl.constexpr):
     """Tile ``t``'s ``K`` rows (:func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
-    residual into ``res_out_ptr`` (``RESIDUAL``; it may be ``res_ptr``
-    itself), the normalised rows into ``out_ptr`` (message layout,
+    residual into ``res_out_ptr`` (``RESIDUAL`` not ``NO_RESIDUAL``; with
+    ``ADD_RESIDUAL`` it may be ``res_ptr`` itself), the normalised rows into ``out_ptr`` (message layout,
     ``out_ptr``'s dtype; module docstring). ``LANES``:
     ``contract.lane_layout`` of the rows' tensors (else the decode takes the
     layout-agnostic butterflies, same bits). ``ONE_PASS_ROWS`` > 0 (``==
@@ -425,7 +433,7 @@ def _step_in(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, t, row_
         offs = offs + d[:, None]
     m = live & real[:, None] & (c < limit[:, None])
     r = m
-    if RESIDUAL:
+    if RESIDUAL == ADD_RESIDUAL:
         r = load_values(res_ptr + start, offs, m, G, DROP)
     # the weight again each step (from L1): kept across the steps it cost 8 registers and spilled at P = 8
     w = load_values(w_ptr, d[:, None] + c, m, G)
@@ -446,7 +454,7 @@ def _step_out(words, s, r, w, start, offs, m, out_ptr, res_out_ptr, cols, eps, P
     finite, k, up = row_scale(mx)
     terms = fixed(sq, _on_groups(up, PP, RGP))
     rstd = _on_groups(row_rstd(step_row_total(terms, PP, R), finite, k, mx, cols, eps), PP, RGP)
-    if RESIDUAL:
+    if RESIDUAL != NO_RESIDUAL:
         store_values(res_out_ptr + start, offs, m, from_f32(x, OUT))
     store_values(out_ptr + start, offs, m, weighted(x * rstd[:, None, None], w, OUT))
 

@@ -28,7 +28,9 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0):
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0, keep=False):
+    """``keep`` (without ``residual``): Echo's output also written into a
+    buffer of its own (a decoder's first norm's next residual)."""
     from echo_vllm.kernels import fused_kernel as fk
 
     dtype = DTYPES[dt]
@@ -38,7 +40,8 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
                         pipeline_stages=pipeline_stages)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows} stages={pipeline_stages}")
+           f"one pass={one_pass_rows} stages={pipeline_stages} keep={keep}")
+    assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
@@ -51,18 +54,22 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     res0, w = norm_operands(rows, cols, dtype, DTYPES[w_dt or dt], 5)
     ress = [res0.clone() if residual else None for _ in range(world)]
     outs = [torch.empty(lay.numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    unwritten = torch.full((lay.numel,), float("nan"), dtype=dtype, device=DEVICE)
+    kept = [unwritten.clone() if keep else None for _ in range(world)]
     fb1 = None
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
         quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
     want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard)
+    want_kept = quant.output_reference(q2, lay, dtype, hadamard=hadamard)
     n = world * lay.chunk_bytes
     for phase in (1, 2, 3):
         for r in range(world):
             got_out, got_res = fk.fused_all_reduce_norm(
                 x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
-                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r], phase=phase)
+                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r],
+                residual_out=kept[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 assert_same_bits(bufs[r][:n].view(world, lay.chunk_bytes), wire[:, r], f"phase 1 recv {r} [{tag}]")
@@ -74,12 +81,17 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
                 assert_same_bits(fbs[r], want_fb[r:r + 1], f"phase {phase} feedback of rank {r} [{tag}]")
             if phase < 3 and residual:
                 assert_same_bits(ress[r], res0, f"residual before phase 3 [{tag}]")
+            if phase < 3 and keep:
+                assert_same_bits(kept[r], unwritten, f"kept output before phase 3 [{tag}]", nan_any=True)
             if phase == 3:
                 assert got_out.data_ptr() == outs[-1].data_ptr()
                 assert_same_bits(outs[r].view(rows, cols), want_out, f"normed output of rank {r} [{tag}]",
                                  nan_any=True)
                 if residual:
                     assert_same_bits(ress[r], want_res, f"new residual of rank {r} [{tag}]", nan_any=True)
+                if keep:
+                    assert got_res.data_ptr() == kept[-1].data_ptr()
+                    assert_same_bits(kept[r], want_kept, f"kept output of rank {r} [{tag}]", nan_any=True)
 
 
 # rows, cols, P, g, dtype, feedback, hadamard, incoming, rows per tile, programs: the chunks' padding
@@ -112,10 +124,13 @@ def test_norm_phases_pipelined_one_pass(case):
     in_kernel_process(_norm_phases_match, *case, one_pass_rows=max(1, case[8] // 2), pipeline_stages=2)
 
 
-def test_norm_phases_without_residual_and_fp32_weight():
-    """rms_norm (the embedding's all-reduce), a fp32 weight under bf16."""
+@pytest.mark.parametrize("passes", ["two", "one"])
+@pytest.mark.parametrize("keep", [False, True], ids=["rms_norm", "kept"])
+def test_norm_phases_without_residual_and_fp32_weight(keep, passes):
+    """rms_norm, a fp32 weight under bf16; ``kept``: Echo's output written
+    beside it (a decoder's first norm, whose input is the next residual)."""
     in_kernel_process(_norm_phases_match, 6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2, residual=False,
-                      w_dt="fp32")
+                      w_dt="fp32", keep=keep, one_pass_rows=0 if passes == "two" else 1)
 
 
 def test_norm_phases_of_aligned_rows_by_either_index():
@@ -201,30 +216,40 @@ def _one_launch_matches_composed(rows, cols, world, residual, one_pass=True):
     fb = _feedback(world, lay, torch.bfloat16, 9)
     fb_c = fb.clone()
     res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 10)
-    res = res0.reshape(1, -1).repeat(world, 1) if residual else None
+    res = res0.reshape(1, -1).repeat(world, 1) if residual is True else None
+    keep = residual == "keep"  # no residual, Echo's output kept beside the norm
+    kept = torch.full((world, lay.numel), float("nan"), dtype=torch.bfloat16, device="cuda") if keep else None
     out, new_res = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=res, rank=0,
                                             gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=True,
-                                            has_incoming=True, tiling=fused_tiling, timeout_ns=10**10, sms=sms * world)
+                                            has_incoming=True, tiling=fused_tiling, timeout_ns=10**10, sms=sms * world,
+                                            residual_out=kept)
     # the composed stage kernels on the same inputs
     wire = kernels.stage1(x, fb_c, lay, qmax=QMAX, hadamard=True, has_incoming=True)
     q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=QMAX)
-    res_c = res0.clone().reshape(-1) if residual else None
-    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c)  # the plan's
+    res_c = res0.clone().reshape(-1) if residual is True else None
+    kept_c = torch.full((lay.numel,), float("nan"), dtype=torch.bfloat16, device="cuda") if keep else None
+    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c,
+                                      residual_out=kept_c)  # the plan's
     torch.cuda.synchronize()
     for r in range(world):
         assert_same_bits(out[r], want_out, f"rank {r} normed output", nan_any=True)
-        if residual:
+        if residual is True:
             assert_same_bits(new_res[r], res_c, f"rank {r} new residual", nan_any=True)
+        if keep:
+            assert_same_bits(new_res[r], kept_c, f"rank {r} kept output", nan_any=True)
     assert_same_bits(fb, fb_c, "feedback")
     # and the composed kernel against the spec
-    spec_out, spec_res = expected(q2, lay, torch.bfloat16, res0 if residual else None, w, hadamard=True)
+    spec_out, spec_res = expected(q2, lay, torch.bfloat16, res0 if residual is True else None, w, hadamard=True)
     assert_same_bits(want_out.view(rows, cols), spec_out, "composed output_norm vs spec", nan_any=True)
+    if keep:
+        y = quant.output_reference(q2, lay, torch.bfloat16, hadamard=True)
+        assert_same_bits(kept_c, y, "composed kept output vs spec", nan_any=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [8, 2])
-@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("residual", [True, False, "keep"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
 def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual, one_pass):
     _one_launch_matches_composed(8192, 4096, world, residual, one_pass)

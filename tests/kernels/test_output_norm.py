@@ -86,18 +86,28 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
         assert_same_bits(res_out, want_res, f"new residual, separate buffer [{tag}]", nan_any=True)
         assert_same_bits(res_in, res, f"residual input untouched [{tag}]")
         assert_same_bits(out2.view(rows, cols), want_out, f"normed output, separate buffer [{tag}]", nan_any=True)
+    y_ref = quant.output_reference(g, lay, dtype, hadamard=hadamard)
+    if not residual:
+        assert new_res is None
+        # a decoder's first norm: Echo's output kept beside it, as the next residual
+        kept = torch.full_like(y_ref, float("nan"))
+        out3, got_kept = output_norm(g, lay, dtype, w, EPS, hadamard=hadamard, residual_out=kept)
+        assert got_kept.data_ptr() == kept.data_ptr()
+        assert_same_bits(out3.view(rows, cols), want_out, f"normed output, output kept [{tag}]", nan_any=True)
+        assert_same_bits(kept, y_ref, f"kept output [{tag}]", nan_any=True)
     # the plain output kernel is unchanged beside it
     y = kernels.output(g, lay, dtype, hadamard=hadamard)
-    assert_same_bits(y, quant.output_reference(g, lay, dtype, hadamard=hadamard), f"plain output [{tag}]",
-                     nan_any=True)
+    assert_same_bits(y, y_ref, f"plain output [{tag}]", nan_any=True)
 
 
-# rows, cols, P, g, dtype, weight dtype, hadamard, residual: width 1, widths
+# rows, cols, P, g, dtype, weight dtype, hadamard, residual (without one, also
+# with Echo's output kept as the next residual): width 1, widths
 # not a multiple of P * g (or of 8), several rows per program, rows of
 # several programs, each dtype; a fp32 weight under a bf16 model
 CASES = [
     (5, 1, 2, 32, "bf16", "bf16", True, True),
     (3, 1, 3, 16, "fp32", "fp32", False, True),
+    (4, 1, 2, 32, "bf16", "bf16", True, False),
     (4, 100, 2, 32, "bf16", "bf16", True, True),
     (3, 333, 3, 16, "fp16", "fp16", True, True),
     (2, 256, 4, 64, "fp32", "fp32", True, False),
@@ -236,3 +246,9 @@ def test_output_norm_refuses_an_out_that_overlaps_the_residual():
         check_norm_operands(lay, torch.bfloat16, w, res, res, None)
     with pytest.raises(ValueError, match="out overlaps residual_out"):
         check_norm_operands(lay, torch.bfloat16, w, res.clone(), buf[32:32 + lay.numel], res)
+    # Echo's output kept (no residual): its buffer apart from out's too
+    assert check_norm_operands(lay, torch.bfloat16, w, None, out, res) == (out, res)
+    with pytest.raises(ValueError, match="out overlaps residual_out"):
+        check_norm_operands(lay, torch.bfloat16, w, None, buf[32:32 + lay.numel], res)
+    with pytest.raises(TypeError, match="residual_out: dtype"):
+        check_norm_operands(lay, torch.bfloat16, w, None, out, res.float())
