@@ -13,15 +13,14 @@
 #      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
 #      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values), and
 #      `bench fused` at P = 8, 64 MiB against the floor recorded in
-#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first),
-#      and the fused backend's lost-peer checks (an absent and a killed
-#      peer: a named timeout, never a hang). The kernel tests took 360-378 s
-#      at -n 14 on an H200 (2026-12-04, 979-980 passed), the bench 24-25 s,
-#      the floor 3 s, the lost peers 22-26 s.
+#      BENCHMARKS.md (fails if > 10% slower; it verifies the kernel first).
+#      The kernel tests took 360-378 s at -n 14 on an H200 (2026-12-04,
+#      979-980 passed) and 413 s (2026-12-05), the bench 24-27 s, the floor 3 s.
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, and the shape sweep at P = 2,
-#      3 and 4), then every other GPU-marked test that needs no
-#      vLLM (health counters under CUDA-graph replay and in inference mode,
+#      3 and 4) and its lost-peer checks (an absent and a killed peer: a
+#      named timeout, never a hang; 22-30 s), then every other GPU-marked
+#      test that needs no vLLM (health counters under CUDA-graph replay and in inference mode,
 #      a training step through the kernels, the norm's division), and
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
 #      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2, and the fused
@@ -81,19 +80,20 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 [ "$RUN" = stash ] && exit 0
 
 if [ "$RUN" = 1 ]; then
-  # compile-bound: pytest-xdist spreads the compilations over the host's cores
-  step kernel_tests 450 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
+  # compile-bound: pytest-xdist spreads the compilations over the host's cores. 413 s of 450 on main
+  # (2026-12-05); the one-pass norm and the kept output add GPU cases: the lost peers went to run 2
+  step kernel_tests 495 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
     --tb=line --durations=30
   step bench_fused 35 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 10 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
-  # the fused backend's absent and killed peers: short, and here so that run 2's sweeps have its time
-  step lost_peers 45 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
 elif [ "$RUN" = 2 ]; then
   # 2026-12-04 (6d8d749), one H200, beside the P = 8 sweep: the P = 2, 4 checks and the P = 2, 3, 4
   # sweeps each done within 209 s of the start
   step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4 --skip-lost-peer \
     --json "$OUT/fused_check.json"
+  # the fused backend's absent and killed peers (22-30 s in run 1 until 2026-12-05)
+  step lost_peers 45 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
   step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
   # 2026-12-04: the 9 cases took 81 s in two passes; one pass adds a second plan to compile, verify and time
