@@ -91,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--init-std", type=float, default=0.05,
                    help="weight scale (larger -> more peaked next-token distributions)")
-    p.add_argument("--prompts", type=int, default=4)
+    # 8: the largest CUDA-graph capture size (decode steps of every prompt at once still replay graphs)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget-s", type=float, default=600,
@@ -251,7 +252,10 @@ def compare(out: pathlib.Path, res: dict) -> dict:
         for x, y in zip(a_tokens, b_tokens):
             k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
             prefix.append(k / max(len(x), 1))
-        row = {"sequences_identical": f"{same}/{len(a_tokens)}", "mean_agreeing_prefix": sum(prefix) / len(prefix)}
+        mean = sum(prefix) / len(prefix)
+        sd = (sum((p - mean) ** 2 for p in prefix) / (len(prefix) - 1)) ** 0.5 if len(prefix) > 1 else 0.0
+        row = {"sequences_identical": f"{same}/{len(a_tokens)}", "mean_agreeing_prefix": mean,
+               "agreeing_prefix_sem": sd / len(prefix) ** 0.5}
         if a_logits is not None and b_logits is not None:
             a, b = torch.cat(a_logits), torch.cat(b_logits)
             ok = torch.isfinite(a) & torch.isfinite(b)
@@ -316,13 +320,22 @@ NORM_ROW = "graphs/echo norm fused vs norm off"
 #: What compilation alone does to the tokens, like for like first: Echo's own run (a last-bit change
 #: anywhere becomes another draw of its 4-bit rounding downstream), else the exact sum's.
 COMPILE_CONTROLS = ("graphs/echo vs eager/echo", "graphs/exact vs eager/exact")
+#: Standard errors of the difference of the two mean agreeing prefixes that the fused run may fall
+#: short of the control by: a one-sided test, which two runs of equal effect fail about 2% of the time.
+NOISE_Z = 2.0
 
 
 def norm_verdict(table: dict) -> str | None:
     """Why the norm fusion check failed (None: it passed, or was not run):
     the pass-on run must have fused calls, and its tokens must equal the
     pass-off run's or agree with them at least as well as compilation alone
-    keeps the tokens of the same sum (:data:`COMPILE_CONTROLS`).
+    keeps the tokens of the same sum (:data:`COMPILE_CONTROLS`), within
+    :data:`NOISE_Z` standard errors of the difference of the two means (each
+    a mean over the prompts of where a sequence first differs: 4 prompts
+    gave 0.37 against 0.34 on 2026-12-04, a difference far inside their
+    noise, so any change of the last bits could have failed it by chance).
+    A broken norm differs at the first tokens of every sequence: a mean
+    near 0, which fails.
 
     Why Echo's control: the fused norm's variance is an order-free sum, so
     it can differ from Inductor's fp32 reduction in the last bit; through
@@ -342,9 +355,11 @@ def norm_verdict(table: dict) -> str | None:
     if name is None:
         return "tokens differ with the norm fused, and no compiled run to compare with (graphs or graphs_exact)"
     base = table[name]
-    if row["mean_agreeing_prefix"] < base["mean_agreeing_prefix"]:
+    margin = NOISE_Z * (row.get("agreeing_prefix_sem", 0.0) ** 2 + base.get("agreeing_prefix_sem", 0.0) ** 2) ** 0.5
+    if row["mean_agreeing_prefix"] < base["mean_agreeing_prefix"] - margin:
         return (f"tokens with the norm fused agree with the unfused run over {row['mean_agreeing_prefix']:.2f} of "
-                f"their length, less than compilation alone keeps ({name}: {base['mean_agreeing_prefix']:.2f})")
+                f"their length, less than compilation alone keeps ({name}: {base['mean_agreeing_prefix']:.2f}) "
+                f"by more than {NOISE_Z:g} standard errors ({margin:.2f})")
     return None
 
 

@@ -89,3 +89,32 @@ def test_norm_fusion_row_and_verdict(tmp_path):
     verdict = check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]], eager_echo_tokens=tokens))
     assert "graphs/echo vs eager/echo: 1.00" in verdict  # compiled Echo kept eager Echo's tokens: 2/4 is less
     assert check.norm_verdict({}) is None
+
+
+def test_norm_verdict_allows_the_noise_of_its_prompts_and_no_more(tmp_path):
+    """Several prompts: the fused run may agree less than the control by
+    NOISE_Z standard errors of the difference of the two means, not more."""
+    check = _script()
+    logits = [torch.zeros(3, 8)]
+    ref = [[1, 2, 3, 4]] * 4
+    fused = {"norm_calls": {"fused": 12}}
+
+    def verdict(on_tokens, eager_echo_tokens):
+        res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", on_tokens, logits, **fused)},
+               "graphs": {"variants": _phase(tmp_path, "graphs", "echo", ref, logits)},
+               "eager": {"variants": _phase(tmp_path, "eager", "echo", eager_echo_tokens, logits)}}
+        table = check.compare(tmp_path, res)
+        return table, check.norm_verdict(table)
+
+    # fused prefixes 1/4, 1/4, 2/4, 3/4 (mean 0.4375, sd 0.239); control 2/4, 2/4, 3/4, 3/4 (0.625, 0.144)
+    on = [[1, 9, 9, 9], [1, 9, 9, 9], [1, 2, 9, 9], [1, 2, 3, 9]]
+    table, v = verdict(on, [[1, 2, 7, 7], [1, 2, 7, 7], [1, 2, 3, 7], [1, 2, 3, 7]])
+    row, base = table[check.NORM_ROW], table["graphs/echo vs eager/echo"]
+    assert abs(row["agreeing_prefix_sem"] - 0.239357 / 2) < 1e-6 and abs(base["agreeing_prefix_sem"] - 0.144338 / 2) < 1e-6
+    assert v is None  # 0.1875 short, within 2 * 0.1398
+    # control 4/4 everywhere (sd 0): 0.5625 short, past 2 * 0.1197
+    _, v = verdict(on, ref)
+    assert v is not None and "by more than 2 standard errors (0.24)" in v
+    # every sequence off at its first token (a broken norm): fails against the same control
+    _, v = verdict([[9, 9, 9, 9]] * 4, [[1, 2, 7, 7], [1, 2, 7, 7], [1, 2, 3, 7], [1, 2, 3, 7]])
+    assert v is not None and "over 0.00" in v
