@@ -123,18 +123,21 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_outp
         return lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
                                    ints, lp.constexprs)
 
-    return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}": composed,
-            f"fused phase 3 norm P={world_size}": fused(3), f"fused norm whole P={world_size}": fused(fk.ALL_PHASES),
+    kept = " kept" if keep_output else ""
+    return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}{kept}": composed,
+            f"fused phase 3 norm P={world_size}{kept}": fused(3),
+            f"fused norm whole P={world_size}{kept}": fused(fk.ALL_PHASES),
             f"fused whole P={world_size}": _fused_phase(fk.ALL_PHASES, world_size, rows=rows, cols=cols)}
 
 
-def norm_report(world_sizes: tuple[int, ...] = (8, 2)) -> list[dict]:
+def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False) -> list[dict]:
     """One row per norm kernel (:func:`_norm_kernels`) and P: SASS per row
-    value a thread holds."""
+    value a thread holds (``keep_output``: the kernels without a residual
+    that keep Echo's output, named "... kept")."""
     rows = []
     with compile_only():
         for p in world_sizes:
-            kernels = _norm_kernels(p)
+            kernels = _norm_kernels(p, keep_output=keep_output)
             per_thread = kernels.pop("values_per_thread")
             for name, k in kernels.items():
                 r = kernel_report(k)

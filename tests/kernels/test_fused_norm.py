@@ -28,7 +28,8 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0, keep=False):
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0, keep=False,
+                       decode_once=True):
     """``keep`` (without ``residual``): Echo's output also written into a
     buffer of its own (a decoder's first norm's next residual)."""
     from echo_vllm.kernels import fused_kernel as fk
@@ -38,9 +39,9 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     plan = norm_tiling(lay)[0]
     aligned = plan.aligned if aligned is None else aligned
     tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
-                        pipeline_stages=pipeline_stages)
+                        pipeline_stages=pipeline_stages, decode_once=decode_once)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows} stages={pipeline_stages} keep={keep}")
+           f"one pass={one_pass_rows} stages={pipeline_stages} keep={keep} decode once={decode_once}")
     assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
@@ -124,13 +125,23 @@ def test_norm_phases_pipelined_one_pass(case):
     in_kernel_process(_norm_phases_match, *case, one_pass_rows=max(1, case[8] // 2), pipeline_stages=2)
 
 
-@pytest.mark.parametrize("passes", ["two", "one"])
+#: Phase 3's paths: two passes (Echo's output read back, or decoded twice), one pass, one pass pipelined.
+PASSES = {"two": {}, "decode-twice": {"decode_once": False}, "one": {"one_pass_rows": 1},
+          "pipelined": {"one_pass_rows": 1, "pipeline_stages": 2}}
+
+
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("keep", [False, True], ids=["rms_norm", "kept"])
 def test_norm_phases_without_residual_and_fp32_weight(keep, passes):
     """rms_norm, a fp32 weight under bf16; ``kept``: Echo's output written
     beside it (a decoder's first norm, whose input is the next residual)."""
     in_kernel_process(_norm_phases_match, 6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2, residual=False,
-                      w_dt="fp32", keep=keep, one_pass_rows=0 if passes == "two" else 1)
+                      w_dt="fp32", keep=keep, **PASSES[passes])
+
+
+def test_norm_phases_decoding_twice():
+    """Two passes, the second decoding the chunks again (large tiles' choice), with the residual."""
+    in_kernel_process(_norm_phases_match, 7, 77, 3, 16, "bf16", "bf16", True, True, 2, 3, decode_once=False)
 
 
 def test_norm_phases_of_aligned_rows_by_either_index():

@@ -55,7 +55,7 @@ def expected(gathered, layout, dtype, res, w, *, hadamard):
 
 
 def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0,
-                         one_pass=True):
+                         one_pass=True, decode_once=True):
     from echo_vllm import kernels
     from echo_vllm.kernels.output_norm_kernel import output_norm as kernel
     from echo_vllm.norm_plan import norm_tiling
@@ -63,8 +63,10 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
     tiling = norm_tiling(lay, one_pass=one_pass)[0]
+    if not decode_once:
+        tiling = tiling._replace(decode_once=False)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual} "
-           f"one pass={tiling.one_pass_rows}")
+           f"one pass={tiling.one_pass_rows} decode once={tiling.decode_once}")
 
     def output_norm(*args, **kw):
         return kernel(*args, **kw, tiling=tiling)
@@ -124,6 +126,13 @@ CASES = [
 def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual, one_pass):
     in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual,
                       one_pass=one_pass)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[5]], ids=str)
+def test_output_norm_decoding_twice_matches_reference(case):
+    """Two passes, the second decoding the chunks again (large tiles' choice): with a residual, and
+    without one (Echo's output also kept)."""
+    in_kernel_process(_output_norm_matches, *case, one_pass=False, decode_once=False)
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])

@@ -82,39 +82,52 @@ def test_norm_fusion_row_and_verdict(tmp_path):
     assert "no compiled run" in check.norm_verdict(table(other, fused))
     # the exact sum's control alone (no eager Echo run)
     assert check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]])) is None  # compilation moves more
-    assert "graphs/exact vs eager/exact: 1.00" in check.norm_verdict(table(other, fused, exact_tokens=tokens))
+    assert "(control: graphs/exact vs eager/exact)" in check.norm_verdict(table(other, fused, exact_tokens=tokens))
     # Echo's own control wins where it ran: the fused run (prefix 2/4) keeps as much as compilation keeps
     # eager Echo's tokens (1/4), though the exact sum kept all of them
     assert check.norm_verdict(table(other, fused, exact_tokens=tokens, eager_echo_tokens=[[1, 7, 7, 7]])) is None
     verdict = check.norm_verdict(table(other, fused, exact_tokens=[[1, 9, 9, 9]], eager_echo_tokens=tokens))
-    assert "graphs/echo vs eager/echo: 1.00" in verdict  # compiled Echo kept eager Echo's tokens: 2/4 is less
+    assert "keeps (1.00)" in verdict and "(control: graphs/echo vs eager/echo)" in verdict  # 2/4 is less
     assert check.norm_verdict({}) is None
 
 
 def test_norm_verdict_allows_the_noise_of_its_prompts_and_no_more(tmp_path):
     """Several prompts: the fused run may agree less than the control by
-    NOISE_Z standard errors of the difference of the two means, not more."""
+    NOISE_Z standard errors (the prefixes paired by prompt; the prompt
+    logits' top-1 as two proportions), not more; a broken norm fails by its
+    logits even against a control whose prefixes are too noisy to tell."""
     check = _script()
-    logits = [torch.zeros(3, 8)]
+    g = torch.Generator().manual_seed(1)
+    ref_logits = [torch.randn(50, 8, generator=g) for _ in range(4)]
     ref = [[1, 2, 3, 4]] * 4
     fused = {"norm_calls": {"fused": 12}}
 
-    def verdict(on_tokens, eager_echo_tokens):
-        res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", on_tokens, logits, **fused)},
-               "graphs": {"variants": _phase(tmp_path, "graphs", "echo", ref, logits)},
-               "eager": {"variants": _phase(tmp_path, "eager", "echo", eager_echo_tokens, logits)}}
+    def verdict(on_tokens, eager_echo_tokens, on_logits=ref_logits):
+        res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", on_tokens, on_logits,
+                                                     **fused)},
+               "graphs": {"variants": _phase(tmp_path, "graphs", "echo", ref, ref_logits)},
+               "eager": {"variants": _phase(tmp_path, "eager", "echo", eager_echo_tokens, ref_logits)}}
         table = check.compare(tmp_path, res)
         return table, check.norm_verdict(table)
 
-    # fused prefixes 1/4, 1/4, 2/4, 3/4 (mean 0.4375, sd 0.239); control 2/4, 2/4, 3/4, 3/4 (0.625, 0.144)
-    on = [[1, 9, 9, 9], [1, 9, 9, 9], [1, 2, 9, 9], [1, 2, 3, 9]]
-    table, v = verdict(on, [[1, 2, 7, 7], [1, 2, 7, 7], [1, 2, 3, 7], [1, 2, 3, 7]])
-    row, base = table[check.NORM_ROW], table["graphs/echo vs eager/echo"]
-    assert abs(row["agreeing_prefix_sem"] - 0.239357 / 2) < 1e-6 and abs(base["agreeing_prefix_sem"] - 0.144338 / 2) < 1e-6
-    assert v is None  # 0.1875 short, within 2 * 0.1398
-    # control 4/4 everywhere (sd 0): 0.5625 short, past 2 * 0.1197
-    _, v = verdict(on, ref)
-    assert v is not None and "by more than 2 standard errors (0.24)" in v
-    # every sequence off at its first token (a broken norm): fails against the same control
-    _, v = verdict([[9, 9, 9, 9]] * 4, [[1, 2, 7, 7], [1, 2, 7, 7], [1, 2, 3, 7], [1, 2, 3, 7]])
-    assert v is not None and "over 0.00" in v
+    ctrl = [[1, 2, 7, 7], [1, 2, 7, 7], [1, 2, 3, 7], [1, 2, 3, 7]]  # prefixes 2/4, 2/4, 3/4, 3/4
+    # fused 1/4, 2/4, 2/4, 3/4: paired differences -1/4, 0, -1/4, 0 (mean -0.125, se 0.0722): within 2 se
+    table, v = verdict([[1, 9, 9, 9], [1, 2, 9, 9], [1, 2, 9, 9], [1, 2, 3, 9]], ctrl)
+    assert table[check.NORM_ROW]["agreeing_prefixes"] == [0.25, 0.5, 0.5, 0.75]
+    assert table[check.NORM_ROW]["positions"] == 200 and v is None
+    # fused 1/4, 1/4, 2/4, 2/4: differences -1/4, -1/4, -1/4, -1/4... mean -0.25 with no spread: past it
+    _, v = verdict([[1, 9, 9, 9], [1, 9, 9, 9], [1, 2, 9, 9], [1, 2, 9, 9]], ctrl)
+    assert v is not None and "paired difference (0.00)" in v and "(control: graphs/echo vs eager/echo)" in v
+    # a broken norm against a noisy control (6 of 8 prompts off at their first token, two kept): the
+    # prefixes cannot tell (mean -0.25, se 0.16), the logits can
+    noisy = [[9, 9, 9, 9]] * 6 + [[1, 2, 3, 4]] * 2
+    broken = [[9, 9, 9, 9]] * 8
+    ref8 = ref * 2
+    res = {"graphs_norm_on": {"variants": _phase(tmp_path, "graphs_norm_on", "echo", broken,
+                                                 [-t for t in ref_logits], **fused)},
+           "graphs": {"variants": _phase(tmp_path, "graphs", "echo", ref8, ref_logits)},
+           "eager": {"variants": _phase(tmp_path, "eager", "echo", noisy, ref_logits)}}
+    table = check.compare(tmp_path, res)
+    assert check.shortfall({**table[check.NORM_ROW], "top1_agree": 1.0}, table["graphs/echo vs eager/echo"]) is None
+    v = check.norm_verdict(table)
+    assert v is not None and "top-1" in v and "agrees with the unfused run at 0.000" in v
