@@ -5,7 +5,8 @@ Qwen3-8B's 8192 x 4096, P = 8, 4 and 2, compile without spilling
 its plan gives, ``norm_plan.registers``: 3 programs per SM), and the whole
 fused norm kernel spills no more than Echo's own whole fused kernel on the
 same rows (whole-row tiles in phases 1-2 once spilled 30 loads at P = 8),
-and every lane shuffle of theirs is in the lane layout (``test_layouts``:
+and every lane shuffle of theirs is in the lane layout and every
+reduction over lanes runs over consecutive lane bits (``test_layouts``:
 the one-pass step holds every chunk of a row on 8 warps). Without a
 residual, keeping Echo's output (a decoder's first norm), at P = 8 too."""
 
@@ -42,7 +43,7 @@ def _spills(row, op):
 
 
 def _shuffle_problems():
-    from test_layouts import shuffle_layout_problems
+    from test_layouts import layout_problems
 
     from echo_vllm.bench import sass_report
     from echo_vllm.bench.host_overhead import compile_only
@@ -52,7 +53,7 @@ def _shuffle_problems():
         for p in (8, 4, 2):
             kernels = sass_report._norm_kernels(p)
             kernels.pop("values_per_thread")
-            out.update({name: (shuffle_layout_problems(k.asm["ttgir"]), k.asm["ttgir"].count("shfl.sync.bfly"))
+            out.update({name: (layout_problems(k.asm["ttgir"]), k.asm["ttgir"].count("shfl.sync.bfly"))
                         for name, k in kernels.items()})
     return out
 
