@@ -219,7 +219,7 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
 
 def _shuffle_problems(rows, cols, dtype, fb_dtype, group) -> dict[str, list[str]]:
     return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group).items()
-            if (p := shuffle_layout_problems(t))}
+            if (p := layout_problems(t))}
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
