@@ -2,7 +2,7 @@
 # The GPU acceptance run: everything a GPU path can break, on one GPU host,
 # in four runs of at most 9 minutes each (the device tool's calls, back to
 # back: 1595 s of calls on 2026-12-05, and ~190 s of the host's start; runs
-# may span sessions, scripts/accept_ledger.py adds them up), the vLLM bundle travelling one
+# may span sessions: the ledger, accept_ledger.py, adds them up), the vLLM bundle travelling one
 # part per run (4 parts of 42 MB: the tree and one part fit a call's 64
 # MiB). Every change to a GPU path ends with all four on the tree it
 # submits; the closing note quotes the summary.
