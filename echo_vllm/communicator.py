@@ -318,6 +318,21 @@ class EchoCommunicator:
                                                out=None if out is None else out.view(lay.numel))
         return self._leave(y, key, chain, call_index, fb, out)
 
+    def compile_echo(self, inp: torch.Tensor, chain: FeedbackChain | None = None) -> None:
+        """Compile what :meth:`echo_all_reduce` launches for ``inp``'s shape and
+        dtype: a chain's first call, and with feedback its later ones (an
+        incoming error). Launches nothing and leaves ``chain``'s error as it
+        is (its buffer may grow); no peer takes part, so each rank may compile other messages' kernels
+        ahead of the calls (``scripts/gpu_fused_check.py``'s sweep shares
+        its cases' compilations out over the ranks)."""
+        xs = self._local(inp)
+        lay = self.message_layout(tuple(xs.shape[1:]))
+        fb = (self._feedback(chain, lay.padded_numel, xs.device)
+              if chain is not None and self.config.feedback else None)
+        backend = self.backend(xs.device)
+        for incoming in (False, True) if fb is not None else (False,):
+            backend.compile(xs.reshape(xs.shape[0], lay.numel), lay, fb, has_incoming=incoming)
+
     def echo_all_reduce_norm(self, inp: torch.Tensor, norm: NormOperands, chain: FeedbackChain | None = None,
                              call_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
         """:meth:`echo_all_reduce` followed by the residual add and RMSNorm of

@@ -257,15 +257,35 @@ def rank_sweep(rank: int, world: int) -> dict:
     case's outputs, by label."""
     from echo_vllm import EchoCommunicator, ProcessGroupTransport, shape_sweep
 
+    import torch.distributed as dist
+
+    from echo_vllm.feedback import FeedbackChain
+
     transport, echoes, out = ProcessGroupTransport(), {}, {}
     cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
-    t0 = time.monotonic()
-    for i, case in enumerate(cases, 1):
+
+    def echo_of(case):  # one backend (and its symmetric buffers) per configuration, built by every rank in order
         config = case.config("fused")
-        if config not in echoes:  # one backend (and its symmetric buffers) per configuration
+        if config not in echoes:
             echoes[config] = EchoCommunicator(config, transport, device="cuda")
+        return echoes[config]
+
+    t0 = time.monotonic()
+    for case in cases:  # every backend built in the same order on every rank: building one is collective
+        echo_of(case).backend(torch.device("cuda"))
+    # compiling is most of the sweep's time (a new kernel per case, ~19 s at P = 8, every rank compiling the
+    # same one at once): each rank compiles its share first, and the calls find the rest in Triton's disk cache
+    for case in cases[rank::world]:
+        chain = FeedbackChain.of(case.config("fused"), 1, "cuda")
+        echo_of(case).compile_echo(shape_sweep.inputs(case, 0, rank).cuda(), chain)
+        chain.release()
+    dist.barrier()
+    if rank == 0:
+        print(f"P={world} sweep: {len(cases)} cases compiled over {world} ranks at {time.monotonic() - t0:.1f} s",
+              flush=True)
+    for i, case in enumerate(cases, 1):
         out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=transport, rank=rank,
-                                               echo=echoes[config])
+                                               echo=echo_of(case))
         if rank == 0:  # where the time goes, and how far a run cut at its limit got
             print(f"P={world} sweep: case {i}/{len(cases)} {case.label} done at {time.monotonic() - t0:.1f} s",
                   flush=True)

@@ -77,6 +77,13 @@ class EchoBackend(abc.ABC):
         y = self.all_reduce(xs, layout, feedback, has_incoming=has_incoming)
         return norm.apply(y.view(layout.rows, layout.cols))
 
+    def compile(self, xs: torch.Tensor, layout: WireLayout, feedback: torch.Tensor | None, *,
+                has_incoming: bool) -> None:
+        """Compile what :meth:`all_reduce` of these operands would launch,
+        launching nothing and leaving ``feedback`` as it is (no peer takes
+        part: ranks may compile different messages' kernels ahead of their
+        calls). This default has nothing to compile ahead."""
+
     @abc.abstractmethod
     def consume(self, xs: torch.Tensor, layout: WireLayout, feedback: torch.Tensor) -> torch.Tensor:
         """``xs + rot^-1(e)`` rounded to ``xs.dtype`` (``[R, numel]``): the input

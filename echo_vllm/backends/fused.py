@@ -560,10 +560,20 @@ class FusedSymmMemBackend(EchoBackend):
                 return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
             raise self._too_large(layout)
         cfg, b = self._ready()
+        return self._call(xs, layout, feedback, has_incoming, out)
+
+    def compile(self, xs, layout, feedback, *, has_incoming):
+        """The fused kernel of this message compiled (a message that does not
+        fit: its fallback's business, nothing here)."""
+        if self.fits(layout):
+            self._call(xs, layout, feedback, has_incoming, None, compile_only=True)
+
+    def _call(self, xs, layout, feedback, has_incoming, out, *, compile_only=False):
+        cfg, b = self.config, self.buffers
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, tiling=self._tilings(layout), timeout_ns=self.timeout_ns,
-            out=out, sms=self.sms, status=self.status,
+            out=out, sms=self.sms, status=self.status, compile_only=compile_only,
         )
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):

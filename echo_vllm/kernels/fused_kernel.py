@@ -688,6 +688,7 @@ def fused_all_reduce(
     phase: int = ALL_PHASES,
     sms: int | None = None,
     status: torch.Tensor | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """One Echo all-reduce of this rank's ``x [1, numel]`` -> ``[numel]`` of
     ``x.dtype``, through the symmetric buffers ``table`` describes (see the
@@ -709,6 +710,12 @@ def fused_all_reduce(
 
     ``status`` (:func:`trap_word`): where a program that times out at a
     barrier leaves its :class:`TrapStatus` before it traps (none: 0 there).
+
+    ``compile_only``: compile the kernel this call would launch (into
+    Triton's caches, the on-disk one that other processes read included)
+    and check its grid resident, but launch nothing; ``out`` comes back
+    unwritten. No peer takes part, so each rank may compile other messages'
+    kernels ahead of the calls.
     """
     ranks = _check_call(x, feedback, table, layout, rank, gathered_offset, phase, status)
     if out is None:
@@ -722,7 +729,7 @@ def fused_all_reduce(
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
-    _launch(lp, (x, fb, out, table), ints, x, phase, sms)
+    _launch(lp, (x, fb, out, table), ints, x, phase, sms, compile_only=compile_only)
     return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
 
 
@@ -809,12 +816,18 @@ def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offs
     return ranks
 
 
-def _launch(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
-    """Launch, a grid with barriers checked resident first (:func:`check_resident`)."""
+def _launch(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None, *,
+            compile_only: bool = False) -> None:
+    """Launch, a grid with barriers checked resident first (:func:`check_resident`,
+    which compiles the kernel); ``compile_only``: compile, launch nothing."""
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
                        sm_limits(x.device))
-    lp.launcher(lp.grid, tensors, ints, lp.constexprs)
+    if compile_only:
+        if x.is_cuda:  # the interpreter compiles nothing; check_resident's compilation is found in Triton's cache
+            lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
+    else:
+        lp.launcher(lp.grid, tensors, ints, lp.constexprs)
 
 
 __all__ = [

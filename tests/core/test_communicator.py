@@ -136,3 +136,44 @@ def test_an_input_on_another_device_than_the_communicator_is_refused_by_name():
     comm = StackedCommunicator(CFG, VirtualTransport(P), device="meta")
     with pytest.raises(ValueError, match="the input is on cpu, but this communicator's feedback buffer is on meta"):
         comm.all_reduce(torch.randn(P, 8, 128).bfloat16(), slot=CallSlot(0))
+
+
+class _CompileSpy(ComposedBackend):
+    """The reference backend, noting what :meth:`compile` was asked for."""
+
+    def __init__(self, transport, config=CFG):
+        super().__init__(config, transport, ReferenceStages())
+        self.compiled = []
+
+    def compile(self, xs, layout, feedback, *, has_incoming):
+        self.compiled.append((tuple(xs.shape), layout.numel, None if feedback is None else feedback.dtype,
+                              has_incoming))
+
+
+@pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no-feedback"])
+def test_compile_echo_asks_for_every_kernel_a_chain_launches_and_changes_nothing(feedback):
+    """A chain's first call takes no incoming error, its later ones do: both
+    kernels compiled with feedback, one without; the chain's error is
+    untouched (the next call's bits, which absorb it, are the plain ones) (``scripts/gpu_fused_check.py``'s sweep)."""
+    from echo_vllm.feedback import FeedbackChain
+
+    cfg = CFG.replace(feedback=feedback)
+    transport = VirtualTransport(P)
+    spy = _CompileSpy(transport, cfg)
+    comm = StackedCommunicator(cfg, transport, backend=spy)
+    plain = StackedCommunicator(cfg, VirtualTransport(P))
+    x = torch.randn(P, 3, 96).bfloat16()
+    chain, twin = FeedbackChain.of(cfg, P), FeedbackChain.of(cfg, P)
+    comm.echo_all_reduce(x, chain, 0)
+    plain.echo_all_reduce(x, twin, 0)
+    comm.compile_echo(x, chain)
+    lay = comm.message_layout((3, 96))
+    fb_dtype = chain.buffer(lay.padded_numel).dtype if feedback else None
+    assert spy.compiled == [((P, lay.numel), lay.numel, fb_dtype, False)] + (
+        [((P, lay.numel), lay.numel, fb_dtype, True)] if feedback else [])
+    assert torch.equal(comm.echo_all_reduce(x, chain, 1), plain.echo_all_reduce(x, twin, 1))
+
+
+def test_a_backend_without_kernels_to_compile_compiles_nothing():
+    comm = StackedCommunicator(CFG, VirtualTransport(P))
+    assert comm.compile_echo(torch.randn(P, 2, 64).bfloat16()) is None

@@ -242,6 +242,40 @@ def test_whole_kernel_with_barriers_over_processes(fb):
                                tile_groups=4, programs=2, fb_dtype=fb).result(timeout=300)
 
 
+def test_compile_only_launches_nothing():
+    """``compile_only``: not a byte of the buffers, the feedback or ``out``
+    written (the interpreter compiles nothing); on a GPU the kernel is
+    compiled and checked resident, and the emulated whole kernel then gives
+    the reference's bits (``gpu_fused_check.py``'s sweep compiles its
+    cases this way, each rank its share, before the calls)."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    world, lay = 2, WireLayout(3 * 256, 2, 32, 256)
+    x = _values((world, lay.numel), 11).to(torch.bfloat16).to(DEVICE)
+    fb = _feedback(world, lay, FB_DTYPES["bf16"], 7).to(DEVICE)
+    fb_before = fb.clone()
+    tiling = fk.tiling_for(lay, 4)
+    table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(tiling.programs, world), DEVICE)
+    for b in bufs:
+        b.fill_(0xA5)
+    out = torch.full((world, lay.numel), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    resident = len(fk._RESIDENT)
+    got = fk.fused_all_reduce(x, fb, table, lay, rank=0, gathered_offset=world * lay.chunk_bytes, qmax=QMAX,
+                              hadamard=True, has_incoming=True, tiling=tiling, timeout_ns=5 * 10**9, out=out,
+                              sms=4, compile_only=True)
+    assert got.data_ptr() == out.data_ptr() and bool((out == 3.0).all())
+    assert torch.equal(fb, fb_before) and all(bool((b == 0xA5).all()) for b in bufs)
+    assert all(not p.any() for p in pads)
+    if not CUDA:
+        return
+    assert len(fk._RESIDENT) == resident + 1
+    y = fk.fused_all_reduce(x, fb, table, lay, rank=0, gathered_offset=world * lay.chunk_bytes, qmax=QMAX,
+                            hadamard=True, has_incoming=True, tiling=tiling, timeout_ns=5 * 10**9, sms=4)
+    _, _, want = reference_chain(x.cpu(), fb_before.cpu(), lay, hadamard=True, incoming=True)
+    for r in range(world):
+        assert_same_bits(y[r].cpu(), want, f"rank {r} after compile_only", nan_any=True)
+
+
 # -- compiled for sm_90 (no GPU needed) -------------------------------------------------
 
 
@@ -523,6 +557,26 @@ def test_messages_that_do_not_fit_take_the_fallback_or_raise():
     with pytest.raises(ValueError, match="nearest"):
         fused_mod.FusedSymmMemBackend(EchoConfig(rounding="stochastic"), _OneRank(), facts=_facts(),
                                       buffers=buffers)
+
+
+def test_the_backend_compiles_what_fits_and_leaves_the_rest_to_its_fallback(monkeypatch):
+    """``FusedSymmMemBackend.compile``: a message that fits reaches the kernel
+    with ``compile_only`` (nothing written); one that does not is the
+    fallback's, which compiles nothing here and is not called."""
+    from echo_vllm.kernels import fused_kernel as fk
+
+    buffers = _cpu_buffers()
+    small, big = WireLayout(4096, 2, 32), WireLayout(4 * 4096, 2, 32)
+    assert small.chunk_bytes <= buffers.chunk_bytes < big.chunk_bytes
+    rec = _Recorder()
+    b = fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32), _OneRank(), sms=4, fallback=rec, facts=_facts(),
+                                      buffers=buffers)
+    seen, real = [], fk.fused_all_reduce
+    monkeypatch.setattr(fk, "fused_all_reduce", lambda *a, **kw: seen.append(kw["compile_only"]) or real(*a, **kw))
+    assert b.compile(torch.zeros(1, big.numel, dtype=torch.bfloat16), big, None, has_incoming=False) is None
+    b.compile(torch.zeros(1, small.numel, dtype=torch.bfloat16), small, None, has_incoming=False)
+    assert seen == [True] and rec.calls == []
+    assert not buffers.buffer.any()
 
 
 def _cpu_buffers(world=2, chunk_bytes=4096, slots=None):
