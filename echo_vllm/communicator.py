@@ -322,9 +322,10 @@ class EchoCommunicator:
         """Compile what :meth:`echo_all_reduce` launches for ``inp``'s shape and
         dtype: a chain's first call, and with feedback its later ones (an
         incoming error). Launches nothing and leaves ``chain``'s error as it
-        is (its buffer may grow); no peer takes part, so each rank may compile other messages' kernels
-        ahead of the calls (``scripts/gpu_fused_check.py``'s sweep shares
-        its cases' compilations out over the ranks)."""
+        is (its buffer may grow). No peer takes part, so each rank may
+        compile other messages' kernels ahead of the calls
+        (``scripts/gpu_fused_check.py``'s sweep shares its cases'
+        compilations out over the ranks)."""
         xs = self._local(inp)
         lay = self.message_layout(tuple(xs.shape[1:]))
         fb = (self._feedback(chain, lay.padded_numel, xs.device)

@@ -255,10 +255,9 @@ def rank_too_large(rank: int, world: int) -> dict:
 def rank_sweep(rank: int, world: int) -> dict:
     """The shape sweep's cases for this P through the fused backend: each
     case's outputs, by label."""
-    from echo_vllm import EchoCommunicator, ProcessGroupTransport, shape_sweep
-
     import torch.distributed as dist
 
+    from echo_vllm import EchoCommunicator, ProcessGroupTransport, shape_sweep
     from echo_vllm.feedback import FeedbackChain
 
     transport, echoes, out = ProcessGroupTransport(), {}, {}

@@ -559,7 +559,7 @@ class FusedSymmMemBackend(EchoBackend):
             if self.fallback is not None:
                 return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
             raise self._too_large(layout)
-        cfg, b = self._ready()
+        self._ready()
         return self._call(xs, layout, feedback, has_incoming, out)
 
     def compile(self, xs, layout, feedback, *, has_incoming):
