@@ -84,10 +84,8 @@ class NormTiling(NamedTuple):
     that many rows of every chunk at a time in one pass (a thread then holds
     ``values_per_thread`` values of every chunk, ``chunks_per_step`` is 1 and
     ``decode_once`` does not apply); 0: two passes, a chunk at a time.
-    ``pipeline_stages`` > 1: the fused kernel's one-pass loop is
-    software-pipelined that deep (``tl.range(num_stages=)``: the next steps'
-    loads are asynchronous copies into shared memory); 0 (the plan's until
-    timed on a GPU): not pipelined."""
+    The one-pass loop is not software-pipelined: 2 and 3 stages were slower
+    on the H200 (BENCHMARKS.md, the norm fusion's appendix)."""
 
     rows: int
     padded_row_groups: int
@@ -97,7 +95,6 @@ class NormTiling(NamedTuple):
     decode_once: bool = True
     aligned: bool = False
     one_pass_rows: int = 0
-    pipeline_stages: int = 0
 
     @property
     def groups_per_tile(self) -> int:

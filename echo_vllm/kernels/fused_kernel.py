@@ -389,28 +389,20 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
-                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
-    the composed output-norm kernel's device code). ``STAGES`` > 1: the
-    one-pass loop software-pipelined that deep (``NormTiling.pipeline_stages``)."""
+    the composed output-norm kernel's device code)."""
     mine = _peer_buffer(table_ptr, rank)
     if ONE_PASS_ROWS > 0:
         # the program's tiles (those its twins on the peers gathered), ONE_PASS_ROWS rows at a time, in one loop
         S: tl.constexpr = K // ONE_PASS_ROWS
         pid, programs = tl.program_id(0), tl.num_programs(0)
         steps = (n_tiles - pid + programs - 1) // programs * S
-        if STAGES > 1:  # the next steps' loads issued (asynchronous copies into shared memory) during this one's
-            for n in tl.range(0, steps, num_stages=STAGES):
-                _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr,
-                               res_out_ptr, (pid + (n // S) * programs) * S + n % S, row_groups, cols, msg_groups,
-                               chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS)
-        else:
-            for n in range(0, steps):
-                _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr,
-                               res_out_ptr, (pid + (n // S) * programs) * S + n % S, row_groups, cols, msg_groups,
-                               chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS)
+        for n in range(0, steps):
+            _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr,
+                           res_out_ptr, (pid + (n // S) * programs) * S + n % S, row_groups, cols, msg_groups,
+                           chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS)
     else:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
@@ -426,7 +418,7 @@ def _fused_norm_kernel(
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, STAGES: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -455,7 +447,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS, STAGES)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -626,7 +618,7 @@ def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathe
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
-            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows, STAGES=t.pipeline_stages,
+            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows,
         ),
     )
 

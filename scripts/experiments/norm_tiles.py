@@ -17,7 +17,7 @@ them) under each grid:
 
     python scripts/experiments/norm_tiles.py --echo-phases --world-sizes 8,4,2 --tokens 1024,8192 --grids plan,full
 
-A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm:one_pass_values:stages``, once
+A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm:one_pass_values``, once
 0 decode again, 1 read back, 2 one pass, launches every rank's phases, then phase 3 alone):
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -45,13 +45,12 @@ EPS = 1e-6
 SECOND_PASS = {"on": 1, "off": 0, "one": 2}
 
 
-def _tiling(lay, rows: int, once: int, step: int, warps_per_sm: int, one_pass_values: int = 16, stages: int = 0):
+def _tiling(lay, rows: int, once: int, step: int, warps_per_sm: int, one_pass_values: int = 16):
     """``(the plan's tiling, a variant)``: ``rows`` rows per tile (warps and values per thread to
     match), in two passes whose second reads Echo's output back (``once`` 1) or decodes again (0), or
     in one pass (2: as many rows a step as ``norm_plan.one_pass_rows`` allows; None if not one), and
     ``warps_per_sm`` in place of ``norm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers),
-    ``one_pass_values`` of ``norm_plan.ONE_PASS_MAX_VALUES`` (the most values a thread holds in one pass),
-    ``stages``: ``NormTiling.pipeline_stages`` of a one-pass variant."""
+    ``one_pass_values`` of ``norm_plan.ONE_PASS_MAX_VALUES`` (the most values a thread holds in one pass)."""
     from echo_vllm import norm_plan
     from echo_vllm.norm_plan import MAX_WARPS, WARP_VALUES, norm_tiling, one_pass_rows
 
@@ -68,7 +67,7 @@ def _tiling(lay, rows: int, once: int, step: int, warps_per_sm: int, one_pass_va
         one = one_pass_rows(lay.world_size, chunk_row, rows, warps)
         held = one * (1 << (lay.world_size - 1).bit_length()) * chunk_row // (32 * warps)
         return plan, two._replace(rows=rows, num_warps=warps, values_per_thread=held, chunks_per_step=1,
-                                  decode_once=False, one_pass_rows=one, pipeline_stages=stages) if one else None
+                                  decode_once=False, one_pass_rows=one) if one else None
     return plan, two._replace(rows=rows, num_warps=warps, values_per_thread=rows * chunk_row // (32 * warps),
                               chunks_per_step=min(step, lay.world_size), decode_once=bool(once))
 
@@ -145,12 +144,12 @@ def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: i
 
 
 def _compile(spec: str) -> int:
-    """``P:T:H:rows:once:step:warps_per_sm:one_pass_values:stages``: run that plan once, then its phase 3 alone (fills Triton's cache)."""
+    """``P:T:H:rows:once:step:warps_per_sm:one_pass_values``: run that plan once, then its phase 3 alone (fills Triton's cache)."""
     import torch
 
-    world, tokens, hidden, rows, once, step, wps, opv, stages = (int(v) for v in spec.split(":"))
+    world, tokens, hidden, rows, once, step, wps, opv = (int(v) for v in spec.split(":"))
     lay, sms, table, x, res, w = _case(world, tokens, hidden)
-    _, norm = _tiling(lay, rows, once, step, wps, opv, stages)
+    _, norm = _tiling(lay, rows, once, step, wps, opv)
     if norm is None:
         return 0
     _run(lay, sms, table, x, res, w, norm)  # launch 1: every rank, all phases
@@ -170,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
     ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
     ap.add_argument("--one-pass-values", default="16", help="norm_plan.ONE_PASS_MAX_VALUES values to try (one pass: the most values a thread holds; 32 gives P = 8 at hidden 4096 steps of 2 rows on 8 warps)")
-    ap.add_argument("--pipeline-stages", default="0", help="NormTiling.pipeline_stages values to try in one pass "
-                    "(0: not pipelined; 2, 3: the next steps' loads in flight during this one's)")
     ap.add_argument("--grids", default="plan", help="persistent grids to try: plan (the plan's), full "
                     "(a program in every slot of every SM), few (as few programs as share the tiles evenly)")
     ap.add_argument("--echo-phases", action="store_true",
@@ -202,10 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     for step in (int(v) for v in args.steps.split(",")):
                         for wps in (int(v) for v in args.warps_per_sm.split(",")):
                             for opv in (int(v) for v in args.one_pass_values.split(",")):
-                                for stages in ((int(v) for v in args.pipeline_stages.split(","))
-                                               if SECOND_PASS[once] == 2 else (0,)):  # one pass only
-                                    cases.append((world, tokens, args.hidden, rows, SECOND_PASS[once], step, wps, opv,
-                                                  stages))
+                                cases.append((world, tokens, args.hidden, rows, SECOND_PASS[once], step, wps, opv))
     if args.jobs > 1:
         def compile_one(c):
             spec = ":".join(map(str, c))
@@ -215,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             for spec, rc, err in pool.map(compile_one, cases):  # the grid is no constant: compiled once
                 print(f"compiled {spec}: rc={rc}" + (f" {err}" if rc else ""), flush=True)
     results, last = [], None
-    for world, tokens, hidden, rows, once, step, wps, opv, stages, grid in ((*c, g) for c in cases for g in grids):
+    for world, tokens, hidden, rows, once, step, wps, opv, grid in ((*c, g) for c in cases for g in grids):
         if last != (world, tokens):
             setup = _case(world, tokens, hidden, args.device)
             lay = setup[0]
             base, first = _tiling(lay, 1, 1, 4, PLAN_WPS, PLAN_OPV)
             want, want_res = (t.clone() for t in _run(*setup, first))  # every variant's bits against these
             last = (world, tokens)
-        _, norm = _tiling(lay, rows, once, step, wps, opv, stages)
+        _, norm = _tiling(lay, rows, once, step, wps, opv)
         if norm is None or norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
             continue  # a row too many values for one pass; a warp's 32 lanes of 8 values is the smallest tile
         got, got_res = _run(*setup, norm, grid=grid)
@@ -231,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, second_pass={1: "read back", 0: "decode",
                    2: "none"}[once], one_pass_rows=norm.one_pass_rows, step=step, grid=grid, warps=norm.num_warps,
                    per_sm=norm.per_sm(),
-                   one_pass_values=opv, pipeline_stages=norm.pipeline_stages, plan=norm == base and wps == PLAN_WPS and opv == PLAN_OPV and grid == "plan",
+                   one_pass_values=opv, plan=norm == base and wps == PLAN_WPS and opv == PLAN_OPV and grid == "plan",
                    registers=fk.tiling_for_norm(lay, norm, setup[1] // world).registers, same_bits=same)
         results.append(row)
         if args.device != "cuda":

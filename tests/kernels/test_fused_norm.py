@@ -28,7 +28,7 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False, aligned=None, one_pass_rows=0, pipeline_stages=0, keep=False,
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0, keep=False,
                        decode_once=True):
     """``keep`` (without ``residual``): Echo's output also written into a
     buffer of its own (a decoder's first norm's next residual)."""
@@ -39,9 +39,9 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     plan = norm_tiling(lay)[0]
     aligned = plan.aligned if aligned is None else aligned
     tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
-                        pipeline_stages=pipeline_stages, decode_once=decode_once)
+                        decode_once=decode_once)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows} stages={pipeline_stages} keep={keep} decode once={decode_once}")
+           f"one pass={one_pass_rows} keep={keep} decode once={decode_once}")
     assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
@@ -119,15 +119,8 @@ def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard,
                       one_pass_rows=0 if passes == "two" else max(1, tile_rows // 2))
 
 
-@pytest.mark.parametrize("case", [c for c in NORM_PHASE_CASES if c[8] > 1], ids=str)
-def test_norm_phases_pipelined_one_pass(case):
-    """The one-pass loop software-pipelined (``NormTiling.pipeline_stages``): the same bits."""
-    in_kernel_process(_norm_phases_match, *case, one_pass_rows=max(1, case[8] // 2), pipeline_stages=2)
-
-
-#: Phase 3's paths: two passes (Echo's output read back, or decoded twice), one pass, one pass pipelined.
-PASSES = {"two": {}, "decode-twice": {"decode_once": False}, "one": {"one_pass_rows": 1},
-          "pipelined": {"one_pass_rows": 1, "pipeline_stages": 2}}
+#: Phase 3's paths: two passes (Echo's output read back, or decoded twice), one pass.
+PASSES = {"two": {}, "decode-twice": {"decode_once": False}, "one": {"one_pass_rows": 1}}
 
 
 @pytest.mark.parametrize("passes", PASSES)

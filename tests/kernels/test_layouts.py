@@ -348,9 +348,6 @@ def _small_cases() -> list:
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {"one_pass_rows": max(1, c[8] // 2)},
                            id=f"norm one pass{c}") for c in NORM_PHASE_CASES]
-    cases += [pytest.param("test_fused_norm", "_norm_phases_match", c,
-                           {"one_pass_rows": max(1, c[8] // 2), "pipeline_stages": 2}, id=f"norm one pass pipelined{c}")
-              for c in NORM_PHASE_CASES if c[8] > 1]
     cases.append(pytest.param("test_fused_norm", "_norm_phases_match", (6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2),
                               {"residual": False, "w_dt": "fp32"}, id="norm without residual"))
     return cases + [pytest.param("test_output_norm", "_output_norm_matches", c, {"one_pass": one},
