@@ -37,7 +37,9 @@
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
 #      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
 #      check requires fused calls in /metrics; vllm_check serves the
-#      default path), side by side on the one GPU.
+#      default path), side by side on the one GPU (2026-12-05: 235 s and
+#      148 s; two graph phases failed vLLM's free-memory check as the serve
+#      check's server exited: every engine now holds a fixed KV cache).
 # Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN: the
 # wheelhouse's build.sh output split in 4, their SHA256SUMS, and install.py
 # from ../shared/gpu-wheelhouse: `bash scripts/gpu_bundle.sh` makes it); each
@@ -111,12 +113,12 @@ else
   export PYTHONPATH="/tmp/echo-accept/site:$PYTHONPATH"
   mkdir -p "$OUT/vllm" "$OUT/serve"
   # side by side: the vLLM check runs two engines at a time (the eager phase's cold start beside the
-  # graph phases), 0.25 of the GPU's memory each, the serve check one of 0.3
+  # graph phases), the serve check one more; each holds a fixed 1 GiB KV cache, so no start-up measures
+  # free memory that another engine's start or exit moves (run 4 failed so on 2026-12-05)
   ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420 --parallel 2 \
       --gpu-memory-utilization 0.25
     printf '%s\n' "${status[-1]}" > "$OUT/.vllm_status" ) &  # its own line only: the bundle's is counted here
   vllm_pid=$!
-  sleep 40  # the vLLM check's first two engines (20 s apart) claim their memory before the serve check's starts
   step serve_check 440 env OUT="$OUT/serve" SERVE_EXTRA=--echo-fuse-norm bash server/gpu_serve_check.sh
   wait $vllm_pid
   [ -f "$OUT/.vllm_status" ] && mapfile -t -O "${#status[@]}" status < "$OUT/.vllm_status"

@@ -52,10 +52,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the package, from a checkout (the GPU host installs nothing)
     sys.path.insert(0, str(REPO))
 
+#: KV cache of every engine, fixed: vLLM then skips its free-memory profile,
+#: which fails whenever another process on the GPU frees memory meanwhile (an
+#: engine beside it exiting: acceptance run 4 on 2026-12-05). The tiny model's
+#: 8 sequences of 512 tokens need 32 MiB of it.
+KV_CACHE_BYTES = 1 << 30
+
 #: Longest each engine may take (start + requests), seconds; the total is
 #: also bounded by --budget-s.
-#: Seconds between the starts of the first engines when they run side by side (``--parallel``).
-STAGGER_S = 20
 PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_norm_on": 300, "graphs_exact": 200}
 
 #: CUDA graphs without torch.compile: vLLM's compilation mode NONE with
@@ -99,7 +103,8 @@ def parse_args(argv=None):
                    help="wall-clock budget of all phases (four took 223 s on an H200)")
     p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_norm_on,graphs_exact")
     p.add_argument("--parallel", type=int, default=1,
-                   help="engines at once (default 1); each takes --gpu-memory-utilization of the GPU")
+                   help="engines at once (default 1); each needs --gpu-memory-utilization of the GPU free"
+                        " at its start and holds KV_CACHE_BYTES of KV cache")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one engine
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -141,6 +146,42 @@ def logits_of(prompt_logprobs, vocab: int):
     return out
 
 
+#: The phases that run under CUDA graphs.
+GRAPHS_PHASES = ("graphs", "graphs_norm_on", "graphs_exact", "graphs_eager_ops")
+
+
+def engine_kwargs(args) -> dict:
+    """vLLM's ``LLM(...)`` arguments for the phase ``args.phase``."""
+    graphs = args.phase in GRAPHS_PHASES
+    # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
+    # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
+    tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
+    extra = {"tp_comm_emulate_measure": True} if not graphs else {}
+    if args.phase == "graphs_norm_on":
+        extra["echo_fuse_norm"] = True
+    kwargs = dict(
+        model=args.model,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=512,
+        max_num_seqs=8,
+        enable_prefix_caching=False,  # variants must not reuse each other's KV
+        max_logprobs=-1,
+        logprobs_mode="raw_logits",
+        seed=0,
+        additional_config={"tp_comm": tp_comm, "tp_comm_emulate": args.tp, **extra,
+                           **({"echo_min_bytes": 0} if tp_comm == "echo" else {})},
+    )
+    if args.phase == "graphs_eager_ops":
+        kwargs["compilation_config"] = dict(GRAPHS_EAGER_OPS)
+    elif graphs:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8], "custom_ops": ["all"]}
+    else:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
 def run_phase(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
@@ -159,32 +200,8 @@ def run_phase(args) -> None:
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    graphs = args.phase in ("graphs", "graphs_norm_on", "graphs_exact", "graphs_eager_ops")
-    # graphs_exact: the emulation's exact baseline under CUDA graphs, to tell
-    # compile-mode numerics (Inductor vs eager kernels) apart from Echo's.
-    tp_comm = "nccl" if args.phase == "graphs_exact" else "echo"
-    extra = {"tp_comm_emulate_measure": True} if not graphs else {}
-    if args.phase == "graphs_norm_on":
-        extra["echo_fuse_norm"] = True
-    kwargs = dict(
-        model=args.model,
-        tensor_parallel_size=1,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=512,
-        max_num_seqs=8,
-        enable_prefix_caching=False,  # variants must not reuse each other's KV
-        max_logprobs=-1,
-        logprobs_mode="raw_logits",
-        seed=0,
-        additional_config={"tp_comm": tp_comm, "tp_comm_emulate": args.tp, **extra,
-                           **({"echo_min_bytes": 0} if tp_comm == "echo" else {})},
-    )
-    if args.phase == "graphs_eager_ops":
-        kwargs["compilation_config"] = dict(GRAPHS_EAGER_OPS)
-    elif graphs:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8], "custom_ops": ["all"]}
-    else:
-        kwargs["enforce_eager"] = True
+    graphs = args.phase in GRAPHS_PHASES
+    kwargs = engine_kwargs(args)
     t0 = time.time()
     llm = LLM(**kwargs)
     result["timings_s"]["start"] = round(time.time() - t0, 1)
@@ -384,7 +401,7 @@ def norm_verdict(table: dict) -> str | None:
         return None
     name = next((c for c in COMPILE_CONTROLS if c in table), None)
     if name is None:
-        return "tokens differ with the norm fused, and no compiled run to compare with (graphs or graphs_exact)"
+        return "tokens differ with the norm fused, and no compiled run to compare with (" + " or ".join(COMPILE_CONTROLS) + ": the eager phase and graphs or graphs_exact)"
     short = shortfall(row, table[name])
     return f"{short} (control: {name})" if short else None
 
@@ -439,9 +456,7 @@ def main(argv=None) -> int:
     report: dict = {"args": vars(args), "model": str(model), "phases": {}}
     results: dict = {}
 
-    def run_engine(index: int, phase: str) -> None:
-        if index < args.parallel:  # the first engines start apart: each claims its memory before the next measures
-            time.sleep(STAGGER_S * index)
+    def run_engine(phase: str) -> None:
         left = min(args.budget_s - (time.time() - t_start), PHASE_CAP_S.get(phase, 400))
         if left < 60:
             report["phases"][phase] = {"skipped": f"budget left {left:.0f} s"}
@@ -466,7 +481,7 @@ def main(argv=None) -> int:
     phases = [p for p in args.phases.split(",") if p]
     # engines side by side: the first engine's start (~150 s, cold caches) overlaps the others' phases
     with ThreadPoolExecutor(args.parallel) as pool:
-        list(pool.map(run_engine, range(len(phases)), phases))
+        list(pool.map(run_engine, phases))
     report["phases"] = {p: report["phases"][p] for p in phases}  # the order asked for, not the order finished
     report["comparison"] = compare(out, results)
     report["tokens"] = {

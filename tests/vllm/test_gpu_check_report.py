@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_vllm_check.py"
@@ -131,3 +132,53 @@ def test_norm_verdict_allows_the_noise_of_its_prompts_and_no_more(tmp_path):
     assert check.shortfall({**table[check.NORM_ROW], "top1_agree": 1.0}, table["graphs/echo vs eager/echo"]) is None
     v = check.norm_verdict(table)
     assert v is not None and "top-1" in v and "agrees with the unfused run at 0.000" in v
+
+
+def kv_bytes_per_token(model_dir: pathlib.Path) -> int:
+    """K and V of every layer, bf16, from the model's config.json."""
+    import json
+
+    c = json.loads((model_dir / "config.json").read_text())
+    assert c["torch_dtype"] == "bfloat16"
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2
+
+
+def test_every_phase_holds_a_fixed_kv_cache_of_vllm_engine_args(tmp_path):
+    """A fixed KV cache: vLLM then skips its free-memory profile, which failed
+    run 4 on 2026-12-05 when an engine beside it exited. Large enough for the
+    phase's sequences, and every argument a field of vLLM's EngineArgs."""
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from echo_vllm.testing_models import make_tiny_qwen3
+
+    check = _script()
+    args = check.parse_args([])
+    model = make_tiny_qwen3(tmp_path / "m", num_layers=args.layers, hidden_size=args.hidden,
+                            intermediate_size=args.intermediate, num_heads=args.heads,
+                            num_kv_heads=args.kv_heads, vocab_size=args.vocab)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for phase in args.phases.split(","):
+        args.phase, args.model = phase, str(model)
+        kw = check.engine_kwargs(args)
+        assert kw["kv_cache_memory_bytes"] == check.KV_CACHE_BYTES, phase
+        assert check.KV_CACHE_BYTES >= kw["max_num_seqs"] * kw["max_model_len"] * kv_bytes_per_token(model)
+        assert set(kw) <= fields, set(kw) - fields
+        assert ("enforce_eager" in kw) == (phase not in check.GRAPHS_PHASES), phase
+
+
+def test_the_serve_checks_kv_cache_holds_its_streams(tmp_path):
+    """server/gpu_serve_check.sh's fixed KV cache holds CONCURRENCY streams of
+    --max-model-len tokens of the tiny model it serves (vLLM's parser takes
+    the flag through ``echo-vllm serve``: tests/server/test_server_vllm.py)."""
+    import re
+
+    from echo_vllm.testing_models import make_tiny_qwen3
+
+    text = (SCRIPT.parents[1] / "server" / "gpu_serve_check.sh").read_text()
+    kv = int(re.search(r"--kv-cache-memory-bytes (\d+)", text).group(1))
+    streams = int(re.search(r"CONCURRENCY=\$\{CONCURRENCY:-(\d+)\}", text).group(1))
+    tokens = int(re.search(r"--max-model-len (\d+)", text).group(1))
+    assert kv >= streams * tokens * kv_bytes_per_token(make_tiny_qwen3(tmp_path / "m"))
