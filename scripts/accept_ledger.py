@@ -34,7 +34,7 @@ from pathlib import Path
 
 from echo_vllm.bench.floor import floors
 
-#: The acceptance's runs (``gpu_accept.sh 1`` ... ``4``).
+#: The acceptance's runs (``gpu_accept.sh 1`` ... ``5``).
 RUNS = (1, 2, 3, 4, 5)
 
 #: Paths no acceptance run reads, as git pathspecs: changes there keep a run's result.

@@ -141,7 +141,7 @@ def test_runs_of_two_sessions_add_up_across_document_commits(repo, capsys):
     repo.write("BENCHMARKS.md", "# B, the runs written up\n" + FLOOR + "\n")
     c = repo.commit("docs")
     repo.result("s2", _summary(3, c, "PASS"), _summary(4, c, "PASS"), _summary(5, c, "PASS"))
-    d = repo.commit("results of runs 3 and 4")
+    d = repo.commit("results of runs 3, 4 and 5")
     assert _main(repo, d) == 0
     out = capsys.readouterr().out
     assert out.count(": same GPU code") == 5 and "PROVEN: all 5 runs passed on this GPU code (NVIDIA H200)" in out
