@@ -158,7 +158,9 @@ class NormOperands:
     """What the norm after an all-reduce takes besides Echo's output: the
     weight and eps of vLLM's op, the residual (None: ``rms_norm``), and
     where the results go (None: a new tensor for the output; the residual
-    itself, in place, for the new residual)."""
+    itself, in place, for the new residual). ``residual_out`` without a
+    residual gets Echo's output itself: the next residual of a decoder's
+    first norm, which vLLM takes from the norm's input."""
 
     weight: torch.Tensor
     eps: float
@@ -176,14 +178,19 @@ def norm_into(y: torch.Tensor, weight: torch.Tensor | None, eps: float, *, resid
               out: torch.Tensor | None = None,
               residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Echo's output ``y`` then the norm of its kernels (``variance="kernel"``),
-    written like the kernels' outputs: ``(out, new residual)`` (None without
-    ``residual``), into ``out`` and ``residual_out`` when given, the new
-    residual into ``residual`` itself otherwise; shapes as ``residual``'s
-    (``y``'s without one). The unfused path, the same bits as the fused one."""
+    written like the kernels' outputs: ``(out, new residual)``, into ``out``
+    and ``residual_out`` when given, the new residual into ``residual``
+    itself otherwise; shapes as ``residual``'s (``y``'s without one). Without
+    ``residual`` the new residual is ``y`` itself, copied into
+    ``residual_out`` (None when not given). The unfused path, the same bits
+    as the fused one."""
     shape = residual.shape if residual is not None else y.shape
     y = y.reshape(shape)
     if residual is None:
         o, r = rms_norm(y, weight, eps, variance="kernel"), None
+        if residual_out is not None:
+            residual_out.view(shape).copy_(y)
+            r = residual_out
     else:
         o, r = add_rms_norm(y, residual, weight, eps, variance="kernel")
         residual_out = residual if residual_out is None else residual_out

@@ -4,14 +4,17 @@ The norm needs a row's mean square before it can write any value of the
 row, so a program holds whole rows: ``rows`` rows (virtual rows past the
 message too, in the fused kernel's phases 1-2: the chunk's padding groups)
 of every chunk, a rank's ``row_groups`` groups of each padded to a power of
-two (``padded_row_groups``; the padding lanes are masked). The output phase
-reads its rows twice (``kernels.norm_tile``), so a thread holds one chunk's
-values at a time, not the row (the second time Echo's output itself,
-stored by the first, when the tile is small: ``decode_once``): a tile
-covers :data:`TILE_VALUES` values of
-each chunk where rows allow, the fused kernel's own tile for large messages
-(its phases 1 and 2 run Echo's tile, with as many programs per SM as the
-output phase's registers allow: :meth:`NormTiling.per_sm`).
+two (``padded_row_groups``; the padding lanes are masked): a tile covers
+:data:`TILE_VALUES` values of each chunk where rows allow, the fused
+kernel's own tile for large messages (its phases 1 and 2 run Echo's tile,
+with as many programs per SM as the output phase's registers allow:
+:meth:`NormTiling.per_sm`). The output phase (``kernels.norm_tile``) reads
+a tile's rows in one pass, a step of ``one_pass_rows`` rows of every chunk
+at a time, where a step is at most :data:`ONE_PASS_MAX_VALUES` values a
+thread (Qwen3-8B's rows at P = 2, 4 and 8); wider rows in two passes, so
+that a thread holds one chunk's values at a time (the second time Echo's
+output itself, stored by the first, when the tile is small:
+``decode_once``).
 :func:`norm_tiling` decides, with its reason, from the layout alone (so a
 token's path never depends on its batch); a row it refuses takes Echo's
 output, then the norm on its own.
@@ -36,6 +39,11 @@ CHUNKS_PER_STEP = 4
 #: tiles, read back from L2 by every resident program, ran slower than a
 #: second decode (BENCHMARKS.md, the norm fusion).
 DECODE_ONCE_MAX_VALUES = 8192
+#: Most values a thread holds when the output phase reads a step's rows of
+#: every chunk at once (one pass: ``NormTiling.one_pass_rows``); wider rows
+#: take two passes, a chunk at a time. At 8 warps, 16 is one row of 4096
+#: (Qwen3-8B at any P): 3-10 µs faster than two passes at 8k tokens on the H200 (BENCHMARKS.md).
+ONE_PASS_MAX_VALUES = 16
 #: Values one warp covers in the lane layout (32 lanes of 8): the smallest tile of a chunk.
 WARP_VALUES = 256
 #: Values of each chunk a tile covers when its rows are shorter: the fused
@@ -51,9 +59,10 @@ NORM_WARPS_PER_SM = 24
 MAX_PROGRAMS_PER_SM = NORM_WARPS_PER_SM // MIN_WARPS
 #: Registers a thread of the fused norm kernel needs: ``BASE_REGISTERS``
 #: plus ``REGISTERS_PER_VALUE`` for each value of the chunks whose loads the
-#: output phase's first pass issues at once (a lower bound: compiled for
-#: sm_90, hidden 4096, the fused kernel's phase 3 takes 63, 80 and 69 at
-#: P = 2, 4 and 8, within the 80 of 3 programs per SM;
+#: output phase's first pass issues at once, or holds in one pass (a lower
+#: bound: compiled for sm_90, hidden 4096, the fused kernel's phase 3 takes
+#: 68, 72 and 72 registers at P = 2, 4 and 8 in one pass, 63, 80 and 69 in
+#: two, within the 80 of 3 programs per SM;
 #: ``tests/kernels/test_norm_layouts.py`` checks that the plans compile
 #: without spills under the cap these give).
 BASE_REGISTERS = 32
@@ -68,7 +77,15 @@ class NormTiling(NamedTuple):
     one chunk a thread holds, ``chunks_per_step`` chunks whose loads the
     output phase's first pass issues at once, ``decode_once``: whether its
     second pass reads Echo's output back from the output buffer (else it
-    decodes the chunks again)."""
+    decodes the chunks again), ``aligned``: a row is exactly
+    ``padded_row_groups`` groups of each chunk (a power of two), so a tile's
+    rows are consecutive groups and the kernels index them as such,
+    ``one_pass_rows``: when above 0, the output phase reads, sums and stores
+    that many rows of every chunk at a time in one pass (a thread then holds
+    ``values_per_thread`` values of every chunk, ``chunks_per_step`` is 1 and
+    ``decode_once`` does not apply); 0: two passes, a chunk at a time.
+    The one-pass loop is not software-pipelined: 2 and 3 stages were slower
+    on the H200 (BENCHMARKS.md, the norm fusion's appendix)."""
 
     rows: int
     padded_row_groups: int
@@ -76,6 +93,8 @@ class NormTiling(NamedTuple):
     values_per_thread: int = TILE_VALUES // (32 * MIN_WARPS)
     chunks_per_step: int = CHUNKS_PER_STEP
     decode_once: bool = True
+    aligned: bool = False
+    one_pass_rows: int = 0
 
     @property
     def groups_per_tile(self) -> int:
@@ -109,10 +128,19 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
+def one_pass_rows(world_size: int, chunk_row: int, rows: int, num_warps: int) -> int:
+    """Rows of every chunk (``chunk_row`` values of each, the chunks padded
+    to a power of two) that one step of the one-pass output phase holds
+    within :data:`ONE_PASS_MAX_VALUES` a thread, at most ``rows``; 0 when
+    one row is already more."""
+    return min(rows, ONE_PASS_MAX_VALUES * 32 * num_warps // (_next_power_of_2(world_size) * chunk_row))
+
+
+def norm_tiling(layout: WireLayout, *, one_pass: bool = True) -> tuple[NormTiling | None, str]:
     """``(tiling, reason)`` for the output phase with the norm over
     ``layout``'s rows; ``(None, why not)`` when a row cannot be whole in one
-    program (the caller takes the unfused path and counts the reason)."""
+    program (the caller takes the unfused path and counts the reason).
+    ``one_pass=False``: two passes even where one would do (to compare them)."""
     if layout.cols > MAX_NORM_COLS:
         return None, f"rows of {layout.cols} values (the fused norm holds rows of up to {MAX_NORM_COLS})"
     if layout.world_size > MAX_NORM_RANKS:
@@ -122,12 +150,19 @@ def norm_tiling(layout: WireLayout) -> tuple[NormTiling | None, str]:
     rows = max(1, TILE_VALUES // chunk_row)
     warps = min(MAX_WARPS, rows * chunk_row // WARP_VALUES)
     per_thread = rows * chunk_row // (32 * warps)
+    aligned = layout.row_groups == rgp
+    head = f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, {warps} warps, "
+    one = one_pass_rows(layout.world_size, chunk_row, rows, warps)
+    if one_pass and one >= 1:
+        held = one * _next_power_of_2(layout.world_size) * chunk_row // (32 * warps)
+        return NormTiling(rows, rgp, warps, held, 1, False, aligned, one), (
+            head + f"one pass, {one} row(s) of every chunk at a time ({held} values a thread)")
     step = min(layout.world_size, CHUNKS_PER_STEP)
     once = rows * chunk_row * layout.world_size <= DECODE_ONCE_MAX_VALUES
-    return NormTiling(rows, rgp, warps, per_thread, step, once), (
-        f"{rows} row(s) of {layout.world_size} x {rgp} groups per program, {warps} warps, "
-        + ("decoded once" if once else f"decoded twice (tiles over {DECODE_ONCE_MAX_VALUES} values)"))
+    return NormTiling(rows, rgp, warps, per_thread, step, once, aligned), (
+        head + ("two passes, decoded once" if once else f"two passes, decoded twice (tiles over "
+                                                         f"{DECODE_ONCE_MAX_VALUES} values)"))
 
 
 __all__ = ["BASE_REGISTERS", "CHUNKS_PER_STEP", "DECODE_ONCE_MAX_VALUES", "MAX_NORM_COLS", "MAX_NORM_RANKS", "MAX_PROGRAMS_PER_SM", "MAX_WARPS", "MIN_WARPS", "NORM_WARPS_PER_SM",
-           "NormTiling", "REGISTERS_PER_VALUE", "TILE_VALUES", "WARP_VALUES", "norm_tiling", "registers"]
+           "NormTiling", "ONE_PASS_MAX_VALUES", "REGISTERS_PER_VALUE", "TILE_VALUES", "WARP_VALUES", "norm_tiling", "one_pass_rows", "registers"]

@@ -258,13 +258,17 @@ def rank_sweep(rank: int, world: int) -> dict:
     from echo_vllm import EchoCommunicator, ProcessGroupTransport, shape_sweep
 
     transport, echoes, out = ProcessGroupTransport(), {}, {}
-    for case in shape_sweep.cases("fused"):
-        if case.world_size == world:
-            config = case.config("fused")
-            if config not in echoes:  # one backend (and its symmetric buffers) per configuration
-                echoes[config] = EchoCommunicator(config, transport, device="cuda")
-            out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=transport, rank=rank,
-                                                   echo=echoes[config])
+    cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
+    t0 = time.monotonic()
+    for i, case in enumerate(cases, 1):
+        config = case.config("fused")
+        if config not in echoes:  # one backend (and its symmetric buffers) per configuration
+            echoes[config] = EchoCommunicator(config, transport, device="cuda")
+        out[case.label] = shape_sweep.run_case(case, "fused", device="cuda", transport=transport, rank=rank,
+                                               echo=echoes[config])
+        if rank == 0:  # where the time goes, and how far a run cut at its limit got
+            print(f"P={world} sweep: case {i}/{len(cases)} {case.label} done at {time.monotonic() - t0:.1f} s",
+                  flush=True)
     _finish()
     for echo in echoes.values():
         echo.close()
@@ -475,7 +479,7 @@ def check_sweep(world: int, gpus: int) -> dict:
     t0 = time.monotonic()
     cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
     try:
-        got = run_ranks(rank_sweep, world, gpus, deadline_s=480)
+        got = run_ranks(rank_sweep, world, gpus, deadline_s=500)  # P = 8: 253 s on 2026-12-04, past 400 s on 12-05
         problems = []
         for case in cases:
             want = shape_sweep.reference_outputs(case)

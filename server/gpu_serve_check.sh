@@ -90,12 +90,14 @@ fi
 MODEL_DIR=$(tail -1 "$OUT/tiny_model.log")
 log "tiny model at $MODEL_DIR"
 
-# -- 2. server: Echo on every all-reduce (--echo-min-bytes 0), emulated TP
+# -- 2. server: Echo on every all-reduce (--echo-min-bytes 0), emulated TP; a fixed 1 GiB KV cache
+# (64 streams x 1024 tokens need 128 MiB) skips vLLM's free-memory profile, which fails when another
+# process on the GPU frees memory meanwhile (the vLLM check beside it in gpu_accept.sh's run 4)
 # TP=N (N >= 2 GPUs) serves with real tensor parallelism instead of the emulation
 if [ "${TP:-1}" -gt 1 ]; then PARALLEL=(-tp "$TP"); else PARALLEL=(--echo-emulate-tp "$EMULATE_TP"); fi
 SERVE_CMD=("$PY" -m echo_vllm.cli serve "$MODEL_DIR" --served-model-name tiny
   --tp-comm echo "${PARALLEL[@]}" --echo-min-bytes 0
-  --host 127.0.0.1 --port "$PORT" --gpu-memory-utilization 0.3
+  --host 127.0.0.1 --port "$PORT" --gpu-memory-utilization 0.3 --kv-cache-memory-bytes 1073741824
   --max-model-len 1024 --max-num-seqs "$CONCURRENCY" $SERVE_EXTRA)
 echo "${SERVE_CMD[*]}" > "$OUT/serve_command.txt"
 log "starting: ${SERVE_CMD[*]}"

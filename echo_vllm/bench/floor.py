@@ -6,10 +6,15 @@ fused --out DIR`` wrote (``DIR/fused.json``) for each case named in the
 floor and compares it with the figure recorded in BENCHMARKS.md, on a line
 of the form::
 
-    <!-- accept-floor: fused emulated_per_rank P=8 64MiB 102.8 us -->
+    <!-- accept-floor: fused emulated_per_rank P=8 64MiB 102.8 us at copy 4238 GB/s -->
 
 (one per case; the document's table beside it says where the figure comes
-from). Exits 0 when every case is within :data:`TOLERANCE`, 1 when one is
+from). The kernel is bound by memory bandwidth, so when the line names the
+copy bandwidth measured beside the figure, the floor is scaled by the ratio
+of that bandwidth to the one measured in today's run (``copy_gbps`` of
+``fused.json``): the same floor then holds on any GPU the acceptance runs on
+(an H100's ~3 TB/s against the H200's ~4.2), and on the recorded one it moves
+by the run-to-run spread of the copy (<1%). Exits 0 when every case is within :data:`TOLERANCE`, 1 when one is
 slower or missing (the GPU acceptance run, ``scripts/gpu_accept.sh``,
 counts that as a failed step), 2 on unreadable input.
 """
@@ -28,7 +33,7 @@ from ..cli_args import existing_file
 #: How much slower than the recorded figure a run may be.
 TOLERANCE = 0.10
 
-_FLOOR = re.compile(r"<!-- accept-floor: fused (\w+) P=(\d+) (\d+)MiB ([\d.]+) us -->")
+_FLOOR = re.compile(r"<!-- accept-floor: fused (\w+) P=(\d+) (\d+)MiB ([\d.]+) us(?: at copy ([\d.]+) GB/s)? -->")
 
 
 class Floor(NamedTuple):
@@ -37,11 +42,25 @@ class Floor(NamedTuple):
     world_size: int
     size_mib: int
     recorded_us: float
+    copy_gbps: float | None = None
+    """The copy bandwidth measured beside ``recorded_us``; None: the floor is not scaled."""
 
 
 def floors(markdown: str) -> list[Floor]:
     """The floors recorded in a BENCHMARKS.md text."""
-    return [Floor(k, int(p), int(m), float(us)) for k, p, m, us in _FLOOR.findall(markdown)]
+    return [Floor(k, int(p), int(m), float(us), float(gbps) if gbps else None)
+            for k, p, m, us, gbps in _FLOOR.findall(markdown)]
+
+
+def scale(f: Floor, fused: dict) -> tuple[float, str]:
+    """The factor on ``f.recorded_us`` for this run's device, and how it was found."""
+    if f.copy_gbps is None:
+        return 1.0, ""
+    measured = fused.get("copy_gbps")
+    if not measured or measured <= 0:
+        raise KeyError("copy_gbps")  # the floor names a bandwidth: a run that did not measure one cannot be judged
+    device = fused.get("device", "this GPU")
+    return f.copy_gbps / measured, f" (scaled by copy {f.copy_gbps:.0f} / {measured:.0f} GB/s on {device})"
 
 
 def verdicts(fused: dict, recorded: list[Floor], tolerance: float = TOLERANCE) -> list[tuple[bool, str]]:
@@ -56,10 +75,11 @@ def verdicts(fused: dict, recorded: list[Floor], tolerance: float = TOLERANCE) -
         if measured is None:
             out.append((False, f"{f.key} P={f.world_size} {f.size_mib} MiB: not measured in this run"))
             continue
-        limit = f.recorded_us * (1 + tolerance)
+        factor, how = scale(f, fused)
+        limit = f.recorded_us * factor * (1 + tolerance)
         ok = measured <= limit
         out.append((ok, f"{f.key} P={f.world_size} {f.size_mib} MiB: {measured:.1f} us, recorded {f.recorded_us} us, "
-                        f"limit {limit:.1f} us ({'ok' if ok else 'SLOWER'})"))
+                        f"limit {limit:.1f} us{how} ({'ok' if ok else 'SLOWER'})"))
     return out
 
 

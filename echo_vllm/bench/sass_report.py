@@ -74,12 +74,14 @@ def kernel_report(compiled) -> dict:
     }
 
 
-def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16):
-    """The fused kernel compiled for one phase alone (64 MiB of rows of 8192)."""
+def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16, rows: int = 4096,
+                 cols: int = 8192):
+    """The fused kernel compiled for one phase alone (``fused_kernel.ALL_PHASES``:
+    the whole kernel; 64 MiB of rows of 8192 by default)."""
     from ..kernels import fused_kernel as fk
     from ..quant import WireLayout, feedback_row_len
 
-    lay = WireLayout(4096 * 8192, world_size, 32, 8192)
+    lay = WireLayout(rows * cols, world_size, 32, cols)
     x, y = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.empty(1, lay.numel, dtype=torch.bfloat16)
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     tiling = fk.tiling_for(lay, 132)
@@ -89,9 +91,11 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
-def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
-    """The output-norm kernel and the fused kernel's phase 3 with the norm,
-    compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default)."""
+def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_output: bool = False) -> dict:
+    """The output-norm kernel, the fused kernel's phase 3 with the norm, the
+    whole fused norm kernel and, beside it, Echo's own whole fused kernel,
+    compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default), with
+    the residual add (``keep_output``: without one, Echo's output kept)."""
     from ..kernels import fused_kernel as fk
     from ..kernels import contract
     from ..kernels import output_norm_kernel as onk
@@ -104,28 +108,36 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096) -> dict:
         raise ValueError(reason)
     res, w = torch.empty(lay.numel, dtype=torch.bfloat16), torch.empty(cols, dtype=torch.bfloat16)
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
-    plan = onk._plan(lay, tiling, True, True, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
+    mode = onk.residual_mode(None if keep_output else res, res)
+    plan = onk._plan(lay, tiling, True, mode, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
                                                                      tiling.num_warps, res, w, out))
     composed = plan.launcher.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
     fused_tiling = fk.tiling_for_norm(lay, tiling, 132)
-    lp = fk._norm_launch_plan(lay, fused_tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, 3, True,
-                              fk.tiling_lanes(fused_tiling, lay, res, w, out))
     x, fb = torch.zeros(1, lay.numel, dtype=torch.bfloat16), torch.zeros(1, lay.padded_numel, dtype=torch.bfloat16)
-    ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
-    fused = lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
-                                ints, lp.constexprs)
-    return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}": composed,
-            f"fused phase 3 norm P={world_size}": fused}
+
+    def fused(phase):
+        lp = fk._norm_launch_plan(lay, fused_tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
+                                  mode, fk.tiling_lanes(fused_tiling, lay, res, w, out))
+        ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
+        return lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
+                                   ints, lp.constexprs)
+
+    kept = " kept" if keep_output else ""
+    return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}{kept}": composed,
+            f"fused phase 3 norm P={world_size}{kept}": fused(3),
+            f"fused norm whole P={world_size}{kept}": fused(fk.ALL_PHASES),
+            f"fused whole P={world_size}": _fused_phase(fk.ALL_PHASES, world_size, rows=rows, cols=cols)}
 
 
-def norm_report(world_sizes: tuple[int, ...] = (8, 2)) -> list[dict]:
+def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False) -> list[dict]:
     """One row per norm kernel (:func:`_norm_kernels`) and P: SASS per row
-    value a thread holds."""
+    value a thread holds (``keep_output``: the kernels without a residual
+    that keep Echo's output, named "... kept")."""
     rows = []
     with compile_only():
         for p in world_sizes:
-            kernels = _norm_kernels(p)
+            kernels = _norm_kernels(p, keep_output=keep_output)
             per_thread = kernels.pop("values_per_thread")
             for name, k in kernels.items():
                 r = kernel_report(k)

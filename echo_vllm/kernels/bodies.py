@@ -132,6 +132,17 @@ def output_load(buf_ptr, chunk_first, payload_bytes, lg, chunk_groups, G: tl.con
 
 
 @triton.jit
+def output_load_chunks(buf_ptr, first, chunk_bytes, payload_bytes, j, lg, gmask, G: tl.constexpr,
+                       EVICT: tl.constexpr = tl.constexpr("")):
+    """:func:`output_load` of groups from several gathered chunks at once:
+    group ``i`` is group ``lg[i]`` of chunk ``j[i]`` (int64), at byte ``first
+    + j[i] * chunk_bytes`` (a multiple of 16), read where ``gmask``."""
+    wp, sp = chunk_lanes(buf_ptr, first, payload_bytes, lg, G)
+    jb = j * chunk_bytes
+    return load_lanes(wp + (jb >> 2)[:, None], sp + (jb >> 1)[:, None], gmask, EVICT)
+
+
+@triton.jit
 def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr,
                   LANES: tl.constexpr):
     """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``

@@ -266,13 +266,13 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
             HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
-            K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+            K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic.
     Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``norm_tile.tile_groups``)."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         rows = group_rows(lg, row_groups)
         # rank r starts with chunk r + 1: at any moment the ranks write to
         # different peers instead of all to the same one
@@ -295,14 +295,14 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
 @triton.jit
 def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0):
+            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
     ``gathered`` slot ``rank``; the P peer bases are loaded together before
     the stores, one latency per tile instead of one per peer (kept out of
     the loop they would hold 2 P registers through the sum)."""
     mine = _peer_buffer(table_ptr, rank)
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP)
+        lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
                                     lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
         gmask = lg < chunk_groups
@@ -374,20 +374,40 @@ def _fused_kernel(
 
 
 @triton.jit
+def _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, step,
+                   row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
+                   RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, LANES: tl.constexpr,
+                   ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
+    """One step of :func:`_phase3_norm`'s one-pass loop: ``ONE_PASS_ROWS`` rows of every chunk."""
+    output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, step,
+                     row_groups, cols, msg_groups, chunk_groups, eps, P, G, ONE_PASS_ROWS, RGP, HADAMARD, RESIDUAL,
+                     LANES, 1, False, ALIGNED, ONE_PASS_ROWS)
+
+
+@triton.jit
 def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
-                 DECODE_ONCE: tl.constexpr):
+                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
     mine = _peer_buffer(table_ptr, rank)
-    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP)
-        output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
-                         row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
-                         STEP, DECODE_ONCE)
+    if ONE_PASS_ROWS > 0:
+        # the program's tiles (those its twins on the peers gathered), ONE_PASS_ROWS rows at a time, in one loop
+        S: tl.constexpr = K // ONE_PASS_ROWS
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        steps = (n_tiles - pid + programs - 1) // programs * S
+        for n in range(0, steps):
+            _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr,
+                           res_out_ptr, (pid + (n // S) * programs) * S + n % S, row_groups, cols, msg_groups,
+                           chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS)
+    else:
+        for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+            output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                             t, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL,
+                             LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
@@ -398,6 +418,7 @@ def _fused_norm_kernel(
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -415,18 +436,18 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                 chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, K,
-                RGP)
+                RGP, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP)
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, LANES, STEP, DECODE_ONCE)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -542,11 +563,13 @@ def tiling_for_norm(layout: WireLayout, norm: NormTiling, sms: int, sm: SMLimits
 
 def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, sm: SMLimits,
                 norm: NormTiling | None = None) -> FusedTiling:
-    """One program per tile up to ``per_sm`` programs on each of the ``sms``."""
+    """One program per tile up to ``per_sm`` programs on each of the ``sms``:
+    every slot filled, so every SM gets the same number of programs (fewer
+    programs, each with the same number of tiles, left some SMs a program
+    short: BENCHMARKS.md, the P = 8 output phase)."""
     if sms < 1:
         raise ValueError(f"sms={sms}: need at least one SM")
-    rounds = -(-tiles // (sms * per_sm))  # tiles per program; then as few programs as give every one that many
-    return FusedTiling(groups, num_warps, -(-tiles // rounds), register_cap(per_sm, num_warps, sm), norm)
+    return FusedTiling(groups, num_warps, min(tiles, sms * per_sm), register_cap(per_sm, num_warps, sm), norm)
 
 
 # -- launch ------------------------------------------------------------------------
@@ -582,7 +605,7 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int,
-                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: bool,
+                      hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: int,
                       lanes: bool) -> LaunchPlan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``tiling.norm`` set)."""
     la = _launcher(tiling.num_warps, tiling.registers, True)
@@ -595,7 +618,7 @@ def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathe
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
-            DECODE_ONCE=t.decode_once,
+            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows,
         ),
     )
 
@@ -728,14 +751,15 @@ def fused_all_reduce_norm(
     """:func:`fused_all_reduce` followed by the residual add and RMSNorm in
     its phase 3: ``(out, new residual)``, the bits of its output then
     ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
-    (``norm.rms_norm`` and None without ``residual``), the same as the
+    (``norm.rms_norm`` without ``residual``, and ``residual_out`` holding
+    Echo's output, or None when not given), the same as the
     composed ``output_norm`` kernel's. ``tiling``: :func:`tiling_for_norm`'s
     (whole rows per tile in every phase). ``residual`` (``[numel]``
     values, ``[P, numel]`` for every rank in one launch) gets the new
     residual in place unless ``residual_out`` is given; ``out`` likewise
     shaped. ``x``, ``feedback``, ``phase``, ``sms``, ``status``: as
     :func:`fused_all_reduce`'s."""
-    from .output_norm_kernel import check_norm_operands
+    from .output_norm_kernel import check_norm_operands, residual_mode
 
     if tiling.norm is None:
         raise ValueError("tiling: not a norm tiling (tiling_for_norm)")
@@ -747,7 +771,7 @@ def fused_all_reduce_norm(
     res = residual if residual is not None else out  # unused pointers without a residual
     res_out = residual_out if residual_out is not None else out
     lp = _norm_launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                           bool(has_incoming), phase, residual is not None,
+                           bool(has_incoming), phase, residual_mode(residual, residual_out),
                            tiling_lanes(tiling, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))

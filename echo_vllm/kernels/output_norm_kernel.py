@@ -22,7 +22,7 @@ from ..quant import WireLayout
 from . import contract
 from .direct_launch import Launcher, LaunchPlan
 from ..norm_plan import NormTiling, norm_tiling
-from .norm_tile import output_norm_tile, tile_groups
+from .norm_tile import ADD_RESIDUAL, KEEP_OUTPUT, NO_RESIDUAL, output_norm_tile
 
 
 @triton.jit
@@ -31,11 +31,11 @@ def _output_norm_kernel(
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
 ):
-    lg = tile_groups(tl.program_id(0), K * RGP, row_groups, chunk_groups, K, RGP)
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     lg, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES,
-                     STEP, DECODE_ONCE)
+                     tl.program_id(0), row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD,
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,11 +45,13 @@ def _launcher(num_warps: int) -> Launcher:
 
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool,
+def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: int,
           lanes: bool) -> LaunchPlan:
     """``ints``: :func:`contract.message_ints`' ``row_groups, cols, msg_groups``,
     then ``chunk_groups, chunk_bytes, payload_bytes``."""
     la = _launcher(tiling.num_warps)
+    if tiling.one_pass_rows:  # a program per one-pass step: its kernel has no loop
+        tiling = tiling._replace(rows=tiling.one_pass_rows)
     return LaunchPlan(
         launcher=la,
         grid=(tiling.row_tiles(layout), 1, 1),
@@ -57,7 +59,8 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: bool
         constexprs=la.constexprs(P=layout.world_size, G=layout.group_size, K=tiling.rows,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
                                  LANES=lanes, STEP=tiling.chunks_per_step,
-                                 DECODE_ONCE=tiling.decode_once),
+                                 DECODE_ONCE=tiling.decode_once, ALIGNED=tiling.aligned,
+                                 ONE_PASS_ROWS=tiling.one_pass_rows),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -67,8 +70,10 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
                         residual_out: torch.Tensor | None, *, ranks: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check the norm's tensors against ``layout`` (``ranks`` > 0: ``[ranks,
     numel]``-shaped per-rank copies, else ``numel`` values) and return
-    ``(out, residual_out)``, allocated when not given (the new residual goes
-    into ``residual`` itself when ``residual_out`` is None)."""
+    ``(out, residual_out)``, ``out`` allocated when not given (the new
+    residual goes into ``residual`` itself when ``residual_out`` is None;
+    ``residual_out`` without ``residual`` gets Echo's output,
+    :func:`residual_mode`)."""
     if out_dtype not in contract.INPUT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not in {contract.INPUT_DTYPES}")
     if weight.dim() != 1 or weight.numel() != layout.cols or not weight.is_contiguous():
@@ -88,9 +93,8 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
         message("residual", residual, contract.INPUT_DTYPES)
         if residual_out is None:
             residual_out = residual
+    if residual_out is not None:
         message("residual_out", residual_out, (out_dtype,))
-    elif residual_out is not None:
-        raise ValueError("residual_out without residual")
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=weight.device)
     message("out", out, (out_dtype,))
@@ -98,6 +102,16 @@ def check_norm_operands(layout: WireLayout, out_dtype: torch.dtype, weight: torc
         if t is not None and _overlap(out, t):  # the kernels keep Echo's output in ``out`` between two reads of it
             raise ValueError(f"out overlaps {name}: the norm needs separate buffers")
     return out, residual_out
+
+
+def residual_mode(residual: torch.Tensor | None, residual_out: torch.Tensor | None) -> int:
+    """The kernels' ``RESIDUAL``: a residual is added and the sum stored
+    (``ADD_RESIDUAL``); without one, ``residual_out`` given, Echo's output is
+    stored there as well (``KEEP_OUTPUT``: a decoder's first norm, whose
+    input is also the next residual), else only the norm (``NO_RESIDUAL``)."""
+    if residual is not None:
+        return ADD_RESIDUAL.value
+    return KEEP_OUTPUT.value if residual_out is not None else NO_RESIDUAL.value
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,21 +131,25 @@ def output_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    tiling: NormTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel version of ``quant.output_reference`` then
     ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``:
     ``gathered [P, chunk_bytes]`` -> ``(out [numel], new residual [numel])``
-    of ``out_dtype`` (without ``residual``: ``norm.rms_norm``, and None).
+    of ``out_dtype`` (without ``residual``: ``norm.rms_norm``, and
+    ``residual_out`` holding Echo's output, or None when not given).
     The new residual goes into ``residual_out``, by default ``residual``
-    itself (in place, as vLLM's op)."""
-    tiling, reason = norm_tiling(layout)
+    itself (in place, as vLLM's op). ``tiling``: the tile plan, by default
+    ``norm_tiling(layout)``'s (tests and experiments give others)."""
     if tiling is None:
-        raise ValueError(f"output_norm: {reason}")
+        tiling, reason = norm_tiling(layout)
+        if tiling is None:
+            raise ValueError(f"output_norm: {reason}")
     out, residual_out = check_norm_operands(layout, out_dtype, weight, residual, out, residual_out)
     res = residual if residual is not None else out  # unused pointers without a residual
     rows = (out, weight, res, residual_out if residual_out is not None else out)
     lanes = contract.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *rows)
-    plan = _plan(layout, tiling, bool(hadamard), residual is not None, lanes)
+    plan = _plan(layout, tiling, bool(hadamard), residual_mode(residual, residual_out), lanes)
     contract.check_wire("gathered", gathered, plan.wire_shape)
     contract.check_device(gathered, weight, residual, out, residual_out)
     plan.launcher(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),

@@ -222,36 +222,37 @@ def _vocab_embedding_fake(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 def _row_parallel_norm_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-    norm_weight: torch.Tensor, epsilon: float,
+    norm_weight: torch.Tensor, epsilon: float, keep_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s = _session()
     partials = row_parallel_partials(x, weight, s.world_size, bias)
     return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
-                    residual, norm_weight, epsilon)
+                    residual, norm_weight, epsilon, keep_output)
 
 
 def _row_parallel_norm_fake(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-    norm_weight: torch.Tensor, epsilon: float,
+    norm_weight: torch.Tensor, epsilon: float, keep_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return outputs_like((*x.shape[:-1], weight.shape[0]), x.dtype, x.device, residual)
+    return outputs_like((*x.shape[:-1], weight.shape[0]), x.dtype, x.device, residual, keep_output)
 
 
 def _vocab_embedding_norm_impl(
     ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-    epsilon: float,
+    epsilon: float, keep_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s = _session()
     partials = vocab_parallel_partials(ids.long(), weight, s.world_size)
     return run_norm(lambda norm: s.reduce_norm(partials, norm), tuple(partials.shape[1:]), partials.dtype,
-                    residual, norm_weight, epsilon)
+                    residual, norm_weight, epsilon, keep_output)
 
 
 def _vocab_embedding_norm_fake(
     ids: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-    epsilon: float,
+    epsilon: float, keep_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return outputs_like((*ids.shape, weight.shape[1]), weight.dtype, weight.device, residual)
+    return outputs_like((*ids.shape, weight.shape[1]), weight.dtype, weight.device, residual,
+                        keep_output)
 
 
 def register_ops() -> None:

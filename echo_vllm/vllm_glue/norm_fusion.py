@@ -15,7 +15,11 @@ fusion passes, then lowers the ``vllm_ir`` ops)::
 The pass (:class:`EchoNormFusionPass`) replaces each such pair, where ``y``
 has no other use, by one op of Echo's (:data:`FUSED_OPS`): the same
 inputs, the norm's residual, weight and eps, returning ``(out, new
-residual)`` -- functional (new tensors), opaque to Inductor, with a fake
+residual)``. A decoder's first norm is ``rms_norm`` of the embedding's
+``y``, which is also the next layer's residual: there the op keeps ``y`` as
+its second output (``keep_output``, written by Echo's output phase beside
+the norm) and ``y``'s later uses take it. The ops are functional (new
+tensors), opaque to Inductor, with a fake
 implementation for tracing; its Python runs on eager calls and once per
 CUDA-graph capture, as the all-reduce it replaces. It reduces through the
 session's per-call sequence (the call numbering, the chain, the policy,
@@ -66,28 +70,31 @@ _LIB: Any = None
 # ---------------------------------------------------------------------------
 
 
-def outputs_like(shape: "tuple[int, ...]", dtype: torch.dtype, device: Any,
-                 residual: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor]":
-    """New (contiguous) tensors for the output and the new residual (an empty
-    one without a residual: an op returns tensors, not None)."""
+def outputs_like(shape: "tuple[int, ...]", dtype: torch.dtype, device: Any, residual: Optional[torch.Tensor],
+                 keep_output: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """New (contiguous) tensors for the output and the new residual: the
+    residual's shape; without one, the output's where ``keep_output`` (it
+    gets the reduced output itself), else empty (an op returns tensors, not None)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    res = torch.empty(residual.shape, dtype=dtype, device=device) if residual is not None else out.new_empty(0)
-    return out, res
+    if residual is not None:
+        return out, torch.empty(residual.shape, dtype=dtype, device=device)
+    return out, torch.empty_like(out) if keep_output else out.new_empty(0)
 
 
 def run_norm(reduce_norm: Any, shape: "tuple[int, ...]", dtype: torch.dtype, residual: Optional[torch.Tensor],
-             weight: torch.Tensor, epsilon: float) -> "tuple[torch.Tensor, torch.Tensor]":
+             weight: torch.Tensor, epsilon: float, keep_output: bool) -> "tuple[torch.Tensor, torch.Tensor]":
     """What every fused op does: the norm's operands with new output tensors
     (the reduced message's ``shape`` and ``dtype``), then ``reduce_norm(norm)``,
-    which reduces and writes them (:func:`outputs_like`'s pair)."""
-    out, res = outputs_like(shape, dtype, weight.device, residual)
+    which reduces and writes them (:func:`outputs_like`'s pair; ``keep_output``
+    without a residual: the second holds the reduced output, ``NormOperands``)."""
+    out, res = outputs_like(shape, dtype, weight.device, residual, keep_output)
     reduce_norm(NormOperands(weight, epsilon, residual=residual.contiguous() if residual is not None else None,
-                             out=out, residual_out=res if residual is not None else None))
+                             out=out, residual_out=res if residual is not None or keep_output else None))
     return out, res
 
 
 def _tp_impl(input: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, epsilon: float,
-             group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+             keep_output: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     group = compat.group_by_name(group_name)
     comm = group.__dict__.get("_echo_comm")
     if comm is None or comm.disabled:  # Echo is not on this group (any more): vLLM's sum, then the norm
@@ -96,12 +103,12 @@ def _tp_impl(input: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     else:
         def reduce_norm(norm):
             return comm.all_reduce_norm(input.contiguous(), norm)
-    return run_norm(reduce_norm, tuple(input.shape), input.dtype, residual, weight, epsilon)
+    return run_norm(reduce_norm, tuple(input.shape), input.dtype, residual, weight, epsilon, keep_output)
 
 
 def _tp_fake(input: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, epsilon: float,
-             group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return outputs_like(tuple(input.shape), input.dtype, input.device, residual)
+             keep_output: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return outputs_like(tuple(input.shape), input.dtype, input.device, residual, keep_output)
 
 
 def register_ops() -> None:
@@ -131,7 +138,10 @@ class SiteFacts(NamedTuple):
     """``"fused_add_rms_norm"`` or ``"rms_norm"`` when the reduced output
     is the first argument of one, else None."""
     other_uses: int
-    """Uses of the reduced output besides that norm."""
+    """Uses of the reduced output besides that norm's input."""
+    uses_after_norm: int
+    """Those of :attr:`other_uses` that are nodes after the norm (they can
+    take the reduced output from the fused op)."""
     partial_variance: bool
     """The norm's variance covers part of the row (``variance_size``)."""
     weight: bool
@@ -144,8 +154,10 @@ def site_reason(f: SiteFacts) -> Optional[str]:
         return "an all-reduce of another group"
     if f.norm is None:
         return "not followed by vLLM's RMSNorm"
-    if f.other_uses:
+    if f.other_uses and f.norm != "rms_norm":  # the fused op's second output is the new residual, not y
         return "the reduced output is used beyond the norm"
+    if f.uses_after_norm < f.other_uses:  # y is kept by the fused op, which runs where the norm did
+        return "the reduced output is used before its norm"
     if f.partial_variance:
         return "the norm's variance covers part of the row"
     if not f.weight:
@@ -203,17 +215,28 @@ def facts_of(node: torch.fx.Node, kind: str, echo_group: Optional[str], norms: d
                       and next(iter(arguments(u).values())) is node), None)
     args = arguments(norm_node) if norm_node is not None else {}
     # another user, or the norm taking it twice (its residual too)
-    other = sum(u is not norm_node for u in node.users) + (norm_node is not None and any(
-        a is node for a in list(arguments(norm_node).values())[1:]))
+    others = [u for u in node.users if u is not norm_node]
+    twice = norm_node is not None and any(a is node for a in list(args.values())[1:])
     facts = SiteFacts(
         reduce=kind,
         echo_group=kind != "tp" or (echo_group is not None and arguments(node).get("group_name") == echo_group),
         norm=norms[norm_node.target] if norm_node is not None else None,
-        other_uses=int(other),
+        other_uses=len(others) + int(twice),
+        uses_after_norm=sum(1 for u in others if norm_node is not None and _after(u, norm_node)),
         partial_variance=args.get("variance_size") is not None,
         weight=args.get("weight") is not None,
     )
     return facts, norm_node
+
+
+def _after(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether node ``a`` comes after node ``b`` in their graph's order."""
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
 
 
 def _fused_target(kind: str) -> Any:
@@ -249,18 +272,24 @@ def fuse_graph(graph: torch.fx.Graph, echo_group: Optional[str]) -> Counter:
             continue
         args, inputs = arguments(norm_node), list(arguments(node).values())
         group = (inputs.pop(),) if kind == "tp" else ()  # vllm.all_reduce(tensor, group_name): the name goes last
+        keep = facts.other_uses > 0  # rms_norm's input used later too (site_reason): the op keeps it
         with graph.inserting_before(norm_node):
             fused = graph.call_function(_fused_target(kind), (*inputs, args.get("x_residual"), args["weight"],
-                                                              float(args["epsilon"]), *group))
+                                                              float(args["epsilon"]), keep, *group))
             _fake_val(fused)
-            if facts.norm == "rms_norm":  # one output: the first of the op's two
+            if facts.norm == "rms_norm":  # the first of the op's two outputs; the second is y where kept
                 first = graph.call_function(operator.getitem, (fused, 0))
                 first.meta.update(norm_node.meta)
                 norm_node.replace_all_uses_with(first)
+                if keep:
+                    kept = graph.call_function(operator.getitem, (fused, 1))
+                    kept.meta.update(node.meta)
             else:
                 fused.meta.setdefault("val", norm_node.meta.get("val"))
                 norm_node.replace_all_uses_with(fused)
         graph.erase_node(norm_node)
+        if keep:
+            node.replace_all_uses_with(kept)
         graph.erase_node(node)
         outcomes[FUSED] += 1
     return outcomes

@@ -1,6 +1,7 @@
 r"""Time the fused Echo + add + RMSNorm under tile plans other than
 ``norm_plan.norm_tiling``'s: rows per tile and the output phase's second
-pass (Echo's output read back, or decoded again), every rank of P emulated
+pass (Echo's output read back, or decoded again, or none: ``--once one``,
+every chunk of a step's rows in one pass), every rank of P emulated
 in one launch (time over P, as ``bench norm``'s (b)), and phase 3 alone
 (one rank). Each plan's output and new residual are first compared bit for
 bit with the plan's own (the tiling must not change the numerics).
@@ -16,8 +17,8 @@ them) under each grid:
 
     python scripts/experiments/norm_tiles.py --echo-phases --world-sizes 8,4,2 --tokens 1024,8192 --grids plan,full
 
-A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm``
-launches every rank's phases, then phase 3 alone):
+A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:warps_per_sm:one_pass_values``, once
+0 decode again, 1 read back, 2 one pass, launches every rank's phases, then phase 3 alone):
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats -k regex:_fused_norm --launch-skip 1 --launch-count 1 \
@@ -40,21 +41,35 @@ from concurrent.futures import ThreadPoolExecutor
 EPS = 1e-6
 
 
-def _tiling(lay, rows: int, once: bool, step: int, warps_per_sm: int):
-    """The plan's tiling with ``rows`` rows per tile (its warps and values per thread to match), and
-    ``warps_per_sm`` in place of ``norm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers)."""
+#: ``--once`` values: the output phase's second pass (read back, decode again) or none (one pass).
+SECOND_PASS = {"on": 1, "off": 0, "one": 2}
+
+
+def _tiling(lay, rows: int, once: int, step: int, warps_per_sm: int, one_pass_values: int = 16):
+    """``(the plan's tiling, a variant)``: ``rows`` rows per tile (warps and values per thread to
+    match), in two passes whose second reads Echo's output back (``once`` 1) or decodes again (0), or
+    in one pass (2: as many rows a step as ``norm_plan.one_pass_rows`` allows; None if not one), and
+    ``warps_per_sm`` in place of ``norm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers),
+    ``one_pass_values`` of ``norm_plan.ONE_PASS_MAX_VALUES`` (the most values a thread holds in one pass)."""
     from echo_vllm import norm_plan
-    from echo_vllm.norm_plan import MAX_WARPS, WARP_VALUES, norm_tiling
+    from echo_vllm.norm_plan import MAX_WARPS, WARP_VALUES, norm_tiling, one_pass_rows
 
     norm_plan.NORM_WARPS_PER_SM = warps_per_sm  # read by NormTiling.per_sm()
+    norm_plan.ONE_PASS_MAX_VALUES = one_pass_values  # read by one_pass_rows()
 
-    base, reason = norm_tiling(lay)
-    if base is None:
+    plan, reason = norm_tiling(lay)
+    if plan is None:
         raise SystemExit(f"no fused norm: {reason}")
-    chunk_row = base.padded_row_groups * lay.group_size
+    two, _ = norm_tiling(lay, one_pass=False)
+    chunk_row = two.padded_row_groups * lay.group_size
     warps = max(1, min(MAX_WARPS, rows * chunk_row // WARP_VALUES))
-    return base, base._replace(rows=rows, num_warps=warps, values_per_thread=rows * chunk_row // (32 * warps),
-                               chunks_per_step=min(step, lay.world_size), decode_once=once)
+    if once == 2:
+        one = one_pass_rows(lay.world_size, chunk_row, rows, warps)
+        held = one * (1 << (lay.world_size - 1).bit_length()) * chunk_row // (32 * warps)
+        return plan, two._replace(rows=rows, num_warps=warps, values_per_thread=held, chunks_per_step=1,
+                                  decode_once=False, one_pass_rows=one) if one else None
+    return plan, two._replace(rows=rows, num_warps=warps, values_per_thread=rows * chunk_row // (32 * warps),
+                              chunks_per_step=min(step, lay.world_size), decode_once=bool(once))
 
 
 def _case(world: int, tokens: int, hidden: int, dev: str = "cuda"):
@@ -129,12 +144,14 @@ def _run(lay, sms, table, x, res, w, norm, *, ranks: int | None = None, phase: i
 
 
 def _compile(spec: str) -> int:
-    """``P:T:H:rows:once:step:warps_per_sm``: run that plan once, then its phase 3 alone (fills Triton's cache)."""
+    """``P:T:H:rows:once:step:warps_per_sm:one_pass_values``: run that plan once, then its phase 3 alone (fills Triton's cache)."""
     import torch
 
-    world, tokens, hidden, rows, once, step, wps = (int(v) for v in spec.split(":"))
+    world, tokens, hidden, rows, once, step, wps, opv = (int(v) for v in spec.split(":"))
     lay, sms, table, x, res, w = _case(world, tokens, hidden)
-    _, norm = _tiling(lay, rows, bool(once), step, wps)
+    _, norm = _tiling(lay, rows, once, step, wps, opv)
+    if norm is None:
+        return 0
     _run(lay, sms, table, x, res, w, norm)  # launch 1: every rank, all phases
     _run(lay, sms, table, x, res, w, norm, ranks=1, phase=3)  # launch 2: phase 3 alone (for a profiler)
     torch.cuda.synchronize()
@@ -147,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--rows", default="1,2,4", help="rows per tile to try (beside the plan's own)")
-    ap.add_argument("--once", default="on,off", help="second passes to try: on (read back), off (decode again)")
+    ap.add_argument("--once", default="on,off,one", help="second passes to try: on (read back), off (decode "
+                    "again), one (none: one pass)")
     ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
     ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
+    ap.add_argument("--one-pass-values", default="16", help="norm_plan.ONE_PASS_MAX_VALUES values to try (one pass: the most values a thread holds; 32 gives P = 8 at hidden 4096 steps of 2 rows on 8 warps)")
     ap.add_argument("--grids", default="plan", help="persistent grids to try: plan (the plan's), full "
                     "(a program in every slot of every SM), few (as few programs as share the tiles evenly)")
     ap.add_argument("--echo-phases", action="store_true",
@@ -166,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from echo_vllm.bench import timing
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.norm_plan import NORM_WARPS_PER_SM as PLAN_WPS
+    from echo_vllm.norm_plan import ONE_PASS_MAX_VALUES as PLAN_OPV
     from echo_vllm.norm_plan import WARP_VALUES
 
     if args.echo_phases:
@@ -178,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 for once in args.once.split(","):
                     for step in (int(v) for v in args.steps.split(",")):
                         for wps in (int(v) for v in args.warps_per_sm.split(",")):
-                            cases.append((world, tokens, args.hidden, rows, int(once == "on"), step, wps))
+                            for opv in (int(v) for v in args.one_pass_values.split(",")):
+                                cases.append((world, tokens, args.hidden, rows, SECOND_PASS[once], step, wps, opv))
     if args.jobs > 1:
         def compile_one(c):
             spec = ":".join(map(str, c))
@@ -188,22 +209,23 @@ def main(argv: list[str] | None = None) -> int:
             for spec, rc, err in pool.map(compile_one, cases):  # the grid is no constant: compiled once
                 print(f"compiled {spec}: rc={rc}" + (f" {err}" if rc else ""), flush=True)
     results, last = [], None
-    for world, tokens, hidden, rows, once, step, wps, grid in ((*c, g) for c in cases for g in grids):
+    for world, tokens, hidden, rows, once, step, wps, opv, grid in ((*c, g) for c in cases for g in grids):
         if last != (world, tokens):
             setup = _case(world, tokens, hidden, args.device)
             lay = setup[0]
-            base, _ = _tiling(lay, 1, True, 4, PLAN_WPS)
-            want, want_res = (t.clone() for t in _run(*setup, base))
+            base, first = _tiling(lay, 1, 1, 4, PLAN_WPS, PLAN_OPV)
+            want, want_res = (t.clone() for t in _run(*setup, first))  # every variant's bits against these
             last = (world, tokens)
-        _, norm = _tiling(lay, rows, bool(once), step, wps)
-        if norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
-            continue  # a warp's 32 lanes of 8 values is the smallest tile
+        _, norm = _tiling(lay, rows, once, step, wps, opv)
+        if norm is None or norm.rows * norm.padded_row_groups * lay.group_size < WARP_VALUES:
+            continue  # a row too many values for one pass; a warp's 32 lanes of 8 values is the smallest tile
         got, got_res = _run(*setup, norm, grid=grid)
         same = (torch.equal(got.view(torch.int16), want.view(torch.int16))
                 and torch.equal(got_res.view(torch.int16), want_res.view(torch.int16)))
-        row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, decode_once=bool(once), step=step,
-                   grid=grid, warps=norm.num_warps, per_sm=norm.per_sm(),
-                   plan=norm == base and wps == PLAN_WPS and grid == "plan",
+        row = dict(world=world, tokens=tokens, hidden=hidden, rows=rows, second_pass={1: "read back", 0: "decode",
+                   2: "none"}[once], one_pass_rows=norm.one_pass_rows, step=step, grid=grid, warps=norm.num_warps,
+                   per_sm=norm.per_sm(),
+                   one_pass_values=opv, plan=norm == base and wps == PLAN_WPS and opv == PLAN_OPV and grid == "plan",
                    registers=fk.tiling_for_norm(lay, norm, setup[1] // world).registers, same_bits=same)
         results.append(row)
         if args.device != "cuda":

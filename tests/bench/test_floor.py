@@ -26,6 +26,29 @@ def test_within_ten_percent_passes_and_beyond_fails():
     assert not ok and "SLOWER" in reason and "113.2" in reason
 
 
+SCALED = "<!-- accept-floor: fused emulated_per_rank P=8 64MiB 102.8 us at copy 4000 GB/s -->\n"
+
+
+def test_a_floor_with_its_copy_bandwidth_scales_to_the_run_s_bandwidth():
+    """Memory-bound: half the copy bandwidth allows twice the time, on any GPU."""
+    recorded = floor.floors(SCALED)
+    assert recorded == [floor.Floor("emulated_per_rank", 8, 64, 102.8, 4000.0)]
+    slow_gpu = {**_fused(226.0), "copy_gbps": 2000.0, "device": "NVIDIA H100 80GB HBM3"}  # 205.6 * 1.1 = 226.16
+    ok, reason = floor.verdicts(slow_gpu, recorded)[0]
+    assert ok and "4000 / 2000 GB/s on NVIDIA H100 80GB HBM3" in reason and "226.2" in reason
+    assert not floor.verdicts({**slow_gpu, "cases": _fused(226.3)["cases"]}, recorded)[0][0]
+    assert floor.verdicts({**_fused(113.0), "copy_gbps": 4000.0}, recorded)[0][0]  # the same bandwidth: unscaled
+    assert not floor.verdicts({**_fused(113.2), "copy_gbps": 4000.0}, recorded)[0][0]
+
+
+def test_a_scaled_floor_without_the_run_s_bandwidth_is_unreadable_input(tmp_path, capsys):
+    bench, fused = tmp_path / "BENCHMARKS.md", tmp_path / "fused.json"
+    bench.write_text(SCALED)
+    fused.write_text(json.dumps(_fused(99.0)))  # no copy_gbps: the floor cannot be placed
+    assert floor.main([str(fused), "--benchmarks", str(bench)]) == 2
+    assert "copy_gbps" in capsys.readouterr().err
+
+
 def test_a_missing_measurement_or_floor_fails():
     assert floor.verdicts(_fused(None), floor.floors(DOC))[0][0] is False
     assert floor.verdicts(_fused(100.0), []) == [(False, "no accept-floor line in BENCHMARKS.md")]
@@ -33,7 +56,7 @@ def test_a_missing_measurement_or_floor_fails():
 
 def test_the_repository_records_the_fused_floor():
     doc = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text()
-    assert any(f.world_size == 8 and f.size_mib == 64 for f in floor.floors(doc))
+    assert any(f.world_size == 8 and f.size_mib == 64 and f.copy_gbps for f in floor.floors(doc))
 
 
 def test_the_command_exits_with_the_verdict(tmp_path, capsys):

@@ -169,3 +169,31 @@ def test_a_malformed_saved_run_is_one_line_and_writes_nothing(content, message, 
     assert captured.out == "" and captured.err.count("\n") == 1
     assert f"--from-json {saved}: not a norm.json of this bench {message}" in captured.err
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("world,hidden,two_pass", [(8, 4096, True), (2, 4096, True), (8, 16384, False)])
+def test_one_pass_plans_are_timed_and_verified_beside_two_passes(world, hidden, two_pass, monkeypatch):
+    """Where the plan reads its rows in one pass, the bench also verifies
+    and times the same layout in two passes (what one pass buys, measured
+    in the same run); a plan in two passes is timed once."""
+    lay = WireLayout(37 * hidden, world, 32, hidden)
+    plans = norm_bench._plans(lay)
+    assert (plans["plan"].one_pass_rows > 0) == two_pass and ("two_pass" in plans) == two_pass
+    if two_pass:
+        assert plans["two_pass"].one_pass_rows == 0 and plans["two_pass"].rows == plans["plan"].rows
+    seen = []
+    monkeypatch.setattr(norm_bench, "_verify_plan", lambda w, lay, plan: seen.append(plan) or [f"{plan.one_pass_rows}"])
+    assert norm_bench.verify_norm(world, hidden) == [f"{p.one_pass_rows}" for p in plans.values()]
+    assert seen == list(plans.values())
+
+
+def test_the_table_shows_two_passes_where_measured():
+    times = {"echo": 102.0, "echo_norm": 110.0, "phase1": 64.0, "phase2": 20.0, "phase3_norm": 30.0, "norm": 65.0,
+             "echo_then_norm": 167.0}
+    lay = WireLayout(8192 * 4096, 8, 32, 4096)
+    one = norm_bench.NormCase(8, 8192, 4096, plan={}, bytes=norm_bench.norm_phase_bytes(lay),
+                              times_us={**times, "echo_norm_two_pass": 123.4})
+    old = norm_bench.NormCase(8, 1024, 4096, plan={}, bytes=norm_bench.norm_phase_bytes(lay), times_us=times)
+    rows = norm_bench.table([one, old], 4264.0).splitlines()
+    assert "2 passes" in rows[0]
+    assert rows[2].split("|")[3].strip() == "123.4" and rows[3].split("|")[3].strip() == "-"

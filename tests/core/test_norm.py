@@ -170,6 +170,31 @@ def test_rows_do_not_depend_on_their_batch():
         assert_same(n, new_res[r:r + 1], f"row {r} residual")
 
 
+def test_norm_into_writes_each_output_where_asked():
+    """In place by default; into ``residual_out`` when given; without a
+    residual, ``y`` itself kept in ``residual_out`` (a decoder's first norm)."""
+    y, res = _rows(3, 40, 31).to(torch.bfloat16), _rows(3, 40, 32).to(torch.bfloat16)
+    w = (1 + 0.1 * _rows(1, 40, 33)[0]).to(torch.bfloat16)
+    want_out, want_res = norm.add_rms_norm(y, res, w, 1e-6, variance="kernel")
+    res_in = res.clone()
+    out, new = norm.norm_into(y, w, 1e-6, residual=res_in)
+    assert new is res_in
+    assert_same(new, want_res, "in place")
+    assert_same(out, want_out, "out")
+    res_in, sep = res.clone(), torch.empty_like(res)
+    out, new = norm.norm_into(y, w, 1e-6, residual=res_in, residual_out=sep)
+    assert new is sep and torch.equal(res_in, res)
+    assert_same(sep, want_res, "separate buffer")
+    out, new = norm.norm_into(y, w, 1e-6)
+    assert new is None
+    assert_same(out, norm.rms_norm(y, w, 1e-6, variance="kernel"), "rms_norm")
+    kept, out_buf = torch.full_like(y, float("nan")), torch.empty_like(y)
+    out, new = norm.norm_into(y, w, 1e-6, out=out_buf, residual_out=kept)
+    assert new is kept and out is out_buf
+    assert_same(kept, y, "kept output")
+    assert_same(out, norm.rms_norm(y, w, 1e-6, variance="kernel"), "rms_norm, output kept")
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="variance='exact'"):
         norm.rms_norm(torch.ones(1, 8), None, 1e-6, variance="exact")

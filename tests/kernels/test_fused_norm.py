@@ -28,13 +28,21 @@ QMAX = 7
 
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
-                       w_dt=None, special=False):
+                       w_dt=None, special=False, aligned=None, one_pass_rows=0, keep=False,
+                       decode_once=True):
+    """``keep`` (without ``residual``): Echo's output also written into a
+    buffer of its own (a decoder's first norm's next residual)."""
     from echo_vllm.kernels import fused_kernel as fk
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
-    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
-    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual}"
+    plan = norm_tiling(lay)[0]
+    aligned = plan.aligned if aligned is None else aligned
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
+                        decode_once=decode_once)
+    tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
+           f"one pass={one_pass_rows} keep={keep} decode once={decode_once}")
+    assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
     fbs = [fb_ref[r:r + 1].clone() if fb_dtype else None for r in range(world)]
@@ -47,18 +55,22 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     res0, w = norm_operands(rows, cols, dtype, DTYPES[w_dt or dt], 5)
     ress = [res0.clone() if residual else None for _ in range(world)]
     outs = [torch.empty(lay.numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    unwritten = torch.full((lay.numel,), float("nan"), dtype=dtype, device=DEVICE)
+    kept = [unwritten.clone() if keep else None for _ in range(world)]
     fb1 = None
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
         quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
     wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
     want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard)
+    want_kept = quant.output_reference(q2, lay, dtype, hadamard=hadamard)
     n = world * lay.chunk_bytes
     for phase in (1, 2, 3):
         for r in range(world):
             got_out, got_res = fk.fused_all_reduce_norm(
                 x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
-                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r], phase=phase)
+                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r],
+                residual_out=kept[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 assert_same_bits(bufs[r][:n].view(world, lay.chunk_bytes), wire[:, r], f"phase 1 recv {r} [{tag}]")
@@ -70,12 +82,17 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
                 assert_same_bits(fbs[r], want_fb[r:r + 1], f"phase {phase} feedback of rank {r} [{tag}]")
             if phase < 3 and residual:
                 assert_same_bits(ress[r], res0, f"residual before phase 3 [{tag}]")
+            if phase < 3 and keep:
+                assert_same_bits(kept[r], unwritten, f"kept output before phase 3 [{tag}]", nan_any=True)
             if phase == 3:
                 assert got_out.data_ptr() == outs[-1].data_ptr()
                 assert_same_bits(outs[r].view(rows, cols), want_out, f"normed output of rank {r} [{tag}]",
                                  nan_any=True)
                 if residual:
                     assert_same_bits(ress[r], want_res, f"new residual of rank {r} [{tag}]", nan_any=True)
+                if keep:
+                    assert got_res.data_ptr() == kept[-1].data_ptr()
+                    assert_same_bits(kept[r], want_kept, f"kept output of rank {r} [{tag}]", nan_any=True)
 
 
 # rows, cols, P, g, dtype, feedback, hadamard, incoming, rows per tile, programs: the chunks' padding
@@ -88,18 +105,45 @@ NORM_PHASE_CASES = [
     (9, 1, 2, 64, "fp32", "fp32", False, True, 4, 2),
     (4, 256, 4, 32, "bf16", None, True, False, 1, 1),
     (3, 96, 6, 16, "bf16", "bf16", True, True, 1, 2),  # P not a multiple of the first pass's chunks per step
+    (10, 512, 4, 32, "bf16", "bf16", True, True, 4, 2),  # one pass: steps of 2 aligned rows (wrong bits on the H200)
 ]
 
 
+@pytest.mark.parametrize("passes", ["two", "one"])
 @pytest.mark.parametrize("rows,cols,world,group,dt,fb,hadamard,incoming,tile_rows,programs", NORM_PHASE_CASES)
-def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs):
-    in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs)
+def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
+                                     passes):
+    """``one``: phase 3 in one pass, in steps of half a tile's rows where it has several (the steps of every
+    tile of a program in one loop)."""
+    in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
+                      one_pass_rows=0 if passes == "two" else max(1, tile_rows // 2))
 
 
-def test_norm_phases_without_residual_and_fp32_weight():
-    """rms_norm (the embedding's all-reduce), a fp32 weight under bf16."""
+#: Phase 3's paths: two passes (Echo's output read back, or decoded twice), one pass.
+PASSES = {"two": {}, "decode-twice": {"decode_once": False}, "one": {"one_pass_rows": 1}}
+
+
+@pytest.mark.parametrize("passes", PASSES)
+@pytest.mark.parametrize("keep", [False, True], ids=["rms_norm", "kept"])
+def test_norm_phases_without_residual_and_fp32_weight(keep, passes):
+    """rms_norm, a fp32 weight under bf16; ``kept``: Echo's output written
+    beside it (a decoder's first norm, whose input is the next residual)."""
     in_kernel_process(_norm_phases_match, 6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2, residual=False,
-                      w_dt="fp32")
+                      w_dt="fp32", keep=keep, **PASSES[passes])
+
+
+def test_norm_phases_decoding_twice():
+    """Two passes, the second decoding the chunks again (large tiles' choice), with the residual."""
+    in_kernel_process(_norm_phases_match, 7, 77, 3, 16, "bf16", "bf16", True, True, 2, 3, decode_once=False)
+
+
+def test_norm_phases_of_aligned_rows_by_either_index():
+    """Rows of a power-of-two number of groups per chunk: the general row
+    index and the consecutive one (``NormTiling.aligned``) give the same bits."""
+    lay = WireLayout(4 * 256, 4, 32, 256)
+    assert norm_tiling(lay)[0].aligned
+    for aligned in (False, True):
+        in_kernel_process(_norm_phases_match, 4, 256, 4, 32, "bf16", "bf16", True, True, 2, 1, aligned=aligned)
 
 
 def test_norm_phases_special_values():
@@ -109,14 +153,15 @@ def test_norm_phases_special_values():
 # -- the whole kernel with its barriers, over processes sharing memory ---------------
 
 
-def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, deadline_s=60.0):
+def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, deadline_s=60.0, one_pass_rows=0):
     """``world`` forked ranks run ``calls`` chained calls of the whole norm
     kernel (barriers, tiles looped over fewer programs, the residual
     updated in place call after call) on shared-memory buffers."""
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(rows * cols, world, group, cols)
-    tiling = NormTiling(tile_rows, norm_tiling(lay)[0].padded_row_groups, 1)
+    plan = norm_tiling(lay)[0]
+    tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=plan.aligned, one_pass_rows=one_pass_rows)
     fused_tiling = fk.FusedTiling(tiling.groups_per_tile, 1, programs, norm=tiling)
     table, bufs, pads = fused_mod.local_buffers(world, lay.chunk_bytes, fk.signal_slots(programs, world), "cpu")
     for t in (*bufs, *pads):
@@ -149,23 +194,24 @@ def _emulate_norm_ranks(world, rows, cols, group, calls, tile_rows, programs, de
 
 
 @INTERPRETER_ONLY
-def test_whole_norm_kernel_with_barriers_over_processes():
+@pytest.mark.parametrize("one_pass_rows", [0, 1])
+def test_whole_norm_kernel_with_barriers_over_processes(one_pass_rows):
     """P = 3 processes, 3 chained calls (NaN/Inf in call 1), 4 tiles of two
-    rows on 2 programs: outputs, residuals, feedback as the reference
-    chain; every flag back to 0."""
+    rows on 2 programs (phase 3 in two passes, or in one a row at a time):
+    outputs, residuals, feedback as the reference chain; every flag back to 0."""
     _interpreter_pool().submit(_reporting, _emulate_norm_ranks, world=3, rows=7, cols=77, group=16, calls=3,
-                               tile_rows=2, programs=2).result(timeout=300)
+                               tile_rows=2, programs=2, one_pass_rows=one_pass_rows).result(timeout=300)
 
 
 # -- every rank in one launch on the GPU ---------------------------------------------------
 
 
-def _one_launch_matches_composed(rows, cols, world, residual):
+def _one_launch_matches_composed(rows, cols, world, residual, one_pass=True):
     from echo_vllm import kernels
     from echo_vllm.kernels import fused_kernel as fk
 
     lay = WireLayout(rows * cols, world, 32, cols)
-    tiling, reason = norm_tiling(lay)
+    tiling, reason = norm_tiling(lay, one_pass=one_pass)
     assert tiling is not None, reason
     sms = torch.cuda.get_device_properties(0).multi_processor_count // world
     fused_tiling = fk.tiling_for_norm(lay, tiling, sms)
@@ -174,32 +220,43 @@ def _one_launch_matches_composed(rows, cols, world, residual):
     fb = _feedback(world, lay, torch.bfloat16, 9)
     fb_c = fb.clone()
     res0, w = norm_operands(rows, cols, torch.bfloat16, torch.bfloat16, 10)
-    res = res0.reshape(1, -1).repeat(world, 1) if residual else None
+    res = res0.reshape(1, -1).repeat(world, 1) if residual is True else None
+    keep = residual == "keep"  # no residual, Echo's output kept beside the norm
+    kept = torch.full((world, lay.numel), float("nan"), dtype=torch.bfloat16, device="cuda") if keep else None
     out, new_res = fk.fused_all_reduce_norm(x, fb, table, lay, w, EPS, residual=res, rank=0,
                                             gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=True,
-                                            has_incoming=True, tiling=fused_tiling, timeout_ns=10**10, sms=sms * world)
+                                            has_incoming=True, tiling=fused_tiling, timeout_ns=10**10, sms=sms * world,
+                                            residual_out=kept)
     # the composed stage kernels on the same inputs
     wire = kernels.stage1(x, fb_c, lay, qmax=QMAX, hadamard=True, has_incoming=True)
     q2 = kernels.stage2(wire.transpose(0, 1).contiguous(), fb_c, list(range(world)), lay, qmax=QMAX)
-    res_c = res0.clone().reshape(-1) if residual else None
-    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c)
+    res_c = res0.clone().reshape(-1) if residual is True else None
+    kept_c = torch.full((lay.numel,), float("nan"), dtype=torch.bfloat16, device="cuda") if keep else None
+    want_out, _ = kernels.output_norm(q2, lay, torch.bfloat16, w, EPS, hadamard=True, residual=res_c,
+                                      residual_out=kept_c)  # the plan's
     torch.cuda.synchronize()
     for r in range(world):
         assert_same_bits(out[r], want_out, f"rank {r} normed output", nan_any=True)
-        if residual:
+        if residual is True:
             assert_same_bits(new_res[r], res_c, f"rank {r} new residual", nan_any=True)
+        if keep:
+            assert_same_bits(new_res[r], kept_c, f"rank {r} kept output", nan_any=True)
     assert_same_bits(fb, fb_c, "feedback")
     # and the composed kernel against the spec
-    spec_out, spec_res = expected(q2, lay, torch.bfloat16, res0 if residual else None, w, hadamard=True)
+    spec_out, spec_res = expected(q2, lay, torch.bfloat16, res0 if residual is True else None, w, hadamard=True)
     assert_same_bits(want_out.view(rows, cols), spec_out, "composed output_norm vs spec", nan_any=True)
+    if keep:
+        y = quant.output_reference(q2, lay, torch.bfloat16, hadamard=True)
+        assert_same_bits(kept_c, y, "composed kept output vs spec", nan_any=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [8, 2])
-@pytest.mark.parametrize("residual", [True, False])
-def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual):
-    _one_launch_matches_composed(8192, 4096, world, residual)
+@pytest.mark.parametrize("residual", [True, False, "keep"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_one_launch_qwen3_8b_prefill_matches_composed_on_gpu(world, residual, one_pass):
+    _one_launch_matches_composed(8192, 4096, world, residual, one_pass)
 
 
 @pytest.mark.gpu

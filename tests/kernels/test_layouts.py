@@ -143,6 +143,40 @@ def shuffle_layout_problems(ttgir: str) -> list[str]:
     return problems
 
 
+def _lane_bases(enc: str, shape: list[int], defs: dict[str, str]) -> list[tuple[int, ...]]:
+    """Lane basis vectors of a tensor of ``shape`` in TTGIR encoding ``enc``
+    (a name, ``#ttg.blocked``, ``#ttg.linear``, or a ``#ttg.slice`` of one);
+    a lane past the shape broadcasts (0)."""
+    enc = defs.get(enc, enc)
+    m = re.match(r"#ttg\.slice<\{dim = (\d+), parent = (.*)\}>$", enc)
+    if m:
+        d = int(m.group(1))
+        return [b[:d] + b[d + 1:] for b in _lane_bases(m.group(2), shape[:d] + [1] + shape[d:], defs)]
+    lanes = _layout_bases(enc, len(shape))["lane"]
+    return [tuple(v if v < n else 0 for v, n in zip(b, shape)) for b in lanes]
+
+
+def reduce_layout_problems(ttgir: str) -> list[str]:
+    """``tt.reduce`` ops of ``ttgir`` whose axis is spread over lanes that
+    are not consecutive lane-id bits, each moving along that axis alone.
+    Triton 3.6 reduces across lanes with butterfly shuffles of masks 1, 2,
+    4, ... times the first such bit, which is right only then: on the H200
+    (2026-12-05) a step's per-row statistics, reduced over lane bits 0, 1,
+    2 and 4 (bit 3 carried the row), took the other row's values."""
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)", ttgir, re.M))
+    problems = []
+    for axis, types in re.findall(r'"tt\.reduce"\([^)]*\) <\{axis = (\d+) : i32\}>.*?\n\s*\}\) : \((.*?)\) ->', ttgir,
+                                  re.S):
+        shape, enc = re.match(r"tensor<([\dx]+)x\w+, (#[^,]*?(?:<\{.*?\}>+)?)(?:, tensor<.*)?>$", types).groups()
+        dims, a = [int(d) for d in shape.split("x")], int(axis)
+        lanes = _lane_bases(enc, dims, defs)
+        along = [k for k, b in enumerate(lanes) if b[a]]
+        alone = all(not v for k in along for i, v in enumerate(lanes[k]) if i != a)
+        if along and (along != list(range(along[0], along[0] + len(along))) or not alone):
+            problems.append(f"reduce along axis {a} of {dims} over lane bits {along} of {defs.get(enc, enc)}")
+    return problems
+
+
 def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int) -> dict[str, str]:
     """TTGIR of every kernel for one message shape: the composed stage kernels
     (stage 1 with and without a carried error) and the whole fused kernel."""
@@ -185,7 +219,7 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
 
 def _shuffle_problems(rows, cols, dtype, fb_dtype, group) -> dict[str, list[str]]:
     return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group).items()
-            if (p := shuffle_layout_problems(t))}
+            if (p := layout_problems(t))}
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
@@ -218,6 +252,34 @@ def test_the_layout_reader_tells_the_lane_layout_apart():
     assert len(shuffle_layout_problems(ir(linear, packed))) == 1  # registers reversed: pairs would mix
 
 
+def test_the_reduce_reader_tells_consecutive_lanes_apart():
+    """The reader on layouts the compiler produced: the step statistics'
+    layout of the H200 defect (the row on lane bit 3, the reduced axis on
+    bits 0, 1, 2 and 4) fails; the axis on consecutive bits passes, a slice
+    of a blocked layout read through its parent, and lanes past the shape
+    (broadcasts) count for neither."""
+    def ir(shape, enc, axis, defn=""):
+        head = f"#blocked = {defn}\n" if defn else ""
+        return (f'{head}    %r = "tt.reduce"(%x) <{{axis = {axis} : i32}}> ({{\n    ^bb0(%a: f32, %b: f32):\n'
+                f"      tt.reduce.return %a : f32\n    }}) : (tensor<{shape}xf32, {enc}>) -> tensor<2xf32, #x>\n")
+
+    h200 = "#ttg.linear<{register = [], lane = [[0, 1], [0, 2], [0, 4], [1, 0], [0, 8]], warp = [], block = []}>"
+    fixed = "#ttg.linear<{register = [], lane = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]], warp = [], block = []}>"
+    assert reduce_layout_problems(ir("2x16", h200, 1)) == [
+        f"reduce along axis 1 of [2, 16] over lane bits [0, 1, 2, 4] of {h200}"]
+    assert reduce_layout_problems(ir("2x16", fixed, 1)) == reduce_layout_problems(ir("2x16", fixed, 0)) == []
+    assert len(reduce_layout_problems(ir("2x16", h200, 0))) == 0  # the row alone on bit 3: one shuffle, right
+    mixed = "#ttg.linear<{register = [], lane = [[0, 1], [1, 2]], warp = [], block = []}>"
+    assert len(reduce_layout_problems(ir("2x4", mixed, 1))) == 1  # a lane moving the row and the axis
+    blocked = "#ttg.blocked<{sizePerThread = [1, 1, 8], threadsPerWarp = [4, 8, 1], warpsPerCTA = [1, 1, 1], order = [2, 1, 0]}>"
+    sliced = "#ttg.slice<{dim = 2, parent = #blocked}>"
+    assert reduce_layout_problems(ir("4x8", sliced, 1, blocked)) == []  # lanes 0-2 along axis 1
+    assert reduce_layout_problems(ir("4x8", sliced, 0, blocked)) == []  # lanes 3-4 along axis 0
+    assert reduce_layout_problems(ir("2x8", sliced, 0, blocked)) == []  # lane 4 past the 2 rows: a broadcast
+    across = "#ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [4, 8], warpsPerCTA = [1, 1], order = [0, 1]}>"
+    assert reduce_layout_problems(ir("4x8", "#blocked", 1, across)) == []  # bits 2-4 along axis 1, consecutive
+
+
 # -- every small-shape test case, as the GPU compiles it -----------------------------------
 
 
@@ -235,24 +297,46 @@ def _compiled() -> dict:
             for key, k in cache[0].items()}
 
 
-def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+def _case_ttgir(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, str]:
     """Run a kernel test's body with launches compiled for sm_90 but not run
     (``compile_only``; its comparisons skipped: nothing ran) and return the
-    shuffle layout problems of every kernel it compiled. A compilation
+    TTGIR of every kernel it launched, by name: Triton's in-process caches
+    are emptied and a launch hook set (so ``direct_launch`` takes Triton's
+    own dispatch), so a kernel an earlier test of this pool compiled is
+    compiled again (from Triton's disk cache) and counted. A compilation
     error propagates."""
     import importlib
     from unittest import mock
 
+    from triton import knobs
+
     from echo_vllm.bench.host_overhead import compile_only
 
-    before = set(_compiled())
+    for f in _jit_functions():
+        for cache in f.device_caches.values():
+            cache[0].clear()
     mods = [importlib.import_module(m) for m in ("test_kernels", "test_fused", "test_fused_norm", "test_output_norm")]
+
+    def hook(*_):
+        pass
+
     with compile_only(), contextlib.ExitStack() as stack:
         for m in mods:  # the bodies compare results; no result exists here
             stack.enter_context(mock.patch.object(m, "assert_same_bits", lambda *a, **k: None))
+        knobs.runtime.launch_enter_hook.add(hook)
+        stack.callback(knobs.runtime.launch_enter_hook.remove, hook)
         getattr(importlib.import_module(module), fn)(*args, **kwargs)
-    return {name: p for (name, key), k in _compiled().items() if (name, key) not in before
-            if (p := shuffle_layout_problems(k.asm["ttgir"]))}
+    return {name: k.asm["ttgir"] for (name, _), k in _compiled().items()}
+
+
+def layout_problems(ttgir: str) -> list[str]:
+    """Shuffles outside the lane layout and reductions over lanes that are not consecutive bits."""
+    return shuffle_layout_problems(ttgir) + reduce_layout_problems(ttgir)
+
+
+def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str, list[str]]:
+    """The layout problems (:func:`layout_problems`) of every kernel :func:`_case_ttgir` compiles."""
+    return {name: p for name, ir in _case_ttgir(module, fn, args, kwargs).items() if (p := layout_problems(ir))}
 
 
 def _small_cases() -> list:
@@ -262,21 +346,46 @@ def _small_cases() -> list:
 
     cases = [pytest.param("test_fused", "_phases_match_reference", c, {}, id=f"phases{c}") for c in PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
+    cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {"one_pass_rows": max(1, c[8] // 2)},
+                           id=f"norm one pass{c}") for c in NORM_PHASE_CASES]
     cases.append(pytest.param("test_fused_norm", "_norm_phases_match", (6, 96, 3, 32, "bf16", "bf16", True, True, 2, 2),
                               {"residual": False, "w_dt": "fp32"}, id="norm without residual"))
-    return cases + [pytest.param("test_output_norm", "_output_norm_matches", c, {}, id=f"output_norm{c}")
-                    for c in CASES]
+    return cases + [pytest.param("test_output_norm", "_output_norm_matches", c, {"one_pass": one},
+                                 id=f"output_norm{'' if one else ' two passes'}{c}") for c in CASES for one in (True, False)]
 
 
 @pytest.mark.parametrize("module,fn,args,kwargs", _small_cases())
 def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, fn, args, kwargs):
-    """The GPU runs these small cases compiled. Two defects only the H200
+    """The GPU runs these small cases compiled. Defects only the H200
     showed: a tile smaller than its threads (8 groups of 32 on 2 warps)
     spread the threads along a lane's values and the shuffles paired wrong
     values (``contract.lane_layout`` now turns them off there); a width of 1
-    came into the norm kernels as a constant int and failed to compile."""
+    came into the norm kernels as a constant int and failed to compile; a
+    one-pass step's rows reduced over lanes that were not consecutive bits
+    (:func:`reduce_layout_problems`)."""
     problems = _compiler_pool().submit(_reporting, _case_problems, module, fn, args, kwargs).result(timeout=600)
     assert problems == {}, problems
+
+
+def _several_row_steps() -> list:
+    from test_fused_norm import NORM_PHASE_CASES
+
+    return [pytest.param(c, id=str(c)) for c in NORM_PHASE_CASES if c[8] // 2 > 1]
+
+
+@pytest.mark.parametrize("case", _several_row_steps())
+def test_one_pass_steps_of_several_rows_reduce_without_a_permute(case):
+    """The fused kernel's one pass in steps of several rows (half a tile's,
+    as ``test_fused_norm`` runs it) reduces the rows' statistics along the
+    step's own axes: reduced across a permuted view of the step
+    (``tt.trans``), it gave other rows' bits on the H200 while the
+    interpreter agreed with the reference."""
+    irs = _compiler_pool().submit(_reporting, _case_ttgir, "test_fused_norm", "_norm_phases_match", case,
+                                  {"one_pass_rows": case[8] // 2}).result(timeout=600)
+    assert "_fused_norm_kernel" in irs, sorted(irs)
+    assert {name: ir.count("tt.trans") for name, ir in irs.items() if "tt.trans" in ir} == {}
+    # what went wrong through the permute: lanes of the reduced axis not consecutive (reviewed on the IR)
+    assert {name: p for name, ir in irs.items() if (p := reduce_layout_problems(ir))} == {}
 
 
 def test_lane_layout_needs_a_lane_per_thread_and_aligned_rows():

@@ -54,13 +54,23 @@ def expected(gathered, layout, dtype, res, w, *, hadamard):
     return norm.add_rms_norm(y, res, w, EPS, variance="kernel")
 
 
-def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0):
+def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0,
+                         one_pass=True, decode_once=True):
     from echo_vllm import kernels
-    from echo_vllm.kernels.output_norm_kernel import output_norm
+    from echo_vllm.kernels.output_norm_kernel import output_norm as kernel
+    from echo_vllm.norm_plan import norm_tiling
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
-    tag = f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual}"
+    tiling = norm_tiling(lay, one_pass=one_pass)[0]
+    if not decode_once:
+        tiling = tiling._replace(decode_once=False)
+    tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual} "
+           f"one pass={tiling.one_pass_rows} decode once={tiling.decode_once}")
+
+    def output_norm(*args, **kw):
+        return kernel(*args, **kw, tiling=tiling)
+
     x = partials((world, lay.numel), seed + cols, special=special).to(dtype)
     g = gathered_of(x, lay, hadamard=hadamard)
     res, w = norm_operands(rows, cols, dtype, DTYPES[w_dt], seed + 1)
@@ -78,18 +88,28 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
         assert_same_bits(res_out, want_res, f"new residual, separate buffer [{tag}]", nan_any=True)
         assert_same_bits(res_in, res, f"residual input untouched [{tag}]")
         assert_same_bits(out2.view(rows, cols), want_out, f"normed output, separate buffer [{tag}]", nan_any=True)
+    y_ref = quant.output_reference(g, lay, dtype, hadamard=hadamard)
+    if not residual:
+        assert new_res is None
+        # a decoder's first norm: Echo's output kept beside it, as the next residual
+        kept = torch.full_like(y_ref, float("nan"))
+        out3, got_kept = output_norm(g, lay, dtype, w, EPS, hadamard=hadamard, residual_out=kept)
+        assert got_kept.data_ptr() == kept.data_ptr()
+        assert_same_bits(out3.view(rows, cols), want_out, f"normed output, output kept [{tag}]", nan_any=True)
+        assert_same_bits(kept, y_ref, f"kept output [{tag}]", nan_any=True)
     # the plain output kernel is unchanged beside it
     y = kernels.output(g, lay, dtype, hadamard=hadamard)
-    assert_same_bits(y, quant.output_reference(g, lay, dtype, hadamard=hadamard), f"plain output [{tag}]",
-                     nan_any=True)
+    assert_same_bits(y, y_ref, f"plain output [{tag}]", nan_any=True)
 
 
-# rows, cols, P, g, dtype, weight dtype, hadamard, residual: width 1, widths
+# rows, cols, P, g, dtype, weight dtype, hadamard, residual (without one, also
+# with Echo's output kept as the next residual): width 1, widths
 # not a multiple of P * g (or of 8), several rows per program, rows of
 # several programs, each dtype; a fp32 weight under a bf16 model
 CASES = [
     (5, 1, 2, 32, "bf16", "bf16", True, True),
     (3, 1, 3, 16, "fp32", "fp32", False, True),
+    (4, 1, 2, 32, "bf16", "bf16", True, False),
     (4, 100, 2, 32, "bf16", "bf16", True, True),
     (3, 333, 3, 16, "fp16", "fp16", True, True),
     (2, 256, 4, 64, "fp32", "fp32", True, False),
@@ -101,14 +121,37 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
 @pytest.mark.parametrize("rows,cols,world,group,dt,w_dt,hadamard,residual", CASES)
-def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual):
-    in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual)
+def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual, one_pass):
+    in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual,
+                      one_pass=one_pass)
 
 
-def test_output_norm_special_values_match_reference():
+@pytest.mark.parametrize("case", [CASES[3], CASES[5]], ids=str)
+def test_output_norm_decoding_twice_matches_reference(case):
+    """Two passes, the second decoding the chunks again (large tiles' choice): with a residual, and
+    without one (Echo's output also kept)."""
+    in_kernel_process(_output_norm_matches, *case, one_pass=False, decode_once=False)
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_output_norm_special_values_match_reference(one_pass):
     """NaN/Inf groups (whole rows of NaN), huge and tiny scales, zeros."""
-    in_kernel_process(_output_norm_matches, 3, 450, 2, 32, "bf16", "bf16", True, True, special=True)
+    in_kernel_process(_output_norm_matches, 3, 450, 2, 32, "bf16", "bf16", True, True, special=True,
+                      one_pass=one_pass)
+
+
+def test_plan_cases_cover_the_one_pass_paths():
+    """Under the plan the cases above take one pass with steps of fewer rows
+    than a tile, chunks padded to a power of two and unaligned rows (and
+    ``two-passes`` runs them all in two)."""
+    from echo_vllm.norm_plan import norm_tiling
+
+    one = [(norm_tiling(WireLayout(r * c, p, g, c))[0], p) for r, c, p, g, *_ in CASES]
+    assert all(t.one_pass_rows for t, _ in one)
+    assert any(t.one_pass_rows < t.rows for t, _ in one) and any(p & (p - 1) for _, p in one)
+    assert any(not t.aligned for t, _ in one)
 
 
 def _stage_ops_agree(impl):
@@ -171,9 +214,10 @@ def test_output_norm_sums_squares_in_the_references_order(rows, cols, world, gro
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world", [8, 2])
 @pytest.mark.parametrize("residual", [True, False])
-def test_output_norm_qwen3_8b_prefill_on_gpu(world, residual):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+def test_output_norm_qwen3_8b_prefill_on_gpu(world, residual, one_pass):
     """Qwen3-8B's 8192 x 4096 bf16, compiled (the bf16x2 decode included)."""
-    _output_norm_matches(8192, 4096, world, 32, "bf16", "bf16", True, residual, seed=3)
+    _output_norm_matches(8192, 4096, world, 32, "bf16", "bf16", True, residual, seed=3, one_pass=one_pass)
 
 
 @pytest.mark.gpu
@@ -211,3 +255,9 @@ def test_output_norm_refuses_an_out_that_overlaps_the_residual():
         check_norm_operands(lay, torch.bfloat16, w, res, res, None)
     with pytest.raises(ValueError, match="out overlaps residual_out"):
         check_norm_operands(lay, torch.bfloat16, w, res.clone(), buf[32:32 + lay.numel], res)
+    # Echo's output kept (no residual): its buffer apart from out's too
+    assert check_norm_operands(lay, torch.bfloat16, w, None, out, res) == (out, res)
+    with pytest.raises(ValueError, match="out overlaps residual_out"):
+        check_norm_operands(lay, torch.bfloat16, w, None, buf[32:32 + lay.numel], res)
+    with pytest.raises(TypeError, match="residual_out: dtype"):
+        check_norm_operands(lay, torch.bfloat16, w, None, out, res.float())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,10 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: server/gpu_serve_check.sh's fixed KV cache (bytes), as the script passes it
+SERVE_CHECK_KV = re.search(r"--kv-cache-memory-bytes (\d+)",
+                           pathlib.Path(REPO, "server", "gpu_serve_check.sh").read_text()).group(1)
 
 #: (echo-vllm serve argv, the same intent for stock vLLM without Echo's flags)
 ROWS = [
@@ -29,6 +35,11 @@ ROWS = [
       "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo", "--echo-min-bytes", "1MiB"],
      ["m", "--tensor_parallel_size=2", "--lora-modules", "a=/x", "--lora-modules", "b=/y",
       "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo"]),
+    # server/gpu_serve_check.sh's server (its fixed KV cache passes through to vLLM)
+    (["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--echo-min-bytes", "0", "--gpu-memory-utilization", "0.3",
+      "--kv-cache-memory-bytes", SERVE_CHECK_KV, "--max-model-len", "1024", "--max-num-seqs", "64", "--echo-fuse-norm"],
+     ["m", "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", SERVE_CHECK_KV, "--max-model-len", "1024",
+      "--max-num-seqs", "64"]),
 ]
 
 SCRIPT = textwrap.dedent("""
@@ -59,6 +70,7 @@ SCRIPT = textwrap.dedent("""
             "mode": int(ours.compilation_config.mode) if ours.compilation_config.mode is not None else None,
             "cudagraph_mode": str(ours.compilation_config.cudagraph_mode),
             "differing_from_stock": differing,
+            "kv_cache_memory_bytes": ours.kv_cache_memory_bytes,
         })
     # argparse accepts abbreviations: the scan misses them, verify_parsed must not
     vllm_argv, settings = rewrite_args(["m", "-tp", "2", "--tp-comm", "echo"])
@@ -203,6 +215,7 @@ def test_vllm_parses_the_rewrite_as_decided(report):
         assert set(row["pass_config"].values()) == {False}
         # every other setting is exactly what stock vLLM parses from the same flags
         assert row["differing_from_stock"] == [], argv
+    assert report["rows"][3]["kv_cache_memory_bytes"] == int(SERVE_CHECK_KV) > 0
     second = report["rows"][1]
     assert second["additional"] == {"user": 1, "nested": {"k": 2000}, "tp_comm": "echo", "tp_comm_emulate": 4}
     assert second["mode"] == 3 and second["cudagraph_mode"].endswith("PIECEWISE")

@@ -51,12 +51,20 @@ def chain_pair(world, rows, cols, calls, backend=None, first_exact=1, device="cp
         outs = []
         for c in range(calls):
             x = partials(world, rows, cols, c).to(device)
-            norm = NormOperands(w, EPS, residual=res if c else None)  # call 0: rms_norm (the embedding's)
+            # call 0: rms_norm; call 1: rms_norm whose input is kept as the residual (a decoder's
+            # first norm, the embedding's); then the add + norm, in place
+            keep = c == 1
+            norm = NormOperands(w, EPS, residual=res if c > 1 else None,
+                                residual_out=torch.full_like(res, float("nan")) if keep else None)
             if fused:
-                out, _ = comm.all_reduce_norm(x, norm, slot=CallSlot(c))
+                out, new = comm.all_reduce_norm(x, norm, slot=CallSlot(c))
             else:
-                out, _ = norm.apply(comm.all_reduce(x, slot=CallSlot(c)))
+                out, new = norm.apply(comm.all_reduce(x, slot=CallSlot(c)))
             outs.append(out.clone())
+            if keep:
+                assert new.data_ptr() == norm.residual_out.data_ptr()
+                outs.append(new.clone())
+                res = new
         runs.append((outs, res.clone(), comm.stats.snapshot()))
     return runs
 
@@ -65,8 +73,9 @@ def check_pair(runs, calls, fused_as):
     """:func:`chain_pair`'s two runs agree bit for bit and in their counts;
     the norm ran ``fused_as`` on every Echo call (call 0 took the exact path)."""
     (outs_a, res_a, stats_a), (outs_b, res_b, stats_b) = runs
-    for c in range(calls):
-        assert_same(outs_b[c], outs_a[c], f"call {c}")
+    assert len(outs_a) == len(outs_b) == calls + (calls > 1)  # and the kept output of call 1
+    for c, (b, a) in enumerate(zip(outs_b, outs_a)):
+        assert_same(b, a, f"output {c}")
     assert_same(res_b, res_a, "residual after the chain")
     assert stats_a["calls"] == stats_b["calls"] and stats_a["norm_calls"] == {}
     assert stats_b["norm_calls"] == {EXACT_PATH_NORM: 1, fused_as: calls - 1}, stats_b["norm_calls"]

@@ -49,11 +49,16 @@ def _nf():
 def test_site_reasons():
     from echo_vllm.vllm_glue import norm_fusion as nf
 
-    ok = nf.SiteFacts("tp", True, "fused_add_rms_norm", 0, False, True)
+    ok = nf.SiteFacts("tp", True, "fused_add_rms_norm", 0, 0, False, True)
     assert nf.site_reason(ok) is None and nf.site_reason(ok._replace(reduce="vocab", norm="rms_norm")) is None
     assert nf.site_reason(ok._replace(echo_group=False)) == "an all-reduce of another group"
     assert nf.site_reason(ok._replace(norm=None)) == "not followed by vLLM's RMSNorm"
     assert nf.site_reason(ok._replace(other_uses=1)) == "the reduced output is used beyond the norm"
+    assert nf.site_reason(ok._replace(other_uses=1, uses_after_norm=1)) == "the reduced output is used beyond the norm"
+    # rms_norm's input used after it too (a decoder's first norm): the fused op keeps it
+    kept = ok._replace(norm="rms_norm", other_uses=2, uses_after_norm=2)
+    assert nf.site_reason(kept) is None
+    assert nf.site_reason(kept._replace(uses_after_norm=1)) == "the reduced output is used before its norm"
     assert nf.site_reason(ok._replace(partial_variance=True)) == "the norm's variance covers part of the row"
     assert nf.site_reason(ok._replace(weight=False)) == "the norm has no weight"
 
@@ -83,13 +88,16 @@ def test_report_line():
 # -- an FX graph of vLLM's real ops ---------------------------------------------------
 
 
+INPUTS = 9
+
+
 def _graph(group="tp:0", other="pp:0"):
     """Every case at once (``other``: another group's name; None: no such
     site); returns (graph, names of its outputs)."""
     ar, add_norm, rms = torch.ops.vllm.all_reduce.default, torch.ops.vllm_ir.fused_add_rms_norm.default, \
         torch.ops.vllm_ir.rms_norm.default
     g = torch.fx.Graph()
-    xs = [g.placeholder(f"x{i}") for i in range(7)]
+    xs = [g.placeholder(f"x{i}") for i in range(INPUTS)]
     res, w = g.placeholder("res"), g.placeholder("w")
     outs = {}
     y0 = g.call_function(ar, (xs[0],), {"group_name": group})  # o_proj + post-attention norm: fused
@@ -97,7 +105,7 @@ def _graph(group="tp:0", other="pp:0"):
     outs["out0"], outs["res0"] = g.call_function(operator.getitem, (t, 0)), g.call_function(operator.getitem, (t, 1))
     y1 = g.call_function(ar, (xs[1], group))  # the embedding's all-reduce + the first input norm: fused
     outs["out1"] = g.call_function(rms, (y1, w, 1e-5))
-    y2 = g.call_function(ar, (xs[2],), {"group_name": group})  # also an output: left
+    y2 = g.call_function(ar, (xs[2],), {"group_name": group})  # also an output later (the embedding's): fused, kept
     outs["out2"] = g.call_function(rms, (y2, w, EPS))
     outs["y2"] = y2
     if other is not None:
@@ -109,6 +117,13 @@ def _graph(group="tp:0", other="pp:0"):
     outs["out5"] = g.call_function(rms, (y5, w, EPS, 32))
     y6 = g.call_function(ar, (xs[6],), {"group_name": group})  # no weight
     outs["out6"] = g.call_function(rms, (y6, None, EPS))
+    y7 = g.call_function(ar, (xs[7],), {"group_name": group})  # used before its rms_norm: left
+    outs["add7"] = g.call_function(torch.ops.aten.add.Tensor, (y7, res))
+    outs["out7"] = g.call_function(rms, (y7, w, EPS))
+    y8 = g.call_function(ar, (xs[8],), {"group_name": group})  # fused_add_rms_norm's input used after it: left
+    t8 = g.call_function(add_norm, (y8, res, w, EPS))
+    outs["out8"] = g.call_function(operator.getitem, (t8, 0))
+    outs["y8"] = y8
     g.output(tuple(outs.values()))
     return g, list(outs)
 
@@ -120,12 +135,14 @@ def _fx_worker(rank, world):
         return [a.name if isinstance(a, torch.fx.Node) else a for a in node.args]
 
     out = {}
-    g, _ = _graph()
+    g, names = _graph()
     out["first"] = dict(nf.fuse_graph(g, "tp:0"))
     g.lint()
     calls = [n for n in g.nodes if n.op == "call_function"]
     out["fused_args"] = [args(n) for n in calls if n.target == torch.ops.echo.all_reduce_norm.default]
     out["left"] = [args(n)[0] for n in calls if n.target == torch.ops.vllm.all_reduce.default]
+    returned = dict(zip(names, next(n for n in g.nodes if n.op == "output").args[0]))["y2"]
+    out["y2_from"] = [returned.target.__name__, returned.args[1], returned.args[0].target._opname]
     out["again"] = dict(nf.fuse_graph(g, "tp:0"))
     other, _ = _graph("tp:1")
     before = [n.target for n in other.nodes]
@@ -154,16 +171,20 @@ def fx():
     return run_vllm_processes(_fx_worker, 1)[0]
 
 
-LEFT = {"the reduced output is used beyond the norm": 1, "not followed by vLLM's RMSNorm": 1,
-        "the norm's variance covers part of the row": 1, "the norm has no weight": 1}
+LEFT = {"the reduced output is used beyond the norm": 1, "the reduced output is used before its norm": 1,
+        "not followed by vLLM's RMSNorm": 1, "the norm's variance covers part of the row": 1,
+        "the norm has no weight": 1}
 
 
 @pytest.mark.vllm
 def test_fx_graph_of_vllms_ops_is_rewritten_where_it_can_be(fx):
-    assert fx["first"] == {"fused": 2, **LEFT}
-    assert fx["fused_args"] == [["x0", "res", "w", EPS, "tp:0"], ["x1", None, "w", 1e-5, "tp:0"]]
-    assert fx["left"] == ["x2", "x3", "x4", "x5", "x6"]
+    assert fx["first"] == {"fused": 3, **LEFT}
+    assert fx["fused_args"] == [["x0", "res", "w", EPS, False, "tp:0"], ["x1", None, "w", 1e-5, False, "tp:0"],
+                                ["x2", None, "w", EPS, True, "tp:0"]]
+    assert fx["left"] == ["x3", "x4", "x5", "x6", "x7", "x8"]
     assert fx["again"] == LEFT  # what is left keeps its reason
+    # the kept output replaced y2 where the graph returns it: the op's second output
+    assert fx["y2_from"] == ["getitem", 1, "all_reduce_norm"]
 
 
 @pytest.mark.vllm
@@ -196,7 +217,7 @@ def _tp_worker(rank, world):
         registered = cfg.compilation_config.inductor_compile_config.get(nf.PASS_KEY)
         out["registered"] = type(registered).__name__
         g = torch.Generator().manual_seed(rank)
-        xs = [(torch.randn(5, HIDDEN, generator=g) * (1 + rank)).bfloat16() for _ in range(7)]
+        xs = [(torch.randn(5, HIDDEN, generator=g) * (1 + rank)).bfloat16() for _ in range(INPUTS)]
         res = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9)).bfloat16()
         w = (1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(8))).bfloat16()
         graph, names = _graph(tp.unique_name, None)  # a one-rank group has no all-reduce to run
@@ -220,13 +241,18 @@ def _tp_worker(rank, world):
         with set_forward_context(None, cfg, num_tokens=5):
             got = dict(zip(names, fused(*xs, res, w)))
         out["norm_calls"] = {k: v - before.get(k, 0) for k, v in current_stats().snapshot()["norm_calls"].items()}
-        out["got"] = {k: got[k] for k in ("out0", "res0", "out1")}
+        out["got"] = {k: got[k] for k in FUSED_OUTPUTS}
         out["want"] = dict(zip(("out0", "res0"), norm.add_rms_norm(ys[0], res, w, EPS, variance="kernel")))
         out["want"]["out1"] = norm.rms_norm(ys[1], w, 1e-5, variance="kernel")
+        out["want"]["out2"], out["want"]["y2"] = norm.rms_norm(ys[2], w, EPS, variance="kernel"), ys[2]
         out["res_untouched"] = torch.equal(res, torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9))
                                            .bfloat16())
     ps.destroy_model_parallel()
     return out
+
+
+#: The fused sites' outputs in :func:`_graph`: the add + norm's two, two norms, the kept reduced output.
+FUSED_OUTPUTS = ("out0", "res0", "out1", "out2", "y2")
 
 
 @pytest.fixture(scope="module")
@@ -246,11 +272,11 @@ def test_fused_op_is_echo_then_the_kernels_norm_on_every_rank(tp_ranks):
     from support.norm_chains import assert_same
 
     for r in tp_ranks:
-        assert r["outcomes"]["fused"] == 2
-        for k in ("out0", "res0", "out1"):
+        assert r["outcomes"]["fused"] == 3
+        for k in FUSED_OUTPUTS:
             assert_same(r["got"][k], r["want"][k], k)
         assert_same(r["got"]["out0"], tp_ranks[0]["got"]["out0"], "ranks agree")
-        assert r["norm_calls"] == {"fused": 2}
+        assert r["norm_calls"] == {"fused": 3}
         assert r["res_untouched"]  # functional: the graph's residual input is not written
 
 
@@ -258,15 +284,15 @@ def test_fused_op_is_echo_then_the_kernels_norm_on_every_rank(tp_ranks):
 
 
 def _emulated_model(embed, o, down, norms, ids):
-    """The embedding's reduce (no norm right after it: left), an o_proj-like
-    reduce + the add + norm, a down_proj-like reduce + a norm without a
-    residual (both fused). (A decoder's first input norm takes the
-    embedding's output, which is also its residual: used beyond the norm,
-    so left too.)"""
+    """A decoder's first norm: ``rms_norm`` of the embedding's reduce, whose
+    output is also the residual of the next add (fused, the reduced output
+    kept); an o_proj-like reduce + the add + norm; a down_proj-like reduce +
+    a norm without a residual (all three fused)."""
     h = embed(ids)
-    x, h = norms[0](o(h), h)
-    z = norms[1](down(torch.cat([x, -x], dim=-1)))
-    return x, h, z
+    a = norms[0](h)
+    x, h = norms[1](o(a), h)
+    z = norms[2](down(torch.cat([x, -x], dim=-1)))
+    return a, x, h, z
 
 
 def _emulation_worker(rank, world):
@@ -296,7 +322,7 @@ def _emulation_worker(rank, world):
         registered = cfg.compilation_config.inductor_compile_config.get(nf.PASS_KEY)
         out["registered"] = type(registered).__name__
         embed, o, down = stack.vllm_layers()
-        norms = [RMSNorm(HIDDEN, eps=EPS, dtype=torch.bfloat16) for _ in range(2)]
+        norms = [RMSNorm(HIDDEN, eps=EPS, dtype=torch.bfloat16) for _ in range(3)]
         for i, n in enumerate(norms):
             n.weight.data = (1 + 0.05 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(i))).bfloat16()
         ids = stack.ids[0]
@@ -307,9 +333,10 @@ def _emulation_worker(rank, world):
 
         def spec(embed, o_layer, down_layer, norms, ids):  # Echo's reduces, then the kernels' norm
             h = embed(ids)
-            x, h = norm.add_rms_norm(o_layer(h), h, norms[0].weight.data, EPS, variance="kernel")
-            z = norm.rms_norm(down_layer(torch.cat([x, -x], dim=-1)), norms[1].weight.data, EPS, variance="kernel")
-            return x, h, z
+            a = norm.rms_norm(h, norms[0].weight.data, EPS, variance="kernel")
+            x, h = norm.add_rms_norm(o_layer(a), h, norms[1].weight.data, EPS, variance="kernel")
+            z = norm.rms_norm(down_layer(torch.cat([x, -x], dim=-1)), norms[2].weight.data, EPS, variance="kernel")
+            return a, x, h, z
 
         out["spec"] = forward(spec)
         compiled = torch.compile(_emulated_model, backend="inductor", fullgraph=True, dynamic=False, options={
@@ -337,9 +364,11 @@ def test_compiled_emulation_fuses_the_norms_and_equals_the_spec(emulated):
     from support.norm_chains import assert_same
 
     assert emulated["registered"] == "EchoNormFusionPass"
-    assert emulated["norm_sites"] == {"fused": 2, "not followed by vLLM's RMSNorm": 1}
-    assert emulated["norm_calls"] == {"fused": 2}
-    for got, want, what in zip(emulated["compiled"], emulated["spec"], ("out", "residual", "rms_norm out")):
+    assert emulated["norm_sites"] == {"fused": 3}
+    assert emulated["norm_calls"] == {"fused": 3}
+    whats = ("first norm", "out", "residual", "rms_norm out")
+    assert len(emulated["compiled"]) == len(emulated["spec"]) == len(whats)
+    for got, want, what in zip(emulated["compiled"], emulated["spec"], whats):
         assert_same(got, want, what)
 
 

@@ -41,9 +41,11 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     # differ too, see BENCHMARKS.md 4.1): only the accounting is asserted there
     graphs = table["graphs/echo vs eager/echo"]
     assert graphs["forwards_replayed"] > 0 and graphs["calls"] == echo["calls"]
-    # the norm fused into Echo by the compilation pass (on by default): every
-    # layer's o_proj and down_proj site, calls counted as fused, and tokens as
-    # the unfused compiled run's (or as close as compilation alone keeps them)
+    # the norm fused into Echo by the compilation pass: every layer's o_proj and
+    # down_proj site and the embedding's (its output kept as layer 0's residual),
+    # calls counted as fused, and tokens as the unfused compiled run's (or as
+    # close as compilation alone keeps them)
     fused = table["graphs/echo norm fused vs norm off"]
-    assert fused["norm_sites"].get("fused", 0) >= 2 * LAYERS and fused["norm_calls"].get("fused", 0) > 0
+    sites = fused["norm_sites"]  # empty where vLLM loaded the compiled graphs from its cache (2026-12-05)
+    assert sites in ({}, {"fused": 1 + 2 * LAYERS}) and fused["norm_calls"].get("fused", 0) > 0
     assert "fused" not in (table["graphs/echo norm off vs eager/echo"]["norm_calls"] or {})
