@@ -2,7 +2,7 @@
 
     python3 scripts/accept_ledger.py [COMMIT] [--results DIR]
 
-The acceptance (``scripts/gpu_accept.sh``) is four runs. Each writes an
+The acceptance (``scripts/gpu_accept.sh``) is five runs. Each writes an
 ``accept_summary.txt``: a line ``GPU acceptance run N, commit SHA, DATE,
 DEVICE``, then ``PASS``/``FAIL`` and a step's name per step. The summaries
 are kept under ``eval/results/gpu/accept/`` (several runs may share a file).
@@ -14,7 +14,7 @@ part of a document a run reads) are equal. So runs of one tree made in two
 sessions, with only documents and results committed between them, add up;
 any change to code, tests or scripts starts the count again.
 
-COMMIT is proven when each of the four runs passed on such a commit and no
+COMMIT is proven when each of the five runs passed on such a commit and no
 run failed on one (a failure on the same code is never outvoted by a later
 pass: it is a defect or a flaky check, and says so). Runs a device call cut
 at its limit wrote no summary and count as not run.
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from echo_vllm.bench.floor import floors
 
-#: The acceptance's runs (``gpu_accept.sh 1`` ... ``4``).
-RUNS = (1, 2, 3, 4)
+#: The acceptance's runs (``gpu_accept.sh 1`` ... ``5``).
+RUNS = (1, 2, 3, 4, 5)
 
 #: Paths no acceptance run reads, as git pathspecs: changes there keep a run's result.
 NOT_RUN_ON_GPU = (
@@ -147,7 +147,7 @@ def verdict(counted: list[RunResult]) -> tuple[bool, str]:
     if missing:
         return False, f"run(s) {', '.join(map(str, missing))} not passed on this GPU code"
     devices = sorted({r.device for r in counted})
-    return True, f"all four runs passed on this GPU code ({', '.join(devices)})"
+    return True, f"all {len(RUNS)} runs passed on this GPU code ({', '.join(devices)})"
 
 
 def main(argv=None) -> int:

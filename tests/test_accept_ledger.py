@@ -78,7 +78,7 @@ def test_parse_reads_runs_steps_and_passes_over_log_lines():
 @pytest.mark.parametrize("text, says", [
     ("  PASS kernel_tests rc=0 1s\n", "before any"),
     ("GPU acceptance run 1, commit abc, 2026-12-05T04:13Z, H200\n", "lists no steps"),
-    (_summary(5, "abc", "PASS"), "not one of"),
+    (_summary(6, "abc", "PASS"), "not one of"),
 ])
 def test_parse_refuses_by_name(text, says):
     with pytest.raises(ledger.LedgerError, match=says):
@@ -119,10 +119,11 @@ def _run(n: int, passed: bool = True) -> ledger.RunResult:
 
 
 @pytest.mark.parametrize("runs, proven, says", [
-    ([_run(1), _run(2), _run(3), _run(4)], True, "all four"),
-    ([_run(1), _run(2)], False, "3, 4 not passed"),
-    ([_run(1), _run(2), _run(3, False), _run(3), _run(4)], False, "3 failed"),
-    ([], False, "1, 2, 3, 4 not passed"),
+    ([_run(1), _run(2), _run(3), _run(4), _run(5)], True, "all 5 runs"),
+    ([_run(1), _run(2), _run(3), _run(4)], False, "5 not passed"),
+    ([_run(1), _run(2)], False, "3, 4, 5 not passed"),
+    ([_run(1), _run(2), _run(3, False), _run(3), _run(4), _run(5)], False, "3 failed"),
+    ([], False, "1, 2, 3, 4, 5 not passed"),
 ])
 def test_verdict(runs, proven, says):
     ok, why = ledger.verdict(runs)
@@ -136,14 +137,14 @@ def test_runs_of_two_sessions_add_up_across_document_commits(repo, capsys):
     repo.result("s1", _summary(1, a, "PASS"), _summary(2, a, "PASS"))
     b = repo.commit("results of runs 1 and 2")
     assert _main(repo, b) == 1
-    assert "NOT PROVEN: run(s) 3, 4 not passed" in capsys.readouterr().out
+    assert "NOT PROVEN: run(s) 3, 4, 5 not passed" in capsys.readouterr().out
     repo.write("BENCHMARKS.md", "# B, the runs written up\n" + FLOOR + "\n")
     c = repo.commit("docs")
-    repo.result("s2", _summary(3, c, "PASS"), _summary(4, c, "PASS"))
-    d = repo.commit("results of runs 3 and 4")
+    repo.result("s2", _summary(3, c, "PASS"), _summary(4, c, "PASS"), _summary(5, c, "PASS"))
+    d = repo.commit("results of runs 3, 4 and 5")
     assert _main(repo, d) == 0
     out = capsys.readouterr().out
-    assert out.count(": same GPU code") == 4 and "PROVEN: all four runs passed on this GPU code (NVIDIA H200)" in out
+    assert out.count(": same GPU code") == 5 and "PROVEN: all 5 runs passed on this GPU code (NVIDIA H200)" in out
 
 
 def test_a_code_change_starts_the_count_again(repo, capsys):
@@ -156,7 +157,7 @@ def test_a_code_change_starts_the_count_again(repo, capsys):
     capsys.readouterr()
     assert _main(repo, c) == 1
     out = capsys.readouterr().out
-    assert out.count("does not count: GPU code differs: echo_vllm/kernel.py") == 4
+    assert out.count("does not count: GPU code differs: echo_vllm/kernel.py") == len(ledger.RUNS)
 
 
 def test_unknown_commits(repo, capsys):

@@ -217,12 +217,13 @@ def test_each_gpu_acceptance_run_fits_one_device_call():
     import re
 
     text = (ROOT / "scripts" / "gpu_accept.sh").read_text()
-    one = text.index('if [ "$RUN" = 1 ]; then')
-    two = text.index('elif [ "$RUN" = 2 ]; then')
-    three = text.index('elif [ "$RUN" = 3 ]; then')
-    four = text.index("\nelse\n", three)
-    end = text.index("\nfi\n", four)
-    runs = {"1": text[one:two], "2": text[two:three], "3": text[three:four], "4": text[four:end]}
+    start = text.index('if [ "$RUN" = 1 ]; then')
+    end = text.index("\nfi\n", start)
+    # the branches in order: `if/elif [ "$RUN" = N ]; then` and the last, `else`, run 4
+    heads = list(re.finditer(r'(?:if|elif) \[ "\$RUN" = (\d) \]; then|\nelse\n', text[start:end]))
+    runs = {m.group(1) or "4": text[start + m.end():start + (nxt.start() if nxt else end - start)]
+            for m, nxt in zip(heads, heads[1:] + [None])}
+    assert sorted(runs) == ["1", "2", "3", "4", "5"]
     for run, body in runs.items():
         limits = [int(n) for n in re.findall(r"step \w+ (\d+)", body)]
         # run 4: the bundle, then the two checks side by side
@@ -245,9 +246,9 @@ def test_gpu_acceptance_stash_keeps_the_carried_parts_and_runs_nothing(tmp_path)
     assert [p.read_text() for p in sorted(stash.iterdir())] == ["SHA256SUMS", "bundle.part.02", "install.py"]
     assert "stashed bundle parts: bundle.part.02" in r.stdout
     assert list(out.iterdir()) == []  # no step, no summary
-    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "5"], env=env, capture_output=True,
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "6"], env=env, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4 or stash, got '5'" in bad.stderr
+    assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4, 5 or stash, got '6'" in bad.stderr
 
 
 def test_gpu_acceptance_refuses_an_out_folder_holding_other_files(tmp_path):
