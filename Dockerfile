@@ -33,6 +33,8 @@ RUN set -eux; \
 WORKDIR /opt/echo-vllm
 COPY pyproject.toml README.md ./
 COPY echo_vllm ./echo_vllm
+COPY server ./server
+COPY eval ./eval
 
 # The image's torch, triton and vLLM stay exactly as built (constraints from
 # what is installed); only echo-vllm and its small pure-Python dependencies

@@ -10,16 +10,49 @@ import pathlib
 import echo_vllm
 
 PACKAGE = pathlib.Path(echo_vllm.__file__).parent
+REPO = PACKAGE.parent
+#: The folders that install as subpackages of echo_vllm (pyproject.toml's package-dir).
+MAPPED = {"echo_vllm.server": REPO / "server", "echo_vllm.eval": REPO / "eval"}
+#: The one library module that may import the serving wrapper and the evaluation harness: it dispatches to them.
+DISPATCHER = "echo_vllm.cli"
 
 
 def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
-    """Dotted name -> (file, is a package's __init__)."""
+    """Dotted name -> (file, is a package's __init__), the mapped folders included."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        init = parts[-1] == "__init__"
-        out[".".join(parts[:-1] if init else parts)] = (path, init)
+    roots = [("echo_vllm", PACKAGE, True), *((name, folder, False) for name, folder in MAPPED.items())]
+    for dotted, folder, recursive in roots:
+        for path in sorted(folder.rglob("*.py") if recursive else folder.glob("*.py")):
+            parts = (*dotted.split("."), *path.relative_to(folder).with_suffix("").parts)
+            init = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if init else parts)] = (path, init)
     return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, init, set(modules)) for name, (path, init) in modules.items()}
+
+
+def test_pyproject_lists_every_package():
+    """Every folder with an ``__init__.py`` installs (pyproject's static package list)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {name for name, (_, init) in _modules().items() if init}
+    assert set(project["packages"]) == on_disk
+    assert {k: REPO / v for k, v in project["package-dir"].items()} == MAPPED
+
+
+def test_the_library_imports_neither_the_server_nor_the_harness():
+    """echo_vllm/ is the backend library: only the command-line dispatcher
+    reaches into echo_vllm.server or echo_vllm.eval."""
+    apps = tuple(MAPPED)
+    graph = _graph()
+    back = sorted(f"{src} -> {dst}" for src, dsts in graph.items() if src != DISPATCHER and not src.startswith(apps)
+                  for dst in dsts if dst.startswith(apps))
+    assert back == []
+    assert "echo_vllm.server.rewrite" in graph["echo_vllm.server.cli"]  # the scan sees the mapped folders
 
 
 def _imports(name: str, path: pathlib.Path, init: bool, known: set[str]) -> set[str]:
@@ -59,8 +92,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_circle_even_under_type_checking():
-    modules = _modules()
-    graph = {name: _imports(name, path, init, set(modules)) for name, (path, init) in modules.items()}
+    graph = _graph()
     assert "echo_vllm.vllm_glue.session" in graph["echo_vllm.vllm_glue.emulation"]  # the scan sees imports
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
     # the check can fail: one edge back closes a circle

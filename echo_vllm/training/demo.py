@@ -151,7 +151,7 @@ def _configs(args, device: torch.device) -> tuple[ModelConfig, TrainConfig, TPCo
 
 
 def _default_corpus() -> Path:
-    from echo_vllm.eval.data import data_dir
+    from echo_vllm.corpora import data_dir
 
     folder = data_dir() / "train-corpus"
     if not (folder / "corpus.json").is_file():

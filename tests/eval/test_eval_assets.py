@@ -13,9 +13,10 @@ import zipfile
 
 import pytest
 
-from echo_vllm.eval import assets, bundle, models
+from echo_vllm import assets
+from echo_vllm.eval import bundle, models
 from echo_vllm.cli_args import UsageError
-from echo_vllm.eval.assets import AssetError
+from echo_vllm.assets import AssetError
 
 
 @pytest.fixture

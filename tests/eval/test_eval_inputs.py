@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from echo_vllm.cli_args import UsageError
-from echo_vllm.eval import accuracy, assets, depth, perplexity
+from echo_vllm import assets
+from echo_vllm.eval import accuracy, depth, perplexity
 from echo_vllm.eval.models import tp_size_arg
 
 

@@ -347,12 +347,13 @@ def test_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
     rules = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     sources = [src for word, args in dockerfile_instructions() if word == "COPY" for src in args.split()[:-1]]
-    assert sources == ["pyproject.toml", "README.md", "echo_vllm"]
-    for path in sources + ["echo_vllm/cli.py", "echo_vllm/server/rewrite.py"]:
+    assert sources == ["pyproject.toml", "README.md", "echo_vllm", "server", "eval"]
+    for path in sources + ["echo_vllm/cli.py", "server/rewrite.py", "eval/perplexity.py"]:
         assert not dockerignored(path, rules), path
     for path in (".git/HEAD", ".venv/bin/python", ".gpu-bundle/x", "tests/server/test_docker.py",
                  "docker/compose.yaml", "out/demo/demo.png", "echo_vllm/__pycache__/cli.cpython-311.pyc",
-                 "echo_vllm/server/__pycache__/rewrite.cpython-311.pyc", "EVAL.md",
+                 "server/__pycache__/rewrite.cpython-311.pyc", "EVAL.md", "server/README.md",
+                 "server/gpu_serve_check.sh", "eval/gpu_eval.sh", "eval/results/x.json",
                  "build/lib/echo_vllm/cli.py", "echo_vllm.egg-info/PKG-INFO", "dist/echo_vllm-0.1.0.whl"):
         assert dockerignored(path, rules), path
 

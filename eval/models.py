@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, parse_int
-from .assets import (
+from ..assets import (
     AssetError,
     cache_dir,
     extract_member,

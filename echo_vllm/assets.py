@@ -26,7 +26,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from .. import envs
+from . import envs
 
 
 class AssetError(RuntimeError):

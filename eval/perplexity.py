@@ -24,7 +24,7 @@ import torch
 from ..cli_args import UsageError, count, device, file_stem, out_dir
 from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from ..postnorm import POSTNORM_POLICIES
-from .data import lambada_passages, load_text, text_file
+from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
 from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs

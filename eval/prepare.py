@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .data import prepare_benchmarks, prepare_texts
+from ..corpora import prepare_benchmarks, prepare_texts
 from .models import MODELS, prepare_model, resolve_model, verify_model
 
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from ..cli_args import UsageError, count, existing_dir, out_dir
-from .assets import cache_dir, sha256_file, verify_manifest
-from .data import prepare_benchmarks, prepare_texts
+from ..assets import cache_dir, sha256_file, verify_manifest
+from ..corpora import prepare_benchmarks, prepare_texts
 from .models import MODELS, prepare_model
 
 

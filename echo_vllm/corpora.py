@@ -15,7 +15,7 @@ import gzip
 import json
 from pathlib import Path
 
-from ..cli_args import did_you_mean
+from .cli_args import did_you_mean
 from .assets import (
     AssetError,
     cache_dir,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .assets import cache_dir
-from .data import TASK_SPLITS, split_file
+from ..assets import cache_dir
+from ..corpora import TASK_SPLITS, split_file
 
 #: The seven benchmarks, in table order.
 SEVEN = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa"]

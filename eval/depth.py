@@ -19,7 +19,7 @@ import torch
 
 from ..cli_args import device, file_stem, out_dir
 from ..postnorm import POSTNORM_POLICIES
-from .data import text_file
+from ..corpora import text_file
 from .hf_emulation import HFEmulation, find_backbone
 from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
 from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,

@@ -17,7 +17,7 @@ import importlib
 import sys
 
 from ..cli_args import UsageError, report_errors
-from .assets import AssetError
+from ..assets import AssetError
 
 SUBCOMMANDS = {
     "prepare-model": "echo_vllm.eval.prepare",
