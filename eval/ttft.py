@@ -359,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bg-mib", type=count(1, 1 << 16), default=256)
     p.add_argument("--report", action="store_true", help="only merge ttft_*.json in --out into a table")
     p.add_argument("--baseline", type=file_stem, default="exact")
-    p.add_argument("--out", type=out_dir, default="eval/results/ttft")
+    p.add_argument("--out", type=out_dir, default="eval_results/ttft")
     return p
 
 
