@@ -1,29 +1,28 @@
 """The fused kernel's regression floor: today's time may not exceed the recorded one by more than 10%.
 
-``python -m echo_vllm.bench.floor FUSED_JSON [--benchmarks BENCHMARKS.md]``
+``python -m echo_vllm.bench.floor FUSED_JSON [--floor FLOOR_JSON]``
 reads the emulated whole-kernel time per rank that ``echo-vllm bench
-fused --out DIR`` wrote (``DIR/fused.json``) for each case named in the
-floor and compares it with the figure recorded in BENCHMARKS.md, on a line
-of the form::
+fused --out DIR`` wrote (``DIR/fused.json``) for each case of the floor
+file (default: ``fused_floor.json`` beside this module) and compares it
+with the recorded figure. A floor file holds one entry per case::
 
-    <!-- accept-floor: fused emulated_per_rank P=8 64MiB 102.8 us at copy 4238 GB/s -->
+    {"floors": [{"key": "emulated_per_rank", "world_size": 8, "size_mib": 64,
+                 "recorded_us": 102.8, "copy_gbps": 4238}]}
 
-(one per case; the document's table beside it says where the figure comes
-from). The kernel is bound by memory bandwidth, so when the line names the
-copy bandwidth measured beside the figure, the floor is scaled by the ratio
+(other keys, such as the device and date of the figure, are for the
+reader). The kernel is bound by memory bandwidth, so when an entry names the
+copy bandwidth measured beside its figure, the floor is scaled by the ratio
 of that bandwidth to the one measured in today's run (``copy_gbps`` of
-``fused.json``): the same floor then holds on any GPU the acceptance runs on
-(an H100's ~3 TB/s against the H200's ~4.2), and on the recorded one it moves
-by the run-to-run spread of the copy (<1%). Exits 0 when every case is within :data:`TOLERANCE`, 1 when one is
-slower or missing (the GPU acceptance run, ``scripts/gpu_accept.sh``,
-counts that as a failed step), 2 on unreadable input.
+``fused.json``): the same floor then holds on any GPU the acceptance runs on.
+Exits 0 when every case is within :data:`TOLERANCE`, 1 when one is slower
+or missing (the GPU acceptance run, ``scripts/gpu_accept.sh``, counts that
+as a failed step), 2 on unreadable input.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -33,7 +32,8 @@ from ..cli_args import existing_file
 #: How much slower than the recorded figure a run may be.
 TOLERANCE = 0.10
 
-_FLOOR = re.compile(r"<!-- accept-floor: fused (\w+) P=(\d+) (\d+)MiB ([\d.]+) us(?: at copy ([\d.]+) GB/s)? -->")
+#: The floor the acceptance judges by (shipped with the package).
+DEFAULT_FLOOR = Path(__file__).with_name("fused_floor.json")
 
 
 class Floor(NamedTuple):
@@ -46,10 +46,10 @@ class Floor(NamedTuple):
     """The copy bandwidth measured beside ``recorded_us``; None: the floor is not scaled."""
 
 
-def floors(markdown: str) -> list[Floor]:
-    """The floors recorded in a BENCHMARKS.md text."""
-    return [Floor(k, int(p), int(m), float(us), float(gbps) if gbps else None)
-            for k, p, m, us, gbps in _FLOOR.findall(markdown)]
+def floors(doc: dict) -> list[Floor]:
+    """The floors of a floor file's JSON document (``{"floors": [...]}``)."""
+    return [Floor(str(f["key"]), int(f["world_size"]), int(f["size_mib"]), float(f["recorded_us"]),
+                  float(f["copy_gbps"]) if f.get("copy_gbps") else None) for f in doc["floors"]]
 
 
 def scale(f: Floor, fused: dict) -> tuple[float, str]:
@@ -66,7 +66,7 @@ def scale(f: Floor, fused: dict) -> tuple[float, str]:
 def verdicts(fused: dict, recorded: list[Floor], tolerance: float = TOLERANCE) -> list[tuple[bool, str]]:
     """``(ok, reason)`` per recorded floor, against a ``fused.json`` document."""
     if not recorded:
-        return [(False, "no accept-floor line in BENCHMARKS.md")]
+        return [(False, "no floor recorded")]
     out = []
     for f in recorded:
         case = next((c for c in fused.get("cases", []) if c["world_size"] == f.world_size
@@ -88,12 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     # regular files only: a FIFO or /dev/zero would block or fill the memory
     ap.add_argument("fused_json", type=existing_file, help="fused.json written by `echo-vllm bench fused --out DIR`")
-    ap.add_argument("--benchmarks", type=existing_file,
-                    default=str(Path(__file__).resolve().parents[2] / "BENCHMARKS.md"))
+    ap.add_argument("--floor", type=existing_file, default=str(DEFAULT_FLOOR),
+                    help="the floor file (default: the package's fused_floor.json)")
     args = ap.parse_args(argv)
     try:
+        recorded = floors(json.loads(Path(args.floor).read_text()))
+    except OSError as e:
+        print(f"floor: cannot read {args.floor}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"floor: {args.floor}: not a floor file ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    try:
         fused = json.loads(Path(args.fused_json).read_text())
-        recorded = floors(Path(args.benchmarks).read_text())
         results = verdicts(fused, recorded)
     except (OSError, ValueError) as e:
         print(f"floor: cannot read the inputs: {e}", file=sys.stderr)
