@@ -1,49 +1,37 @@
 #!/usr/bin/env bash
-# The GPU acceptance run: everything a GPU path can break, on one GPU host,
-# in five runs of at most 9 minutes each on an H100 or an H200 (the device
-# tool's calls, back to back: 1595 s of calls on an H200, 2026-12-05, and
-# ~190 s of the host's start; runs may span sessions: the ledger,
-# accept_ledger.py, adds them up), the vLLM bundle travelling one part per
-# run (4 parts of 42 MB: the tree and one part fit a call's 64 MiB). Every
-# change to a GPU path ends with all five on the tree it submits; the
-# closing note quotes the summary.
+# The GPU acceptance run: everything a GPU path can break, on one GPU host (an
+# H100 or an H200), in five runs of at most 9 minutes each, one device call
+# each (the vLLM bundle travels one part per run: the tree and one part fit a
+# call). Every change to a GPU path ends with all five passing on the tree it
+# submits; BENCHMARKS.md, "GPU acceptance", holds the last result.
 #
 # Usage (repository root, on the GPU host):
 #   ECHO_COMMIT=<sha> OUT=<dir> bash scripts/gpu_accept.sh RUN
-# RUN:
+# RUN (each step's time limit in brackets):
 #   1  kernels: every kernel test compiled on the GPU (tests/kernels, the
 #      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
-#      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values).
-#      At -n 14: 360-378 s on an H200 (2026-12-04, 979-980 passed), 413 s
-#      (2026-12-05), 462 s on an H100 (2026-12-05, fde1101, 1047 passed).
+#      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values) [540 s].
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, and the shape sweep at P = 2,
-#      3 and 4) and its lost-peer checks (an absent and a killed peer: a
-#      named timeout, never a hang; 22-30 s), then every other GPU-marked
-#      test that needs no vLLM (health counters under CUDA-graph replay and in inference mode,
-#      a training step through the kernels, the norm's division), and
-#      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm,
-#      hidden 4096, T = 1k, 4k and 8k, P = 8, 4 and 2, and the fused
-#      output phase in two passes where the plan takes one; verifies both first;
-#      Qwen3-8B's layer compute for the TTFT projection is measured apart,
-#      `python3 -m echo_vllm.bench.layer_compute`).
+#      3 and 4) [300 s]; its lost peers (an absent and a killed peer: a
+#      named timeout, never a hang) [45 s]; every other GPU-marked test that
+#      needs no vLLM (health counters under CUDA-graph replay and in inference
+#      mode, a training step through the kernels, the norm's division) [45 s];
+#      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm, hidden
+#      4096, T = 1k, 4k and 8k, P = 8, 4 and 2; verifies both first) [150 s].
+#      Qwen3-8B's layer compute for the TTFT projection is measured apart
+#      (`python3 -m echo_vllm.bench.layer_compute`).
 #   3  the shape sweep through the fused backend at P = 8, alone (eight
-#      processes on the one GPU: 253 s beside the P = 3 and 4 sweeps and
-#      past run 2's limit beside its other checks, 2026-12-04; 377 s alone,
-#      2026-12-05).
-#   4  vLLM: the bundle unpacked (the parts stashed by runs 1-3, and its own), then
-#      scripts/gpu_vllm_check.py (all phases) and
+#      processes on the one GPU) [530 s].
+#   4  vLLM: the bundle unpacked (the parts stashed by runs 1, 5 and 2, and
+#      its own) [90 s], then scripts/gpu_vllm_check.py (all phases) and
 #      server/gpu_serve_check.sh (256 requests at 64 streams, malformed
 #      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
 #      check requires fused calls in /metrics; vllm_check serves the
-#      default path), side by side on the one GPU (2026-12-05: 235 s and
-#      148 s; two graph phases failed vLLM's free-memory check as the serve
-#      check's server exited: every engine now holds a fixed KV cache).
-#   5  `bench fused` at P = 8, 64 MiB against the floor recorded in
-#      BENCHMARKS.md (fails if > 10% slower, scaled by the device's copy
-#      bandwidth; it verifies the kernel first), alone on the GPU. 24-27 s
-#      on an H200 within run 1 until 2026-12-05; on an H100 after 462 s of
-#      kernel tests it ran past run 1's 35 s (fde1101): its own run since.
+#      default path), side by side on the one GPU [440 s each].
+#   5  `bench fused` at P = 8, 64 MiB [240 s] against the floor in
+#      echo_vllm/bench/fused_floor.json (fails if > 10% slower, scaled by the
+#      device's copy bandwidth; it verifies the kernel first) [10 s], alone.
 # Bundle: .gpu-bundle/ holds the parts this run carries (bundle.part.NN: the
 # wheelhouse's build.sh output split in 4, their SHA256SUMS, and install.py
 # from ../shared/gpu-wheelhouse: `bash scripts/gpu_bundle.sh` makes it); each
@@ -54,7 +42,8 @@
 # parts, back to back on the fresh host, let run 4 go ahead without
 # repeating runs 1-3. $BUNDLE names the folder of parts (default .gpu-bundle).
 # Output: $OUT/accept_summary.txt (this run's lines, also appended to
-# $STASH/../summary.txt and printed last), one log per step in $OUT.
+# $STASH/../summary.txt and printed last), one log per step in $OUT, archived
+# with every other small file as $OUT/accept_logs_runN.tgz.
 # Exit status: 0 when every step of the run passed.
 case "${1:-}" in -h|--help|"") sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 RUN=$1
@@ -87,30 +76,27 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 [ "$RUN" = stash ] && exit 0
 
 if [ "$RUN" = 1 ]; then
-  # compile-bound: pytest-xdist spreads the compilations over the host's cores. 462 s on an H100
-  # (2026-12-05): the lost peers went to run 2, the bench to run 5
+  # compile-bound: pytest-xdist spreads the compilations over the host's cores
   step kernel_tests 540 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
     --tb=line --durations=30
 elif [ "$RUN" = 2 ]; then
-  # 2026-12-04 (6d8d749), one H200, beside the P = 8 sweep: the P = 2, 4 checks and the P = 2, 3, 4
-  # sweeps each done within 209 s of the start
   step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4 --skip-lost-peer \
     --json "$OUT/fused_check.json"
-  # the fused backend's absent and killed peers (22-30 s in run 1 until 2026-12-05)
+  # the fused backend's absent and killed peers
   step lost_peers 45 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
   step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
-  # 2026-12-04: the 9 cases took 81 s in two passes; one pass adds a second plan to compile, verify and time
+  # 9 cases, each verified bit for bit and timed in one pass and in two
   step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \
     --out "$OUT/norm"
 elif [ "$RUN" = 5 ]; then
-  # the H100 took more than 35 s (its copy bandwidth is ~70% of the H200's): a limit for either card
+  # alone: a time measured beside other work would judge the kernel by the neighbours' load
   step bench_fused 240 "$PY" -m echo_vllm.bench.fused_bench --world-sizes 8 --sizes 64M --no-stages \
     --out "$OUT/bench"
   step fused_floor 10 "$PY" -m echo_vllm.bench.floor "$OUT/bench/fused.json"
 elif [ "$RUN" = 3 ]; then
-  # its own run: beside run 2's checks it ran past 400 s (2026-12-04, twice); alone 377 s of a 480 s
-  # limit (2026-12-05): the call needs 560 s; the sweep's own deadline (500 s) names the ranks first
+  # its own run: beside run 2's checks it does not fit one call; the sweep's own deadline (500 s)
+  # names the late ranks before the step's limit kills them
   step fused_sweep_p8 530 "$PY" scripts/gpu_fused_check.py --worlds "" --sweep-worlds 8 --skip-lost-peer \
     --json "$OUT/fused_sweep_p8.json"
 else
@@ -120,7 +106,7 @@ else
   mkdir -p "$OUT/vllm" "$OUT/serve"
   # side by side: the vLLM check runs two engines at a time (the eager phase's cold start beside the
   # graph phases), the serve check one more; each holds a fixed 1 GiB KV cache, so no start-up measures
-  # free memory that another engine's start or exit moves (run 4 failed so on 2026-12-05)
+  # free memory that another engine's start or exit moves (vLLM fails the start-up when it does)
   ( step vllm_check 440 "$PY" scripts/gpu_vllm_check.py --out "$OUT/vllm" --budget-s 420 --parallel 2 \
       --gpu-memory-utilization 0.25
     printf '%s\n' "${status[-1]}" > "$OUT/.vllm_status" ) &  # its own line only: the bundle's is counted here
