@@ -353,7 +353,7 @@ def test_build_context_holds_what_the_dockerfile_copies_and_nothing_else():
     for path in (".git/HEAD", ".venv/bin/python", ".gpu-bundle/x", "tests/server/test_docker.py",
                  "docker/compose.yaml", "out/demo/demo.png", "echo_vllm/__pycache__/cli.cpython-311.pyc",
                  "server/__pycache__/rewrite.cpython-311.pyc", "EVAL.md", "server/README.md",
-                 "server/gpu_serve_check.sh", "eval/gpu_eval.sh", "eval/results/x.json",
+                 "server/gpu_serve_check.sh", "eval/gpu_eval.sh", "results/bench/x.json",
                  "build/lib/echo_vllm/cli.py", "echo_vllm.egg-info/PKG-INFO", "dist/echo_vllm-0.1.0.whl"):
         assert dockerignored(path, rules), path
 
@@ -384,14 +384,6 @@ def test_compose_passes_base_and_commit_to_the_build(service):
     assert {k: interpolate(v, offline) for k, v in build_args.items()} == {"BASE": offline["BASE"], "GIT_COMMIT": "abc123"}
     assert interpolate(service["image"], {}) == f"echo-vllm:{project_version()}"
     assert interpolate(service["image"], offline) == offline["IMAGE"]
-
-
-def test_the_cpu_tag_is_documented():
-    tag = f"echo-vllm:{project_version()}-cpu"
-    header = (DOCKER / "compose.yaml").read_text().split("services:")[0]
-    assert f"IMAGE={tag}" in header and "BASE=echo-vllm-base/vllm-cpu:" in header
-    assert f"IMAGE={tag}" in (DOCKER / "build_and_smoke.sh").read_text()
-    assert tag in (DOCKER / "README.md").read_text() and "cannot serve" in (DOCKER / "README.md").read_text()
 
 
 def test_compose_serves_tp4_with_echo(service):
@@ -441,11 +433,6 @@ def test_compose_refuses_other_interfaces_without_an_api_key(service, tmp_path, 
     else:
         assert out.returncode == 64 and out.stdout == ""
         assert "VLLM_API_KEY" in out.stderr and env["ECHO_BIND"] in out.stderr
-
-
-def test_compose_says_how_it_binds():
-    header = (DOCKER / "compose.yaml").read_text().split("services:")[0]
-    assert "127.0.0.1" in header and "ECHO_BIND" in header and "VLLM_API_KEY" in header
 
 
 def test_compose_reserves_four_gpus(service):
@@ -575,15 +562,7 @@ def test_smoke_stops_when_the_build_fails(tmp_path):
     assert out.returncode == 1 and "docker build failed; stopping" in out.stderr
     built = [c for c in calls if c.startswith("build ")]
     assert len(built) == 1 and "--build-arg BASE=some/base:1" in built[0]
-    # outside a git checkout the revision label says so, and the version is pyproject's
+    # outside a git checkout the revision label says so, and the version is pyproject's, as is the CPU tag
     assert "--build-arg GIT_COMMIT=unknown" in built[0] and f"--build-arg ECHO_VERSION={project_version()}" in built[0]
+    assert built[0].endswith(f"-t echo-vllm:{project_version()}-cpu .")
     assert not any(c.startswith("run") for c in calls), "it went on to test a stale image"
-
-
-def test_smoke_says_what_it_does_not_prove():
-    smoke = (DOCKER / "build_and_smoke.sh").read_text()
-    header = smoke.split("set -euo pipefail")[0]
-    assert "does NOT prove" in header and "no" in header and "server/gpu_serve_check.sh" in header
-    # and says it in every run's summary, not only in the source
-    assert 'echo "not proven here: vLLM cannot serve' in smoke and "no request was sent" in smoke
-    assert (REPO / "server" / "gpu_serve_check.sh").is_file()
