@@ -162,8 +162,8 @@ class EchoConfig:
     the checks off."""
 
     fuse_norm: bool = False
-    """Off by default: it saves little (2-23 us per call at 8k x 4096 on one
-    H200, BENCHMARKS.md, "Echo + residual add + RMSNorm"), and its
+    """Off by default: it saves little of a whole layer's time (BENCHMARKS.md,
+    "Echo + residual add + RMSNorm in one kernel"), and its
     variance rounds in another order than Inductor's, which can move
     tokens as much as compilation itself does. When on, under
     vLLM's compilation (not ``--enforce-eager``), fold the residual

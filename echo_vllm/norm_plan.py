@@ -37,12 +37,12 @@ CHUNKS_PER_STEP = 4
 #: Most values of a tile (its rows, every chunk) whose Echo output the first
 #: pass stores for the second to read back instead of decoding again: larger
 #: tiles, read back from L2 by every resident program, ran slower than a
-#: second decode (BENCHMARKS.md, the norm fusion).
+#: second decode (BENCHMARKS.md, "Dropped ideas worth knowing").
 DECODE_ONCE_MAX_VALUES = 8192
 #: Most values a thread holds when the output phase reads a step's rows of
 #: every chunk at once (one pass: ``NormTiling.one_pass_rows``); wider rows
 #: take two passes, a chunk at a time. At 8 warps, 16 is one row of 4096
-#: (Qwen3-8B at any P): 3-10 µs faster than two passes at 8k tokens on the H200 (BENCHMARKS.md).
+#: (Qwen3-8B at any P): faster than two passes (BENCHMARKS.md, "Dropped ideas worth knowing").
 ONE_PASS_MAX_VALUES = 16
 #: Values one warp covers in the lane layout (32 lanes of 8): the smallest tile of a chunk.
 WARP_VALUES = 256
@@ -85,7 +85,7 @@ class NormTiling(NamedTuple):
     ``values_per_thread`` values of every chunk, ``chunks_per_step`` is 1 and
     ``decode_once`` does not apply); 0: two passes, a chunk at a time.
     The one-pass loop is not software-pipelined: 2 and 3 stages were slower
-    on the H200 (BENCHMARKS.md, the norm fusion's appendix)."""
+    (BENCHMARKS.md, "Dropped ideas worth knowing")."""
 
     rows: int
     padded_row_groups: int

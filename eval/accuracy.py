@@ -235,8 +235,8 @@ def run_vllm_one(args, v: Variant, tasks: list[str]) -> dict:
 
 #: KV cache per engine (GiB) when variants run side by side. vLLM sizes the
 #: cache as its memory share minus what it sees in use after profiling, and
-#: that reading includes the other engines' transient allocations: on an H200,
-#: Gemma-3's three engines got 31, 0 (failed) and -0.11 GiB. A fixed size
+#: that reading includes the other engines' transient allocations: engines
+#: started together got any size, none at all included. A fixed size
 #: makes each start-up independent of the others; 8 GiB holds > 100 k tokens
 #: of KV for the models here, far above lm-eval's batches of <= 2048-token
 #: requests.
@@ -457,8 +457,8 @@ def main(argv: list[str]) -> int:
         # variant in --out, ready for --merge.
         save_variant(args, v.name, result)
         Path(args._out).write_text(json.dumps(result))
-        # Leave without interpreter/vLLM teardown: on the H200 (2026-11-29)
-        # the Echo variants' processes aborted in teardown ("terminate called
+        # Leave without interpreter/vLLM teardown: on the GPU host the Echo
+        # variants' processes aborted in teardown ("terminate called
         # without an active exception", exit -6) after lm-eval had finished,
         # which discarded finished results. The results are on disk now.
         sys.stdout.flush()

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 WHEELHOUSE=${1:-../shared/gpu-wheelhouse}
 OUT=.gpu-bundle
 PARTS=4
-MAX_PART_MIB=48  # the tree (~8 MB) and one part within a call's 64 MiB
+MAX_PART_MIB=48  # the tree and one part within a call's 64 MiB
 for f in build.sh install.py; do
   [ -f "$WHEELHOUSE/$f" ] || { echo "gpu_bundle.sh: no $f in $WHEELHOUSE" >&2; exit 2; }
 done

@@ -498,7 +498,7 @@ def check_sweep(world: int, gpus: int) -> dict:
     t0 = time.monotonic()
     cases = [c for c in shape_sweep.cases("fused") if c.world_size == world]
     try:
-        got = run_ranks(rank_sweep, world, gpus, deadline_s=500)  # P = 8: 253 s on 2026-12-04, past 400 s on 12-05
+        got = run_ranks(rank_sweep, world, gpus, deadline_s=500)  # names the late ranks within gpu_accept.sh's 530 s
         problems = []
         for case in cases:
             want = shape_sweep.reference_outputs(case)
@@ -664,7 +664,7 @@ def main(argv=None) -> int:
                "gpus": gpus, "checks": []}
     sweep_worlds = [int(w) for w in args.sweep_worlds.split(",") if w]
     # the sweeps side by side with the other checks: every process compiles its own kernels, and
-    # the checks of one P alone leave most of the host's cores idle (2026-12-04: 155 s, then the sweeps)
+    # the checks of one P alone leave most of the host's cores idle
     with ThreadPoolExecutor(max(1, len(sweep_worlds))) as pool:
         sweeps = [pool.submit(check_sweep, w, gpus) for w in sweep_worlds]
         for world in (int(w) for w in args.worlds.split(",") if w):

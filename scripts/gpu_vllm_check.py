@@ -30,9 +30,7 @@ counters and switch the emulation's variant between requests):
    eager exact: shows how much torch.compile alone changes the numerics.
 
 Prints a table and writes ``gpu_vllm_check.json`` (+ per-phase logs) under
-``--out`` (default ``$OUT``). Four phases took 223 s on an H200
-(2026-11-29, before ``graphs_norm_on``; vLLM start 40 s eager, 10 s graphs without compile, 33-38 s compiled);
-all five 344 s beside the serve check (2026-12-04, ``scripts/gpu_accept.sh``'s vLLM run).
+``--out`` (default ``$OUT``); results: BENCHMARKS.md, "Inside vLLM and echo-vllm serve".
 
     PYTHONPATH=<vllm bundle>:<repo> python scripts/gpu_vllm_check.py --out $OUT
 """
@@ -54,7 +52,7 @@ if str(REPO) not in sys.path:  # the package, from a checkout (the GPU host inst
 
 #: KV cache of every engine, fixed: vLLM then skips its free-memory profile,
 #: which fails whenever another process on the GPU frees memory meanwhile (an
-#: engine beside it exiting: acceptance run 4 on 2026-12-05). The tiny model's
+#: engine beside it exiting). The tiny model's
 #: 8 sequences of 512 tokens need 32 MiB of it.
 KV_CACHE_BYTES = 1 << 30
 
@@ -100,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--budget-s", type=float, default=600,
-                   help="wall-clock budget of all phases (four took 223 s on an H200)")
+                   help="wall-clock budget of all phases, seconds")
     p.add_argument("--phases", default="eager,graphs_eager_ops,graphs,graphs_norm_on,graphs_exact")
     p.add_argument("--parallel", type=int, default=1,
                    help="engines at once (default 1); each needs --gpu-memory-utilization of the GPU free"
@@ -381,14 +379,14 @@ def norm_verdict(table: dict) -> str | None:
     pass-off run's or agree with them at least as well as compilation alone
     keeps the tokens of the same sum (:data:`COMPILE_CONTROLS`), within
     the noise of its prompts (:func:`shortfall`: 4 prompts' agreeing
-    prefixes gave 0.37 against 0.34 on 2026-12-04, a difference far inside
+    prefixes gave 0.37 against 0.34, a difference far inside
     their noise, so any change of the last bits could have failed it by
     chance).
 
     Why Echo's control: the fused norm's variance is an order-free sum, so
     it can differ from Inductor's fp32 reduction in the last bit; through
     Echo's 4-bit rounding in the next layers such a bit moves tokens as much
-    as compilation moves eager Echo's (on the H200, 2026-12-04: agreeing
+    as compilation moves eager Echo's (measured on a GPU: agreeing
     prefix 0.37 with the norm fused vs 0.34 for compilation alone, logit
     rel. L2 0.081 vs 0.084), while the exact sum has no rounding to amplify
     it (0.67, 0.019)."""

@@ -14,7 +14,7 @@ depends only on the shapes and options (grid, layout-derived integers,
 constexprs) is a ``direct_launch.LaunchPlan``, cached per wrapper, and the
 launch itself goes through its ``Launcher``, which skips Triton's per-call
 dispatch once a specialization is compiled (host time per eager call:
-BENCHMARKS.md, appendix, "Triton's per-call dispatch").
+BENCHMARKS.md, "Host time of one call").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Why: ``kernel[grid](*args)`` re-derives on every call what only changes
 when the arguments' *specialization* changes: it binds the arguments into a
 dict, specializes each one, builds and hashes a cache key from them and the
 options, builds a launch-metadata dict and calls two (empty) launch-hook
-chains. On the H200 that host time exceeded the kernels' device time below
-16 MiB (BENCHMARKS.md, appendix, "Triton's per-call dispatch"), and vLLM runs prefill batches above its
+chains. That host time can exceed the kernels' device time on small
+messages (BENCHMARKS.md, "Host time of one call"), and vLLM runs prefill batches above its
 CUDA-graph sizes eagerly.
 
 How: a :class:`Launcher` wraps one ``@triton.jit`` function. A call it has

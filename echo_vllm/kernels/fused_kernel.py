@@ -467,8 +467,8 @@ class TileRow(NamedTuple):
 #: Chunk size -> tile, warps and programs per SM, first row that fits.
 #: Small chunks (decode) take small tiles, so that even they spread over
 #: several programs; large ones fill every SM with ``per_sm`` programs
-#: (measured: BENCHMARKS.md, the roofline table and the appendix's entry on
-#: programs per SM). Tile sizes are powers of two of at least 256 values
+#: (measured: BENCHMARKS.md, the roofline table and "Dropped ideas worth knowing"
+#: on programs per SM). Tile sizes are powers of two of at least 256 values
 #: (32 lanes of 8), so every group size gives a
 #: power-of-two number of whole groups and a warp holds whole groups.
 TILE_TABLE: tuple[TileRow, ...] = (
@@ -566,7 +566,7 @@ def _persistent(tiles: int, groups: int, num_warps: int, per_sm: int, sms: int, 
     """One program per tile up to ``per_sm`` programs on each of the ``sms``:
     every slot filled, so every SM gets the same number of programs (fewer
     programs, each with the same number of tiles, left some SMs a program
-    short: BENCHMARKS.md, the P = 8 output phase)."""
+    short: BENCHMARKS.md, "Dropped ideas worth knowing")."""
     if sms < 1:
         raise ValueError(f"sms={sms}: need at least one SM")
     return FusedTiling(groups, num_warps, min(tiles, sms * per_sm), register_cap(per_sm, num_warps, sm), norm)

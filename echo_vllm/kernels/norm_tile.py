@@ -22,7 +22,7 @@ rows of every chunk at once, chunk-major in one ``[P * R * RGP]`` group
 tile (the chunks padded to a power of two), 16 values a thread for one
 row of 4096 on 8 warps. Holding a whole tile instead (64 fp32 values a
 thread at P = 8, hidden 4096) spilled and made the fused norm slower than
-Echo followed by the norm (BENCHMARKS.md, the norm fusion), so wider rows
+Echo followed by the norm (BENCHMARKS.md, "Dropped ideas worth knowing"), so wider rows
 are read twice (:func:`_two_passes`), a thread holding one chunk's values
 at a time; the second pass reads back Echo's output that the first stored
 in the output buffer, or, for large tiles (``NormTiling.decode_once``),
@@ -357,8 +357,8 @@ def step_row_max(s, PP: tl.constexpr, R: tl.constexpr):
     """``[R]``: the largest lane sum of each row of a step (``s [PP * R * RGP, L] >= 0``, chunk-major; NaN
     if any is). One row: over all of ``s`` at once. Several: each group's lanes, then ``[PP, R, RGP]``
     along its last axis and its first (as :func:`row_max`), no permute: reduced across a permuted view,
-    steps of several rows gave other rows' bits in the compiled fused kernel on the H200 (BENCHMARKS.md,
-    the norm fusion's appendix)."""
+    steps of several rows gave other rows' bits in the compiled fused kernel on the H200
+    (``tests/kernels/test_layouts.py`` checks every reduction's lanes)."""
     if R == 1:
         return tl.reduce(tl.reshape(s, (1, s.shape[0] * s.shape[1])), 1, nan_max)
     else:

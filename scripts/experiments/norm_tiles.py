@@ -26,8 +26,8 @@ A plan's phase 3 alone, for a profiler (``--compile-only P:T:H:rows:once:step:wa
 
 Compilation is the slow part: ``--jobs`` processes compile the plans first
 (each runs its plan once, which fills Triton's cache), then this process
-times them one after another. An experiment (BENCHMARKS.md, the norm
-fusion, reports what it showed), not a tool.
+times them one after another. An experiment (BENCHMARKS.md, "Dropped ideas
+worth knowing", reports what it showed), not a tool.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the sum commutes with it), for variants whose own per-group Hadamard is off
     XROT=128 python scripts/experiments/wide_hadamard.py --model qwen2.5-coder-1.5b --tp 4 \\
         --dtype float32 --texts hamlet --variants exact default:hadamard=false --out /tmp/x --stem xrot
 
-Result (EVAL.md, appendix): no gain from 128 or 512 over 32 on Qwen2.5-1.5B.
+Result (EVAL.md, "Dropped ideas worth knowing"): no gain from 128 or 512 over 32 on Qwen2.5-1.5B.
 """
 
 import os

@@ -350,7 +350,7 @@ def test_gemma3_echo_runs():
     4-bit; the feedback run the policy prevents fails the same checks."""
     model = tiny_gemma3()
     # Real Gemma-3's consecutive all-reduce outputs differ in scale by orders
-    # of magnitude (EVAL.md section 4): that is what makes a carried error
+    # of magnitude (EVAL.md, "Post-norm models"): that is what makes a carried error
     # destroy it. A random tiny model's do not, so scale o_proj by 2^8 (exact
     # in bf16). The exact model does not see it: the post-attention RMSNorm
     # divides o_proj's output by its own RMS (eps 1e-6 only shrinks further

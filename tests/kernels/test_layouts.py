@@ -161,7 +161,7 @@ def reduce_layout_problems(ttgir: str) -> list[str]:
     are not consecutive lane-id bits, each moving along that axis alone.
     Triton 3.6 reduces across lanes with butterfly shuffles of masks 1, 2,
     4, ... times the first such bit, which is right only then: on the H200
-    (2026-12-05) a step's per-row statistics, reduced over lane bits 0, 1,
+    a step's per-row statistics, reduced over lane bits 0, 1,
     2 and 4 (bit 3 carried the row), took the other row's values."""
     defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)", ttgir, re.M))
     problems = []

@@ -145,7 +145,7 @@ def kv_bytes_per_token(model_dir: pathlib.Path) -> int:
 
 def test_every_phase_holds_a_fixed_kv_cache_of_vllm_engine_args(tmp_path):
     """A fixed KV cache: vLLM then skips its free-memory profile, which failed
-    run 4 on 2026-12-05 when an engine beside it exited. Large enough for the
+    the acceptance's vLLM run when an engine beside it exited. Large enough for the
     phase's sequences, and every argument a field of vLLM's EngineArgs."""
     pytest.importorskip("vllm")
     import dataclasses

@@ -38,7 +38,7 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     assert replayed["tokens_identical_to_eager"] and replayed["logit_max_abs_diff"] == 0
     assert replayed["forwards_replayed"] > 0 and replayed["calls"] == echo["calls"]
     # under torch.compile the model's own numerics change (the exact sum's tokens
-    # differ too, see BENCHMARKS.md 4.1): only the accounting is asserted there
+    # differ too, see BENCHMARKS.md, "Inside vLLM"): only the accounting is asserted there
     graphs = table["graphs/echo vs eager/echo"]
     assert graphs["forwards_replayed"] > 0 and graphs["calls"] == echo["calls"]
     # the norm fused into Echo by the compilation pass: every layer's o_proj and
@@ -46,6 +46,6 @@ def test_echo_in_vllm_on_one_gpu(tmp_path):
     # calls counted as fused, and tokens as the unfused compiled run's (or as
     # close as compilation alone keeps them)
     fused = table["graphs/echo norm fused vs norm off"]
-    sites = fused["norm_sites"]  # empty where vLLM loaded the compiled graphs from its cache (2026-12-05)
+    sites = fused["norm_sites"]  # empty where vLLM loaded the compiled graphs from its cache
     assert sites in ({}, {"fused": 1 + 2 * LAYERS}) and fused["norm_calls"].get("fused", 0) > 0
     assert "fused" not in (table["graphs/echo norm off vs eager/echo"]["norm_calls"] or {})
