@@ -427,14 +427,27 @@ def folder_problem(text: str) -> str | None:
     return None
 
 
+def path_text_problem(text: str) -> str | None:
+    """Why the path ``text`` is not what it shows (``None``: it is): it
+    begins or ends with a space (an env file's ``= /data/c`` is a relative
+    path, made as a new folder in the current one; ``"out "`` a folder that
+    looks like ``out``), or it holds a character that does not print
+    (a zero-width space, a control character): the folder made would look
+    like another one."""
+    text = str(text)
+    if text.strip() != text:
+        return "begins or ends with a space (a relative path, made in the current folder)"
+    odd = next((c for c in text if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if odd is not None:
+        return f"holds {_described(odd)}, which does not print: the folder made would look like another one"
+    return None
+
+
 def env_path_problem(text: str) -> str | None:
     """Why a path-valued environment variable's value is refused (``None``:
-    it is not): one that begins or ends with a space (an env file's
-    ``= /data/c`` is a relative path, made as a new folder in the current
-    one), or one the file system refuses (:func:`path_problem`)."""
-    if str(text).strip() != str(text):
-        return "begins or ends with a space (a relative path, made in the current folder)"
-    return path_problem(text, room_bytes=NAME_MAX + 1)
+    it is not): :func:`path_text_problem`, or one the file system refuses
+    (:func:`path_problem`)."""
+    return path_text_problem(text) or path_problem(text, room_bytes=NAME_MAX + 1)
 
 
 def out_dir(text: str) -> str:
@@ -442,7 +455,7 @@ def out_dir(text: str) -> str:
     made (:func:`folder_problem`), with ``~`` expanded."""
     if not str(text).strip():
         raise argparse.ArgumentTypeError("'': expected a folder")
-    problem = folder_problem(text)
+    problem = path_text_problem(text) or folder_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
     # the folder checked: a quoted ~ (``--out=~/x``) would else make a folder named ~ here
@@ -458,7 +471,7 @@ def out_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: expected a file name")
     if os.path.isdir(path) and not os.path.islink(path):
         raise argparse.ArgumentTypeError(f"{_shown(text)}: is a folder (the result would replace it)")
-    problem = path_problem(path) or folder_problem(os.path.dirname(os.path.abspath(path)))
+    problem = path_text_problem(text) or path_problem(path) or folder_problem(os.path.dirname(os.path.abspath(path)))
     if problem:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
     return path

@@ -32,7 +32,7 @@ from pathlib import Path
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
 from ..outputs import open_fresh, write_json
 from ..postnorm import POSTNORM_POLICIES
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, load_hf_model
 from .report import check_outputs, markdown_table, pyplot, read_json, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
@@ -404,7 +404,7 @@ def plot(result: dict, path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="echo-vllm eval accuracy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
+    p.add_argument("--model", type=model_arg, default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="TP size to emulate (default: per model)")
     p.add_argument("--real-tp", type=count(1, MAX_RANKS, RANKS_WHY), default=1,

@@ -396,7 +396,7 @@ def _int(name: str, raw: Any) -> int:
             return parse_int(raw)
         except ValueError:
             pass
-    raise ServeArgsError(f"{name} {raw!r} is not an integer")
+    raise ServeArgsError(f"{name} {raw!r:.60} is not an integer")
 
 
 def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
