@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..vllm_glue import metrics
 
     try:
-        argv, secret_env = take_secrets(check_argv(argv))
+        # the secrets first: a key's value is never shown, whatever it begins with
+        argv, secret_env = take_secrets(argv)
+        argv = check_argv(argv)
         vllm_argv, settings = rewrite_args(argv)
         if settings.glue_active:
             envs.read()  # the engine's workers read them: refuse a bad value now

@@ -38,7 +38,7 @@ import json
 import re
 from typing import Any, Collection, Mapping
 
-from ..cli_args import hide_url_password, parse_json
+from ..cli_args import LOOKALIKE_DASHES, hide_url_password, parse_json
 from .flags import ServeArgsError
 
 #: vLLM's secret options -> the environment variable vLLM reads instead.
@@ -290,7 +290,8 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             continue
         i += 1
         values = [inline] if eq else []
-        while not eq and i < len(argv) and not argv[i].startswith("-"):
+        # a token that begins with a look-alike of '-' is an option mistyped, not this one's value
+        while not eq and i < len(argv) and argv[i][:1] != "-" and argv[i][:1] not in LOOKALIKE_DASHES:
             values.append(argv[i])
             i += 1
             if option in _OPTIONAL_VALUE:

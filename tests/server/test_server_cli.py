@@ -259,8 +259,12 @@ SECRET_ROUTES = [
     (["m", "\u2014api-key=SECRETK1"], "'\u2014api-key' begins with '\u2014' (U+2014 EM DASH)"),
     (["m", "\uff0d\uff0dapi-key", "SECRETK1"], "'\uff0d\uff0dapi-key' begins with '\uff0d' (U+FF0D FULLWIDTH"),
     (["m", "\u2212\u2212hf-token=SECRETK1"], "(U+2212 MINUS SIGN), which only looks like '-'"),
-    (["m", "--hf\u2010token", "SECRETK1"], "'--hf\u2010token' holds '\u2010' (U+2010 HYPHEN)"),
+    (["m", "--hf\u2010token", "SECRETK1"], "--hf\u2010token is not an option of vllm serve; did you mean --hf-token?"),
+    (["m", "--port\u2010x", "SECRETK1"], "'--port\u2010x' holds '\u2010' (U+2010 HYPHEN)"),
     (["m", "--", "\u2013api-key", "SECRETK1"], "(U+2013 EN DASH)"),
+    # a key that begins with a look-alike dash is not shown by the look-alike's refusal
+    (["m", "--api-key", "\u2013SECRETK1"], "--api-key needs a value (write --api-key=VALUE"),
+    (["m", "--hf-token", "\u2013\u2013port", "8000"], "'\u2013\u2013port' begins with '\u2013' (U+2013 EN DASH)"),
     (["m", "--additional-config", '{"hf_token": "SECRETK1"}'], "--additional-config holds the key hf_token, "
                                                                "which looks like a secret: vLLM prints every argument"),
     (["m", "--additional-config={\"p\": {\"q\": [{\"api_key\": \"SECRETK1\"}]}}"],
