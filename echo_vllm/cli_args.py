@@ -144,9 +144,13 @@ def parse_bool(text: str) -> bool:
 #: ``--api-key`` arrives as ``–api-key``. argparse reads such a token as a
 #: positional value, so the option is lost and the tools' errors (vLLM's
 #: "unrecognized arguments") print it together with the value after it.
+#: Listed, not derived at import (a scan of every code point costs a third
+#: of a second per process); tests/core/test_cli_args.py derives the Pd
+#: set from ``unicodedata`` and checks this one holds it.
 LOOKALIKE_DASHES = frozenset(
-    chr(c) for c in range(0x80, 0x110000) if unicodedata.category(chr(c)) == "Pd"
-) | frozenset("\u00ad\u02d7\u207b\u208b\u2212\u2796")
+    "\u058a\u05be\u1400\u1806\u2010\u2011\u2012\u2013\u2014\u2015\u2e17\u2e1a\u2e3a\u2e3b\u2e40\u2e5d"
+    "\u301c\u3030\u30a0\ufe31\ufe32\ufe58\ufe63\uff0d\U00010ead"  # Pd (dash punctuation) but ASCII '-'
+    "\u00ad\u02d7\u207b\u208b\u2212\u2796")  # soft hyphen, the minus signs
 #: An option's name as shown in an error: up to ``=`` (or a look-alike of
 #: it) or a space, never the value glued to it.
 _OPTION_NAME = re.compile(r"[^=\uff1d\ufe66\u207c\u208c\s]{0,40}")
@@ -578,6 +582,8 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 
 
 __all__ = [
+    "LOOKALIKE_DASHES", "MAX_JSON_DEPTH", "MAX_PATH_DEPTH", "NAME_MAX", "PATH_MAX", "check_argv", "env_path_problem",
+    "json_depth", "parse_json", "path_problem", "path_text_problem",
     "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
     "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
     "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "out_file", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",

@@ -294,3 +294,12 @@ def test_out_dir_refuses_a_loop_of_links(tmp_path, capsys):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     line = refusal(_parser(out=cli_args.out_dir), ["--out", str(tmp_path / "a" / "x")], capsys)
     assert f"{tmp_path}/a is a link to {tmp_path}/b, which leads round in a loop of links" in line
+
+
+def test_the_lookalike_dashes_hold_every_dash_unicode_knows():
+    import unicodedata
+
+    dashes = {chr(c) for c in range(0x80, 0x110000) if unicodedata.category(chr(c)) == "Pd"}
+    assert dashes <= cli_args.LOOKALIKE_DASHES and "-" not in cli_args.LOOKALIKE_DASHES
+    # beyond them: the soft hyphen and the minus signs
+    assert cli_args.LOOKALIKE_DASHES - dashes == set("\u00ad\u02d7\u207b\u208b\u2212\u2796")
