@@ -184,7 +184,7 @@ def refuse_secret_values(argv: list[str]) -> None:
                 continue
         else:
             text = token
-        where = option or hide_url_password(token)[:60]
+        where = option or "the model (a positional argument)"  # its text is not shown: it may hold a secret
         option = None
         found = None
         if text.lstrip().startswith(("{", "[")):

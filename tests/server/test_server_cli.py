@@ -274,7 +274,8 @@ SECRET_ROUTES = [
     (["m", "-cc.x.my_secret=SECRETK1"], "-cc holds the key x.my_secret"),
     (["m", "--hf-overrides", '{"auth": {"token": "SECRETK1"}}'], "--hf-overrides holds the key auth.token"),
     (["https://bob:SECRETK1@example.com/org/model", "--port", "8000"],
-     "https://bob:***@example.com/org/model holds a URL with a password"),
+     "the model (a positional argument) holds a URL with a password"),
+    (["m", "--", '{"api_key": "SECRETK1"}'], "the model (a positional argument) holds the key api_key"),
     (["--model", "https://bob:SECRETK1@example.com/m"], "--model holds a URL with a password"),
     (["m", "--otlp-traces-endpoint=http://bob:SECRETK1@c:4317"], "--otlp-traces-endpoint holds a URL with a password"),
     (["m", "--additional-config", '{"u": "s3://k:SECRETK1@b/x"}'], "--additional-config holds a URL with a password "
