@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 from . import envs
+from .outputs import write_file, write_json
 
 
 class AssetError(RuntimeError):
@@ -101,19 +102,15 @@ def extract_member(archive: Path, member: str, dest: Path) -> Path:
     (written to a temporary name first, so an interrupted copy never looks
     complete)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
     if archive.suffix in (".whl", ".zip"):
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(tmp, "wb") as out:
-            _copy(src, out)
-    else:
-        with tarfile.open(archive) as tf:
-            src = tf.extractfile(member)
-            if src is None:
-                raise AssetError(f"{member} is not a file in {archive.name}")
-            with src, open(tmp, "wb") as out:
-                _copy(src, out)
-    tmp.replace(dest)
-    return dest
+        with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+            return write_file(dest, lambda out: _copy(src, out))
+    with tarfile.open(archive) as tf:
+        src = tf.extractfile(member)
+        if src is None:
+            raise AssetError(f"{member} is not a file in {archive.name}")
+        with src:
+            return write_file(dest, lambda out: _copy(src, out))
 
 
 def _copy(src, out, block: int = 1 << 20) -> None:
@@ -137,7 +134,7 @@ def write_manifest(folder: Path, extra: dict, name: str = "echo_manifest.json") 
         if p.is_file() and p.name != name
     }
     manifest = {**extra, "files": files}
-    (folder / name).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_json(folder / name, manifest, indent=2, sort_keys=True)
     return manifest
 
 

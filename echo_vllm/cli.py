@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from . import envs
-from .cli_args import report_errors
+from .cli_args import check_argv, report_errors
 
 SUBCOMMANDS = {
     "demo": ("echo_vllm.eval.demo", "error vs depth of exact, naive 4-bit and Echo over gloo processes"),
@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
 
     def run() -> int | None:
-        if name != "serve":  # serve reads them itself, only where Echo runs
-            envs.read()  # workers and caches read them mid-run: refuse a bad value before any work
-        return module.main(rest)
+        if name == "serve":  # serve checks its command line and the variables itself (the latter where Echo runs)
+            return module.main(rest)
+        envs.read()  # workers and caches read them mid-run: refuse a bad value before any work
+        return module.main(check_argv(rest))
 
     try:
         # bad input found after parsing: one line, exit 2, no traceback

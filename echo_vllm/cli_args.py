@@ -10,8 +10,13 @@ allowed (argparse exits 2), never a traceback, never a silent stand-in.
 * :func:`did_you_mean`: the close-match suggestion of every "unknown" error;
 * argparse types: :func:`count` (an integer in a range whose upper bound
   says why), :func:`byte_size`, :func:`counts` / :func:`byte_sizes` (comma
-  lists), :func:`factor`, :func:`real`, :func:`out_dir`, :func:`existing_file`,
+  lists), :func:`factor`, :func:`real`, :func:`out_dir`, :func:`out_file`, :func:`existing_file`,
   :func:`existing_dir`, :func:`device`, :func:`file_stem`, :func:`http_url`;
+* the command line as typed: :func:`check_argv` (an option spelled with a
+  look-alike dash is refused, a negative-looking value is kept with its
+  option); :func:`parse_json` (bounded: depth, digits, one value per key);
+  :func:`path_problem` / :func:`env_path_problem` (what the file system
+  would refuse, found before the work);
 * :class:`UsageError`: bad input found after parsing (a combination of
   options, a missing input); :func:`report_errors` prints it in one line,
   exit 2 (the ``echo-vllm`` router does, for every subcommand).
@@ -24,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import math
 import os
 import re
 import sys
 import tempfile
+import unicodedata
 from fractions import Fraction
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 #: Boolean spellings: pydantic's (what vLLM accepts for its own flags), so a
 #: value reads the same in ``--echo-*`` flags and in ``--additional-config``.
@@ -128,6 +135,125 @@ def parse_bool(text: str) -> bool:
     if low in FALSE_TEXT:
         return False
     raise ValueError(f"not a boolean: {_short(text)} (true/false, yes/no, on/off, 1/0)")
+
+
+# -- the command line as typed ------------------------------------------------------
+
+#: Characters that look like ``-`` but are not (Unicode's dash punctuation,
+#: the minus signs, the soft hyphen): a word processor's or a web page's
+#: ``--api-key`` arrives as ``–api-key``. argparse reads such a token as a
+#: positional value, so the option is lost and the tools' errors (vLLM's
+#: "unrecognized arguments") print it together with the value after it.
+#: Listed, not derived at import (a scan of every code point costs a third
+#: of a second per process); tests/core/test_cli_args.py derives the Pd
+#: set from ``unicodedata`` and checks this one holds it.
+LOOKALIKE_DASHES = frozenset(
+    "\u058a\u05be\u1400\u1806\u2010\u2011\u2012\u2013\u2014\u2015\u2e17\u2e1a\u2e3a\u2e3b\u2e40\u2e5d"
+    "\u301c\u3030\u30a0\ufe31\ufe32\ufe58\ufe63\uff0d\U00010ead"  # Pd (dash punctuation) but ASCII '-'
+    "\u00ad\u02d7\u207b\u208b\u2212\u2796")  # soft hyphen, the minus signs
+#: An option's name as shown in an error: up to ``=`` (or a look-alike of
+#: it) or a space, never the value glued to it.
+_OPTION_NAME = re.compile(r"[^=\uff1d\ufe66\u207c\u208c\s]{0,40}")
+#: A value argparse would take for an option (``-1M``, ``-.5``): argparse
+#: itself keeps only plain negative numbers (``-1``, ``-2.5``) as values.
+_NEGATIVE_LOOKING = re.compile(r"-\.?\d")
+
+
+def _described(char: str) -> str:
+    return f"{char!r} (U+{ord(char):04X} {unicodedata.name(char, 'unnamed')})"
+
+
+def check_argv(argv: Sequence[str]) -> list[str]:
+    """The command line as the tools' parsers should see it.
+
+    Refused (:class:`UsageError`, one line naming the option, never what
+    follows it): a token that begins with a look-alike of ``-``
+    (:data:`LOOKALIKE_DASHES`: ``–api-key``, ``—out``, full-width
+    ``－－seed``), and an option whose name holds one or any other
+    character outside ASCII (``--api‐key``, a zero-width space): no tool's
+    option has one, and guessing whether ``–`` meant ``-`` or ``--`` could
+    run another option. A value that looks negative but is no plain number
+    (``--sizes -1M``) is joined to the option before it (``--sizes=-1M``),
+    so that the option's own parser judges it instead of argparse saying
+    "expected one argument". Tokens after ``--`` are values: left as they
+    are, but checked for look-alike dashes too."""
+    out: list[str] = []
+    options = True
+    for token in map(str, argv):
+        lead = token[:1]
+        name = _OPTION_NAME.match(token).group(0)
+        odd = next((c for c in name if not c.isascii()), None) if lead == "-" and len(token) > 1 else None
+        if lead in LOOKALIKE_DASHES or (odd is not None and not _NEGATIVE_LOOKING.match(token)):
+            char = lead if lead in LOOKALIKE_DASHES else odd
+            bare = "".join("-" if c in LOOKALIKE_DASHES else c for c in name).lstrip("-")
+            typed = ("--" if len(bare) > 1 else "-") + bare
+            what = (f"begins with {_described(char)}, which only looks like '-' (pasted from a document or a web "
+                    "page?)" if char == lead else f"holds {_described(char)}: option names are plain ASCII")
+            hint = f"; type {typed}" if typed.isascii() and typed.isprintable() else ""
+            raise UsageError(f"{_short(name, 48)} {what}{hint}")
+        if token == "--":
+            options = False
+        elif (options and _NEGATIVE_LOOKING.match(token) and out and out[-1].startswith("--")
+              and len(out[-1]) > 2 and "=" not in out[-1]):
+            out[-1] = f"{out[-1]}={token}"
+            continue
+        out.append(token)
+    return out
+
+
+#: Deepest JSON a tool reads (``--additional-config``, a dotted value): no
+#: vLLM or Echo setting nests deeper than a few levels, and Python's parser
+#: and every walk over the result recurse once per level.
+MAX_JSON_DEPTH = 64
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_TEXT:  # int() of 4300+ digits raises, of fewer is slow
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits: at most {MAX_NUMBER_TEXT}")
+    return int(text)
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object; a key given twice with different values is refused (the
+    last would win silently). The same value twice is one setting and passes."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj and obj[key] != value:
+            raise ValueError(f"the key {_short(key, 40)} is given twice, with different values")
+        obj[key] = value
+    return obj
+
+
+def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep ``[``/``{`` nest in the JSON text ``text`` (strings skipped),
+    counted up to ``limit + 1``: linear, no recursion."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_json(text: str) -> Any:
+    """JSON text as a tool reads it: at most :data:`MAX_JSON_DEPTH` levels,
+    integers of at most :data:`MAX_NUMBER_TEXT` digits, each key of an
+    object once (or twice with one value). Raises ``ValueError`` with one
+    line, never showing a value (it may be a secret); ``json.JSONDecodeError``
+    (a ``ValueError``) for text that is no JSON."""
+    depth = json_depth(str(text))
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+    return json.loads(text, parse_int=_json_int, object_pairs_hook=_json_pairs)
 
 
 # -- argparse types ------------------------------------------------------------------
@@ -233,17 +359,67 @@ def real(low: float, high: float, *, low_open: bool = False, why: str = "") -> C
     return _type("number", parse)
 
 
+#: Linux's limits (``<linux/limits.h>``): a path the kernel takes is at most
+#: ``PATH_MAX - 1`` bytes, each of its names at most ``NAME_MAX`` (the file
+#: system's own, read by ``pathconf``, where it says).
+PATH_MAX = 4096
+NAME_MAX = 255
+#: Deepest folder a tool makes or writes into: ``os.makedirs`` and pathlib's
+#: ``mkdir`` recurse once per folder they make, and Python stops at 1000
+#: frames (a ``RecursionError``); no real layout comes near.
+MAX_PATH_DEPTH = 256
+
+
+def path_problem(text: str, *, room_bytes: int = 0) -> str | None:
+    """Why the file system would refuse the path ``text`` (``None``: it
+    would not): a name longer than ``NAME_MAX`` bytes, more than
+    :data:`MAX_PATH_DEPTH` levels, or, with ``room_bytes`` left for what
+    goes inside it (``NAME_MAX + 1`` for a folder's files), a path longer
+    than ``PATH_MAX - 1`` bytes. Checked on the absolute path, as the
+    kernel sees it; nothing is touched."""
+    path = os.path.abspath(os.path.expanduser(str(text)))
+    names = [n for n in path.split(os.sep) if n]
+    if len(names) > MAX_PATH_DEPTH:
+        return f"{len(names)} levels deep: at most {MAX_PATH_DEPTH} (a folder is made per level, recursively)"
+    limit = _name_max(path)
+    long = next((n for n in names if len(os.fsencode(n)) > limit), None)
+    if long is not None:
+        return f"the name {_short(long, 40)} is {len(os.fsencode(long))} bytes: the file system takes at most {limit}"
+    size = len(os.fsencode(path)) + room_bytes
+    if size > PATH_MAX - 1:
+        room = f" with room for a file name in it ({room_bytes} bytes)" if room_bytes else ""
+        return f"the path is {len(os.fsencode(path))} bytes{room}: the kernel takes at most {PATH_MAX - 1}"
+    return None
+
+
+def _name_max(path: str) -> int:
+    """``NAME_MAX`` of the file system ``path`` is (or would be made) on."""
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    try:
+        return int(os.pathconf(path or os.sep, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return NAME_MAX
+
+
 def folder_problem(text: str) -> str | None:
     """Why a folder cannot be made or written at ``text`` (``None``: it can).
-    Checked by making (and removing) a folder where it goes: permission bits
-    say nothing for root, nor of /proc or a read-only mount."""
+    First :func:`path_problem` (with room for a file name in it); then
+    checked by making (and removing) a folder where it goes: permission
+    bits say nothing for root, nor of /proc or a read-only mount."""
+    problem = path_problem(text, room_bytes=NAME_MAX + 1)
+    if problem:
+        return problem
     path = os.path.abspath(os.path.expanduser(str(text)))
     if os.path.exists(path) and not os.path.isdir(path):
         return "exists and is not a folder"
     parent = path
     while not os.path.exists(parent):
         if os.path.islink(parent):  # makedirs cannot make a folder where a dangling link stands
-            return f"{parent} is a link to {os.readlink(parent)}, which does not exist"
+            target = os.readlink(parent)
+            there = os.path.lexists(os.path.join(os.path.dirname(parent), target))
+            return f"{parent} is a link to {target}, which " + ("leads round in a loop of links" if there
+                                                                  else "does not exist")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"cannot be made, {parent} is not a folder"
@@ -255,16 +431,54 @@ def folder_problem(text: str) -> str | None:
     return None
 
 
+def path_text_problem(text: str) -> str | None:
+    """Why the path ``text`` is not what it shows (``None``: it is): it
+    begins or ends with a space (an env file's ``= /data/c`` is a relative
+    path, made as a new folder in the current one; ``"out "`` a folder that
+    looks like ``out``), or it holds a character that does not print
+    (a zero-width space, a control character): the folder made would look
+    like another one."""
+    text = str(text)
+    if text.strip() != text:
+        return "begins or ends with a space (a relative path, made in the current folder)"
+    odd = next((c for c in text if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if odd is not None:
+        return f"holds {_described(odd)}, which does not print: the folder made would look like another one"
+    return None
+
+
+def env_path_problem(text: str) -> str | None:
+    """Why a path-valued environment variable's value is refused (``None``:
+    it is not): :func:`path_text_problem`, or one the file system refuses
+    (:func:`path_problem`)."""
+    return path_text_problem(text) or path_problem(text, room_bytes=NAME_MAX + 1)
+
+
 def out_dir(text: str) -> str:
     """argparse type: a folder the tool can write into, existing or to be
     made (:func:`folder_problem`), with ``~`` expanded."""
     if not str(text).strip():
         raise argparse.ArgumentTypeError("'': expected a folder")
-    problem = folder_problem(text)
+    problem = path_text_problem(text) or folder_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
     # the folder checked: a quoted ~ (``--out=~/x``) would else make a folder named ~ here
     return os.path.expanduser(str(text))
+
+
+def out_file(text: str) -> str:
+    """argparse type: a file the tool will write whole (``echo_vllm.outputs``):
+    not a folder, and in a folder that exists or can be made and written
+    (:func:`folder_problem`); ``~`` expanded."""
+    path = os.path.expanduser(str(text))
+    if not str(text).strip() or path.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: expected a file name")
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: is a folder (the result would replace it)")
+    problem = path_text_problem(text) or path_problem(path) or folder_problem(os.path.dirname(os.path.abspath(path)))
+    if problem:
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {problem}")
+    return path
 
 
 def existing_file(text: str) -> str:
@@ -368,7 +582,9 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 
 
 __all__ = [
+    "LOOKALIKE_DASHES", "MAX_JSON_DEPTH", "MAX_PATH_DEPTH", "NAME_MAX", "PATH_MAX", "check_argv", "env_path_problem",
+    "json_depth", "parse_json", "path_problem", "path_text_problem",
     "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
     "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
-    "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+    "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "out_file", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
 ]

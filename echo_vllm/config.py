@@ -43,8 +43,9 @@ DEFAULT_MIN_BYTES = 256 * 1024
 #: ``min_bytes="auto"``: the crossover is measured at engine start
 #: (``echo_vllm.crossover``); until then, and where nothing is measured (no
 #: real link: the emulation, plain ``EchoCommunicator`` use), it is
-#: ``DEFAULT_MIN_BYTES``.
-AUTO_BYTES = -1
+#: ``DEFAULT_MIN_BYTES``. Held as the word itself, so that it survives
+#: ``replace`` and JSON unchanged, and no number (``-1``) means it.
+AUTO_BYTES = "auto"
 
 #: Largest ``min_bytes`` / ``max_bytes``: 2^62, so byte counts stay int64
 #: wherever they flow (``crossover.NEVER``, "Echo never runs", is this value).
@@ -62,6 +63,10 @@ MANY_CALLS = 1 + 2 * 128
 MAX_SEED = (1 << 63) - 1
 #: Longest fused-kernel barrier wait: a day. Longer is a hang, not a wait.
 MAX_TIMEOUT_S = 24 * 3600.0
+#: The fused kernel counts a barrier wait in whole nanoseconds of
+#: ``%globaltimer`` (:attr:`EchoConfig.timeout_ns`); a ``timeout_s`` below one
+#: is 0 ns there, a trap at the first spin of every wait.
+NS_PER_S = 10**9
 
 ROUNDING_MODES = ("nearest", "stochastic")
 #: Values of ``EchoConfig.backend`` (``echo_vllm.backends`` registers each).
@@ -100,7 +105,8 @@ class EchoConfig:
     min_bytes: int = AUTO_BYTES
     """Messages smaller than this (in input bytes) take the exact 16-bit path:
     latency-bound sizes gain nothing from a 4x smaller payload. ``"auto"``
-    (the default): the vLLM glue measures where Echo beats vLLM's
+    (the default; only the word, no number, means it): the vLLM glue
+    measures where Echo beats vLLM's
     all-reduce on this machine at engine start and uses that
     (``echo_vllm.crossover``); elsewhere 256 KiB. Above 1 GiB it warns:
     hardly any message is that large."""
@@ -180,7 +186,7 @@ class EchoConfig:
     traps instead of hanging: the error names the barrier and the late peer,
     and the process's CUDA context is lost. Generous by default: ranks
     legitimately drift apart by a first-call compilation or a host stall. At
-    most a day."""
+    most a day; at least a nanosecond, the kernel's unit (:attr:`timeout_ns`)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "EchoConfig":
         # the generated __init__ would raise a bare TypeError: name the option and why
@@ -200,18 +206,18 @@ class EchoConfig:
                 raise EchoConfigError(f"{name}={value!r:.60}: must be True or False")
         for name, (high, why) in INT_BOUNDS.items():
             value = getattr(self, name)
-            if name == "min_bytes" and value == "auto":  # the documented spelling, in Python too
-                value = AUTO_BYTES
-                object.__setattr__(self, "min_bytes", value)
-            if name == "min_bytes" and value == AUTO_BYTES and not isinstance(value, bool):
+            if name == "min_bytes" and value == AUTO_BYTES:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
                 raise EchoConfigError(f"{name}={value!r:.60}: must be an integer from 0 to {high} ({why})"
-                                      + (", or 'auto'" if name == "min_bytes" else ""))
+                                      + (", or 'auto' (the word: no number means it)" if name == "min_bytes" else ""))
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_TIMEOUT_S:  # NaN fails too
             raise EchoConfigError(f"timeout_s={t!r:.60}: must be a number of seconds above 0, at most "
                                   f"{MAX_TIMEOUT_S:g} (a day: a longer wait at a barrier is a hang)")
+        if self.timeout_ns < 1:
+            raise EchoConfigError(f"timeout_s={t!r:.60}: must be at least {1 / NS_PER_S:g} s (the fused kernel "
+                                  "counts the wait in whole nanoseconds: less is 0 ns, a trap at the first spin)")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
@@ -262,6 +268,12 @@ class EchoConfig:
         return DEFAULT_MIN_BYTES if self.min_bytes_auto else self.min_bytes
 
     @property
+    def timeout_ns(self) -> int:
+        """``timeout_s`` in the fused kernel's unit: whole nanoseconds of
+        ``%globaltimer`` (rounded down)."""
+        return int(self.timeout_s * NS_PER_S)
+
+    @property
     def qmax(self) -> int:
         """Largest quantized magnitude: symmetric [-7, 7] keeps zero exact and
         the rounding error unbiased (the 16th code, -8, is left unused)."""
@@ -284,7 +296,9 @@ class EchoConfig:
         key must be a field. An unknown key of Echo's is an error with the
         closest field's name (a typo must not silently run a different
         experiment), and so is a nested dict under the bare prefix
-        (``{"echo": {...}}``), which would otherwise be ignored.
+        (``{"echo": {...}}``), which would otherwise be ignored. One field
+        in two spellings (``group_size`` and ``group-size``) is refused
+        unless both give the same value.
         """
         if not isinstance(raw, Mapping):
             raise EchoConfigError(f"expected a mapping of option: value, got {type(raw).__name__} {raw!r:.60}")
@@ -293,12 +307,13 @@ class EchoConfig:
         names = {f.name: f for f in fields(cls)}
         prefix = prefix.replace("-", "_")
         kwargs: dict[str, Any] = {}
-        for key, value in raw.items():
-            if not isinstance(key, str):
+        spelled: dict[str, str] = {}
+        for given, value in raw.items():
+            if not isinstance(given, str):
                 if prefix:
                     continue  # not Echo's: vLLM's additional_config holds other keys too
-                raise EchoConfigError(f"option name {key!r}: must be text")
-            key = key.replace("-", "_")
+                raise EchoConfigError(f"option name {given!r}: must be text")
+            key = given.replace("-", "_")
             if prefix and key == prefix.rstrip("_"):
                 raise EchoConfigError(
                     f"{key!r}: nested options are not read; write them as {prefix}<field> keys, "
@@ -310,7 +325,11 @@ class EchoConfig:
                 key = key[len(prefix):]
             if key not in names:
                 raise EchoConfigError(_unknown_option(key, prefix))
-            kwargs[key] = _coerce(key, value, names[key].type)
+            value = _coerce(key, value, names[key].type)
+            if key in kwargs and kwargs[key] != value:  # one option in two spellings: neither may win silently
+                raise EchoConfigError(f"{spelled[key]!r} and {given!r} are one option, given twice with different "
+                                      f"values ({kwargs[key]!r:.30} and {value!r:.30})")
+            kwargs[key], spelled[key] = value, given
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

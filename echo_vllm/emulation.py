@@ -83,7 +83,7 @@ class StackedCommunicator(EchoCommunicator):
     stacked = True
 
     def _message(self, inp: torch.Tensor) -> torch.Tensor:
-        return inp[0] if inp.dim() else inp
+        return self._local(inp)[0]  # the stack checked first: an empty one has no rank 0
 
     def _local(self, inp: torch.Tensor) -> torch.Tensor:
         ranks = len(self.transport.local_ranks)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from .cli_args import UsageError, did_you_mean, folder_problem
+from .cli_args import UsageError, did_you_mean, env_path_problem, folder_problem
 
 #: ``TRITON_INTERPRET`` values Triton reads as on (3.x ``getenv_bool``: any
 #: case, no spaces stripped); every other value is off, for Triton and here.
@@ -83,9 +83,7 @@ def read(environ: Mapping[str, str] | None = None) -> EchoEnv:
     cache = os.path.expanduser(env["ECHO_VLLM_CACHE"]) if env.get("ECHO_VLLM_CACHE") else None
     # made on first use, mid-run: refuse now what makedirs would fail on (an existing folder is
     # taken as it is, so a read-only prepared cache still serves)
-    problem = folder_problem(cache) if cache and not os.path.isdir(cache) else None
-    if cache and cache.strip() != cache:  # an env file's ``= /data/c``: a folder named ' ' made in the cwd
-        problem = "begins or ends with a space (a relative path, made in the current folder)"
+    problem = cache and (env_path_problem(cache) or (folder_problem(cache) if not os.path.isdir(cache) else None))
     if problem:
         raise EchoEnvError(f"ECHO_VLLM_CACHE={cache!r:.60}: {problem}")
     return EchoEnv(kernels=kernels, direct_launch=direct == "1", cache_dir=cache,

@@ -1,4 +1,5 @@
-"""Numerical health of Echo's calls: non-finite values, counted on the device.
+"""Numerical health of Echo's calls: non-finite values and saturated sums,
+counted on the device.
 
 Why sampled and on the device: a check of every call's output would read
 each message once more (about a third of an Echo call's own memory
@@ -10,28 +11,48 @@ the check is a handful of tiny device ops that add into a counter tensor
 (:class:`HealthCounters`); the host reads that counter without a sync,
 about once a second when metrics are published.
 
-What one check looks at: the fp32 sum of the call's input (this rank's
-partial, or the stacked partials of virtual ranks) and of its output. A sum
-is NaN or infinite if and only if some value is (or the finite values
-overflow fp32, which no sane activation does). Non-finite values that
+What one check looks at: the smallest and largest value of the call's
+input (this rank's partial, or the stacked partials of virtual ranks) and
+of its output (``torch.aminmax``: one read, exact, NaN propagates). A value
+is NaN or infinite if and only if one of those is. Non-finite values that
 enter the residual stream stay in it, and in the carried error, for the
-rest of the pass: any later sample sees them. Read the two counts together:
+rest of the pass: any later sample sees them. Read the counts together:
 
 * ``input``: the model handed Echo non-finite values (not Echo's doing; the
-  exact path would return them too);
+  exact path would return them too). In Echo's output each one turns its
+  whole group (``group_size`` values, one scale) to NaN, where the exact
+  path keeps it to its own position;
 * ``output`` without ``input`` on every rank: Echo (or the link) produced
-  them -- a bug to report; ``--tp-comm nccl`` is the workaround.
+  them -- a bug to report; ``--tp-comm nccl`` is the workaround;
+* ``saturated``: the output holds the largest finite value of its dtype
+  (bf16: about 3.39e38). Echo decodes a sum beyond the dtype's range to
+  that value, where NCCL's 16-bit sum and the exact path give infinity: a
+  sum that overflows stays finite, so it is counted here, as its own event
+  (an exact sum equal to the largest value is counted too; no real
+  activation is).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from .capture import capturing
 
-#: Counter slots.
-INPUT, OUTPUT = 0, 1
+#: Counter slots: non-finite input, non-finite output, saturated output.
+INPUT, OUTPUT, SATURATED = 0, 1, 2
 WHERE = ("input", "output")
+"""Where a non-finite value was seen (the labels of ``echo:nonfinite_total``)."""
+
+
+class HealthCounts(NamedTuple):
+    """Checked calls whose input / output held NaN or Inf, and whose output
+    saturated (held the dtype's largest finite magnitude)."""
+
+    input: int = 0
+    output: int = 0
+    saturated: int = 0
 
 
 def sampled(call_index: int | None, every: int) -> bool:
@@ -43,7 +64,7 @@ def sampled(call_index: int | None, every: int) -> bool:
 
 class HealthCounters:
     """Device-side counts of checked calls whose input / output held a
-    non-finite value.
+    non-finite value, and whose output saturated (:class:`HealthCounts`).
 
     :meth:`observe` queues the check on the current stream (no sync,
     capturable); :meth:`read` returns host totals. On CUDA the read is
@@ -61,7 +82,7 @@ class HealthCounters:
         self._counts: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
-        self._last = (0, 0)
+        self._last = HealthCounts()
 
     def allocate(self) -> None:
         """Allocate the counter (idempotent; not under CUDA-graph capture).
@@ -73,32 +94,37 @@ class HealthCounters:
         in-place updates in both modes."""
         if self._counts is None:
             with torch.inference_mode(False):
-                self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-                self._host = torch.zeros(2, dtype=torch.int64, pin_memory=self._cuda)
+                self._counts = torch.zeros(len(HealthCounts._fields), dtype=torch.int64, device=self.device)
+                self._host = torch.zeros(len(HealthCounts._fields), dtype=torch.int64, pin_memory=self._cuda)
 
     def observe(self, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Count ``x`` (input) and ``y`` (output) if they hold NaN or Inf;
-        False (nothing checked) while the counter is not allocated under
-        capture."""
+        """Count ``x`` (input) and ``y`` (output) if they hold NaN or Inf,
+        and ``y`` if it holds its dtype's largest finite magnitude; False
+        (nothing checked) for an empty message, and while the counter is not
+        allocated under capture."""
+        if not x.numel() or not y.numel():
+            return False
         if self._counts is None:
             if capturing():
                 return False
             self.allocate()
-        sums = torch.stack((x.sum(dtype=torch.float32), y.sum(dtype=torch.float32)))
-        self._counts.add_(torch.isfinite(sums).logical_not())
+        # the extremes in fp32, which holds every 16-bit value exactly (the dtype's max included)
+        ends = torch.stack((*torch.aminmax(x), *torch.aminmax(y))).float()
+        bad = torch.isfinite(ends).logical_not()
+        top = ends[2:].abs() == torch.finfo(y.dtype).max
+        self._counts.add_(torch.stack((bad[:2].any(), bad[2:].any(), top.any())))
         return True
 
-    def read(self) -> tuple[int, int]:
-        """``(inputs, outputs)`` non-finite so far (see the class docstring)."""
+    def read(self) -> HealthCounts:
+        """The counts so far (see the class docstring)."""
         if self._counts is None:
             return self._last
         if not self._cuda:
-            inputs, outputs = self._counts.tolist()
-            return int(inputs), int(outputs)
+            return HealthCounts(*map(int, self._counts.tolist()))
         if capturing():  # nothing may be queued on a capturing stream
             return self._last
         if self._copied is not None and self._copied.query():
-            self._last = tuple(int(v) for v in self._host.tolist())
+            self._last = HealthCounts(*map(int, self._host.tolist()))
             self._copied = None
         if self._copied is None:
             self._host.copy_(self._counts, non_blocking=True)
@@ -111,7 +137,7 @@ class HealthCounters:
         if self._counts is not None:
             self._counts.zero_()
         self._copied = None
-        self._last = (0, 0)
+        self._last = HealthCounts()
 
 
-__all__ = ["HealthCounters", "INPUT", "OUTPUT", "WHERE", "sampled"]
+__all__ = ["HealthCounters", "HealthCounts", "INPUT", "OUTPUT", "SATURATED", "WHERE", "sampled"]

@@ -127,11 +127,12 @@ class EchoStats:
 
     def snapshot(self) -> dict:
         """Every counter as plain values; ``nonfinite`` is
-        ``{"input": n, "output": n}`` read from :attr:`health` (lagging by
-        one read on CUDA), or None without it."""
-        nonfinite = None
+        ``{"input": n, "output": n}`` and ``saturated`` a count, read from
+        :attr:`health` (lagging by one read on CUDA), or None without it."""
+        nonfinite = saturated = None
         if self.health is not None:
-            nonfinite = dict(zip(WHERE, self.health.read()))
+            counts = self.health.read()
+            nonfinite, saturated = {where: getattr(counts, where) for where in WHERE}, counts.saturated
         with self._lock:
             return {
                 "calls": {f"{p}/{r}": n for (p, r), n in sorted(self.calls.items())},
@@ -146,4 +147,5 @@ class EchoStats:
                 "health_checked": self.health_checked,
                 "norm_calls": dict(sorted(self.norm_calls.items())),
                 "nonfinite": nonfinite,
+                "saturated": saturated,
             }

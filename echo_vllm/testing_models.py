@@ -16,10 +16,11 @@ The test suite and the GPU scripts (``scripts/gpu_vllm_check.py``,
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import torch
+
+from .outputs import write_json
 
 #: Qwen's special tokens; <|im_end|> ends a chat turn (the EOS for chat).
 PAD_TOKEN = "<|endoftext|>"
@@ -204,7 +205,7 @@ def make_tiny_qwen3(
 
 
 def _write_json(path: pathlib.Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    write_json(path, obj, indent=2)
 
 
 __all__ = ["CHAT_TEMPLATE", "IM_END", "IM_START", "PAD_TOKEN", "SPECIAL_TOKENS", "make_tiny_qwen3"]

@@ -32,6 +32,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .cli_args import MAX_RANKS, RANKS_WHY
+
 
 class EchoShapeMismatch(RuntimeError):
     """Ranks entered the same Echo call with different message shapes."""
@@ -70,8 +72,9 @@ class VirtualTransport(Transport):
     capturable = True
 
     def __init__(self, world_size: int):
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
-            raise ValueError(f"VirtualTransport needs an integer world_size >= 2, got {world_size!r}")
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or not 2 <= world_size <= MAX_RANKS:
+            raise ValueError(f"VirtualTransport needs an integer world_size >= 2, got {world_size!r:.40}"
+                             + (f" (at most {MAX_RANKS}: {RANKS_WHY})" if isinstance(world_size, int) else ""))
         self.world_size = world_size
         self.local_ranks = tuple(range(world_size))
 

@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
+from ..outputs import open_fresh, write_json
 from ..postnorm import POSTNORM_POLICIES
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, load_hf_model
-from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
+from .report import check_outputs, markdown_table, pyplot, read_json, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
 from .variants import Variant, parse_variants, variant_arg
 
@@ -120,12 +121,17 @@ def variant_file(args, name: str) -> Path:
     return Path(args.out) / f"{args.stem}.variant.{safe}.json"
 
 
+def log_files(args, n: int) -> list[str]:
+    """The logs of ``--parallel``'s ``n`` engines in ``--out``."""
+    return [f"{args.stem}.log.{k}.txt" for k in range(n)] if args.parallel else []
+
+
 def save_variant(args, name: str, result: dict) -> None:
     path = variant_file(args, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"variant": name, "tasks_run": list(args.tasks), "limit": args.limit, "model": args.model,
             "backend": args.backend, "world_size": args.world, "real_tp": args.real_tp}
-    path.write_text(json.dumps({**meta, **result}))
+    write_json(path, {**meta, **result})
 
 
 def load_variants(args, names: list[str] | None) -> dict:
@@ -274,14 +280,14 @@ def run_vllm(args, variants: list[Variant], tasks: list[str]) -> dict:
     share = args.gpu_memory_utilization / n if args.parallel else args.gpu_memory_utilization
     results, procs = {}, []
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    logs = [Path(args.out) / f"{args.stem}.log.{k}.txt" for k in range(n)]
+    logs = [Path(args.out) / name for name in log_files(args, n)]
     with tempfile.TemporaryDirectory() as tmp:
         for k, v in enumerate(variants):
             out = Path(tmp) / f"{k}.json"
             cmd = [sys.executable, "-m", "echo_vllm.eval.accuracy", *args._argv, "--_one", v.name,
                    "--_out", str(out), "--gpu-memory-utilization", str(share)]
             print(f"[accuracy] ({k + 1}/{n}) {v.name}: vLLM backend in a subprocess", file=sys.stderr)
-            log = open(logs[k], "w") if args.parallel else None
+            log = open_fresh(logs[k]) if args.parallel else None
             proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT if log else None)
             procs.append((v, proc, out, log))
             if not args.parallel:
@@ -398,7 +404,7 @@ def plot(result: dict, path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="echo-vllm eval accuracy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
+    p.add_argument("--model", type=model_arg, default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="TP size to emulate (default: per model)")
     p.add_argument("--real-tp", type=count(1, MAX_RANKS, RANKS_WHY), default=1,
@@ -449,6 +455,9 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--tasks {' '.join(args.tasks)}: a task is given twice")
     if args.backend == "hf" and not args.merge:  # a device this host lacks: refused before the model loads
         check_device(args.device)
+    if not args._one:  # the parent checked the names of its children's variant files
+        check_outputs(args, *(() if args.merge else (*(variant_file(args, v.name).name for v in variants),
+                                                     *log_files(args, len(variants)))))
     if args._one:
         v = next(v for v in variants if v.name == args._one)
         result = run_vllm_one(args, v, args.tasks)
@@ -456,7 +465,7 @@ def main(argv: list[str]) -> int:
         # limit (the GPU host's 10-minute calls) still leaves every finished
         # variant in --out, ready for --merge.
         save_variant(args, v.name, result)
-        Path(args._out).write_text(json.dumps(result))
+        write_json(args._out, result)
         # Leave without interpreter/vLLM teardown: on the GPU host the Echo
         # variants' processes aborted in teardown ("terminate called
         # without an active exception", exit -6) after lm-eval had finished,

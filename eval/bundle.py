@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import io
 import lzma
+import os
 import re
 import sys
 import tarfile
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..cli_args import UsageError, count, existing_dir, out_dir
+from ..outputs import write_text
 from ..assets import cache_dir, sha256_file, verify_manifest
 from ..corpora import prepare_benchmarks, prepare_texts
 from .models import MODELS, prepare_model
@@ -70,7 +72,7 @@ def check_no_bundle(out: Path) -> None:
     """Refuse (:class:`UsageError`) an ``out`` that already holds bundle parts
     or a SHA256SUMS: a new bundle would overwrite them, or mix with them."""
     there = sorted(p.name for p in out.glob("bundle.part.*"))
-    if (out / "SHA256SUMS").exists():
+    if os.path.lexists(out / "SHA256SUMS"):  # a dangling link too: writing would create its target
         there.append("SHA256SUMS")
     if there:
         raise UsageError(f"--out {out} already holds {', '.join(there)}: move them away or give an empty folder "
@@ -89,7 +91,7 @@ def make_bundle(entries: list[Path], out: Path, part_mib: int = 56, preset: int 
             tar.add(entry, arcname=entry.relative_to(root).as_posix())
     writer.close()
     sums = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}" for p in writer.paths]
-    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    write_text(out / "SHA256SUMS", "\n".join(sums) + "\n")
     return writer.paths
 
 

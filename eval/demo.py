@@ -13,7 +13,6 @@ any depth; the exact last call removes even that).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -24,6 +23,7 @@ from ..cli_args import MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, count, out
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
 from ..numbering import CallSlot
+from ..outputs import check_names, save_figure, write_json
 from ..quant import WireLayout
 from ..spawn import run_processes
 from ..transport import ProcessGroupTransport
@@ -31,6 +31,9 @@ from ..transport import ProcessGroupTransport
 #: Largest message the demo reduces (tokens x hidden): rank 0 rebuilds every
 #: rank's partials in fp64, P x 8 bytes per value per layer.
 MAX_DEMO_VALUES = 1 << 22
+
+#: The files the demo writes into ``--out``.
+OUTPUTS = ("demo.json", "demo.png")
 
 MODES = {
     "exact 16-bit": None,
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens * args.hidden > MAX_DEMO_VALUES:
         ap.error(f"--tokens {args.tokens} x --hidden {args.hidden} = {args.tokens * args.hidden} values per call: "
                  f"at most {MAX_DEMO_VALUES} (rank 0 keeps an fp64 copy of every rank's partials per layer)")
+    check_names(args.out, OUTPUTS)
 
     t0 = time.time()
     results = run_processes(
@@ -142,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "bits_per_value": {"16bit": 16, "echo": cfg.wire_bits_per_value},
         "relative_error": {n: [e / unit for e in results[n]["rms_error"]] for n in names},
     }
-    with open(os.path.join(args.out, "demo.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(args.out, "demo.json"), summary, indent=1)
     png = os.path.join(args.out, "demo.png")
     if _plot(summary, png):
         print(f"wrote {args.out}/demo.json and {png} ({elapsed:.1f} s)")
@@ -172,7 +175,7 @@ def _plot(summary: dict, path: str) -> bool:
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 

@@ -21,10 +21,10 @@ from ..cli_args import device, file_stem, out_dir
 from ..postnorm import POSTNORM_POLICIES
 from ..corpora import text_file
 from .hf_emulation import HFEmulation, find_backbone
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
 from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,
                          text_windows)
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
 from .variants import parse_variant, parse_variants, variant_arg
 
 
@@ -119,7 +119,7 @@ def plot(result: dict, path) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="echo-vllm eval depth", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", type=model_arg, default="smollm2-135m")
     p.add_argument("--tp", type=tp_size_arg, default=0)
     p.add_argument("--variants", nargs="+", type=variant_arg, default=["naive", "echo", "echo+hadamard+last"])
     p.add_argument("--text", default="hamlet", help="play name or path ('' to use --lambada)")
@@ -141,6 +141,7 @@ def main(argv: list[str]) -> int:
         p.error(missing_text(args.text))
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     check_device(args.device)
+    check_outputs(args)
     if args.text:  # an unknown play: refused before the model loads
         text_file(args.text)
     run(args)

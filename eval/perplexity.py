@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from ..postnorm import POSTNORM_POLICIES
 from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
-from .report import markdown_table, pyplot, save_figure, write_outputs
+from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
+from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
 #: Size limits of the held-out scoring (tokens of one text, window length).
@@ -67,7 +68,7 @@ def missing_text(name: str) -> str | None:
     a play's name only when its texts are prepared."""
     path = Path(name).expanduser()
     if ("/" in name or name.endswith(".txt")) and not path.is_file():
-        return f"text {name!r}: no such file"
+        return f"text {name!r}: " + ("not a regular file" if os.path.exists(path) else "no such file")
     return None
 
 
@@ -412,11 +413,11 @@ SWEEP = ["naive", "echo+hadamard+last"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registered name or local HF folder")
+    p.add_argument("--model", type=model_arg, default="smollm2-135m", help="registered name or local HF folder")
     p.add_argument("--tp", type=tp_size_arg, default=0, help="emulated TP size (default: per model, 3 for SmolLM2)")
     p.add_argument("--variants", nargs="+", type=variant_arg, default=STANDARD,
                    help="variant specs: NAME[:field=value,...] (see echo_vllm.eval.variants)")
-    p.add_argument("--group-sizes", type=int, choices=SUPPORTED_GROUP_SIZES, nargs="*", default=[],
+    p.add_argument("--group-sizes", type=int, choices=SUPPORTED_GROUP_SIZES, nargs="+", default=[],
                    help="also run the --sweep variants at these group sizes (bits/value curve)")
     p.add_argument("--sweep", nargs="+", type=variant_arg, default=None,
                    help="variants swept over --group-sizes (default: naive echo+hadamard+last)")
@@ -447,12 +448,15 @@ def main(argv: list[str]) -> int:
         p.error("nothing to score: give --texts or --lambada N")
     if args.sweep and not args.group_sizes:  # nothing swept: the variants asked for never ran
         p.error(f"--sweep {' '.join(args.sweep)}: read only with --group-sizes G ...")
+    if len(set(args.group_sizes)) != len(args.group_sizes):  # one sweep point run and reported twice
+        p.error(f"--group-sizes {' '.join(map(str, args.group_sizes))}: a group size is given twice")
     if len(set(args.texts)) != len(args.texts):  # one name, two table sections
         p.error(f"--texts {' '.join(args.texts)}: a text is given twice")
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
     check_device(args.device)
+    check_outputs(args)
     for name in args.texts:  # an unknown play: refused before the model loads
         text_file(name)
     run(args)

@@ -15,14 +15,14 @@ import argparse
 import json
 
 from ..corpora import prepare_benchmarks, prepare_texts
-from .models import MODELS, prepare_model, resolve_model, verify_model
+from .models import MODELS, model_arg, prepare_model, resolve_model, verify_model
 
 
 def main(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "prepare-model":
         p = argparse.ArgumentParser(prog="echo-vllm eval prepare-model")
-        p.add_argument("name", help=f"one of {', '.join(MODELS)}, or a local HF folder")
+        p.add_argument("name", type=model_arg, help=f"one of {', '.join(MODELS)}, or a local HF folder")
         p.add_argument("--force", action="store_true", help="convert again even if cached")
         p.add_argument("--keep-gguf", action="store_true", help="keep the joined GGUF file")
         p.add_argument("--verify", action="store_true", help="check every file's sha256")

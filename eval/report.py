@@ -18,7 +18,9 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import outputs
 from ..cli_args import UsageError
+from ..outputs import check_names, write_json, write_text
 
 
 def environment() -> dict[str, Any]:
@@ -98,14 +100,26 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> 
     return "\n".join([head, sep, *body])
 
 
+def output_names(stem: str) -> tuple[str, str, str]:
+    """The files a run named ``stem`` writes into ``--out``: JSON, Markdown, PNG."""
+    return f"{stem}.json", f"{stem}.md", f"{stem}.png"
+
+
+def check_outputs(args: Any, *more: str) -> None:
+    """Refuse, before any work, a run whose result files (``--stem``'s, and
+    ``more``) cannot be written into ``--out`` (``outputs.check_names``)."""
+    check_names(args.out, (*output_names(args.stem), *more))
+
+
 def write_outputs(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {**payload, "environment": environment()}
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
-    paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    json_name, md_name, _ = output_names(stem)
+    paths = {"json": out / json_name, "md": out / md_name}
+    write_json(paths["json"], payload, indent=2, default=str)
     cmd = payload["environment"]["command"]
-    paths["md"].write_text(markdown.rstrip() + f"\n\nCommand: `{cmd}`\n")
+    write_text(paths["md"], markdown.rstrip() + f"\n\nCommand: `{cmd}`\n")
     return paths
 
 
@@ -120,5 +134,5 @@ def pyplot():
 
 def save_figure(fig, path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    outputs.save_figure(fig, path, dpi=120)
     pyplot().close(fig)

@@ -24,6 +24,7 @@ import functools
 from pathlib import Path
 
 from ..assets import cache_dir
+from ..outputs import write_text
 from ..corpora import TASK_SPLITS, split_file
 
 #: The seven benchmarks, in table order.
@@ -94,7 +95,7 @@ def write_task_configs(tasks: list[str] = SEVEN, folder: Path | None = None) -> 
     for task in tasks:
         if task not in LM_EVAL_YAML:
             raise ValueError(f"no local config for {task!r}; known: {', '.join(LM_EVAL_YAML)}")
-        (folder / f"{local_name(task)}.yaml").write_text(task_yaml(task))
+        write_text(folder / f"{local_name(task)}.yaml", task_yaml(task))
     return folder
 
 

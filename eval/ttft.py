@@ -38,9 +38,10 @@ import urllib.request
 from pathlib import Path
 
 from ..cli_args import UsageError, count, counts, did_you_mean, file_stem, http_url, out_dir, real
+from ..outputs import check_names, write_json
 from ..server.credentials import scrub
 from .background import BackgroundTraffic, TrafficSpec
-from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
+from .report import markdown_table, output_names, pyplot, read_json, save_figure, write_outputs
 
 ONE_GPU_NOTE = (
     "ONE GPU: tensor parallelism is emulated in-process; these times include the emulation's "
@@ -245,8 +246,13 @@ def run_label(args, label: str) -> dict:
             except subprocess.TimeoutExpired:
                 server.kill()
     res["gpus"] = gpu_count()
-    Path(args.out, f"ttft_{label}.json").write_text(json.dumps(res, indent=2))
+    write_json(Path(args.out, label_file(label)), res, indent=2)
     return res
+
+
+def label_file(label: str) -> str:
+    """The results of one label's server (``ttft_<label>.json``) in ``--out``."""
+    return f"ttft_{label}.json"
 
 
 RAW_NAME = re.compile(r"raw_(?P<label>.+)_in(?P<input_len>\d+)_c(?P<concurrency>\d+)\.json$")
@@ -392,6 +398,8 @@ def main(argv: list[str]) -> int:
                 p.error(f"--mode-args {label}=...: " + (
                     "needs --launch (its text goes in place of {mode_args})" if not args.launch else
                     f"{label!r} is none of the labels ({', '.join(labels)}){did_you_mean(label, labels)}"))
+    check_names(args.out, [*(() if args.report else map(label_file, labels)), *output_names("ttft")])
+    if not args.report:
         for label in labels:
             run_label(args, label)
     report(args.out, args.baseline)

@@ -1,8 +1,11 @@
 """``echo-vllm serve MODEL [vllm serve args] --tp-comm {nccl,echo} [echo args]``.
 
-1. :func:`~echo_vllm.server.credentials.take_secrets` takes ``--api-key`` /
+1. :func:`~echo_vllm.cli_args.check_argv` refuses an option spelled with a
+   look-alike of ``-`` (never showing what follows it);
+   :func:`~echo_vllm.server.credentials.take_secrets` takes ``--api-key`` /
    ``--hf-token`` off the command line: they reach vLLM through the
-   environment variables it reads, so no log ever shows them (the command
+   environment variables it reads, so no log ever shows them; a secret by
+   any other route (a JSON key, a URL's password) is refused (the command
    line printed shows ``***`` for anything else that looks like a secret);
 2. :func:`~echo_vllm.server.rewrite.rewrite_args` turns the command line into
    a ``vllm serve`` one (Echo's flags -> ``--additional-config``, bypassing
@@ -33,6 +36,7 @@ import shlex
 import sys
 
 from .. import envs
+from ..cli_args import UsageError, check_argv
 from .credentials import scrub, take_secrets
 from .flags import format_help
 from .rewrite import ServeArgsError, ServeSettings, rewrite_args
@@ -75,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..vllm_glue import metrics
 
     try:
+        # the secrets first: a key's value is never shown, whatever it begins with
         argv, secret_env = take_secrets(argv)
+        argv = check_argv(argv)
         vllm_argv, settings = rewrite_args(argv)
         if settings.glue_active:
             envs.read()  # the engine's workers read them: refuse a bad value now
             path, _ = metrics.prepare_multiprocess_dir(remove_stale=False)  # before vLLM imports prometheus_client
-    except (ServeArgsError, envs.EchoEnvError, metrics.MultiprocessDirError) as e:
+    except (UsageError, ServeArgsError, metrics.MultiprocessDirError) as e:
         _say(f"error: {e}")
         return 2
     _say(f"tp_comm={settings.tp_comm}; running: vllm serve {shlex.join(scrub(vllm_argv))}")

@@ -19,15 +19,26 @@ parser at hand, any option vLLM does not know whose name ends like a secret's
 (:func:`unknown_secret_option`). The command line ``echo-vllm serve``
 prints shows ``***`` for the value of anything that looks like a secret
 option (:func:`scrub`).
+
+vLLM prints every argument it was given (its banner, ``non-default args``,
+its errors), and it takes no other secret through its environment, so a
+secret by any other route is refused, never passed on
+(:func:`refuse_secret_values`): a secret-looking key of a JSON or dotted
+value at any depth (``--additional-config '{"p": {"api_key": ...}}'``,
+``--additional-config.p.hf_token X``) and the password of a URL
+(``https://user:PASSWORD@host/model``: vLLM loads a model from a hub repo id
+or a local folder and reads no credentials from the command line, so there
+is nothing to hand it to).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-from typing import Any, Collection
+import re
+from typing import Any, Collection, Mapping
 
-from ..cli_args import hide_url_password
+from ..cli_args import LOOKALIKE_DASHES, hide_url_password, parse_json
 from .flags import ServeArgsError
 
 #: vLLM's secret options -> the environment variable vLLM reads instead.
@@ -98,6 +109,96 @@ def _secret_word(name: object) -> bool:
     return str(name).lower().replace("_", "-").split("-")[-1] in SECRET_WORDS
 
 
+def secret_in(value: Any, where: str = "") -> str | None:
+    """Where the JSON-like ``value`` (mappings, lists, text) holds a secret
+    vLLM would print: ``"the key p.hf_token"`` for a key that looks like a
+    secret (:func:`_secret_word`) and holds a value (not empty, not a
+    boolean), ``"a URL with a password at p.url"`` for text holding one;
+    None if nowhere. ``where``: the path of ``value`` itself."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if _secret_word(key) and not (item is None or isinstance(item, bool) or item == ""):
+                return f"the key {path}"
+            found = secret_in(item, path)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = secret_in(item, f"{where}[{i}]")
+            if found:
+                return found
+    elif isinstance(value, str) and hide_url_password(value) != value:
+        return "a URL with a password" + (f" at {where}" if where else "")
+    return None
+
+
+#: Why a secret may not travel on vLLM's command line, and what to do instead.
+PRINTED = "vLLM prints every argument when it starts (banner, 'non-default args', errors)"
+_INSTEAD = {
+    "key": "which looks like a secret: {printed}; pass --api-key or --hf-token (handed to vLLM through its "
+           "environment), or give the secret to what reads it through that program's own environment variable",
+    "url": "{printed}; vLLM loads a model from a Hugging Face repo id or a local folder, not a URL with "
+           "credentials (download it and serve the folder; --hf-token for a private hub repo, AWS_* variables "
+           "for s3://); for another URL, give the credentials through that client's own environment (e.g. "
+           "OTEL_EXPORTER_OTLP_HEADERS)",
+}
+
+
+def secret_refusal(where: str, found: str) -> ServeArgsError:
+    """The refusal of a secret :func:`secret_in` found in ``where`` (an
+    option, a file): what it is and the way to pass it instead."""
+    instead = _INSTEAD["url" if found.startswith("a URL") else "key"]
+    return ServeArgsError(f"{where} holds {found}, " + instead.format(printed=PRINTED))
+
+
+#: What reads as a key in text that is not JSON (``{"api_key": "x"`` cut
+#: short, ``{'token': 'x'}``): vLLM's error would print it with its value.
+_KEY_LIKE = re.compile(r"""["']?([\w.-]+)["']?\s*:""")
+
+
+def refuse_secret_values(argv: list[str]) -> None:
+    """Refuse (:class:`ServeArgsError`, never showing the value) a command
+    line that would hand vLLM a secret by a route other than
+    :data:`SECRET_OPTIONS`: :func:`secret_in` any token (a JSON value is
+    parsed, bounded: :func:`~echo_vllm.cli_args.parse_json`), or a dotted
+    option with a key that looks like a secret on its path
+    (``--additional-config.p.api_key``).
+    JSON that :func:`~echo_vllm.cli_args.parse_json` refuses (too deep, a
+    4300-digit integer, a key given twice with different values) is refused
+    here too: vLLM's own parser would fail on it with a traceback, or keep
+    the last value silently."""
+    option = None  # the option the next token is a value of
+    for token in argv:
+        if token == "--":
+            option = None
+            continue
+        if token.startswith("-") and token[1:2].isalpha() or token.startswith("--"):
+            name, eq, text = token.partition("=")
+            head, *keys = name.split(".")
+            secret_key = next((k for k in keys if _secret_word(k)), None)
+            if secret_key is not None:
+                raise secret_refusal(head, f"the key {'.'.join(keys[:keys.index(secret_key) + 1])}")
+            option = name
+            if not eq:
+                continue
+        else:
+            text = token
+        where = option or "the model (a positional argument)"  # its text is not shown: it may hold a secret
+        option = None
+        found = None
+        if text.lstrip().startswith(("{", "[")):
+            try:
+                found = secret_in(parse_json(text))
+            except json.JSONDecodeError:  # text (a chat template), or JSON vLLM will refuse, printing it
+                found = next((f"the key {key}" for key in _KEY_LIKE.findall(text) if _secret_word(key)), None)
+            except ValueError as e:
+                raise ServeArgsError(f"{where}: {e}") from None
+        found = found or secret_in(text)
+        if found:
+            raise secret_refusal(where, found)
+
+
 def _hide_json_secrets(token: str) -> str:
     """``token`` with the value of every secret-looking key (``hf_token``,
     nested too) shown as ``***`` when it is a JSON object
@@ -162,8 +263,9 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     never showing a value): an option without a value, an empty value (an
     empty key would leave the server open), several API keys (``--api-key A
     B`` or ``--api-key`` twice: ``VLLM_API_KEY`` holds one), a near miss of a
-    secret option (:func:`misspelled_secret`), and a secret-looking option
-    after ``--``. A repeated ``--hf-token``: the last one wins, as in argparse."""
+    secret option (:func:`misspelled_secret`), a secret-looking option
+    after ``--``, and a secret by any other route (:func:`refuse_secret_values`).
+    A repeated ``--hf-token``: the last one wins, as in argparse."""
     out: list[str] = []
     env: dict[str, str] = {}
     i = 0
@@ -175,6 +277,7 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 raise ServeArgsError(
                     f"{after} after '--': argparse reads every token after '--' as a positional argument, "
                     f"so vLLM would refuse it and print its value; put {after} before '--'")
+            refuse_secret_values(out + argv[i:])
             return out + argv[i:], env
         name, eq, inline = token.partition("=")
         option = secret_option(name)
@@ -187,7 +290,8 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             continue
         i += 1
         values = [inline] if eq else []
-        while not eq and i < len(argv) and not argv[i].startswith("-"):
+        # a token that begins with a look-alike of '-' is an option mistyped, not this one's value
+        while not eq and i < len(argv) and argv[i][:1] != "-" and argv[i][:1] not in LOOKALIKE_DASHES:
             values.append(argv[i])
             i += 1
             if option in _OPTIONAL_VALUE:
@@ -210,6 +314,7 @@ def take_secrets(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             why = " (vLLM would then check no key at all)" if option == "--api-key" else ""
             raise ServeArgsError(f"{name} is empty{why}: give a value or drop the option")
         env[SECRET_OPTIONS[option]] = values[0]
+    refuse_secret_values(out)
     return out, env
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_args import UsageError, count, http_url, out_dir, real, report_errors
+from ..outputs import check_names, write_json, write_text
 
 #: Longest ``wait --timeout``: a day. NaN or inf would wait forever for a
 #: server that never answers.
@@ -165,7 +166,7 @@ def check_malformed(base_url: str, model: str) -> list[dict]:
 
 def scrape(base_url: str, out: Path, name: str) -> dict[str, float]:
     status, text = http("GET", base_url + "/metrics")
-    (out / f"{name}.txt").write_text(text)
+    write_text(out / f"{name}.txt", text)
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
     return echo_samples(text)
@@ -177,7 +178,7 @@ def run_probe(base_url: str, model: str, out: Path) -> dict:
     checks = check_generation(base_url, model) + check_malformed(base_url, model)
     after = scrape(base_url, out, "metrics_after_probe")
     result = {"checks": checks, "echo_before": before, "echo_after_probe": after}
-    (out / "probe.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "probe.json", result, indent=2)
     return result
 
 
@@ -242,7 +243,7 @@ def summarize(base_url: str, out: Path, bench_file: Path | None,
         line(norm.get("fused", 0) > 0, "fused into Echo (" + text + ")")
     else:
         lines.append("       " + text)
-    (out / "summary.json").write_text(json.dumps({"ok": ok, "lines": lines, "echo_final": final}, indent=2))
+    write_json(out / "summary.json", {"ok": ok, "lines": lines, "echo_final": final}, indent=2)
     return ok, lines
 
 
@@ -292,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     return report_errors(f"{parser.prog} {args.command}", lambda: _run(args))
 
 
+#: The files each command writes into ``--out``.
+OUTPUTS = {"probe": ("metrics_before.txt", "metrics_after_probe.txt", "probe.json"),
+           "summary": ("metrics_final.txt", "summary.json")}
+
+
 def _run(args) -> int:
     base = args.base_url.rstrip("/")
+    if args.command in OUTPUTS:
+        check_names(args.out, OUTPUTS[args.command])
     if args.command == "wait":
         try:
             print(f"healthy after {wait_healthy(base, args.timeout, args.pid):.1f} s")

@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, TRUE_TEXT, did_you_mean, parse_bool, parse_int
+from ..cli_args import MAX_RANKS, RANKS_WHY, TRUE_TEXT, did_you_mean, parse_bool, parse_int, parse_json
 from ..config import REMOVED_OPTIONS, EchoConfig, EchoConfigError
 from ..vllm_glue import compat
 from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts
@@ -54,7 +54,7 @@ from .flags import (
     ServeArgsError,
     flags_by_option,
 )
-from .credentials import misspelled_secret, secret_option
+from .credentials import misspelled_secret, secret_in, secret_option, secret_refusal
 
 ADDITIONAL_CONFIG = "--additional-config"
 COMPILATION_CONFIG = "--compilation-config"
@@ -65,6 +65,28 @@ _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
 _UBATCH_OPTION = "--ubatch-size"
 _EAGER_OPTIONS = {"--enforce-eager": True, "--no-enforce-eager": False}
 _LEVEL_OPTION = "--optimization-level"
+
+#: The shortest abbreviation vLLM 0.26's ``serve`` parser expands to each
+#: option the rewrite reads (argparse takes a prefix that only one of its
+#: 372 options starts with: ``--tensor-parallel 2`` is ``-tp 2`` there);
+#: ``--config`` and ``--model`` have none (``--config-format``,
+#: ``--model-impl``). tests/server/test_server_vllm.py derives the table
+#: from the installed parser and checks it.
+SHORTEST_ABBREVIATION = {
+    "-tp": "-t", "--tensor-parallel-size": "--te", "--enable-dbo": "--enable-d", "--no-enable-dbo": "--no-enable-d",
+    "--enforce-eager": "--enf", "--no-enforce-eager": "--no-enf", "--optimization-level": "--op",
+    "--ubatch-size": "--ub", "--additional-config": "--ad", "--compilation-config": "--com", "-cc": "-c",
+}
+
+
+def expand_abbreviation(option: str) -> str:
+    """``option`` (no ``=value``, no dotted path) as vLLM's parser reads it:
+    the full name of an option the rewrite reads when ``option`` abbreviates
+    it (:data:`SHORTEST_ABBREVIATION`), else ``option`` as it is."""
+    for full, shortest in SHORTEST_ABBREVIATION.items():
+        if option.startswith(shortest) and full.startswith(option):
+            return full
+    return option
 
 #: Compilation passes that remove or replace the all-reduce Echo hooks (the
 #: guard rails' list): FlashInfer's fused all-reduce + RMSNorm, sequence
@@ -124,9 +146,12 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 def parse_dotted_value(text: str) -> Any:
     """A dotted option's value the way vLLM reads it: JSON, else a
-    human-readable integer (``80g`` decimal, ``2K`` binary), else the string."""
+    human-readable integer (``80g`` decimal, ``2K`` binary), else the string.
+    JSON is read bounded (:func:`~echo_vllm.cli_args.parse_json`): what it
+    refuses raises ``ValueError`` (vLLM's own reading would end in a
+    traceback, or keep the last of a key given twice)."""
     try:
-        return json.loads(text)
+        return parse_json(text)
     except json.JSONDecodeError:
         pass
     match = _HUMAN_INT.fullmatch(text.strip())
@@ -249,6 +274,9 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
             continue
         name, inline = _split(token)
         base, _, path = name.partition(".")
+        if name not in table:  # the rewrite reads an abbreviation as vLLM's parser will
+            base = expand_abbreviation(base)
+            name = base + ("." + path if path else "")
 
         if name in table:
             flag = table[name]
@@ -320,12 +348,16 @@ def _config_entry(option: str, path: str, raw: str) -> tuple[list[str], Any, boo
     if not path:
         return [], _json_object(option, raw), False
     keys = path.split(".")
+    keys[0] = next(iter(normalize_keys({keys[0]: None})))
     if keys[-1].endswith("+"):
         keys[-1] = keys[-1][:-1]
         return keys, list(raw.split(",")), True
     if option == ADDITIONAL_CONFIG and len(keys) == 1 and _echo_key(keys[0]):
         return keys, raw, False
-    return keys, parse_dotted_value(raw), False
+    try:
+        return keys, parse_dotted_value(raw), False
+    except ValueError as e:
+        raise ServeArgsError(f"{option}.{path}: {e}") from None
 
 
 def _argv(scan: _Scan, *, drop: tuple[str, ...] = ()) -> list[str]:
@@ -334,15 +366,25 @@ def _argv(scan: _Scan, *, drop: tuple[str, ...] = ()) -> list[str]:
 
 
 def _json_object(option: str, raw: Any) -> dict:
+    """``option``'s value (JSON text, or a mapping a ``--config`` file
+    held) as a dict, Echo's keys in one spelling (so that a later
+    occurrence replaces an earlier one in either). The errors name the
+    place, never the text: it may hold a secret."""
     if isinstance(raw, Mapping):
-        return dict(raw)
-    try:
-        value = json.loads(raw)
-    except (json.JSONDecodeError, TypeError):
-        raise ServeArgsError(f"{option} {raw!r} is not valid JSON") from None
+        value: Any = dict(raw)
+    else:
+        try:
+            value = parse_json(raw)
+        except json.JSONDecodeError as e:
+            raise ServeArgsError(f"{option} is not valid JSON ({e.msg} at character {e.pos})") from None
+        except (ValueError, TypeError) as e:
+            raise ServeArgsError(f"{option}: {e}") from None
     if not isinstance(value, dict):
-        raise ServeArgsError(f"{option} must be a JSON object, got {raw!r}")
-    return value
+        raise ServeArgsError(f"{option} must be a JSON object, got a JSON {type(value).__name__}")
+    try:
+        return normalize_keys(value)
+    except EchoConfigError as e:
+        raise ServeArgsError(f"{option}: {e}") from None
 
 
 def _int(name: str, raw: Any) -> int:
@@ -354,7 +396,7 @@ def _int(name: str, raw: Any) -> int:
             return parse_int(raw)
         except ValueError:
             pass
-    raise ServeArgsError(f"{name} {raw!r} is not an integer")
+    raise ServeArgsError(f"{name} {raw!r:.60} is not an integer")
 
 
 def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
@@ -363,7 +405,9 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
     try:
         raw = read_config(path)
     except Exception as e:  # missing file, YAML syntax: the user's input, one line
-        raise ServeArgsError(f"--config {path}: {' '.join(str(e).split())}") from None
+        mark = getattr(e, "problem_mark", None)  # YAML's own message quotes the line, which may hold a secret
+        why = f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else " ".join(str(e).split())
+        raise ServeArgsError(f"--config {path}: {why}") from None
     if not isinstance(raw, Mapping):
         raise ServeArgsError(f"--config {path}: expected a mapping of option: value")
 
@@ -396,6 +440,9 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
             scan.file_eager = bool(value)
         elif name == _LEVEL_OPTION:
             scan.file_level = str(value)
+    found = secret_in(raw)
+    if found:  # vLLM reads the file into its arguments, and prints them
+        raise secret_refusal(f"--config {path}", found)
 
 
 def _merge(occurrences: list[tuple[list[str], Any, bool]]) -> dict:
@@ -605,7 +652,7 @@ def verify_parsed(args: Any, settings: ServeSettings) -> list[str]:
     problems = []
     parsed_tp = getattr(args, "tensor_parallel_size", None)
     if parsed_tp != settings.tensor_parallel_size:
-        problems.append(f"tensor_parallel_size={parsed_tp}, expected {settings.tensor_parallel_size}")
+        problems.append(f"tensor_parallel_size={parsed_tp} where the rewrite read {settings.tensor_parallel_size}")
     if getattr(args, "enable_dbo", False):
         problems.append("enable_dbo is on")
     if (getattr(args, "ubatch_size", 0) or 0) > 1:

@@ -3,7 +3,8 @@
 The same steps as ``vllm.entrypoints.cli.main.main`` for the ``serve``
 subcommand (environment setup, vLLM's parser, ``validate``, dispatch), with
 steps added around parsing: an unknown secret-looking option is refused
-before vLLM's parser could print its value; on a host without an accelerator
+before vLLM's parser could print its value; a model path that does not
+exist is refused by name (vLLM would take it for a hub repo id); on a host without an accelerator
 vLLM parses on the CPU platform and the start is refused after parsing (one
 line, not a traceback); :func:`verify_parsed` checks that vLLM read the
 settings the rewrite decided. Checked against vLLM 0.26.
@@ -11,6 +12,7 @@ settings the rewrite decided. Checked against vLLM 0.26.
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from typing import Any
 
@@ -94,6 +96,35 @@ def check_device() -> None:
             "the arguments are fine, run it on a GPU host")
 
 
+def model_problem(model: str) -> str | None:
+    """Why vLLM cannot load ``model`` (``--model``, the positional model or
+    ``--tokenizer``) from where it says (None: it may): a local path that
+    does not exist, which vLLM hands on to the Hugging Face hub, whose check
+    of a repo id's form then fails in a traceback. A name of that form
+    (``NAME``, ``ORG/NAME``) and a cloud URL (``s3://``) are vLLM's to load."""
+    if os.path.exists(model) or "://" in model:
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        link = " (a link whose target is missing)" if os.path.islink(model) else ""
+        return (f"no such file or folder{link}, and not a Hugging Face repo id (NAME or ORG/NAME, at most 96 "
+                "letters, digits, '-', '_', '.')")
+    return None
+
+
+def check_model(args: Any) -> None:
+    """Refuse a model or tokenizer vLLM would fail to find with a
+    traceback (:func:`model_problem`), naming it."""
+    for option, value in (("model", getattr(args, "model_tag", None) or getattr(args, "model", None)),
+                          ("--tokenizer", getattr(args, "tokenizer", None))):
+        problem = model_problem(value) if isinstance(value, str) else None
+        if problem:
+            raise ServeArgsError(f"{option} {value!r:.100}: {problem}")
+
+
 def build_parser() -> Any:
     """vLLM's top-level parser with only the ``serve`` subcommand (whose
     ``validate`` step is available as ``parser.echo_serve_command``, its
@@ -162,6 +193,7 @@ def serve(vllm_argv: list[str], settings: ServeSettings, on_ready: Any = None) -
         raise ServeArgsError(f"{unknown} is not an option of vllm serve (refused here: vLLM's error would "
                              "print the value that follows)")
     args = parse(vllm_argv, parser)
+    check_model(args)
     parser.echo_serve_command.validate(args)
     problems = verify_parsed(args, settings)
     if problems:

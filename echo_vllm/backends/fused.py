@@ -474,7 +474,7 @@ class FusedSymmMemBackend(EchoBackend):
         self._stages = TritonStages()
         self.fallback = fallback
         self.rank = transport.rank
-        self.timeout_ns = int(config.timeout_s * 1e9)
+        self.timeout_ns = config.timeout_ns
         if max_numel is None:
             max_numel = config.max_bytes // 2 if config.max_bytes else DEFAULT_MAX_NUMEL
         p = self.world_size

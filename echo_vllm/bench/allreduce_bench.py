@@ -38,6 +38,7 @@ from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, fac
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
+from ..outputs import check_names
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
 from . import report, timing
@@ -205,14 +206,20 @@ def _finish(args, rows: list[report.Row], meta: dict) -> None:
     algos = [a for a in ALGOS] + sorted({r.algo for r in rows} - set(ALGOS))
     print(report.format_table(rows, "16-bit", algos))
     if args.out:
-        path = report.write_json(args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.json",
-                                 {**meta, "rows": [r.to_dict() for r in rows]})
+        json_name, png_name = output_names(meta["transport"], meta["world_size"])
+        path = report.write_json(args.out, json_name, {**meta, "rows": [r.to_dict() for r in rows]})
         report.plot_lines(
-            args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.png",
+            args.out, png_name,
             {a: [(r.size_bytes, r.busbw_gbps) for r in rows if r.algo == a] for a in algos},
             title=f"all-reduce busbw (of the 16-bit message), {title}", ylabel="busbw (GB/s)",
         )
         print(f"\nwrote {path}")
+
+
+def output_names(transport: str, world: int) -> tuple[str, str]:
+    """The JSON and PNG ``--out`` gets of a run over ``transport`` with ``world`` ranks."""
+    stem = f"allreduce_{transport}_p{world}"
+    return stem + ".json", stem + ".png"
 
 
 def _meta(args, transport: str, world: int) -> dict:
@@ -360,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
             "one-gpu" if torch.cuda.is_available() else "gloo")
     if backend in ("gloo", "nccl"):
         check_echo_backends(args.echo_backends, args.device if backend == "gloo" else "cuda", envs.read())
+        if args.out:
+            check_names(args.out, output_names(backend, args.world_size if backend == "gloo"
+                                               else torchrun_int("WORLD_SIZE", 1)))
     gpu = backend in ("nccl", "one-gpu")
     args.iters = (20 if gpu else 5) if args.iters is None else args.iters
     args.warmup = (5 if gpu else 1) if args.warmup is None else args.warmup

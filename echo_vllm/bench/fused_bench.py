@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, count, counts, out_dir
+from ..outputs import check_names, write_json
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len
 from . import report, timing
 from .kernels_bench import random_feedback
@@ -334,6 +335,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_names(args.out, ("fused.json",))
     if not torch.cuda.is_available():
         print("bench fused: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -354,9 +357,9 @@ def run(args: argparse.Namespace) -> int:
     print(table(cases, gbps))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fused.json").write_text(json.dumps(
-            {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "feedback_dtype": args.feedback_dtype,
-             "cases": [asdict(c) for c in cases]}, indent=1))
+        write_json(Path(args.out) / "fused.json",
+                   {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "feedback_dtype": args.feedback_dtype,
+                    "cases": [asdict(c) for c in cases]}, indent=1)
     return 0
 
 

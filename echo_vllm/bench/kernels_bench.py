@@ -30,6 +30,7 @@ import torch
 from .. import quant
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, counts, device, out_dir, real
 from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
+from ..outputs import check_names
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
 
@@ -435,7 +436,7 @@ def run_model(args, cfg: EchoConfig, worlds, sizes) -> int:
     projs = projections(results, args.copy_gbps)
     print(projection_table(projs, source="MODELLED"))
     if args.out:
-        path = report.write_json(args.out, "kernels.json", {
+        path = report.write_json(args.out, OUTPUTS[0], {
             "model_only": True, "efficiency": args.efficiency, "copy_gbps": args.copy_gbps, "config": cfg.to_dict(),
             "results": results_json(results, args.copy_gbps), "projection_model": projection.__doc__,
             "projections": [pr.to_dict() for pr in projs]})
@@ -455,8 +456,14 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return args.sizes or report.size_range(args.min_size, args.max_size)
 
 
+#: The files ``bench kernels --out`` writes (``--model-only``: the JSON alone).
+OUTPUTS = ("kernels.json", "kernels_bandwidth.png", "projected_speedup.png")
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
+    if args.out:
+        check_names(args.out, OUTPUTS)
     if getattr(args, "model_only", False):
         cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard,
                          feedback_dtype=args.feedback_dtype)
@@ -526,17 +533,17 @@ def run(args: argparse.Namespace) -> int:
             "compiled": compiled,
             "projections": [pr.to_dict() for pr in projs],
         }
-        path = report.write_json(args.out, "kernels.json", payload)
+        path = report.write_json(args.out, OUTPUTS[0], payload)
         p0 = max(worlds)
         report.plot_lines(
-            args.out, "kernels_bandwidth.png",
+            args.out, OUTPUTS[1],
             {n: [(r.size_bytes, r.kernels[n].gbps / copy_gbps) for r in results if r.world_size == p0]
              for n in ECHO_KERNELS + ("consume",)},
             title=f"{name}: kernel bytes/s as a fraction of copy bandwidth (P={p0})",
             ylabel="fraction of copy bandwidth", hline=0.85,
         )
         report.plot_lines(
-            args.out, "projected_speedup.png",
+            args.out, OUTPUTS[2],
             {pr_link: [(pr.size_bytes, pr.speedup) for pr in projs if pr.link == pr_link]
              for pr_link in dict.fromkeys(pr.link for pr in projs)},
             title="PROJECTED Echo speedup over NCCL 16-bit (measured kernels + link model)",

@@ -23,14 +23,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, counts
+from ..cli_args import MAX_RANKS, RANKS_WHY, counts, out_file
+from ..outputs import write_json
 
 #: Attention kernels a serving engine runs (flash-style, no [T, T] scores in memory): on a GPU
 #: the layer refuses to fall back to the math kernel, which would time a different algorithm.
@@ -120,14 +120,13 @@ def measure_us(shape: DecoderShape, tp: int, tokens: int, *, device: str = "cuda
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(prog="python -m echo_vllm.bench.layer_compute", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     # checked before the GPU work: a TP that does not divide the heads failed after the first sizes' timings
     ap.add_argument("--tp", type=counts(1, MAX_RANKS, RANKS_WHY), default="2,4,8", help="tensor-parallel sizes")
     ap.add_argument("--tokens", type=counts(1, 1 << 20), default="1024,4096,8192", help="prompt lengths")
-    ap.add_argument("--json", default="", help="also write the times here")
+    ap.add_argument("--json", type=out_file, default=None, help="also write the times here")
     args = ap.parse_args(argv)
     for tp in args.tp:
         try:
@@ -144,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"TP={tp} T={t}: {us:.1f} us ({QWEN3_8B.flops(tp, t) / us / 1e6:.0f} TFLOP/s)", flush=True)
     print("--layer-us " + ",".join(f"{k}:{v:.1f}" for k, v in times.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "shape": "Qwen3-8B",
-                                               "layer_compute_us": times}, indent=1))
+        write_json(args.json, {"device": torch.cuda.get_device_name(0), "shape": "Qwen3-8B",
+                               "layer_compute_us": times}, indent=1)
     return 0
 
 

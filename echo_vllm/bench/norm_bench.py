@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, count, counts, existing_file, out_dir
+from ..outputs import check_names, save_figure, write_json
 from ..quant import WireLayout
 from . import report, timing
 from .fused_bench import device_line, phase_bytes, sm_clock_mhz, verified
@@ -355,7 +356,8 @@ def plot(cases: list[NormCase], path: Path) -> bool:
     ax.set_ylabel("us per rank (emulated)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
     return True
 
 
@@ -384,7 +386,8 @@ def plot_projection(rows: list[dict], path: Path) -> bool:
         ax.set_title(f"PROJECTION: Qwen3-8B prefill, NCCL busbw {bw:.0f} GB/s")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
     return True
 
 
@@ -407,7 +410,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=out_dir, default=None)
 
 
+#: The files ``bench norm --out`` writes.
+OUTPUTS = ("norm.json", "norm.png", "ttft_projection.png")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_names(args.out, OUTPUTS)
     try:
         layer_us = parse_layer_us(args.layer_us)
     except ValueError as e:
@@ -460,11 +469,10 @@ def write_outputs(out: Path, run: dict, cases: list[NormCase], layer_us: dict[tu
                   proj: list[dict]) -> None:
     """``norm.json`` (``run``'s measurements, the layer times, the projection) and the PNGs under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "norm.json").write_text(json.dumps(
-        {**run, "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
-         "projection": proj}, indent=1))
-    plot(cases, out / "norm.png")
-    plot_projection(proj, out / "ttft_projection.png")
+    write_json(out / OUTPUTS[0], {**run, "layer_compute_us": {f"{p}:{t}": us for (p, t), us in sorted(layer_us.items())},
+                                  "projection": proj}, indent=1)
+    plot(cases, out / OUTPUTS[1])
+    plot_projection(proj, out / OUTPUTS[2])
 
 
 def report_saved(path: Path, layer_us: dict[tuple[int, int], float], out_dir: str) -> int:

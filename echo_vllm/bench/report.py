@@ -9,13 +9,13 @@ message the user asked to reduce, not on the bytes Echo happens to send.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
 from ..cli_args import UsageError, byte_size, byte_sizes
 from ..config import parse_bytes
+from .. import outputs
 
 
 @dataclass
@@ -135,8 +135,7 @@ def format_table(rows: Sequence[Row], baseline: str, algos: Sequence[str]) -> st
 def write_json(out_dir: str, name: str, payload: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
+    outputs.write_json(path, payload, indent=2, default=str)
     return path
 
 
@@ -178,6 +177,6 @@ def plot_lines(
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=120)
+    outputs.save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from echo_vllm.cli_args import UsageError
+from echo_vllm.outputs import write_file, write_json
 
 SOURCES = ("shakespeare", "lambada", "boolq", "hellaswag")
 VOCAB_SIZE = 256
@@ -71,13 +72,22 @@ def _write_gz(path: Path, text: str) -> str:
     """gzip without a timestamp (the same corpus gives the same bytes);
     returns the sha256 of the uncompressed text."""
     data = text.encode("utf-8")
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        f.write(data)
+
+    def write(raw) -> None:
+        with gzip.GzipFile(filename=str(path), fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(data)
+
+    write_file(path, write)
     return hashlib.sha256(data).hexdigest()
 
 
+#: The files :func:`prepare_corpus` writes into its folder.
+CORPUS_FILES = ("train.txt.gz", "val.txt.gz", "corpus.json")
+
+
 def prepare_corpus(out: str | Path, sources: tuple[str, ...] = SOURCES, val_every: int = 20) -> Path:
-    """Build the train/validation text folder ``out`` from ``sources``."""
+    """Build the train/validation text folder ``out`` from ``sources``
+    (:data:`CORPUS_FILES`, each written whole: ``echo_vllm.outputs``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     train, val, meta = [], [], {}
@@ -103,7 +113,7 @@ def prepare_corpus(out: str | Path, sources: tuple[str, ...] = SOURCES, val_ever
             "val": _write_gz(out / "val.txt.gz", SEPARATOR.join(val)),
         },
     }
-    (out / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
+    write_json(out / "corpus.json", info, indent=1)
     return out
 
 

@@ -39,9 +39,11 @@ from echo_vllm import EchoConfig
 from echo_vllm.cli_args import (MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, UsageError, choice_list, count, device,
                                 existing_dir, out_dir, real)
 from echo_vllm.config import MAX_CALLS, SUPPORTED_GROUP_SIZES
+from echo_vllm.outputs import check_names, save_figure, write_json, write_text
 
 from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, MODES, TPCommConfig, TPGroup
-from .data import SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
+from .data import CORPUS_FILES, SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
+from .fidelity import OUTPUTS as FIDELITY_FILES
 from .model import ModelConfig
 from .trainer import TrainConfig, train
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--sources {','.join(args.sources)}: only read with --prepare-data DIR (a run trains on "
                          "the corpus --data names, or the cache's, as it was prepared)")
     if args.prepare_data:
+        check_names(args.prepare_data, CORPUS_FILES, option="--prepare-data")
         out = prepare_corpus(args.prepare_data, tuple(args.sources or SOURCES))
         info = json.loads((out / "corpus.json").read_text())
         size = sum(f.stat().st_size for f in out.iterdir())
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     if args.report:
+        check_names(out, REPORT_FILES)
         records = load_runs(Path(args.report))
         if not records:
             raise UsageError(f"--report {args.report}: no train_*.json in it")
@@ -196,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--tp {args.tp} and the model's sizes: {e}") from None
     if args.data and not (Path(args.data) / "corpus.json").is_file():
         raise UsageError(f"--data {args.data}: no prepared corpus in it (make one with --prepare-data DIR)")
+    if args.fidelity:
+        check_names(out, FIDELITY_FILES)
+    else:
+        check_names(out, [run_file(mode) for mode in modes] + ([] if args.no_report else list(REPORT_FILES)))
     corpus = Corpus.load(args.data) if args.data else Corpus.load(_default_corpus())
     out.mkdir(parents=True, exist_ok=True)
     if args.fidelity:
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = train(model_cfg, train_cfg, comm_cfg.replace(mode=mode), corpus, TPGroup.virtual(args.tp, device),
                     label=mode, progress=not args.no_progress, log=lambda s: print(s, file=sys.stderr))
         rec["wall_seconds"] = time.time() - t0
-        (out / f"train_{mode}.json").write_text(json.dumps(rec) + "\n")
+        write_json(out / run_file(mode), rec)
         records.append(rec)
     if not args.no_report:
         write_report(records, out)
@@ -221,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- report ------------------------------------------------------------------------
+
+#: The files of the report (:func:`write_report`) in ``--out``.
+REPORT_FILES = ("train_table.md", "train_results.json", "train_loss.png")
+
+
+def run_file(mode: str) -> str:
+    """The record of one run (``train_<mode>.json``) in ``--out``."""
+    return f"train_{mode}.json"
+
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -297,10 +314,9 @@ def table_rows(records: list[dict]) -> list[dict]:
             "val_loss": f["val_loss"],
             "val_loss_exact_comm": f["val_loss_exact_comm"],
             "tokens_per_s": t["tokens_per_s"],
-            "step_ms": 1e3 * t["step_s"],
-            "compute_ms": 1e3 * t["compute_s"],
-            "comm_fwd_ms": 1e3 * t["comm_forward_s"],
-            "comm_bwd_ms": 1e3 * t["comm_backward_s"],
+            **{ms: None if t[s] is None else 1e3 * t[s]
+               for ms, s in (("step_ms", "step_s"), ("compute_ms", "compute_s"), ("comm_fwd_ms", "comm_forward_s"),
+                             ("comm_bwd_ms", "comm_backward_s"))},
             "truncated": r["truncated"],
             "quantized_calls": _quantized_calls(r),
         }
@@ -335,9 +351,12 @@ def format_table(rows: list[dict]) -> str:
                  f"{r['val_loss']:.4f}"]
         if has_gap:
             cells += [f"{r['train_loss_gap_pct']:+.2f}%", f"{r['val_loss_gap_pct']:+.2f}%"]
-        cells += [f"{r['val_loss_exact_comm']:.4f}", r["quantized_calls"], f"{r['tokens_per_s'] or 0:,.0f}",
-                  f"{r['step_ms']:.1f}",
-                  f"{r['compute_ms']:.1f}", f"{r['comm_fwd_ms']:.1f} + {r['comm_bwd_ms']:.1f}"]
+        cells += [f"{r['val_loss_exact_comm']:.4f}", r["quantized_calls"]]
+        if r["step_ms"] is None or r["tokens_per_s"] is None:  # no step timed: no number that reads as a result
+            cells += ["not measured"] * 4
+        else:
+            cells += [f"{r['tokens_per_s']:,.0f}", f"{r['step_ms']:.1f}", f"{r['compute_ms']:.1f}",
+                      f"{r['comm_fwd_ms']:.1f} + {r['comm_bwd_ms']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -358,9 +377,9 @@ def write_report(records: list[dict], out: Path) -> None:
     results = json.dumps({"setup": setup, "table": rows, "runs": {r["mode"]: r for r in records}}) + "\n"
     fig = figure(records)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_table.md").write_text(setup + "\n\n" + table + "\n")
-    (out / "train_results.json").write_text(results)
-    png = plot(fig, out / "train_loss.png")
+    write_text(out / REPORT_FILES[0], setup + "\n\n" + table + "\n")
+    write_text(out / REPORT_FILES[1], results)
+    png = plot(fig, out / REPORT_FILES[2])
     print(setup)
     print(table)
     print(f"wrote {out}/train_results.json, train_table.md" + (", train_loss.png" if png else
@@ -412,7 +431,7 @@ def figure(records: list[dict]):
     # the first tenth of training (loss falling from ln 256) would flatten the rest
     late = [v for r in records for v in _smooth(r["train_loss"], max(1, len(r["train_loss"]) // 50))
             [len(r["train_loss"]) // 10:]]
-    if late:
+    if late and min(late) < max(late):  # one value (a one-step run): matplotlib's own limits
         ax.set_ylim(min(late) - 0.05 * (max(late) - min(late)), max(late))
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("loss (nats/byte)")
@@ -423,7 +442,8 @@ def figure(records: list[dict]):
     gap.set_xlabel("tokens (M)")
     gap.set_ylabel("loss / exact loss - 1 (%)")
     gap.set_title("gap to exact 16-bit (same data, same seed)")
-    gap.legend(fontsize=8)
+    if gap.get_legend_handles_labels()[0]:  # no gap without an exact run
+        gap.legend(fontsize=8)
     gap.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -435,7 +455,7 @@ def plot(fig, path: Path) -> bool:
         return False
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 

@@ -16,7 +16,6 @@ the forward chain affects).
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from echo_vllm import EchoConfig
 from echo_vllm.config import MAX_CALLS
+from echo_vllm.outputs import write_json, write_text
 
 from .collectives import TPComm, TPCommConfig, TPGroup
 from .data import Corpus, train_batch
@@ -140,12 +140,16 @@ def format_rows(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: The files :func:`run` writes into its folder.
+OUTPUTS = ("fidelity.json", "fidelity.md")
+
+
 def run(model_cfg, train_cfg, corpus, group, out: Path, batches: int, progress: bool) -> int:
     result = measure(model_cfg, train_cfg, corpus, group, batches=batches, progress=progress)
     text = format_rows(result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "fidelity.md").write_text(text + "\n")
+    write_json(out / OUTPUTS[0], result, indent=1)
+    write_text(out / OUTPUTS[1], text + "\n")
     print(text)
     print(f"wrote {out}/fidelity.json, fidelity.md")
     return 0

@@ -180,7 +180,6 @@ def train(
     val_loss_exact = evaluate(model, f_ids, f_tgt, train_cfg.batch_size, comm=exact_comm)
     val_curve.append({"step": steps_done, "tokens": steps_done * tokens_per_step, "loss": val_loss})
     tail = max(1, steps_done // 10)
-    per = max(1, timed_steps)
     record = {
         "label": label,
         "mode": comm_cfg.mode,
@@ -210,20 +209,33 @@ def train(
         },
         "timing": {
             "train_seconds": train_seconds,
-            "step_s": step_s / per,
-            "comm_forward_s": fwd_s / per,
-            "comm_backward_s": bwd_s / per,
-            "compute_s": (step_s - fwd_s - bwd_s) / per,
-            "tokens_per_s": tokens_per_step * per / step_s if step_s else None,
+            **_per_step(timed_steps, step_s, fwd_s, bwd_s, tokens_per_step),
             "timed_steps": timed_steps,
             "comm_timer": "cuda events" if device.type == "cuda" else "wall clock",
         },
         "comm_stats": comm.stats(),
     }
     if log is not None and main:
+        speed = record["timing"]["tokens_per_s"]
         log(f"{label}: final train {record['final']['train_loss']:.4f}, val {val_loss:.4f} "
-            f"(exact comm {val_loss_exact:.4f}), {record['timing']['tokens_per_s'] or 0:,.0f} tok/s")
+            f"(exact comm {val_loss_exact:.4f}), "
+            + (f"{speed:,.0f} tok/s" if speed is not None else f"tok/s {NOT_MEASURED}"))
     return record
+
+
+#: What a run's timing says when no step was timed.
+NOT_MEASURED = "not measured (the first step, which compiles and allocates, is not timed: run 2 steps or more)"
+
+
+def _per_step(timed_steps: int, step_s: float, fwd_s: float, bwd_s: float, tokens_per_step: int) -> dict:
+    """Mean times of the timed steps and the tokens/s they give; every one
+    None when no step was timed (one step, or a run cut after its first):
+    0 s and 0 tokens/s would read as results."""
+    if not timed_steps:
+        return dict.fromkeys(("step_s", "comm_forward_s", "comm_backward_s", "compute_s", "tokens_per_s"))
+    return {"step_s": step_s / timed_steps, "comm_forward_s": fwd_s / timed_steps,
+            "comm_backward_s": bwd_s / timed_steps, "compute_s": (step_s - fwd_s - bwd_s) / timed_steps,
+            "tokens_per_s": tokens_per_step * timed_steps / step_s}
 
 
 class _PlainProgress:

@@ -52,7 +52,8 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   ``shape_changed``: a chain broke),
   ``echo:health_checked_total{rank}`` sampled Echo calls checked for
   NaN/Inf, ``echo:nonfinite_total{rank,where}`` those whose input / output
-  held one (``echo_vllm.health``)
+  held one, ``echo:saturated_total{rank}`` those whose output saturated
+  (a sum beyond the dtype's range, decoded to +-max; ``echo_vllm.health``)
 - the norm after the all-reduce (``norm_fusion``): ``echo:norm_calls_total{rank,how}``
   residual calls whose norm ran inside Echo (``how="fused"``) or after the
   reduce (the reason: the row too wide, ``exact path``), CUDA-graph replays
@@ -79,6 +80,8 @@ import sys
 import tempfile
 import threading
 from typing import Any, Callable, Mapping
+
+from ..cli_args import env_path_problem
 
 logger = logging.getLogger("echo_vllm")
 
@@ -141,6 +144,9 @@ def _pid_running(pid: int) -> bool:
 def _user_dir(path: str, remove: bool) -> list[str]:
     """Check (and make, if missing) the user's folder; returns the stale
     value files, removed if ``remove``. Raises :class:`MultiprocessDirError`."""
+    problem = env_path_problem(path)  # a trailing space would make a new folder silently
+    if problem:
+        raise MultiprocessDirError(f"{MULTIPROC_ENV}={path!r}: {problem}")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise MultiprocessDirError(f"{MULTIPROC_ENV}={path}: not a folder")
     try:
@@ -176,6 +182,8 @@ def prepare_multiprocess_dir(remove_stale: bool = True) -> tuple[str, list[str]]
         _tmpdir = tempfile.TemporaryDirectory(prefix="echo-vllm-prometheus-")
         path = os.environ[MULTIPROC_ENV] = _tmpdir.name
     elif _tmpdir is None or path != _tmpdir.name:  # ours is checked when made
+        if path.startswith("~"):  # quoted in an env file: the client would make a folder named ~ here
+            path = os.environ[MULTIPROC_ENV] = os.path.expanduser(path)
         removed = _user_dir(path, remove_stale)
     if "prometheus_client" in sys.modules:
         # The client chose its value store when imported; metrics created
@@ -245,6 +253,9 @@ class EchoMetrics:
                                rank, registry=registry)
         self.nonfinite = Counter(PREFIX + "nonfinite", "Checked calls whose input (this rank's partial) or "
                                  "output held NaN/Inf (where: input, output).", rank + ["where"], registry=registry)
+        self.saturated = Counter(PREFIX + "saturated", "Checked calls whose output held the largest finite value "
+                                 "of its dtype: a sum beyond the dtype's range, which Echo decodes to +-max where "
+                                 "the exact path gives +-inf.", rank, registry=registry)
         self.bypass = Gauge(PREFIX + "model_bypass", "The model's fused all-reduce paths that do not reach "
                             "Echo's hook (1 per path; logged at start).", rank + ["path"], registry=registry,
                             multiprocess_mode="mostrecent")
@@ -324,7 +335,8 @@ class EchoMetrics:
                 self.thresholds.labels(r, bound).set(float(snapshot[bound + "_bytes"]))
 
     def _publish_health(self, snapshot: Mapping[str, Any], r: str) -> None:
-        for name, counter in (("feedback_carried", self.carried), ("health_checked", self.checked)):
+        for name, counter in (("feedback_carried", self.carried), ("health_checked", self.checked),
+                              ("saturated", self.saturated)):
             delta = self._advance((r, name), int(snapshot.get(name) or 0))
             if delta:
                 counter.labels(r).inc(delta)

@@ -62,11 +62,21 @@ KNOWN_KEYS = (TP_COMM_KEY, EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY)
 
 def normalize_keys(raw: Mapping[str, Any]) -> dict:
     """Echo's keys in the CLI's dashed spelling (``tp-comm``, ``echo-group-size``)
-    read as the underscored ones; other keys (a platform's own) stay as given."""
+    read as the underscored ones; other keys (a platform's own) stay as given.
+    One key in both spellings with different values is refused
+    (:class:`EchoConfigError`): neither may win silently."""
     def ours(key: Any) -> bool:
         return isinstance(key, str) and (key.startswith("tp-comm") or key.startswith("echo-"))
 
-    return {k.replace("-", "_") if ours(k) else k: v for k, v in raw.items()}
+    out: dict = {}
+    spelled: dict = {}
+    for given, value in raw.items():
+        key = given.replace("-", "_") if ours(given) else given
+        if key in out and out[key] != value:
+            raise EchoConfigError(f"{spelled[key]!r} and {given!r} are one option, given twice with different "
+                                  f"values ({out[key]!r:.30} and {value!r:.30})")
+        out[key], spelled[key] = value, given
+    return out
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,11 @@ def test_allreduce_refuses_zero_calls_instead_of_its_default(flag, message, refu
 
 
 def test_kernels_model_only_writes_what_it_modelled(tmp_path, capsys):
+    mine = tmp_path.parent / f"{tmp_path.name}-mine.json"
+    mine.write_text("the user's file")
+    (tmp_path / "kernels.json").symlink_to(mine)  # replaced by the result, never written through
     assert cli.main(["kernels", "--model-only", "--sizes", "64M", "--world-sizes", "8", "--out", str(tmp_path)]) == 0
+    assert mine.read_text() == "the user's file" and not (tmp_path / "kernels.json").is_symlink()
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert data["model_only"] is True and data["results"][0]["size_bytes"] == 64 << 20
     assert data["projections"] and os.listdir(tmp_path) == ["kernels.json"]

@@ -117,16 +117,43 @@ BAD = [
     (["eval", "ttft", "--launch", "serve 'x", "--labels", "a"], "not a command line (No closing quotation)"),
     (["eval", "ttft", "--report", "--out", "/tmp/echo-vllm-no-such-results"], "no ttft_*.json or raw_*.json in"),
     (["eval", "bundle", "--part-mib", "0"], "argument --part-mib: 0: must be from 1"),
+    # a negative-looking size: the option's own parser judges it (argparse said "expected one argument")
+    (["bench", "allreduce", "--sizes", "-1M"], "argument --sizes: not a byte count: '-1M'"),
+    (["bench", "kernels", "--model-only", "--min-size", "-64k"], "argument --min-size: not a byte count: '-64k'"),
+    # a look-alike of '-' (a document's dash): named, with the ASCII spelling, on every tool
+    (["demo", "\u2014out", "x"], "'\u2014out' begins with '\u2014' (U+2014 EM DASH), which only looks like '-'"),
+    (["bench", "kernels", "\u2013\u2013model-only"], "(U+2013 EN DASH), which only looks like '-' (pasted from a "
+                                                     "document or a web page?); type --model-only"),
+    (["train-demo", "--steps", "\u22121"], "'\u22121' begins with '\u2212' (U+2212 MINUS SIGN)"),
+    (["eval", "perplexity", "\uff0d\uff0dtokens", "8"], "(U+FF0D FULLWIDTH HYPHEN-MINUS)"),
+    # --out names the file system would refuse after the run (File name too long, RecursionError)
+    (["demo", "--out", "/tmp/" + "x" * 300], "the name 'xxxx"),
+    (["train-demo", "--out", "/tmp" + "/d" * 3000], "3001 levels deep: at most 256"),
+    (["bench", "kernels", "--out", "/tmp/" + "y" * 256], "bytes: the file system takes at most 255"),
+    (["eval", "perplexity", "--out", "/tmp" + "/a" * 2040], "levels deep: at most 256"),
+    # an --out that would look like another folder
+    (["demo", "--out", "res "], "argument --out: 'res ': begins or ends with a space"),
+    (["bench", "kernels", "--out", "res\u200b"], r"holds '\u200b' (U+200B ZERO WIDTH SPACE), which does not print"),
+    # the harness's --model: a URL's password was printed (and handed to vLLM); a 5000-byte name raised OSError
+    (["eval", "perplexity", "--model", "https://bob:hunter2@host/m"], "argument --model: 'https://bob:***@host/m': a "
+                                                                     "URL with a password"),
+    (["eval", "accuracy", "--model", "https://bob:hunter2@host/m"], "'https://bob:***@host/m': a URL with a password"),
+    (["eval", "depth", "--model", "/x/" + "m" * 5000], "is 5000 bytes: the file system takes at most 255"),
+    (["eval", "prepare-model", "https://bob:hunter2@host/m"], "argument name: 'https://bob:***@host/m': a URL"),
+    (["eval", "prepare-model", "m" * 300], "is 300 bytes: the file system takes at most 255"),
+    (["eval", "perplexity", "--group-sizes"], "argument --group-sizes: expected at least one argument"),
+    (["eval", "perplexity", "--group-sizes", "16", "16"], "--group-sizes 16 16: a group size is given twice"),
+    (["eval", "perplexity", "--texts", "/dev/zero"], "text '/dev/zero': not a regular file"),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a)[:80] for a, _ in BAD])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "hunter2" not in err
 
 
 #: (variable, value, what the one error line must say): read by worker processes and caches mid-run
@@ -148,3 +175,28 @@ def test_bad_environment_is_refused_before_any_process_starts(argv, name, value,
     assert cli.main(argv) == 2  # the tripwires would raise Reached
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+#: (argv, the result file each run writes into --out)
+WRITERS = [
+    (["demo"], "demo.json"),
+    (["demo"], "demo.png"),
+    (["train-demo", "--steps", "1"], "train_echo.json"),
+    (["train-demo", "--steps", "1"], "train_table.md"),
+    (["bench", "kernels", "--model-only"], "kernels.json"),
+    (["bench", "allreduce", "--backend", "gloo", "--world-size", "3"], "allreduce_gloo_p3.png"),
+    (["eval", "perplexity", "--stem", "pp"], "pp.md"),
+    (["eval", "depth"], "depth.png"),
+]
+
+
+@pytest.mark.parametrize("argv,name", WRITERS, ids=[f"{a[0]}-{n}" for a, n in WRITERS])
+def test_a_folder_at_a_result_name_is_refused_before_the_work(argv, name, capsys, tmp_path):
+    """The result file could not replace it: refused before the work (the
+    tripwires), not after the run; the folder is left as it was."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "keep").write_text("mine")
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{name} is a folder, where the tool writes its result file" in err, err
+    assert (tmp_path / name / "keep").read_text() == "mine"

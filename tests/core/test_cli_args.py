@@ -5,6 +5,7 @@ exception (property tests over any text)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
@@ -172,3 +173,133 @@ def test_every_type_gives_a_value_or_argparse_exit_2_with_one_line(text, kind):
         PARSER.parse_args([f"--{kind}={text}"])
     except _Refused as e:
         assert str(e).startswith(f"argument --{kind}: ") and "\n" not in str(e)
+
+
+# -- the command line as typed -------------------------------------------------------
+
+#: (token, what the refusal names): look-alikes of '-' (a document's or web page's
+#: dashes) and other characters outside ASCII in an option's name
+LOOKALIKES = [
+    ("\u2013api-key", "'\u2013api-key' begins with '\u2013' (U+2013 EN DASH), which only looks like '-'"),
+    ("\u2014api-key=SECRETK1", "'\u2014api-key' begins with '\u2014' (U+2014 EM DASH)"),
+    ("\uff0d\uff0dhf-token\uff1dSECRETK1", "(U+FF0D FULLWIDTH HYPHEN-MINUS)"),
+    ("\u2212\u2212out", "(U+2212 MINUS SIGN)"),
+    ("\u2010\u2010seed", "(U+2010 HYPHEN)"),
+    ("\ufe63p", "(U+FE63 SMALL HYPHEN-MINUS)"),
+    ("\u00ad-out", "(U+00AD SOFT HYPHEN)"),
+    ("--api\u2011key=SECRETK1", "'--api\u2011key' holds '\u2011' (U+2011 NON-BREAKING HYPHEN): option names are plain ASCII"),
+    ("--out\u200b", "(U+200B ZERO WIDTH SPACE): option names are plain ASCII"),
+    ("--s\u0435ed", "(U+0435 CYRILLIC SMALL LETTER IE)"),
+]
+
+
+@pytest.mark.parametrize("token,message", LOOKALIKES)
+def test_lookalike_dashes_are_refused_naming_the_option_never_its_value(token, message):
+    for argv in ([token, "SECRETK2"], ["--x", "1", "--", token]):
+        with pytest.raises(UsageError) as info:
+            cli_args.check_argv(argv)
+        text = str(info.value)
+        assert message in text and "SECRETK" not in text and "\n" not in text
+
+
+def test_the_refusal_says_how_to_type_the_option():
+    for token, typed in (("\u2013api-key", "--api-key"), ("\u2014p", "-p"), ("\uff0d\uff0dseed", "--seed"),
+                         ("--api\u2010key", "--api-key")):
+        with pytest.raises(UsageError, match=f"; type {typed}$"):
+            cli_args.check_argv([token])
+
+
+def test_negative_looking_values_stay_with_their_option():
+    """argparse takes ``-1M`` for an option ("expected one argument"): it is
+    handed to the option's own parser instead. Plain negative numbers,
+    values after ``--`` and tokens after a value are left as they are."""
+    assert cli_args.check_argv(["--sizes", "-1M", "--x", "-.5"]) == ["--sizes=-1M", "--x=-.5"]
+    assert cli_args.check_argv(["-p", "-1", "--a=b", "-2k", "--", "--c", "-3k"]) == \
+        ["-p", "-1", "--a=b", "-2k", "--", "--c", "-3k"]
+    assert cli_args.check_argv(["--n", "-1", "-1"]) == ["--n=-1", "-1"]
+    assert cli_args.check_argv(["m", "--served-model-name", "Mod\u00e8le", "--x=\u2013"]) == \
+        ["m", "--served-model-name", "Mod\u00e8le", "--x=\u2013"]  # values may hold anything
+
+
+def test_a_negative_size_reaches_the_types_own_refusal(capsys):
+    line = refusal(_parser(sizes=cli_args.byte_sizes(2)), cli_args.check_argv(["--sizes", "-1M"]), capsys)
+    assert "argument --sizes: not a byte count: '-1M'" in line
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"a": 1, "a": 2}', "the key 'a' is given twice, with different values"),
+    ('{"p": {"k": "s3cret", "k": "other"}}', "the key 'k' is given twice"),
+    ("[" * 65 + "]" * 65, "nested more than 64 levels deep"),
+    ('{"a": ' * 5000 + "1" + "}" * 5000, "nested more than 64 levels deep"),
+    ('{"x": ' + "9" * 5000 + "}", "an integer of 5000 digits: at most 40"),
+    ("-" + "9" * 41, "an integer of 41 digits: at most 40"),
+])
+def test_parse_json_is_bounded_and_refuses_contradicting_keys(text, message):
+    with pytest.raises(ValueError) as info:
+        cli_args.parse_json(text)
+    assert message in str(info.value) and "s3cret" not in str(info.value)
+
+
+def test_parse_json_reads_what_json_reads():
+    assert cli_args.parse_json('{"a": 1, "a": 1, "b": [[["]]]"]]], "c": -' + "9" * 40 + "}") == \
+        {"a": 1, "b": [[["]]]"]]], "c": -int("9" * 40)}
+    assert cli_args.parse_json("[" * 64 + "]" * 64) is not None
+    assert cli_args.json_depth('{"a": "[[[{{{\\"[["}') == 1  # brackets inside strings do not nest
+    with pytest.raises(json.JSONDecodeError):
+        cli_args.parse_json("{bad")
+
+
+def _path_of(base, size: int):
+    """A path below ``base`` of ``size`` bytes, in names of at most 200."""
+    path = str(base)
+    while len(path) < size:
+        path += "/" + "d" * min(200, size - len(path) - 1)
+    return path
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda base: base / ("x" * 256), "the name 'xxxxxxxxxxxxxxxx"),
+    (lambda base: base.joinpath(*["d"] * 300), "levels deep: at most 256"),
+    (lambda base: base.joinpath(*["d" * 200] * 20), "the path is"),
+    (lambda base: _path_of(base, 4000), "the path is 4000 bytes with room for a file name in it (256 bytes)"),
+])
+def test_out_dir_refuses_what_the_file_system_would_refuse_later(tmp_path, capsys, make, message):
+    """``OSError: File name too long`` and makedirs' RecursionError came after
+    the run: refused when the arguments are read, making nothing."""
+    line = refusal(_parser(out=cli_args.out_dir), ["--out", str(make(tmp_path))], capsys)
+    assert message in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_out_file_is_a_writable_file_name(tmp_path, capsys):
+    ap = _parser(json=cli_args.out_file)
+    assert ap.parse_args(["--json", str(tmp_path / "new" / "t.json")]).json == str(tmp_path / "new" / "t.json")
+    (tmp_path / "d").mkdir()
+    assert "is a folder (the result would replace it)" in refusal(ap, ["--json", str(tmp_path / "d")], capsys)
+    assert "expected a file name" in refusal(ap, ["--json", f"{tmp_path}/"], capsys)
+    assert "is not writable" in refusal(ap, ["--json", "/proc/echo-vllm-x/t.json"], capsys)
+    assert "bytes: the file system takes at most" in refusal(ap, ["--json", str(tmp_path / ("t" * 300))], capsys)
+
+
+def test_env_path_problem():
+    assert cli_args.env_path_problem("/data/c ") == \
+        "begins or ends with a space (a relative path, made in the current folder)"
+    assert cli_args.env_path_problem(" /data/c") is not None
+    assert "levels deep" in cli_args.env_path_problem("/a" * 300)
+    assert cli_args.env_path_problem("/data/c") is None
+
+
+def test_out_dir_refuses_a_loop_of_links(tmp_path, capsys):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    line = refusal(_parser(out=cli_args.out_dir), ["--out", str(tmp_path / "a" / "x")], capsys)
+    assert f"{tmp_path}/a is a link to {tmp_path}/b, which leads round in a loop of links" in line
+
+
+def test_the_lookalike_dashes_hold_every_dash_unicode_knows():
+    import unicodedata
+
+    dashes = {chr(c) for c in range(0x80, 0x110000) if unicodedata.category(chr(c)) == "Pd"}
+    assert dashes <= cli_args.LOOKALIKE_DASHES and "-" not in cli_args.LOOKALIKE_DASHES
+    # beyond them: the soft hyphen and the minus signs
+    assert cli_args.LOOKALIKE_DASHES - dashes == set("\u00ad\u02d7\u207b\u208b\u2212\u2796")

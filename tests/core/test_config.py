@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import pickle
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +33,13 @@ FIELDS = [f.name for f in dataclasses.fields(EchoConfig)]
     ({"timeout_s": float("nan")}, "timeout_s=nan"),
     ({"timeout_s": 0}, "timeout_s=0"),
     ({"timeout_s": True}, "timeout_s=True"),
+    # the fused kernel counts whole nanoseconds: 5e-324 s was 0 ns there, a trap at the first spin
+    ({"timeout_s": 5e-324}, "timeout_s=5e-324: must be at least 1e-09 s (the fused kernel counts the wait in "
+                            "whole nanoseconds: less is 0 ns, a trap at the first spin)"),
+    ({"timeout_s": 9.99e-10}, "timeout_s=9.99e-10: must be at least 1e-09 s"),
+    # only the word means auto: -1 (its old stand-in) was taken for it silently
+    ({"min_bytes": -1}, "min_bytes=-1: must be an integer from 0 to 4611686018427387904 (2^62: byte counts stay "
+                        "int64; no message comes near it), or 'auto' (the word: no number means it)"),
     ({"group_size": "64"}, "group_size='64': choose one of 16, 32, 64, 128 (a number, not text)"),
     ({"group_size": 64.0}, "group_size=64.0: choose one of"),
     ({"rounding": "nearst"}, "rounding='nearst': choose one of nearest, stochastic; did you mean 'nearest'?"),
@@ -48,6 +57,46 @@ def test_the_python_api_refuses_bad_values_by_name(kwargs, message):
 
 def test_an_echo_config_error_is_a_value_error_and_a_usage_error():
     assert issubclass(EchoConfigError, ValueError) and issubclass(EchoConfigError, UsageError)
+
+
+def test_the_timeout_in_the_kernels_unit():
+    assert EchoConfig(timeout_s=1e-9).timeout_ns == 1 and EchoConfig().timeout_ns == 60 * 10**9
+    assert EchoConfig(timeout_s=2.5e-9).timeout_ns == 2  # rounded down, as the kernel's launch takes it
+
+
+def test_auto_survives_replace_and_a_round_trip_through_json():
+    config = EchoConfig().replace(group_size=64)
+    assert config.min_bytes_auto and config.effective_min_bytes == 256 << 10
+    assert EchoConfig.from_mapping(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(EchoConfigError, match="min_bytes=-1: must be an integer from 0"):
+        EchoConfig.from_mapping({"echo_min_bytes": -1}, prefix="echo_")
+
+
+@pytest.mark.parametrize("raw,prefix,message", [
+    ({"group_size": 64, "group-size": 32}, "", "'group_size' and 'group-size' are one option, given twice with "
+                                               "different values (64 and 32)"),
+    ({"echo-seed": "7", "echo_seed": 8}, "echo_", "'echo-seed' and 'echo_seed' are one option"),
+])
+def test_one_option_in_two_spellings_must_agree(raw, prefix, message):
+    with pytest.raises(EchoConfigError, match=re.escape(message)):
+        EchoConfig.from_mapping(raw, prefix=prefix)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"tp_comm": "echo", "echo_group_size": 64, "echo-group-size": 32},
+     "'echo_group_size' and 'echo-group-size' are one option, given twice with different values (64 and 32)"),
+    ({"tp-comm": "nccl", "tp_comm": "echo"}, "'tp-comm' and 'tp_comm' are one option"),
+])
+def test_the_plugin_refuses_one_key_in_two_spellings_with_two_values(raw, message):
+    with pytest.raises(EchoConfigError, match=re.escape(message)):
+        TpCommSettings.from_additional_config(raw)
+
+
+def test_one_option_in_two_spellings_with_one_value_is_one_setting():
+    assert EchoConfig.from_mapping({"group_size": 64, "group-size": 64}).group_size == 64
+    assert EchoConfig.from_mapping({"echo_seed": 7, "echo-seed": "7"}, prefix="echo_").seed == 7  # read alike
+    settings = TpCommSettings.from_additional_config({"tp_comm": "echo", "tp-comm": "echo", "echo_seed": 3})
+    assert settings.mode == "echo" and settings.echo.seed == 3
 
 
 def test_min_bytes_auto_reads_in_python_too():

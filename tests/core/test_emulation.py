@@ -7,6 +7,8 @@ tests/eval/test_eval_emulation.py).
 Values are small integers where sums are compared, so that every sum is
 exact in fp32 whatever its order: "equal" means bit for bit."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,11 @@ def test_the_stacked_communicator_takes_one_input_per_local_rank():
     with pytest.raises(ValueError, match=r"3 local ranks of a group of 3 expect inputs stacked as \[3, \.\.\.\], "
                                          r"got shape \(2, 64\)"):
         comm.all_reduce(torch.zeros(2, 64, dtype=torch.bfloat16))
+    for shape in ((0, 8, 128), (0,), ()):  # an empty stack has no rank 0 (it raised IndexError)
+        with pytest.raises(ValueError, match=rf"expect inputs stacked as \[3, \.\.\.\], got shape {re.escape(str(shape))}"):
+            comm.all_reduce(torch.zeros(shape, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="expect inputs stacked as"):
+            comm.all_reduce_norm(torch.zeros(shape, dtype=torch.bfloat16), None)
 
 
 def test_the_emulation_runs_the_fastest_cpu_backend_the_library_the_references(monkeypatch):

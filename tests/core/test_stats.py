@@ -2,7 +2,7 @@
 snapshot, and the log-once rule for fallbacks (every exact-path call is
 counted under its reason; the first of each reason is logged)."""
 
-from echo_vllm.health import WHERE
+from echo_vllm.health import WHERE, HealthCounts
 from echo_vllm.stats import CallRecord, EchoStats
 
 
@@ -35,6 +35,7 @@ def test_records_add_up_by_path_reason_and_what_the_chain_did():
         "health_checked": 2,
         "norm_calls": {"fused": 1, "no weight": 1},
         "nonfinite": None,  # no health counters
+        "saturated": None,
     }
     assert EchoStats().snapshot()["rel_err_mean"] is None  # no samples: no mean
 
@@ -57,7 +58,8 @@ def test_each_fallback_reason_drop_and_unfused_norm_is_logged_once(caplog):
 def test_the_snapshot_reads_the_health_counters_where_there_are_some():
     class Health:
         def read(self):
-            return [3, 1]
+            return HealthCounts(3, 1, 2)
 
-    stats = EchoStats(health=Health())
-    assert stats.snapshot()["nonfinite"] == dict(zip(WHERE, [3, 1])) == {"input": 3, "output": 1}
+    snap = EchoStats(health=Health()).snapshot()
+    assert snap["nonfinite"] == dict(zip(WHERE, [3, 1])) == {"input": 3, "output": 1}
+    assert snap["saturated"] == 2

@@ -9,7 +9,7 @@ import torch
 from echo_vllm.transport import VirtualTransport
 
 
-@pytest.mark.parametrize("world_size", [2.5, True, 1, 0, -3, "4", None])
+@pytest.mark.parametrize("world_size", [2.5, True, 1, 0, -3, "4", None, 65, 10**6])
 def test_virtual_transport_needs_an_integer_world_size_of_two_or_more(world_size):
     with pytest.raises(ValueError, match=f"VirtualTransport needs an integer world_size >= 2, got {world_size!r}"):
         VirtualTransport(world_size)

@@ -7,8 +7,14 @@ from echo_vllm.cli import main
 
 def test_demo_runs_and_shows_the_property(tmp_path, capsys):
     out = tmp_path / "demo"
+    out.mkdir()
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's file")
+    for name in ("demo.json", "demo.png"):  # links at the result names: replaced, never written through
+        (out / name).symlink_to(mine)
     rc = main(["demo", "-p", "3", "-l", "16", "--tokens", "16", "--hidden", "256", "--out", str(out)])
     assert rc == 0
+    assert mine.read_text() == "the user's file" and not any(p.is_symlink() for p in out.iterdir())
     data = json.loads((out / "demo.json").read_text())
     assert (out / "demo.png").stat().st_size > 1000
     naive = data["relative_error"]["naive 4-bit"]

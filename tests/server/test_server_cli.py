@@ -250,3 +250,79 @@ def test_settings_that_idle_echo_warn(served, capsys):
         capsys.readouterr().err
     assert cli.main(["m", *ECHO, "--echo-min-bytes", "99999999999999999999T"]) == 2
     assert "must be at most 4611686018427387904 (2^62: byte counts stay int64" in capsys.readouterr().err
+
+
+#: (argv, the start of the one refusal): secrets by routes other than --api-key / --hf-token,
+#: which vLLM would print (banner, "non-default args", errors); never passed on, never shown
+SECRET_ROUTES = [
+    (["m", "\u2013api-key", "SECRETK1"], "'\u2013api-key' begins with '\u2013' (U+2013 EN DASH)"),
+    (["m", "\u2014api-key=SECRETK1"], "'\u2014api-key' begins with '\u2014' (U+2014 EM DASH)"),
+    (["m", "\uff0d\uff0dapi-key", "SECRETK1"], "'\uff0d\uff0dapi-key' begins with '\uff0d' (U+FF0D FULLWIDTH"),
+    (["m", "\u2212\u2212hf-token=SECRETK1"], "(U+2212 MINUS SIGN), which only looks like '-'"),
+    (["m", "--hf\u2010token", "SECRETK1"], "--hf\u2010token is not an option of vllm serve; did you mean --hf-token?"),
+    (["m", "--port\u2010x", "SECRETK1"], "'--port\u2010x' holds '\u2010' (U+2010 HYPHEN)"),
+    (["m", "--", "\u2013api-key", "SECRETK1"], "(U+2013 EN DASH)"),
+    # a key that begins with a look-alike dash is not shown by the look-alike's refusal
+    (["m", "--api-key", "\u2013SECRETK1"], "--api-key needs a value (write --api-key=VALUE"),
+    (["m", "--hf-token", "\u2013\u2013port", "8000"], "'\u2013\u2013port' begins with '\u2013' (U+2013 EN DASH)"),
+    (["m", "--additional-config", '{"hf_token": "SECRETK1"}'], "--additional-config holds the key hf_token, "
+                                                               "which looks like a secret: vLLM prints every argument"),
+    (["m", "--additional-config={\"p\": {\"q\": [{\"api_key\": \"SECRETK1\"}]}}"],
+     "--additional-config holds the key p.q[0].api_key"),
+    (["m", *ECHO, "--additional-config", '{"plugin": {"password": "SECRETK1"}}'], "holds the key plugin.password"),
+    (["m", "--additional-config.plugin.api_key", "SECRETK1"], "--additional-config holds the key plugin.api_key"),
+    (["m", "-cc.x.my_secret=SECRETK1"], "-cc holds the key x.my_secret"),
+    (["m", "--hf-overrides", '{"auth": {"token": "SECRETK1"}}'], "--hf-overrides holds the key auth.token"),
+    (["https://bob:SECRETK1@example.com/org/model", "--port", "8000"],
+     "the model (a positional argument) holds a URL with a password"),
+    (["m", "--", '{"api_key": "SECRETK1"}'], "the model (a positional argument) holds the key api_key"),
+    (["--model", "https://bob:SECRETK1@example.com/m"], "--model holds a URL with a password"),
+    (["m", "--otlp-traces-endpoint=http://bob:SECRETK1@c:4317"], "--otlp-traces-endpoint holds a URL with a password"),
+    (["m", "--additional-config", '{"u": "s3://k:SECRETK1@b/x"}'], "--additional-config holds a URL with a password "
+                                                                  "at u"),
+    # bounded JSON (vLLM's own reading ended in a traceback) and one key twice (the last won silently)
+    (["m", "--additional-config", "[" * 5000 + "]" * 5000], "--additional-config: nested more than 64 levels deep"),
+    (["m", "--additional-config", '{"x": ' + "9" * 5000 + "}"], "--additional-config: an integer of 5000 digits"),
+    (["m", *ECHO, "--additional-config", '{"echo_seed": 1, "echo_seed": 2}'],
+     "--additional-config: the key 'echo_seed' is given twice, with different values"),
+    (["m", *ECHO, "--additional-config", '{"echo_group_size": 64, "echo-group-size": 32}'],
+     "--additional-config: 'echo_group_size' and 'echo-group-size' are one option"),
+    # no JSON (cut short), but what vLLM's error would print holds a secret-looking key
+    (["m", "--additional-config", '{"api_key": "SECRETK1"'], "--additional-config holds the key api_key"),
+    (["m", "--hf-overrides", "{'token': 'SECRETK1'}"], "--hf-overrides holds the key token"),
+]
+
+
+@pytest.mark.parametrize("argv,start", SECRET_ROUTES, ids=[str(i) for i in range(len(SECRET_ROUTES))])
+def test_a_secret_by_another_route_is_refused_unshown(served, capsys, argv, start):
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    if "SECRETK1" in " ".join(argv) and rc == 0:  # passed: then neither printed nor handed over
+        pytest.fail(f"passed on: {served[-1]['argv']}")
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("echo-vllm serve: error: ") and start in err, err
+    assert "SECRETK" not in out + err and not served
+
+
+def test_a_json_value_that_is_not_json_shows_no_text(served, capsys):
+    assert cli.main(["m", *ECHO, "--additional-config", '{"seed": SECRETK1}']) == 2
+    err = capsys.readouterr().err
+    assert "--additional-config is not valid JSON (Expecting value at character 9)" in err and "SECRETK" not in err
+
+
+@pytest.mark.parametrize("value", ["{dir} ", " {dir}", "{dir}\t"])
+def test_a_multiprocess_folder_with_a_space_at_an_end_is_refused(served, capsys, monkeypatch, tmp_path, value):
+    """The space made a new folder (``'dir '``) silently: refused, naming the value; nothing is made."""
+    path = value.format(dir=tmp_path / "metrics")
+    monkeypatch.setenv(metrics.MULTIPROC_ENV, path)
+    assert cli.main(["m", *ECHO]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"echo-vllm serve: error: PROMETHEUS_MULTIPROC_DIR={path!r}: begins or ends with a space "
+                   "(a relative path, made in the current folder)\n")
+    assert os.listdir(tmp_path) == [] and not served
+
+
+def test_a_multiprocess_folder_under_a_quoted_tilde_is_the_home_folder(served, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(metrics.MULTIPROC_ENV, "~/metrics")
+    assert cli.main(["m", *ECHO]) == 0
+    assert os.environ[metrics.MULTIPROC_ENV] == str(tmp_path / "metrics") and (tmp_path / "metrics").is_dir()

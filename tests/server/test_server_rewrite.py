@@ -445,7 +445,7 @@ def test_verify_parsed_reports_what_vllm_saw_differently():
                           compilation_config=SimpleNamespace(pass_config=SimpleNamespace(
                               fuse_allreduce_rms=None, enable_sp=False, fuse_gemm_comms=True)))
     problems = verify_parsed(bad, settings)
-    assert problems == ["tensor_parallel_size=4, expected 2", "enable_dbo is on", "ubatch_size=2, expected <= 1",
+    assert problems == ["tensor_parallel_size=4 where the rewrite read 2", "enable_dbo is on", "ubatch_size=2, expected <= 1",
                         "additional_config tp_comm=None, expected 'echo'",
                         "compilation_config.pass_config.fuse_allreduce_rms=None, expected False",
                         "compilation_config.pass_config.fuse_gemm_comms=True, expected False"]
@@ -621,3 +621,73 @@ def test_any_command_line_gives_a_rewrite_or_one_clear_error(tokens):
     if settings.echo_on:  # what the plugin will read is what the rewrite decided
         _, additional, _ = split_tail(vllm_argv)
         assert TpCommSettings.from_additional_config(additional).echo == settings.echo
+
+
+@pytest.mark.parametrize("yaml_value,found", [
+    ({"additional-config": {"plugin": {"hf_token": "s3cret"}}}, "the key additional-config.plugin.hf_token"),
+    ({"model": "https://bob:s3cret@host/m"}, "a URL with a password at model"),
+    ({"hf-overrides": {"list": [{"password": "s3cret"}]}}, "the key hf-overrides.list[0].password"),
+])
+def test_a_config_file_with_a_secret_at_any_depth_is_refused(yaml_value, found):
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(["m", "--config", "c.yaml"], read_config={"c.yaml": yaml_value}.__getitem__)
+    assert str(info.value).startswith(f"--config c.yaml holds {found}") and "s3cret" not in str(info.value)
+
+
+def test_a_yaml_error_names_the_place_not_the_line(tmp_path):
+    """PyYAML's own message quotes the offending line, which may hold a secret."""
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 8000\napi-key: s3cret: [\n")
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(["m", "--config", str(path)])
+    assert "mapping values are not allowed here (line 2, column 16)" in str(info.value) and "s3cret" not in str(info.value)
+
+
+#: abbreviations vLLM's parser expands (argparse: a prefix only one option starts with)
+ABBREVIATED = [
+    (["m", "--tensor-parallel", "2"], 2),
+    (["m", "--tensor_parallel=4"], 4),
+    (["m", "--te", "8"], 8),
+    (["m", "-t", "2"], 2),
+]
+
+
+@pytest.mark.parametrize("argv,tp", ABBREVIATED)
+def test_an_abbreviated_tp_size_is_read_as_vllm_reads_it(argv, tp):
+    """``--tensor-parallel 2`` was refused, saying the TP size was 1."""
+    _, settings = rewrite([*argv, "--tp-comm", "echo"])
+    assert settings.tensor_parallel_size == tp
+
+
+def test_abbreviated_config_options_are_merged_not_passed_on():
+    vllm_argv, settings = rewrite(["m", "-tp", "2", "--tp-comm", "echo", "--additional-con", '{"k": 1}',
+                                   "--ad.echo_seed", "7", "--com", '{"mode": 3}', "-c.cudagraph_mode", "NONE",
+                                   "--enf"])
+    head, additional, compilation = split_tail(vllm_argv)
+    assert head == ["m", "-tp", "2", "--enf"]
+    assert additional == {"k": 1, "echo_seed": 7, "tp_comm": "echo"} and settings.echo.seed == 7
+    assert compilation == {"mode": 3, "cudagraph_mode": "NONE", "pass_config": OFF}
+
+
+def test_an_ambiguous_or_foreign_prefix_is_left_to_vllm():
+    """``--no-en`` starts --no-enable-dbo and --no-enforce-eager (vLLM refuses
+    it as ambiguous); ``--tensor`` is vLLM's to judge too."""
+    from echo_vllm.server.rewrite import expand_abbreviation
+
+    assert expand_abbreviation("--no-en") == "--no-en" and expand_abbreviation("--no-enf") == "--no-enforce-eager"
+    assert expand_abbreviation("--t") == "--t" and expand_abbreviation("--ubatch") == "--ubatch-size"
+    assert expand_abbreviation("--tensor-parallel-size-x") == "--tensor-parallel-size-x"
+
+
+ECHO2 = ["-tp", "2", "--tp-comm", "echo"]
+
+
+def test_one_key_twice_in_a_json_object_is_refused_but_a_later_option_replaces():
+    with pytest.raises(ServeArgsError, match="--additional-config: the key 'echo_seed' is given twice, with "
+                                             "different values"):
+        rewrite(["m", *ECHO2, "--additional-config", '{"echo_seed": 1, "echo_seed": 2}'])
+    _, settings = rewrite(["m", *ECHO2, "--additional-config", '{"echo_seed": 1, "echo_seed": 1}'])
+    assert settings.echo.seed == 1  # the same value twice is one setting
+    # two occurrences of the option: the later replaces the earlier (argparse's rule), in either spelling
+    _, settings = rewrite(["m", *ECHO2, "--additional-config", '{"echo-seed": 1}', "--additional-config.echo_seed", "2"])
+    assert settings.echo.seed == 2

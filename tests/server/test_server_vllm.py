@@ -35,6 +35,9 @@ ROWS = [
       "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo", "--echo-min-bytes", "1MiB"],
      ["m", "--tensor_parallel_size=2", "--lora-modules", "a=/x", "--lora-modules", "b=/y",
       "--enable-lora", "--served-model-name", "x", "y", "--no-enable-dbo"]),
+    # abbreviations, read by the rewrite as vLLM's parser reads them
+    (["m", "--tensor-parallel", "2", "--tp-comm", "echo", "--ad.user", "1", "--enf", "--com", '{"mode": 0}'],
+     ["m", "--tensor-parallel", "2", "--enf"]),
     # server/gpu_serve_check.sh's server (its fixed KV cache passes through to vLLM)
     (["m", "--tp-comm", "echo", "--echo-emulate-tp", "4", "--echo-min-bytes", "0", "--gpu-memory-utilization", "0.3",
       "--kv-cache-memory-bytes", SERVE_CHECK_KV, "--max-model-len", "1024", "--max-num-seqs", "64", "--echo-fuse-norm"],
@@ -80,6 +83,10 @@ SCRIPT = textwrap.dedent("""
     options = [o for a in serve._actions for o in a.option_strings]
     report["n_options"] = len(options)
     report["collisions"] = [o for o in options if o.startswith(("--echo", "--no-echo", "--tp-comm"))]
+    from echo_vllm.server.rewrite import SHORTEST_ABBREVIATION
+    report["shortest"] = {o: next(o[:n] for n in range(2, len(o) + 1)
+                                  if [x for x in options if x.startswith(o[:n])] == [o])
+                          for o in SHORTEST_ABBREVIATION}
     from echo_vllm.server.credentials import looks_secret, misspelled_secret, secret_option
     report["secret_looking"] = sorted(o for o in options if looks_secret(o))
     report["secret_spellings"] = sorted({secret_option(o) for o in options} - {None})
@@ -133,6 +140,7 @@ SCRIPT = textwrap.dedent("""
     runs["bad_flag"] = user_run(["m", "--tp-comm", "echo", "-tp", "2", "--max-model-len", "abc"])
     runs["abbreviated"] = user_run(["m", "-tp", "2", "--tp-comm", "echo", "--enable-db"])
     runs["unknown_secret"] = user_run(["m", "--tp-comm", "echo", "-tp", "2", "--auth-token", "sk-SECRET1"])
+    runs["no_model"] = user_run(["/nonexistent/model", "--tp-comm", "echo", "-tp", "2"])
     vllm_serve._no_device = True
     runs["no_device"] = user_run(["m", "--tp-comm", "echo", "-tp", "2"])
     vllm_serve._no_device = False
@@ -215,7 +223,7 @@ def test_vllm_parses_the_rewrite_as_decided(report):
         assert set(row["pass_config"].values()) == {False}
         # every other setting is exactly what stock vLLM parses from the same flags
         assert row["differing_from_stock"] == [], argv
-    assert report["rows"][3]["kv_cache_memory_bytes"] == int(SERVE_CHECK_KV) > 0
+    assert report["rows"][4]["kv_cache_memory_bytes"] == int(SERVE_CHECK_KV) > 0
     second = report["rows"][1]
     assert second["additional"] == {"user": 1, "nested": {"k": 2000}, "tp_comm": "echo", "tp_comm_emulate": 4}
     assert second["mode"] == 3 and second["cudagraph_mode"].endswith("PIECEWISE")
@@ -224,6 +232,18 @@ def test_vllm_parses_the_rewrite_as_decided(report):
 @pytest.mark.vllm
 def test_abbreviations_are_caught_after_parsing(report):
     assert report["abbreviated"] == ["enable_dbo is on"]
+
+
+@pytest.mark.vllm
+def test_the_rewrite_expands_abbreviations_as_vllms_parser_does(report):
+    """The table of shortest abbreviations is the installed parser's (a prefix
+    only that option starts with), and vLLM parses an abbreviated command
+    line as the rewrite read it (row 3)."""
+    from echo_vllm.server.rewrite import SHORTEST_ABBREVIATION
+
+    assert report["shortest"] == SHORTEST_ABBREVIATION
+    row = report["rows"][3]
+    assert row["additional"] == {"user": 1, "tp_comm": "echo"} and row["mode"] == 0
 
 
 @pytest.mark.vllm
@@ -255,11 +275,15 @@ def test_a_users_stale_metric_files_are_removed_only_by_a_run_that_starts(report
     want of a GPU: the earlier run's value file is still there. Kept while
     vLLM parsed, removed right before the start."""
     runs = report["user_dir_runs"]
-    for name in ("bad_flag", "abbreviated", "unknown_secret", "no_device"):
+    for name in ("bad_flag", "abbreviated", "unknown_secret", "no_device", "no_model"):
         rc, kept, err = runs[name]
         assert rc == 2 and kept and "removed" not in err, (name, err)
     assert "error: argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'" in runs["bad_flag"][2]
-    assert "error: vLLM parsed settings the rewrite did not see" in runs["abbreviated"][2]
+    # --enable-db is --enable-dbo to vLLM's parser, and to the rewrite: refused by the guard rails
+    assert "error: tp_comm=echo cannot run with --enable-dbo" in runs["abbreviated"][2]
+    # a model path that does not exist: vLLM took it for a hub repo id and failed in a traceback
+    assert runs["no_model"][2].startswith("echo-vllm serve: tp_comm=echo") and runs["no_model"][2].splitlines()[-1] \
+        .startswith("echo-vllm serve: error: model '/nonexistent/model': no such file or folder, and not a Hugging")
     assert "error: --auth-token is not an option of vllm serve" in runs["unknown_secret"][2]
     assert "SECRET" not in runs["unknown_secret"][2]
     assert "error: no GPU: vLLM finds no accelerator on this host" in runs["no_device"][2]

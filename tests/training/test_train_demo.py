@@ -35,7 +35,13 @@ def test_prepared_corpus_holds_out_whole_plays(corpus):
 
 def test_train_demo_runs_three_modes_and_reports(corpus, tmp_path, capsys):
     out = tmp_path / "run"
+    out.mkdir()
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's file")
+    for name in ("train_echo.json", "train_loss.png"):  # links at result names: replaced, never written through
+        (out / name).symlink_to(mine)
     assert main(["train-demo", "--data", str(corpus), "--out", str(out), *TINY]) == 0
+    assert mine.read_text() == "the user's file" and not any(p.is_symlink() for p in out.iterdir())
     captured = capsys.readouterr()
     assert "tok_s=" in captured.err  # the progress bar shows tokens/s
     names = {p.name for p in out.iterdir()}
@@ -158,3 +164,17 @@ def test_sources_without_prepare_data_are_refused(tmp_path, refused):
     error, _ = refused(["train-demo", "--sources", "shakespeare", "--steps", "1", "--out", str(tmp_path / "out")])
     assert "--sources shakespeare: only read with --prepare-data DIR" in error
     assert not (tmp_path / "out").exists()
+
+
+def test_one_step_reports_no_time_as_a_result(corpus, tmp_path, capsys):
+    """The first step is not timed (it compiles and allocates): a one-step
+    run has no timing, and says so instead of 0 tokens/s and 0.0 ms."""
+    out = tmp_path / "one"
+    assert main(["train-demo", "--data", str(corpus), "--out", str(out), *TINY, "--steps", "1", "--modes", "echo",
+                 "--warmup", "0"]) == 0
+    err = capsys.readouterr().err
+    timing = json.loads((out / "train_echo.json").read_text())["timing"]
+    assert timing["timed_steps"] == 0 and timing["tokens_per_s"] is None and timing["step_s"] is None
+    assert "tok/s not measured (the first step, which compiles and allocates, is not timed" in err
+    row = (out / "train_table.md").read_text().splitlines()[-1]
+    assert row.count("not measured") == 4 and " 0 |" not in row and "0.0" not in row

@@ -130,9 +130,10 @@ def test_health_counters_reach_metrics_with_their_labels():
     for rec in (CallRecord("echo", "echo", carried=True, checked=True), CallRecord("echo", "echo", dropped="index_gap"),
                 CallRecord("exact", "below_min_bytes", dropped="shape_changed")):
         stats.record(rec)
-    snap = dict(stats.snapshot(), nonfinite={"input": 0, "output": 2}, bypasses=["flashinfer_allreduce_rmsnorm"])
+    snap = dict(stats.snapshot(), nonfinite={"input": 0, "output": 2}, saturated=1,
+                bypasses=["flashinfer_allreduce_rmsnorm"])
     m.publish(snap, rank=1)
-    m.publish(dict(snap, feedback_dropped={"index_gap": 3, "shape_changed": 1}), rank=1)
+    m.publish(dict(snap, feedback_dropped={"index_gap": 3, "shape_changed": 1}, saturated=4), rank=1)
     s = scrape(registry)
     assert s['echo:feedback_carried_total{rank="1"}'] == 1
     assert s['echo:feedback_dropped_total{rank="1",reason="index_gap"}'] == 3
@@ -140,6 +141,7 @@ def test_health_counters_reach_metrics_with_their_labels():
     assert s['echo:health_checked_total{rank="1"}'] == 1
     assert s['echo:nonfinite_total{rank="1",where="output"}'] == 2
     assert 'echo:nonfinite_total{rank="1",where="input"}' not in s  # never incremented
+    assert s['echo:saturated_total{rank="1"}'] == 4  # its own event, brought up to the last total
     assert s['echo:model_bypass{path="flashinfer_allreduce_rmsnorm",rank="1"}'] == 1
 
 
