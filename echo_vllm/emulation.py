@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .numbering import CallCounter, CallSlot
+from .policy import Path
 from .transport import VirtualTransport
 
 #: vLLM pads the vocabulary to a multiple of this before sharding it.
@@ -135,10 +136,9 @@ class EmulatedTP:
         itself unless given one)."""
         return self.counter.next()
 
-    def reduce(self, partials: torch.Tensor, slot: CallSlot | None = None) -> torch.Tensor:
+    def reduce(self, partials: torch.Tensor, slot: CallSlot | None = None, path: Path | None = None) -> torch.Tensor:
         """Sum partials [P, ...] as the configured all-reduce would, as the
-        call at ``slot`` (default: the next one)."""
+        call at ``slot`` (default: the next one); ``path``: the path the
+        caller forces (``mode="exact"`` forces the exact one on every call)."""
         slot = self.counter.next() if slot is None else slot
-        if self.mode == "exact":
-            return self.comm.transport.exact_all_reduce(partials)
-        return self.comm.all_reduce(partials, slot=slot)
+        return self.comm.all_reduce(partials, slot=slot, path=Path.EXACT if self.mode == "exact" else path)

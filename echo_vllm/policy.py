@@ -40,8 +40,9 @@ class Reason(str, enum.Enum):
     FIRST_EXACT_CALLS = "first_exact_calls"
     LAST_CALL = "exact_last_call"
     FORCED_EXACT = "forced_exact_calls"
-    """A caller's rule put this call on the exact path (the evaluation's
-    ``exact_calls``: ``EchoCommunicator.all_reduce(exact_reason=...)``)."""
+    """The caller put this call on the exact path
+    (``EchoCommunicator.all_reduce(path=Path.EXACT)``: a 16-bit baseline,
+    the evaluation's ``exact_calls``)."""
     EXCEEDS_FUSED_BUFFERS = "exceeds_fused_buffers"
     """Echo's path, but the chunks exceed the fused backend's buffers: its
     fallback (the Triton stage kernels) ran the call (``EchoBackend.fits``)."""
@@ -97,11 +98,11 @@ def _exact(reason: Reason) -> Decision:
     return Decision(Path.EXACT, reason)
 
 
-def decide(call: CallInfo, config: EchoConfig | None, *, enabled: bool = True) -> Decision:
-    """Route one all-reduce. Order matters only for which reason is reported
-    when several apply: structural reasons first, then size, then chain
-    position."""
-    if not enabled or config is None:
+def decide(call: CallInfo, config: EchoConfig | None) -> Decision:
+    """Route one all-reduce (``config`` None: Echo is off). Order matters only
+    for which reason is reported when several apply: structural reasons
+    first, then size, then chain position."""
+    if config is None:
         return _exact(Reason.DISABLED)
     if call.world_size < 2:
         return _exact(Reason.WORLD_SIZE_1)

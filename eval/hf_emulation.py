@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
-from ..policy import Reason
+from ..policy import Path
 from ..postnorm import PostnormDecision, decide_postnorm, postnorm_config
 
 log = logging.getLogger(__name__)
@@ -154,11 +154,8 @@ class HFEmulation:
             )
         tp = self.tp
         slot = tp.next_call()
-        if slot.index in self.exact_calls:
-            # counted like every other call, so bits/value includes it
-            y = tp.comm.all_reduce(partials, slot=slot, exact_reason=Reason.FORCED_EXACT)
-        else:
-            y = tp.reduce(partials, slot)
+        # a forced call is counted like every other, so bits/value includes it
+        y = tp.reduce(partials, slot, path=Path.EXACT if slot.index in self.exact_calls else None)
         if self.record:
             self.records.append(CallRecord(slot.index, site, partials.detach().clone(), y.detach().clone()))
         return y.to(out_dtype)

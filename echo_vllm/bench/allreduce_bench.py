@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..communicator import EchoCommunicator
+from ..communicator import EchoCommunicator, chain_key, message_layout
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir, parse_int
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
+from ..numbering import CallSlot
+from ..policy import Path
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
 from . import report, timing
@@ -46,6 +48,10 @@ ALGOS = ("16-bit", "naive4", "echo", "wire-only")
 """``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
 4-bit chunks) without quantizing anything: the time Echo would take if its
 stages were free, i.e. what the link alone allows."""
+
+#: The slot the Echo contenders run as: a forward pass's steady state
+#: (call 1 of a chain, absorbing the error call 0 left).
+STEADY = CallSlot(1)
 
 
 def echo_algo(backend: str) -> str:
@@ -80,8 +86,8 @@ class Contenders:
         self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport,
                                       device=device)
         self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
-        self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
-        lay = self.echo.message_layout(tuple(inputs[0].shape))
+        lay = message_layout(tuple(inputs[0].shape), transport.world_size, cfg.group_size)
+        self.key = chain_key(inputs[0], lay)
         self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
         self.transport = transport
         # gloo with CUDA tensors: the 16-bit baseline crosses the link as Echo does
@@ -103,12 +109,12 @@ class Contenders:
             dist.all_reduce(x)
 
     def naive4(self, i: int) -> torch.Tensor:
-        return self.naive.echo_all_reduce(self.x(i))
+        return self.naive.all_reduce(self.x(i), path=Path.ECHO)
 
     def echo_call(self, i: int) -> torch.Tensor:
         # the steady state of a forward pass: call 1 absorbs call 0's error
         self.chain.record(0, self.key, left_error=True)
-        return self.echo.echo_all_reduce(self.x(i), self.chain, 1)
+        return self.echo.all_reduce(self.x(i), slot=STEADY, path=Path.ECHO, chain=self.chain)
 
     def wire_only(self, i: int) -> torch.Tensor:
         recv = self.transport.all_to_all(self.wire)
@@ -119,7 +125,7 @@ class Contenders:
 
         def run(i: int) -> torch.Tensor:
             self.chain.record(0, self.key, left_error=True)
-            return ar.echo_all_reduce(self.x(i), self.chain, 1)
+            return ar.all_reduce(self.x(i), slot=STEADY, path=Path.ECHO, chain=self.chain)
 
         return run
 

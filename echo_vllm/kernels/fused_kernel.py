@@ -729,7 +729,12 @@ def fused_all_reduce(
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
-    _launch(lp, (x, fb, out, table), ints, x, phase, sms, compile_only=compile_only)
+    tensors = (x, fb, out, table)
+    _check_grid(lp, tensors, ints, x, phase, sms)
+    if not compile_only:
+        lp.launcher(lp.grid, tensors, ints, lp.constexprs)
+    elif x.is_cuda:  # the interpreter compiles nothing; _check_grid's compilation is found in Triton's cache
+        lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
     return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
 
 
@@ -782,7 +787,9 @@ def fused_all_reduce_norm(
                            tiling_lanes(tiling, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
-    _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)
+    tensors = (x, fb, table, res, weight, out, res_out)
+    _check_grid(lp, tensors, ints, x, phase, sms)
+    lp.launcher(lp.grid, tensors, ints, lp.constexprs)
     shape = (layout.numel,) if ranks == 1 else (ranks, layout.numel)
     return out.view(shape), residual_out.view(shape) if residual_out is not None else None
 
@@ -816,18 +823,12 @@ def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offs
     return ranks
 
 
-def _launch(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None, *,
-            compile_only: bool = False) -> None:
-    """Launch, a grid with barriers checked resident first (:func:`check_resident`,
-    which compiles the kernel); ``compile_only``: compile, launch nothing."""
+def _check_grid(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
+    """Before a launch of ``lp`` with barriers, its grid checked resident on
+    ``sms`` SMs (:func:`check_resident`, which compiles the kernel)."""
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
                        sm_limits(x.device))
-    if compile_only:
-        if x.is_cuda:  # the interpreter compiles nothing; check_resident's compilation is found in Triton's cache
-            lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
-    else:
-        lp.launcher(lp.grid, tensors, ints, lp.constexprs)
 
 
 __all__ = [

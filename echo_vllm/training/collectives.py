@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..emulation import StackedCommunicator
 from ..config import EchoConfig
 from ..numbering import CallCounter
+from ..policy import Path
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
 
 MODES = ("exact", "naive", "echo")
@@ -224,11 +225,12 @@ class ChainedAllReduce:
         self.group = group
         self.comm_dtype = config.comm_dtype
         echo_cfg = config.echo_config(direction)
-        self.exact_only = echo_cfg is None
-        # exact mode still owns a communicator: its exact path is the one the
-        # Echo modes fall back to, so the three modes share the 16-bit numerics
+        # exact mode still owns a communicator and forces its exact path: the one
+        # the Echo modes fall back to, so the three modes share the 16-bit numerics
+        self.path = Path.EXACT if echo_cfg is None else None
+        """The path every call is forced onto (None: the policy's)."""
         self.comm = StackedCommunicator(echo_cfg or EchoConfig(min_bytes=0), group.transport, device=group.device,
-                                        fast_cpu=True, enabled=not self.exact_only)
+                                        fast_cpu=True)
         self.counter = CallCounter()
         """Numbers this direction's calls; ``calls_per_pass`` is declared per
         pass (known before the pass's last call)."""
@@ -253,10 +255,10 @@ class ChainedAllReduce:
         xs = partials.to(self.comm_dtype)
         slot = self.counter.next()
         start = self._tick()
-        y = self.comm.all_reduce(xs, slot=slot)
+        y = self.comm.all_reduce(xs, slot=slot, path=self.path)
         self._tock(start)
         if self.recorder is not None:
-            path = self.comm.should_echo(xs, slot).path.value
+            path = (self.path or self.comm.should_echo(xs, slot).path).value
             self.recorder.append(CallRecord(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
                                             y.detach().clone()))
         return y

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from echo_vllm import quant
     from echo_vllm.backends.fused import local_buffers
-    from echo_vllm.backends.stages import TritonStages
+    from echo_vllm.backends.triton_stages import TritonStages
     from echo_vllm.bench.report import parse_size
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.quant import WireLayout
