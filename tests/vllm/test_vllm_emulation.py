@@ -265,7 +265,7 @@ def test_exact_variant_is_the_fp32_sum_of_the_same_partials(proc):
     forward = _reference(CONFIG, mode="exact")
     ids = _stack().ids
     assert torch.equal(proc["exact"], forward(ids[1])[0])
-    assert proc["exact_stats"]["calls"] == {"exact/disabled": 1 + 2 * LAYERS}
+    assert proc["exact_stats"]["calls"] == {"exact/forced_exact_calls": 1 + 2 * LAYERS}
     naive = _reference(EchoConfig.naive(min_bytes=0, first_exact_calls=0))
     naive(ids[0])
     assert torch.equal(proc["naive"], naive(ids[1])[0])
