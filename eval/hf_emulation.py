@@ -59,8 +59,8 @@ def postnorm_decision(model: nn.Module) -> PostnormDecision:
 
 
 @dataclass
-class CallRecord:
-    """One all-reduce seen by the emulation (for probes and tests)."""
+class SiteCall:
+    """One all-reduce at an emulated site, its partials and output (for probes and tests)."""
 
     index: int
     site: str
@@ -74,8 +74,8 @@ class HFEmulation:
 
     Use as a context manager or call :meth:`install` / :meth:`remove`.
     ``exact_calls`` forces chosen call indices onto the 16-bit path (an
-    ablation tool: which calls hurt); ``record`` keeps every call's partials
-    and output (memory grows with it; tests and probes only).
+    ablation tool: which calls hurt); ``trace`` keeps every call's partials
+    and output in :attr:`traced` (memory grows with it; tests and probes only).
     """
 
     model: nn.Module
@@ -88,7 +88,7 @@ class HFEmulation:
     to bf16 as a bf16 TP rank would, and casts the sum back."""
     postnorm_policy: str = "no-feedback"
     exact_calls: frozenset[int] = frozenset()
-    record: bool = False
+    trace: bool = False
 
     def __post_init__(self) -> None:
         self.backbone = find_backbone(self.model)
@@ -111,7 +111,7 @@ class HFEmulation:
             calls_per_forward=self.calls_per_forward,
             device=next(self.model.parameters()).device,
         )
-        self.records: list[CallRecord] = []
+        self.traced: list[SiteCall] = []
         self._saved: list[tuple[nn.Module, object]] = []
         self._handles: list = []
         self._check_shapes()
@@ -156,8 +156,8 @@ class HFEmulation:
         slot = tp.next_call()
         # a forced call is counted like every other, so bits/value includes it
         y = tp.reduce(partials, slot, path=Path.EXACT if slot.index in self.exact_calls else None)
-        if self.record:
-            self.records.append(CallRecord(slot.index, site, partials.detach().clone(), y.detach().clone()))
+        if self.trace:
+            self.traced.append(SiteCall(slot.index, site, partials.detach().clone(), y.detach().clone()))
         return y.to(out_dtype)
 
     # -- patched forwards ---------------------------------------------------------

@@ -191,8 +191,9 @@ class TPCommConfig:
 
 
 @dataclass
-class CallRecord:
-    """One residual all-reduce, as kept by :attr:`ChainedAllReduce.recorder`."""
+class ChainCall:
+    """One residual all-reduce of a direction's chain, its message and output,
+    as :attr:`ChainedAllReduce.trace` keeps it."""
 
     direction: str
     index: int
@@ -235,7 +236,7 @@ class ChainedAllReduce:
         """Numbers this direction's calls; ``calls_per_pass`` is declared per
         pass (known before the pass's last call)."""
         self.counter.start()
-        self.recorder: list[CallRecord] | None = None
+        self.trace: list[ChainCall] | None = None
         """Set to a list to keep every call's message and output (tests)."""
         self.time = CommTime()
 
@@ -257,9 +258,9 @@ class ChainedAllReduce:
         start = self._tick()
         y = self.comm.all_reduce(xs, slot=slot, path=self.path)
         self._tock(start)
-        if self.recorder is not None:
+        if self.trace is not None:
             path = (self.path or self.comm.should_echo(xs, slot).path).value
-            self.recorder.append(CallRecord(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
+            self.trace.append(ChainCall(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
                                             y.detach().clone()))
         return y
 
@@ -315,9 +316,10 @@ class TPComm:
                 f"the model declared {counter.calls_per_pass}"
             )
 
-    def set_recorder(self, recorder: list[CallRecord] | None) -> None:
-        self.forward.recorder = recorder
-        self.backward.recorder = recorder
+    def set_trace(self, trace: list[ChainCall] | None) -> None:
+        """Keep every call's :class:`ChainCall` in ``trace`` (None: stop)."""
+        self.forward.trace = trace
+        self.backward.trace = trace
 
     def stats(self) -> dict:
         """Calls by path/reason per direction, and chain counters."""
@@ -388,7 +390,7 @@ __all__ = [
     "BACKWARD_DEFAULT",
     "FORWARD_DEFAULT",
     "MODES",
-    "CallRecord",
+    "ChainCall",
     "ChainedAllReduce",
     "CommTime",
     "TPComm",

@@ -137,13 +137,13 @@ def test_install_remove_restores_model_bitwise():
 
 def test_call_indices_restart_every_forward():
     model = tiny_llama(layers=3)
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), trace=True)
     with emu, torch.no_grad():
         model(_ids(seed=1))
         model(_ids(seed=2))
-    idx = [r.index for r in emu.records]
+    idx = [r.index for r in emu.traced]
     assert idx == list(range(7)) * 2
-    assert [r.site for r in emu.records[:3]] == ["embed", "0.o_proj", "0.down_proj"]
+    assert [r.site for r in emu.traced[:3]] == ["embed", "0.o_proj", "0.down_proj"]
     calls = emu.tp.comm.stats.snapshot()["calls"]
     assert calls == {"echo/echo": 12, "exact/exact_last_call": 2}
 
@@ -153,10 +153,10 @@ def test_fp32_model_needs_comm_dtype_for_echo():
     with pytest.raises(EchoConfigError, match="bf16/fp16"):
         with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)), torch.no_grad():
             model(_ids())
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), comm_dtype=torch.bfloat16, record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), comm_dtype=torch.bfloat16, trace=True)
     with emu, torch.no_grad():
         out = model(_ids()).logits
-    assert out.dtype == torch.float32 and emu.records[1].partials.dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and emu.traced[1].partials.dtype == torch.bfloat16
 
 
 def test_indivisible_width_fails_early():
@@ -221,12 +221,12 @@ def _one_call_bound(rec, hadamard: bool) -> torch.Tensor:
 def test_echo_without_feedback_within_quantization_bound(hadamard):
     model = tiny_llama()
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, feedback=False, hadamard=hadamard, exact_last_call=False)
-    emu = HFEmulation(model, P, "echo", cfg, record=True)
+    emu = HFEmulation(model, P, "echo", cfg, trace=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
-    assert len(emu.records) == 5 and cfg.group_size == G
+    assert len(emu.traced) == 5 and cfg.group_size == G
     worst = 0.0
-    for rec in emu.records:
+    for rec in emu.traced:
         s = rec.partials.double().sum(0)
         y = rec.output.double()
         bound = _one_call_bound(rec, hadamard)
@@ -244,10 +244,10 @@ def test_echo_feedback_telescopes_over_a_real_forward(feedback_dtype):
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=True, exact_last_call=True,
                      feedback_dtype=feedback_dtype)
     u_s = U_B if feedback_dtype == "bfloat16" else 0.0  # unit roundoff of storing an fp32 error
-    emu = HFEmulation(model, P, "echo", cfg, record=True)
+    emu = HFEmulation(model, P, "echo", cfg, trace=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
-    *echo_calls, last = emu.records
+    *echo_calls, last = emu.traced
     assert emu.tp.comm.stats.snapshot()["calls"] == {"echo/echo": len(echo_calls), "exact/exact_last_call": 1}
     total = torch.zeros_like(last.output, dtype=torch.float64)
     slack = torch.zeros_like(total)
@@ -325,7 +325,7 @@ def test_gemma3_postnorm_detected_and_feedback_off_by_default():
 
 
 def _gemma3_run(model, ids, mode, config, policy="no-feedback"):
-    emu = HFEmulation(model, P, mode, config, postnorm_policy=policy, record=True)
+    emu = HFEmulation(model, P, mode, config, postnorm_policy=policy, trace=True)
     with emu, torch.no_grad():
         logits = model(ids).logits.double()
     return emu, logits
@@ -336,7 +336,7 @@ def _quantized_calls_within_one_call_bound(emu) -> float:
     when no carried error reaches the outputs (0/0, an all-zero group such
     as the padding token's embedding, counts as 0)."""
     cfg = emu.effective_config
-    calls = emu.records[:-1] if cfg.exact_last_call else emu.records
+    calls = emu.traced[:-1] if cfg.exact_last_call else emu.traced
     worst = 0.0
     for rec in calls:
         err = (rec.output.double() - rec.partials.double().sum(0)).abs()
