@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
 from ..postnorm import POSTNORM_POLICIES
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .models import default_emulate_tp, require_device, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, load_hf_model
 from .report import markdown_table, pyplot, read_json, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
@@ -448,7 +448,7 @@ def main(argv: list[str]) -> int:
     if len(set(args.tasks)) != len(args.tasks):  # counted twice in the average
         raise UsageError(f"--tasks {' '.join(args.tasks)}: a task is given twice")
     if args.backend == "hf" and not args.merge:  # a device this host lacks: refused before the model loads
-        check_device(args.device)
+        require_device(args.device)
     if args._one:
         v = next(v for v in variants if v.name == args._one)
         result = run_vllm_one(args, v, args.tasks)

@@ -26,7 +26,7 @@ from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from ..postnorm import POSTNORM_POLICIES
 from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
-from .models import check_device, default_emulate_tp, resolve_model, tp_size_arg
+from .models import default_emulate_tp, require_device, resolve_model, tp_size_arg
 from .report import markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
@@ -452,7 +452,7 @@ def main(argv: list[str]) -> int:
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
-    check_device(args.device)
+    require_device(args.device)
     for name in args.texts:  # an unknown play: refused before the model loads
         text_file(name)
     run(args)
