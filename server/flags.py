@@ -27,7 +27,7 @@ from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DT
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
-from ..vllm_glue.settings import MODES as TP_COMM_CHOICES
+from ..vllm_glue.settings import TP_COMM_CHOICES
 
 
 class ServeArgsError(ValueError):

@@ -105,7 +105,7 @@ class EmulationSession(EchoSession):
     def _path(self) -> Optional[Path]:
         """The path every call takes: the policy's with ``tp_comm=echo``, the
         exact one (the baseline of the same partials) otherwise."""
-        return None if self.settings.mode == "echo" else Path.EXACT
+        return None if self.settings.tp_comm == "echo" else Path.EXACT
 
     def _communicator(self, device: torch.device) -> StackedCommunicator:
         if self.comm is None or self.comm.chain.device != device:
@@ -160,8 +160,8 @@ class EmulationSession(EchoSession):
 
     # -- switching variants in one eager engine -----------------------------------
 
-    def set_variant(self, mode: Optional[str] = None, **echo_changes: Any) -> None:
-        """Change the reduce (``mode`` "echo"/"nccl", EchoConfig fields) between
+    def set_variant(self, tp_comm: Optional[str] = None, **echo_changes: Any) -> None:
+        """Change the reduce (``tp_comm`` "echo"/"nccl", EchoConfig fields) between
         requests. Eager engines only: a captured CUDA graph keeps the
         decisions it was captured with."""
         if self.captured:
@@ -172,7 +172,7 @@ class EmulationSession(EchoSession):
         self.flush()
         self.settings = dataclasses.replace(
             self.settings,
-            mode=mode or self.settings.mode,
+            tp_comm=tp_comm or self.settings.tp_comm,
             echo=self.settings.echo.replace(**echo_changes),
         )
         self.close()

@@ -432,13 +432,13 @@ def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
                            enforce_eager=True, postnorm="exact", kv_cache_gib=None, parallel=False)
     echo = vllm_model_args(args, parse_variant("default"), tmp_path)["additional_config"]
     settings = TpCommSettings.from_additional_config(echo)
-    assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.mode == "echo"
+    assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.tp_comm == "echo"
     # the exact baseline stays all 16-bit on a post-norm model whatever the policy
     for policy in ("exact", "no-feedback", "feedback"):
         args.postnorm = policy
         exact = vllm_model_args(args, parse_variant("exact"), tmp_path)["additional_config"]
         s, _ = TpCommSettings.from_additional_config(exact).for_model(["Gemma3ForCausalLM"])
-        assert s.mode == "nccl" or s.echo.min_bytes > 2**50
+        assert s.tp_comm == "nccl" or s.echo.min_bytes > 2**50
 
 
 def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):

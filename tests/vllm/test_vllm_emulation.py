@@ -128,11 +128,11 @@ def _emulation(stack, out):
         session.flush()
         out["measure_stats"] = current_stats().snapshot()
 
-        session.set_variant(mode="nccl")
+        session.set_variant(tp_comm="nccl")
         session.reset_stats()
         out["exact"] = forward(_model, ids[1])
         out["exact_stats"] = current_stats().snapshot()
-        session.set_variant(mode="echo", feedback=False, exact_last_call=False, hadamard=False)
+        session.set_variant(tp_comm="echo", feedback=False, exact_last_call=False, hadamard=False)
         out["naive"] = forward(_model, ids[1])
     out["ops"] = [hasattr(torch.ops.echo, n) for n in ("emulated_row_parallel", "emulated_vocab_embedding")]
 
