@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EchoConfig
+from .config import EchoConfig, EchoConfigError
+
+#: Which all-reduce a run uses, one vocabulary wherever Echo's code names it
+#: (training's ``TPCommConfig.mode``, the emulation's ``EmulatedTP.mode``, the
+#: evaluation's variants): ``exact``, the 16-bit all-reduce on every call (what
+#: vLLM users call ``--tp-comm nccl``); ``naive``, Echo's 4-bit path without
+#: error feedback; ``echo``, Echo. One call is put on the exact path with
+#: ``EchoCommunicator.all_reduce(path=Path.EXACT)``.
+MODES = ("exact", "naive", "echo")
 
 #: Input dtypes Echo quantizes. fp32 messages are rare in inference (and
 #: would need a different exact path); they take the exact path.
@@ -92,6 +100,17 @@ class Decision:
     def side(self) -> bool:
         """A side call (:data:`SIDE_REASONS`): exact, the chain untouched."""
         return self.reason in SIDE_REASONS
+
+
+def mode_config(mode: str, config: EchoConfig) -> EchoConfig | None:
+    """The Echo configuration a run in ``mode`` (:data:`MODES`) uses: None
+    for ``exact`` (no call takes Echo's path), ``config`` without error
+    feedback for ``naive``, ``config`` itself for ``echo``."""
+    if mode not in MODES:
+        raise EchoConfigError(f"mode={mode!r:.60}: choose one of {MODES}")
+    if mode == "exact":
+        return None
+    return config.replace(feedback=False) if mode == "naive" else config
 
 
 def _exact(reason: Reason) -> Decision:

@@ -97,7 +97,7 @@ class HFEmulation:
         decision = postnorm_decision(self.model)
         self.postnorm = decision.postnorm
         mode, config = self.mode, self.config
-        if self.postnorm and mode == "echo":
+        if self.postnorm and mode != "exact":
             mode, config = postnorm_config(config, self.postnorm_policy)
             log.warning(
                 "post-norm model (%s: %s): Echo policy %r -> mode=%s feedback=%s",
@@ -147,7 +147,7 @@ class HFEmulation:
         out_dtype = partials.dtype
         if self.comm_dtype is not None:
             partials = partials.to(self.comm_dtype)
-        elif self.effective_mode == "echo" and partials.dtype not in (torch.bfloat16, torch.float16):
+        elif self.effective_mode != "exact" and partials.dtype not in (torch.bfloat16, torch.float16):
             raise EchoConfigError(
                 f"Echo quantizes bf16/fp16 all-reduces; this model runs in {partials.dtype} "
                 "(load it in bfloat16, or pass comm_dtype=torch.bfloat16)"

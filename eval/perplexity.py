@@ -236,7 +236,7 @@ def effective_bits(variant: Variant, calls: dict) -> float:
     4 + 16/g, exact-path calls at 16)."""
     echo = sum(n for k, n in calls.items() if k.startswith("echo/"))
     total = sum(calls.values())
-    if variant.mode != "echo" or not total:
+    if not variant.quantized or not total:
         return 16.0
     return (echo * variant.bits_per_value + (total - echo) * 16.0) / total
 
@@ -359,7 +359,7 @@ def plot(result: dict, path) -> None:
     use_kl = any(r.get("kl") is not None for r in result["rows"])
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(13 if curves else 7, 4.8), squeeze=False)
     ax = axes[0][0]
-    names = [v["name"] for v in result["variants"] if v["mode"] == "echo" and ":" not in v["name"]]
+    names = [v["name"] for v in result["variants"] if v["mode"] in ("naive", "echo") and ":" not in v["name"]]
     width = 0.8 / max(len(texts), 1)
     for k, t in enumerate(texts):
         vals = [next((r["delta_pct"] for r in result["rows"] if r["text"] == t and r["variant"] == n), 0) or 0

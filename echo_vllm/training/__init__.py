@@ -25,7 +25,6 @@ same with ``TPGroup.from_process_group()``)::
 from .collectives import (
     BACKWARD_DEFAULT,
     FORWARD_DEFAULT,
-    MODES,
     ChainCall,
     TPComm,
     TPCommConfig,
@@ -38,7 +37,6 @@ from .model import ModelConfig, TPQwen3
 __all__ = [
     "BACKWARD_DEFAULT",
     "FORWARD_DEFAULT",
-    "MODES",
     "ChainCall",
     "ModelConfig",
     "TPComm",

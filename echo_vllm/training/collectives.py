@@ -48,10 +48,8 @@ import torch.distributed as dist
 from ..emulation import StackedCommunicator
 from ..config import EchoConfig
 from ..numbering import CallCounter
-from ..policy import Path
+from ..policy import MODES, Path, mode_config
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
-
-MODES = ("exact", "naive", "echo")
 
 #: Forward chain defaults. Training messages (tokens x hidden, 16-bit) are
 #: far above Echo's serving size gate, and the comparison is about
@@ -153,9 +151,9 @@ class TPCommConfig:
     """How the residual all-reduces of a TP training step are done."""
 
     mode: str = "echo"
-    """"exact": every call 16-bit (the baseline); "naive": the Echo configs
-    below with ``feedback=False`` (plain 4-bit, same calls 16-bit as Echo);
-    "echo": the configs as given."""
+    """:data:`echo_vllm.policy.MODES`: "exact", every call 16-bit (the
+    baseline); "naive", the Echo configs below with ``feedback=False``
+    (plain 4-bit, same calls 16-bit as Echo); "echo", the configs as given."""
 
     forward: EchoConfig = FORWARD_DEFAULT
     """Echo options of the forward chain (g: embedding and row-parallel
@@ -181,10 +179,7 @@ class TPCommConfig:
     def echo_config(self, direction: str) -> EchoConfig | None:
         """The EchoConfig of ``direction`` ("forward"/"backward") in this
         mode; None for exact."""
-        if self.mode == "exact":
-            return None
-        cfg = self.forward if direction == "forward" else self.backward
-        return cfg.replace(feedback=False) if self.mode == "naive" else cfg
+        return mode_config(self.mode, self.forward if direction == "forward" else self.backward)
 
     def replace(self, **changes) -> "TPCommConfig":
         return dataclasses.replace(self, **changes)
@@ -389,7 +384,6 @@ def reduce_from_tp(partials: torch.Tensor, comm: TPComm, out_dtype: torch.dtype 
 __all__ = [
     "BACKWARD_DEFAULT",
     "FORWARD_DEFAULT",
-    "MODES",
     "ChainCall",
     "ChainedAllReduce",
     "CommTime",

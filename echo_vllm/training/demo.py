@@ -40,7 +40,8 @@ from echo_vllm.cli_args import (MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, U
                                 existing_dir, out_dir, real)
 from echo_vllm.config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 
-from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, MODES, TPCommConfig, TPGroup
+from ..policy import MODES
+from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, TPCommConfig, TPGroup
 from .data import SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
 from .model import ModelConfig
 from .trainer import TrainConfig, train

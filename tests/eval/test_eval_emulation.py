@@ -318,7 +318,7 @@ def test_gemma3_postnorm_detected_and_feedback_off_by_default():
     model = tiny_gemma3()
     assert postnorm_decision(model).postnorm and not postnorm_decision(tiny_llama()).postnorm
     emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0))
-    assert emu.effective_mode == "echo" and emu.effective_config.feedback is False
+    assert emu.effective_mode == "naive" and emu.effective_config.feedback is False
     assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="exact").effective_mode == "exact"
     assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="feedback").effective_config.feedback
     assert HFEmulation(tiny_llama(), P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)).effective_config.feedback
@@ -362,7 +362,7 @@ def test_gemma3_echo_runs():
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0)
     _, exact = _gemma3_run(model, ids, "exact", cfg)
     emu, echo = _gemma3_run(model, ids, "echo", cfg)
-    assert emu.effective_mode == "echo" and emu.effective_config == cfg.replace(feedback=False)
+    assert emu.effective_mode == "naive" and emu.effective_config == cfg.replace(feedback=False)
     assert emu.tp.comm.stats.snapshot()["calls"] == {"echo/echo": 4, "exact/exact_last_call": 1}
     _, naive = _gemma3_run(model, ids, "echo", EchoConfig.naive(min_bytes=0))
 
@@ -392,7 +392,7 @@ def test_gemma3_echo_runs():
 
 def test_variant_specs():
     vs = parse_variants(["exact", "naive", "default:group_size=16,first_exact_calls=2", "echo+hadamard+last"])
-    assert [v.mode for v in vs] == ["exact", "echo", "echo", "echo"]
+    assert [v.mode for v in vs] == ["exact", "naive", "echo", "echo"]
     # the ladder pins what defines it, whatever EchoConfig's defaults are
     assert vs[1].config == EchoConfig.naive(min_bytes=0, first_exact_calls=0, feedback_dtype="float32")
     assert vs[3].config == EchoConfig(min_bytes=0, first_exact_calls=0, feedback_dtype="float32",
@@ -415,9 +415,12 @@ def test_vllm_additional_config_roundtrips_through_echoconfig():
     extra = v.vllm_additional_config(emulate=4)
     assert extra["tp_comm"] == "echo" and extra["tp_comm_emulate"] == 4
     assert EchoConfig.from_mapping(extra, prefix="echo_") == v.config
-    exact = parse_variant("exact").vllm_additional_config(emulate=3)
-    assert EchoConfig.from_mapping(exact, prefix="echo_").min_bytes > 2**50  # every call exact
+    # the exact baseline is vLLM's own all-reduce: the emulation's 16-bit sum of the same partials
+    assert parse_variant("exact").vllm_additional_config(emulate=3) == {"tp_comm": "nccl", "tp_comm_emulate": 3}
     assert parse_variant("exact").vllm_additional_config(emulate=0) == {}
+    naive = parse_variant("naive")
+    assert naive.mode == "naive" and not EchoConfig.from_mapping(naive.vllm_additional_config(emulate=2),
+                                                                  prefix="echo_").feedback
     assert "tp_comm_emulate" not in parse_variant("naive").vllm_additional_config(emulate=0)
     assert math.isclose(parse_variant("naive").bits_per_value, 4.5)
 
@@ -438,7 +441,7 @@ def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
         args.postnorm = policy
         exact = vllm_model_args(args, parse_variant("exact"), tmp_path)["additional_config"]
         s, _ = TpCommSettings.from_additional_config(exact).for_model(["Gemma3ForCausalLM"])
-        assert s.tp_comm == "nccl" or s.echo.min_bytes > 2**50
+        assert s.tp_comm == "nccl" and s.emulate_world_size == 4
 
 
 def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):
