@@ -44,8 +44,10 @@ from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
 from . import report, timing
 
-ALGOS = ("16-bit", "naive4", "echo", "wire-only")
-"""``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
+ALGOS = ("exact", "naive", "echo", "wire-only")
+"""The contenders, in :data:`echo_vllm.policy.MODES`' words: ``exact`` is the
+16-bit all-reduce (NCCL's, gloo's), ``naive`` Echo's path without error
+feedback, ``echo`` Echo; ``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
 4-bit chunks) without quantizing anything: the time Echo would take if its
 stages were free, i.e. what the link alone allows."""
 
@@ -101,14 +103,14 @@ class Contenders:
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
 
-    def sixteen_bit(self, i: int) -> None:
+    def exact(self, i: int) -> None:
         x = self.inputs16[i % len(self.inputs16)]
         if self.staged:
             x.copy_(self.transport.exact_all_reduce(x.unsqueeze(0)))
         else:
             dist.all_reduce(x)
 
-    def naive4(self, i: int) -> torch.Tensor:
+    def naive(self, i: int) -> torch.Tensor:
         return self.naive.all_reduce(self.x(i), path=Path.ECHO)
 
     def echo_call(self, i: int) -> torch.Tensor:
@@ -130,7 +132,7 @@ class Contenders:
         return run
 
     def runs(self):
-        out = {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call,
+        out = {"exact": self.exact, "naive": self.naive, "echo": self.echo_call,
                "wire-only": self.wire_only}
         out.update({algo: self.named_call(algo) for algo in self.named})
         return out
@@ -207,9 +209,9 @@ def _finish(args, rows: list[report.Row], meta: dict) -> None:
     title = f"{meta['transport']} P={meta['world_size']}"
     print()
     print(f"all-reduce of bf16 messages, {title}; times are medians per call; "
-          "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs 16-bit")
+          "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs exact (the 16-bit all-reduce)")
     algos = [a for a in ALGOS] + sorted({r.algo for r in rows} - set(ALGOS))
-    print(report.format_table(rows, "16-bit", algos))
+    print(report.format_table(rows, "exact", algos))
     if args.out:
         path = report.write_json(args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.json",
                                  {**meta, "rows": [r.to_dict() for r in rows]})
