@@ -53,8 +53,8 @@ from .capture import capturing
 from .config import EchoConfig, EchoConfigError
 from .feedback import FeedbackChain
 from .health import sampled
-from .norm import NormOperands
-from .norm_plan import norm_tiling
+from .rmsnorm import NormOperands
+from .rmsnorm_plan import norm_tiling
 from .numbering import NO_PASS, CallSlot
 from .policy import ECHO_DTYPES, CallInfo, Decision, Path, Reason, decide
 from .quant import WireLayout
@@ -270,7 +270,7 @@ class EchoCommunicator:
         ``norm`` (vLLM's ``fused_add_rms_norm``, ``rms_norm`` without a
         residual): ``(out, new residual)``. On Echo's path the norm runs in
         the backend's output phase where the row fits
-        (``norm_plan.norm_tiling``), else after it; on the exact path after
+        (``rmsnorm_plan.norm_tiling``), else after it; on the exact path after
         it; the record says which (``CallRecord.norm``)."""
         msg = self._message(inp)
         if not self.stream.holds(msg):

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
-from ..postnorm import POSTNORM_POLICIES
+from ..postnorm_policy import POSTNORM_POLICIES
 from .models import default_emulate_tp, require_device, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, load_hf_model
 from .report import markdown_table, pyplot, read_json, save_figure, write_outputs

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..cli_args import device, file_stem, out_dir
-from ..postnorm import POSTNORM_POLICIES
+from ..postnorm_policy import POSTNORM_POLICIES
 from ..corpora import text_file
 from .hf_emulation import HFEmulation, find_backbone
 from .models import default_emulate_tp, require_device, resolve_model, tp_size_arg

@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
 from ..policy import Path
-from ..postnorm import PostnormDecision, decide_postnorm, postnorm_config
+from ..postnorm_policy import PostnormDecision, decide_postnorm, postnorm_config
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def find_backbone(model: nn.Module) -> nn.Module:
 
 
 def postnorm_decision(model: nn.Module) -> PostnormDecision:
-    """:func:`~echo_vllm.postnorm.decide_postnorm` for a transformers model:
+    """:func:`~echo_vllm.postnorm_policy.decide_postnorm` for a transformers model:
     its config's architectures, then its decoder's structure."""
     config = getattr(model, "config", None)
     return decide_postnorm(getattr(config, "architectures", None), config, find_backbone(model))

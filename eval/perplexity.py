@@ -23,7 +23,7 @@ import torch
 
 from ..cli_args import UsageError, count, device, file_stem, out_dir
 from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
-from ..postnorm import POSTNORM_POLICIES
+from ..postnorm_policy import POSTNORM_POLICIES
 from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
 from .models import default_emulate_tp, require_device, resolve_model, tp_size_arg

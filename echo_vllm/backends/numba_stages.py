@@ -2,7 +2,7 @@
 
 Imported where a backend that runs them is built (:mod:`echo_vllm.backends`):
 numba loads only then. The loops round to nearest (no ``noise``);
-``output_norm`` is their ``output`` then ``norm.norm_into``.
+``output_norm`` is their ``output`` then ``rmsnorm.norm_into``.
 """
 
 from __future__ import annotations

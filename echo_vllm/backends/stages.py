@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from .. import quant
-from ..norm import norm_into
+from ..rmsnorm import norm_into
 from ..quant import WireLayout
 
 
@@ -62,7 +62,7 @@ class StageOps(Protocol):
                     out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``output``, then the residual add and RMSNorm of
-        ``norm.norm_into`` (signature of ``kernels.output_norm``)."""
+        ``rmsnorm.norm_into`` (signature of ``kernels.output_norm``)."""
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
 
 def output_then_norm(stages, gathered, layout, out_dtype, weight, eps, *, hadamard, residual=None, out=None,
                      residual_out=None):
-    """``output_norm`` as the stages' ``output`` followed by ``norm.norm_into``
+    """``output_norm`` as the stages' ``output`` followed by ``rmsnorm.norm_into``
     (the same bits as the fused kernel, by its specification)."""
     y = stages.output(gathered, layout, out_dtype, hadamard=hadamard).view(layout.rows, layout.cols)
     o, r = norm_into(y, weight, eps, residual=residual, out=out, residual_out=residual_out)

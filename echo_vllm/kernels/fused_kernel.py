@@ -100,8 +100,8 @@ from ..quant import WireLayout
 from . import contract
 from .direct_launch import Launcher, LaunchPlan
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
-from ..norm_plan import MAX_PROGRAMS_PER_SM, NormTiling
-from .norm_tile import output_norm_tile, tile_groups
+from ..rmsnorm_plan import MAX_PROGRAMS_PER_SM, NormTiling
+from .rmsnorm_tile import output_norm_tile, tile_groups
 from .tile import block_offsets, group_rows, store_chunk_groups
 
 #: Compiled kernels bound their barrier waits with ``%globaltimer`` and
@@ -270,7 +270,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic.
-    Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``norm_tile.tile_groups``)."""
+    Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``rmsnorm_tile.tile_groups``)."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         rows = group_rows(lg, row_groups)
@@ -391,7 +391,7 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
                  DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
-    from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
+    from every chunk of the local ``gathered`` area (``rmsnorm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
     mine = _peer_buffer(table_ptr, rank)
     if ONE_PASS_ROWS > 0:
@@ -556,7 +556,7 @@ def tiling_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> Fused
 
 def tiling_for_norm(layout: WireLayout, norm: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedTiling:
     """:func:`tiling_for` with the residual add and RMSNorm: ``norm``'s whole
-    rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
+    rows per tile (``echo_vllm.rmsnorm_plan.norm_tiling``), its warps,
     ``norm.per_sm()`` programs per SM."""
     return _persistent(norm.tiles(layout), norm.groups_per_tile, norm.num_warps, norm.per_sm(), sms, sm, norm)
 
@@ -762,8 +762,8 @@ def fused_all_reduce_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`fused_all_reduce` followed by the residual add and RMSNorm in
     its phase 3: ``(out, new residual)``, the bits of its output then
-    ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
-    (``norm.rms_norm`` without ``residual``, and ``residual_out`` holding
+    ``rmsnorm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
+    (``rmsnorm.rms_norm`` without ``residual``, and ``residual_out`` holding
     Echo's output, or None when not given), the same as the
     composed ``output_norm`` kernel's. ``tiling``: :func:`tiling_for_norm`'s
     (whole rows per tile in every phase). ``residual`` (``[numel]``

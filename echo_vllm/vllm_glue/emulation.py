@@ -39,13 +39,13 @@ from ..communicator import ResidualStream
 from ..config import EchoConfigError
 from ..emulation import StackedCommunicator, row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..health import HealthCounters
-from ..norm import NormOperands
+from ..rmsnorm import NormOperands
 from ..numbering import CallSlot
 from ..policy import Path
 from ..transport import VirtualTransport
 from . import compat
 from . import session as sessions
-from .norm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
+from .rmsnorm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
 from .session import EchoSession
 from .settings import TpCommSettings
 

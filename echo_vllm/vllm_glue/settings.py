@@ -21,7 +21,7 @@ Keys
     sum per call).
 ``tp_comm_postnorm``
     What Echo does on a post-norm model (Gemma-2/3, OLMo-2, ...; see
-    :mod:`echo_vllm.postnorm`): ``"exact"`` (default: Echo off for that
+    :mod:`echo_vllm.postnorm_policy`): ``"exact"`` (default: Echo off for that
     model), ``"no-feedback"`` (Echo without error feedback) or
     ``"feedback"`` (as configured, for measurement). Ignored for other models.
 ``echo_<field>``
@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, did_you_mean
 from ..config import EchoConfig, EchoConfigError, _coerce
-from ..postnorm import (
+from ..postnorm_policy import (
     DEFAULT_POSTNORM_POLICY,
     POSTNORM_POLICIES,
     decide_postnorm,
@@ -89,7 +89,7 @@ class TpCommSettings:
 
     postnorm: str | None = None
     """Policy for post-norm models (``tp_comm_postnorm``); None: not given
-    (:data:`~echo_vllm.postnorm.DEFAULT_POSTNORM_POLICY` applies)."""
+    (:data:`~echo_vllm.postnorm_policy.DEFAULT_POSTNORM_POLICY` applies)."""
 
     def __post_init__(self) -> None:
         if self.tp_comm not in TP_COMM_CHOICES:
@@ -151,7 +151,7 @@ class TpCommSettings:
         """These settings adjusted for the served model, and why (None when
         unchanged): on a post-norm model Echo's feedback would add errors
         back at the wrong scale, so :attr:`postnorm` decides. Post-norm is
-        :func:`~echo_vllm.postnorm.decide_postnorm`'s answer for
+        :func:`~echo_vllm.postnorm_policy.decide_postnorm`'s answer for
         ``architectures``, ``hf_config`` and the module tree ``modules``."""
         if self.tp_comm != "echo":
             return self, None

@@ -8,7 +8,7 @@ conflicting engine settings (:mod:`.guards`) and model code that goes
 around the hook (:mod:`.bypass`: refused, or logged and exported), and
 activates the process's session (:mod:`.session`): real TP, or the
 one-device emulation; then registers the compilation pass that folds the
-norm after each all-reduce into Echo (:mod:`.norm_fusion`).
+norm after each all-reduce into Echo (:mod:`.rmsnorm_fusion`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..postnorm import decide_postnorm, module_tree
+from ..postnorm_policy import decide_postnorm, module_tree
 from . import compat, emulation, session
 from .bypass import ModelFacts, model_bypasses
 from .guards import EchoEngineConfigError, check_engine_config
@@ -90,9 +90,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     else:
         # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
-    from . import norm_fusion  # vLLM's compilation modules: only in the engine that runs Echo
+    from . import rmsnorm_fusion  # vLLM's compilation modules: only in the engine that runs Echo
 
-    logger.info("echo: %s", norm_fusion.install(vllm_config, settings.tp_comm, settings.echo.fuse_norm, postnorm,
+    logger.info("echo: %s", rmsnorm_fusion.install(vllm_config, settings.tp_comm, settings.echo.fuse_norm, postnorm,
                                                 None if settings.emulated else coordinator.unique_name))
     active.model_note = note
     active.stats.bypasses = tuple(sorted({b.path for b in bypasses}))

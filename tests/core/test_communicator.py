@@ -72,7 +72,7 @@ def test_both_public_calls_reach_the_backend_through_the_one_echo_path():
     ``_echo`` -> the backend's ``all_reduce`` -> the kernel's host function
     (4 calls to the launch with the fused backend); ``all_reduce_norm``
     takes the same ``_echo``, and ``out`` reaches the backend."""
-    from echo_vllm.norm import NormOperands
+    from echo_vllm.rmsnorm import NormOperands
 
     transport = VirtualTransport(P)
     spy = _RouteSpy(transport)

@@ -4,7 +4,7 @@ register budget, the unfused path for rows it cannot take, with the reason."""
 
 import pytest
 
-from echo_vllm.norm_plan import (CHUNKS_PER_STEP, DECODE_ONCE_MAX_VALUES, MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS,
+from echo_vllm.rmsnorm_plan import (CHUNKS_PER_STEP, DECODE_ONCE_MAX_VALUES, MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS,
                                  NORM_WARPS_PER_SM, ONE_PASS_MAX_VALUES, SM_REGISTERS, TILE_VALUES, norm_tiling,
                                  registers)
 from echo_vllm.quant import WireLayout

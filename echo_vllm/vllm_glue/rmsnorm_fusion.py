@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..norm import NormOperands
+from ..rmsnorm import NormOperands
 from . import compat
 
 logger = logging.getLogger("echo_vllm")

@@ -8,7 +8,7 @@ two (``padded_row_groups``; the padding lanes are masked): a tile covers
 :data:`TILE_VALUES` values of each chunk where rows allow, the fused
 kernel's own tile for large messages (its phases 1 and 2 run Echo's tile,
 with as many programs per SM as the output phase's registers allow:
-:meth:`NormTiling.per_sm`). The output phase (``kernels.norm_tile``) reads
+:meth:`NormTiling.per_sm`). The output phase (``kernels.rmsnorm_tile``) reads
 a tile's rows in one pass, a step of ``one_pass_rows`` rows of every chunk
 at a time, where a step is at most :data:`ONE_PASS_MAX_VALUES` values a
 thread (Qwen3-8B's rows at P = 2, 4 and 8); wider rows in two passes, so
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .norm import MAX_COLS
+from .rmsnorm import MAX_COLS
 from .quant import WireLayout
 
 #: Values of a row the fused norm takes (Qwen3-8B 4096, larger models 5120 and 8192, up to 16384).
