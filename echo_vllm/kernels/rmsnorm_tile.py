@@ -347,11 +347,6 @@ def _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_
 # -- one pass: a step's rows of every chunk at once ---------------------------------
 
 
-@triton.constexpr_function
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @triton.jit
 def step_row_max(s, PP: tl.constexpr, R: tl.constexpr):
     """``[R]``: the largest lane sum of each row of a step (``s [PP * R * RGP, L] >= 0``, chunk-major; NaN
@@ -473,7 +468,7 @@ def _one_pass(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_pt
     registers (compiled for sm_90: 90 registers at P = 8, against 48)."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and LANES
-    PP: tl.constexpr = _next_power_of_2(P)
+    PP: tl.constexpr = triton.next_power_of_2(P)
     words, s, r, w, start, offs, m = _step_in(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, t,
                                               row_groups, cols, msg_groups, chunk_groups, P, PP, G, R, RGP,
                                               RESIDUAL, ALIGNED)
