@@ -8,11 +8,13 @@ Core objects (no vLLM needed)::
     # pass: 4-bit from t = first_exact_calls (5) on, for messages >= min_bytes
 
 One rank of a real group: ``EchoCommunicator(config, ProcessGroupTransport())``,
-its input that rank's tensor.
+its input that rank's tensor; ``stream=ResidualStream(hidden_size, ...)`` says
+which messages are the model's residual stream, ``path=Path.EXACT`` forces a
+call onto the 16-bit all-reduce.
 """
 
 from .backends import BACKENDS, EchoBackend, choose_backend, make_backend
-from .communicator import EchoCommunicator
+from .communicator import EchoCommunicator, ResidualStream
 from .config import EchoConfig, EchoConfigError
 from .emulation import StackedCommunicator
 from .feedback import FeedbackChain
@@ -40,6 +42,7 @@ __all__ = [
     "Path",
     "ProcessGroupTransport",
     "Reason",
+    "ResidualStream",
     "StackedCommunicator",
     "Transport",
     "VirtualTransport",

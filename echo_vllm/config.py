@@ -174,10 +174,10 @@ class EchoConfig:
     tokens as much as compilation itself does. When on, under
     vLLM's compilation (not ``--enforce-eager``), fold the residual
     add and RMSNorm that follow each residual all-reduce into Echo's output
-    phase (a compilation pass on pre-norm models, ``vllm_glue.norm_fusion``):
+    phase (a compilation pass on pre-norm models, ``vllm_glue.rmsnorm_fusion``):
     the output is not written and read again, ~2 x tokens x hidden x 2
     bytes less HBM traffic per call. The bits are Echo's output followed by
-    vLLM's norm with the variance of Echo's kernels (``echo_vllm.norm``),
+    vLLM's norm with the variance of Echo's kernels (``echo_vllm.rmsnorm``),
     which rounds its sum in another order than Inductor's kernel. False
     (the default) keeps vLLM's norm after the all-reduce."""
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .communicator import EchoCommunicator
 from .config import EchoConfig, EchoConfigError
 from .numbering import CallCounter, CallSlot
+from .policy import Path, mode_config
 from .transport import VirtualTransport
 
 #: vLLM pads the vocabulary to a multiple of this before sharding it.
@@ -105,7 +106,9 @@ class EmulatedTP:
     at its end; :meth:`reduce` each partial stack in model order.
     ``calls_per_forward`` (declared; else the counter learns it from the
     first forward) marks the last call for ``exact_last_call``.
-    ``mode="exact"`` reduces every call in 16-bit (the baseline). With
+    ``mode`` (:data:`echo_vllm.policy.MODES`): ``"exact"`` forces every
+    call onto the 16-bit path (the baseline), ``"naive"`` runs ``config``
+    without error feedback, ``"echo"`` as given. With
     ``config.backend="auto"`` CPU tensors run the fastest CPU backend
     installed (:func:`echo_vllm.backends.fastest_cpu_backend`: same bits).
     """
@@ -117,9 +120,8 @@ class EmulatedTP:
     device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("echo", "exact"):
-            raise EchoConfigError(f"emulation mode {self.mode!r}: choose 'echo' or 'exact'")
-        self.comm = StackedCommunicator(self.config, VirtualTransport(self.world_size), device=self.device,
+        config = mode_config(self.mode, self.config)
+        self.comm = StackedCommunicator(config or self.config, VirtualTransport(self.world_size), device=self.device,
                                         fast_cpu=True)
         self.counter = CallCounter(self.calls_per_forward)
         """Numbers the calls of each forward pass (holds the learned count)."""
@@ -135,10 +137,9 @@ class EmulatedTP:
         itself unless given one)."""
         return self.counter.next()
 
-    def reduce(self, partials: torch.Tensor, slot: CallSlot | None = None) -> torch.Tensor:
+    def reduce(self, partials: torch.Tensor, slot: CallSlot | None = None, path: Path | None = None) -> torch.Tensor:
         """Sum partials [P, ...] as the configured all-reduce would, as the
-        call at ``slot`` (default: the next one)."""
+        call at ``slot`` (default: the next one); ``path``: the path the
+        caller forces (``mode="exact"`` forces the exact one on every call)."""
         slot = self.counter.next() if slot is None else slot
-        if self.mode == "exact":
-            return self.comm.transport.exact_all_reduce(partials)
-        return self.comm.all_reduce(partials, slot=slot)
+        return self.comm.all_reduce(partials, slot=slot, path=Path.EXACT if self.mode == "exact" else path)

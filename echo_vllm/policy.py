@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EchoConfig
+from .config import EchoConfig, EchoConfigError
+
+#: Which all-reduce a run uses, one vocabulary wherever Echo's code names it
+#: (training's ``TPCommConfig.mode``, the emulation's ``EmulatedTP.mode``, the
+#: evaluation's variants): ``exact``, the 16-bit all-reduce on every call (what
+#: vLLM users call ``--tp-comm nccl``); ``naive``, Echo's 4-bit path without
+#: error feedback; ``echo``, Echo. One call is put on the exact path with
+#: ``EchoCommunicator.all_reduce(path=Path.EXACT)``.
+MODES = ("exact", "naive", "echo")
 
 #: Input dtypes Echo quantizes. fp32 messages are rare in inference (and
 #: would need a different exact path); they take the exact path.
@@ -40,8 +48,9 @@ class Reason(str, enum.Enum):
     FIRST_EXACT_CALLS = "first_exact_calls"
     LAST_CALL = "exact_last_call"
     FORCED_EXACT = "forced_exact_calls"
-    """A caller's rule put this call on the exact path (the evaluation's
-    ``exact_calls``: ``EchoCommunicator.all_reduce(exact_reason=...)``)."""
+    """The caller put this call on the exact path
+    (``EchoCommunicator.all_reduce(path=Path.EXACT)``: a 16-bit baseline,
+    the evaluation's ``exact_calls``)."""
     EXCEEDS_FUSED_BUFFERS = "exceeds_fused_buffers"
     """Echo's path, but the chunks exceed the fused backend's buffers: its
     fallback (the Triton stage kernels) ran the call (``EchoBackend.fits``)."""
@@ -93,15 +102,26 @@ class Decision:
         return self.reason in SIDE_REASONS
 
 
+def mode_config(mode: str, config: EchoConfig) -> EchoConfig | None:
+    """The Echo configuration a run in ``mode`` (:data:`MODES`) uses: None
+    for ``exact`` (no call takes Echo's path), ``config`` without error
+    feedback for ``naive``, ``config`` itself for ``echo``."""
+    if mode not in MODES:
+        raise EchoConfigError(f"mode={mode!r:.60}: choose one of {MODES}")
+    if mode == "exact":
+        return None
+    return config.replace(feedback=False) if mode == "naive" else config
+
+
 def _exact(reason: Reason) -> Decision:
     return Decision(Path.EXACT, reason)
 
 
-def decide(call: CallInfo, config: EchoConfig | None, *, enabled: bool = True) -> Decision:
-    """Route one all-reduce. Order matters only for which reason is reported
-    when several apply: structural reasons first, then size, then chain
-    position."""
-    if not enabled or config is None:
+def decide(call: CallInfo, config: EchoConfig | None) -> Decision:
+    """Route one all-reduce (``config`` None: Echo is off). Order matters only
+    for which reason is reported when several apply: structural reasons
+    first, then size, then chain position."""
+    if config is None:
         return _exact(Reason.DISABLED)
     if call.world_size < 2:
         return _exact(Reason.WORLD_SIZE_1)

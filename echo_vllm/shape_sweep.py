@@ -14,7 +14,7 @@ without a feedback buffer, each case a
 chain of :data:`CALLS` calls with the error carried.
 
 One case is run by :func:`run_case` through Echo's 4-bit path
-(``EchoCommunicator.echo_all_reduce`` with a feedback chain) on a chosen
+(``EchoCommunicator.all_reduce(path=Path.ECHO)`` with a feedback chain) on a chosen
 ``backend`` (composed Triton stages, fused, numba, reference) and compared with
 :func:`reference_outputs` by :func:`differences`; the GPU tests
 (``tests/kernels/test_shape_sweep.py``), their interpreter twin in CI and
@@ -157,9 +157,10 @@ def stacked_inputs(case: SweepCase, call: int) -> torch.Tensor:
 def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=None, rank: int | None = None,
              echo=None) -> list[torch.Tensor]:
     """The chain's outputs (CPU tensors), one per call, from ``backend``:
-    Echo's 4-bit path itself (``EchoCommunicator.echo_all_reduce`` and a
-    :class:`~echo_vllm.feedback.FeedbackChain`, no policy, so fp32 inputs are
-    quantized too rather than sent down the exact path). Without
+    Echo's 4-bit path itself (``EchoCommunicator.all_reduce`` with
+    ``path=Path.ECHO`` and a :class:`~echo_vllm.feedback.FeedbackChain`: the
+    policy is not asked, so fp32 inputs are quantized too rather than sent
+    down the exact path). Without
     ``transport`` the case's P ranks are virtual (one process, inputs
     stacked); with a process-group ``transport`` this process is ``rank``.
     ``echo``: an ``EchoCommunicator`` of the case's :meth:`SweepCase.config` to
@@ -167,6 +168,8 @@ def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=No
     from .communicator import EchoCommunicator
     from .emulation import StackedCommunicator
     from .feedback import FeedbackChain
+    from .numbering import CallSlot
+    from .policy import Path
     from .transport import VirtualTransport
 
     virtual = transport is None
@@ -179,7 +182,7 @@ def run_case(case: SweepCase, backend: str, *, device: str = "cpu", transport=No
         outs = []
         for call in range(CALLS):
             x = stacked_inputs(case, call) if virtual else inputs(case, call, rank)
-            outs.append(echo.echo_all_reduce(x.to(device), chain, call).cpu())
+            outs.append(echo.all_reduce(x.to(device), slot=CallSlot(call), path=Path.ECHO, chain=chain).cpu())
         return outs
     finally:
         if own:

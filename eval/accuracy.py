@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, device, file_stem, out_dir, parse_int, real
 from ..outputs import open_fresh, write_json
-from ..postnorm import POSTNORM_POLICIES
-from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
+from ..postnorm_policy import POSTNORM_POLICIES
+from .models import default_emulate_tp, model_arg, require_device, resolve_model, tp_size_arg
 from .perplexity import DTYPES, comm_dtype_for, load_hf_model
 from .report import check_outputs, markdown_table, pyplot, read_json, save_figure, write_outputs
 from .tasks import SEVEN, local_name, task_manager
@@ -454,7 +454,7 @@ def main(argv: list[str]) -> int:
     if len(set(args.tasks)) != len(args.tasks):  # counted twice in the average
         raise UsageError(f"--tasks {' '.join(args.tasks)}: a task is given twice")
     if args.backend == "hf" and not args.merge:  # a device this host lacks: refused before the model loads
-        check_device(args.device)
+        require_device(args.device)
     if not args._one:  # the parent checked the names of its children's variant files
         check_outputs(args, *(() if args.merge else (*(variant_file(args, v.name).name for v in variants),
                                                      *log_files(args, len(variants)))))

@@ -24,6 +24,7 @@ from ..communicator import EchoCommunicator
 from ..config import EchoConfig
 from ..numbering import CallSlot
 from ..outputs import check_names, save_figure, write_json
+from ..policy import Path
 from ..quant import WireLayout
 from ..spawn import run_processes
 from ..transport import ProcessGroupTransport
@@ -69,10 +70,8 @@ def _rank_main(rank: int, world: int, layers: int, tokens: int, hidden: int, see
         errors, update_rms = [], []
         for t in range(layers):
             x = _partial(t, rank, tokens, hidden, seed)
-            if cfg is None:
-                y = transport.exact_all_reduce(x.unsqueeze(0))
-            else:
-                y = comm.all_reduce(x, slot=CallSlot(t, last_call=(t == layers - 1)))
+            y = comm.all_reduce(x, slot=CallSlot(t, last_call=(t == layers - 1)),
+                                path=Path.EXACT if cfg is None else None)
             residual += y.double()
             if rank == 0:
                 exact = sum(_partial(t, r, tokens, hidden, seed).double() for r in range(world))

@@ -18,10 +18,10 @@ import sys
 import torch
 
 from ..cli_args import device, file_stem, out_dir
-from ..postnorm import POSTNORM_POLICIES
+from ..postnorm_policy import POSTNORM_POLICIES
 from ..corpora import text_file
 from .hf_emulation import HFEmulation, find_backbone
-from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
+from .models import default_emulate_tp, model_arg, require_device, resolve_model, tp_size_arg
 from .perplexity import (DTYPES, LAMBADA, SEQ_LEN, TOKENS, comm_dtype_for, lambada_set, load_hf_model, missing_text,
                          text_windows)
 from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     if args.text and missing_text(args.text):
         p.error(missing_text(args.text))
     parse_variants(args.variants)  # duplicates: one line, before any model loads
-    check_device(args.device)
+    require_device(args.device)
     check_outputs(args)
     if args.text:  # an unknown play: refused before the model loads
         text_file(args.text)

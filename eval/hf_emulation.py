@@ -30,8 +30,8 @@ import torch.nn as nn
 
 from ..config import EchoConfig, EchoConfigError
 from ..emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials
-from ..policy import Reason
-from ..postnorm import PostnormDecision, decide_postnorm, postnorm_config
+from ..policy import Path
+from ..postnorm_policy import PostnormDecision, decide_postnorm, postnorm_config
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,15 @@ def find_backbone(model: nn.Module) -> nn.Module:
 
 
 def postnorm_decision(model: nn.Module) -> PostnormDecision:
-    """:func:`~echo_vllm.postnorm.decide_postnorm` for a transformers model:
+    """:func:`~echo_vllm.postnorm_policy.decide_postnorm` for a transformers model:
     its config's architectures, then its decoder's structure."""
     config = getattr(model, "config", None)
     return decide_postnorm(getattr(config, "architectures", None), config, find_backbone(model))
 
 
 @dataclass
-class CallRecord:
-    """One all-reduce seen by the emulation (for probes and tests)."""
+class SiteCall:
+    """One all-reduce at an emulated site, its partials and output (for probes and tests)."""
 
     index: int
     site: str
@@ -74,8 +74,8 @@ class HFEmulation:
 
     Use as a context manager or call :meth:`install` / :meth:`remove`.
     ``exact_calls`` forces chosen call indices onto the 16-bit path (an
-    ablation tool: which calls hurt); ``record`` keeps every call's partials
-    and output (memory grows with it; tests and probes only).
+    ablation tool: which calls hurt); ``trace`` keeps every call's partials
+    and output in :attr:`traced` (memory grows with it; tests and probes only).
     """
 
     model: nn.Module
@@ -88,7 +88,7 @@ class HFEmulation:
     to bf16 as a bf16 TP rank would, and casts the sum back."""
     postnorm_policy: str = "no-feedback"
     exact_calls: frozenset[int] = frozenset()
-    record: bool = False
+    trace: bool = False
 
     def __post_init__(self) -> None:
         self.backbone = find_backbone(self.model)
@@ -97,7 +97,7 @@ class HFEmulation:
         decision = postnorm_decision(self.model)
         self.postnorm = decision.postnorm
         mode, config = self.mode, self.config
-        if self.postnorm and mode == "echo":
+        if self.postnorm and mode != "exact":
             mode, config = postnorm_config(config, self.postnorm_policy)
             log.warning(
                 "post-norm model (%s: %s): Echo policy %r -> mode=%s feedback=%s",
@@ -111,7 +111,7 @@ class HFEmulation:
             calls_per_forward=self.calls_per_forward,
             device=next(self.model.parameters()).device,
         )
-        self.records: list[CallRecord] = []
+        self.traced: list[SiteCall] = []
         self._saved: list[tuple[nn.Module, object]] = []
         self._handles: list = []
         self._check_shapes()
@@ -147,20 +147,17 @@ class HFEmulation:
         out_dtype = partials.dtype
         if self.comm_dtype is not None:
             partials = partials.to(self.comm_dtype)
-        elif self.effective_mode == "echo" and partials.dtype not in (torch.bfloat16, torch.float16):
+        elif self.effective_mode != "exact" and partials.dtype not in (torch.bfloat16, torch.float16):
             raise EchoConfigError(
                 f"Echo quantizes bf16/fp16 all-reduces; this model runs in {partials.dtype} "
                 "(load it in bfloat16, or pass comm_dtype=torch.bfloat16)"
             )
         tp = self.tp
         slot = tp.next_call()
-        if slot.index in self.exact_calls:
-            # counted like every other call, so bits/value includes it
-            y = tp.comm.all_reduce(partials, slot=slot, exact_reason=Reason.FORCED_EXACT)
-        else:
-            y = tp.reduce(partials, slot)
-        if self.record:
-            self.records.append(CallRecord(slot.index, site, partials.detach().clone(), y.detach().clone()))
+        # a forced call is counted like every other, so bits/value includes it
+        y = tp.reduce(partials, slot, path=Path.EXACT if slot.index in self.exact_calls else None)
+        if self.trace:
+            self.traced.append(SiteCall(slot.index, site, partials.detach().clone(), y.detach().clone()))
         return y.to(out_dtype)
 
     # -- patched forwards ---------------------------------------------------------

@@ -145,7 +145,7 @@ def tp_size_arg(text: str) -> int:
     return value
 
 
-def check_device(name: str) -> None:
+def require_device(name: str) -> None:
     """Refuse (:class:`UsageError`) a ``--device`` (``cpu``, ``cuda``,
     ``cuda:N``) this host does not have, before a model loads onto it."""
     if not name.startswith("cuda"):

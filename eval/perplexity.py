@@ -24,10 +24,10 @@ import torch
 
 from ..cli_args import UsageError, count, device, file_stem, out_dir
 from ..config import MAX_CALLS, SUPPORTED_GROUP_SIZES
-from ..postnorm import POSTNORM_POLICIES
+from ..postnorm_policy import POSTNORM_POLICIES
 from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
-from .models import check_device, default_emulate_tp, model_arg, resolve_model, tp_size_arg
+from .models import default_emulate_tp, model_arg, require_device, resolve_model, tp_size_arg
 from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
@@ -237,7 +237,7 @@ def effective_bits(variant: Variant, calls: dict) -> float:
     4 + 16/g, exact-path calls at 16)."""
     echo = sum(n for k, n in calls.items() if k.startswith("echo/"))
     total = sum(calls.values())
-    if variant.mode != "echo" or not total:
+    if not variant.quantized or not total:
         return 16.0
     return (echo * variant.bits_per_value + (total - echo) * 16.0) / total
 
@@ -360,7 +360,7 @@ def plot(result: dict, path) -> None:
     use_kl = any(r.get("kl") is not None for r in result["rows"])
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(13 if curves else 7, 4.8), squeeze=False)
     ax = axes[0][0]
-    names = [v["name"] for v in result["variants"] if v["mode"] == "echo" and ":" not in v["name"]]
+    names = [v["name"] for v in result["variants"] if v["mode"] in ("naive", "echo") and ":" not in v["name"]]
     width = 0.8 / max(len(texts), 1)
     for k, t in enumerate(texts):
         vals = [next((r["delta_pct"] for r in result["rows"] if r["text"] == t and r["variant"] == n), 0) or 0
@@ -455,7 +455,7 @@ def main(argv: list[str]) -> int:
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
     parse_variants(args.variants)  # duplicates: one line, before any model loads
-    check_device(args.device)
+    require_device(args.device)
     check_outputs(args)
     for name in args.texts:  # an unknown play: refused before the model loads
         text_file(name)

@@ -103,7 +103,7 @@ def _health_problem(url: str) -> tuple[bool, str]:
         return False, type(e).__name__
 
 
-def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+def wait_for_server(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  log=lambda s: print(s, file=sys.stderr, flush=True)) -> float:
     """Wait until ``base_url``'s ``/health`` answers 200; returns the
     seconds waited. Without a server ``proc`` of ours (measuring one that
@@ -229,7 +229,7 @@ def run_label(args, label: str) -> dict:
         print(f"[ttft] starting: {shown_command(cmd)}", file=sys.stderr)
         server = subprocess.Popen(cmd)
     try:
-        wait_healthy(args.base_url, args.server_timeout, server)
+        wait_for_server(args.base_url, args.server_timeout, server)
         if args.background_traffic:
             gpus = tuple(args.bg_gpus) if args.bg_gpus else tuple(range(max(gpu_count(), 1)))
             spec = TrafficSpec(args.background_traffic, args.bg_period_ms, args.bg_mib, gpus)

@@ -1,8 +1,9 @@
 """The communication variants every evaluation compares, by name.
 
-A variant is a mode ("exact": 16-bit sum of the same P partials; "echo": the
-Echo all-reduce under an :class:`EchoConfig`; "unsplit": the model as loaded,
-no emulation) plus the config. Specs on the
+A variant is a mode (:data:`echo_vllm.policy.MODES`: "exact", the 16-bit sum
+of the same P partials; "naive", Echo's 4-bit path without error feedback;
+"echo", the Echo all-reduce; or "unsplit", the model as loaded, no emulation)
+plus the :class:`EchoConfig` of the 4-bit modes. Specs on the
 command line are ``NAME`` or ``NAME:field=value,...`` (``default:group_size=16``,
 ``echo+hadamard+last:first_exact_calls=2``), fields as in EchoConfig.
 
@@ -19,11 +20,7 @@ from dataclasses import dataclass
 
 from ..cli_args import did_you_mean
 from ..config import EchoConfig, EchoConfigError
-
-#: min_bytes that sends every call to the exact path: how the vLLM backend's
-#: emulation is asked for an exact sum of the same P partials using only
-#: documented ``echo_*`` options.
-ALWAYS_EXACT_MIN_BYTES = 1 << 60
+from ..policy import mode_config
 
 #: The ladder variants pin every field that defines them, so that they mean
 #: the same thing whatever EchoConfig's defaults become (the defaults moved
@@ -36,9 +33,9 @@ _ECHO_ONLY = dict(_LADDER, feedback=True, hadamard=False, exact_last_call=False)
 PRESETS: dict[str, tuple[str, dict, str]] = {
     "unsplit": ("unsplit", {}, "the model as loaded: no TP emulation, no all-reduce"),
     "exact": ("exact", {}, "16-bit sum of the P partials (baseline)"),
-    "naive": ("echo", dict(_LADDER, feedback=False, hadamard=False, exact_last_call=False),
+    "naive": ("naive", dict(_LADDER, feedback=False, hadamard=False, exact_last_call=False),
               "plain 4-bit two-shot, no feedback"),
-    "naive+hadamard": ("echo", dict(_LADDER, feedback=False, hadamard=True, exact_last_call=False),
+    "naive+hadamard": ("naive", dict(_LADDER, feedback=False, hadamard=True, exact_last_call=False),
                        "4-bit with Hadamard rotation, no feedback"),
     "echo": ("echo", dict(_ECHO_ONLY), "error feedback only"),
     "echo+last": ("echo", dict(_ECHO_ONLY, exact_last_call=True),
@@ -62,24 +59,25 @@ class Variant:
     description: str = ""
 
     @property
+    def quantized(self) -> bool:
+        """Its calls take Echo's 4-bit path (naive or Echo)."""
+        return self.mode in ("naive", "echo")
+
+    @property
     def bits_per_value(self) -> float:
-        """Wire bits per value: 16 for exact, 4 + 16/g for Echo."""
-        return self.config.wire_bits_per_value if self.mode == "echo" else 16.0
+        """Wire bits per value: 16 for exact (and unsplit), 4 + 16/g for the 4-bit modes."""
+        return self.config.wire_bits_per_value if self.quantized else 16.0
 
     def vllm_additional_config(self, emulate: int = 0) -> dict:
         """``--additional-config`` for the echo-vllm plugin. ``emulate`` > 1
         asks for one-GPU emulation of TP=emulate (tensor_parallel_size 1);
-        0 means real TP. The exact variant keeps the emulation (same partials,
-        same rounding) and routes every call to the 16-bit path."""
-        if self.mode == "unsplit":
+        0 means real TP. The exact variant is vLLM's own all-reduce
+        (``tp_comm`` nccl): with the emulation, the 16-bit sum of the same
+        partials (same rounding)."""
+        if self.mode == "unsplit" or (self.mode == "exact" and emulate <= 1):
             return {}
-        cfg = {f"echo_{k}": v for k, v in self.config.to_dict().items()}
-        if self.mode == "exact":
-            if emulate <= 1:
-                return {}
-            cfg["echo_min_bytes"] = ALWAYS_EXACT_MIN_BYTES
-            cfg["echo_feedback"] = False
-        out = {"tp_comm": "echo", **cfg}
+        out = {"tp_comm": "nccl"} if self.mode == "exact" else {
+            "tp_comm": "echo", **{f"echo_{k}": v for k, v in mode_config(self.mode, self.config).to_dict().items()}}
         if emulate > 1:
             out["tp_comm_emulate"] = emulate
         return out

@@ -227,12 +227,12 @@ def rank_graph(rank: int, world: int) -> dict:
 
 
 def rank_auto(rank: int, world: int) -> dict:
-    from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport
+    from echo_vllm import EchoCommunicator, EchoConfig, ProcessGroupTransport, policy
 
     ar = EchoCommunicator(EchoConfig(min_bytes=0), ProcessGroupTransport(), device="cuda")
     name = ar.backend(torch.device("cuda")).name
     x = inputs((16, 2048), 900 + rank, False).to(torch.bfloat16).cuda()
-    y = ar.echo_all_reduce(x)
+    y = ar.all_reduce(x, path=policy.Path.ECHO)
     _finish()
     return {"backend": name, "x": x.cpu(), "y": y.cpu()}
 
@@ -276,7 +276,7 @@ def rank_sweep(rank: int, world: int) -> dict:
     # same one at once): each rank compiles its share first, and the calls find the rest in Triton's disk cache
     for case in cases[rank::world]:
         chain = FeedbackChain.of(case.config("fused"), 1, "cuda")
-        echo_of(case).compile_echo(shape_sweep.inputs(case, 0, rank).cuda(), chain)
+        echo_of(case).compile(shape_sweep.inputs(case, 0, rank).cuda(), chain)
         chain.release()
     dist.barrier()
     if rank == 0:

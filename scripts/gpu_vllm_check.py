@@ -69,7 +69,7 @@ PHASE_CAP_S = {"eager": 260, "graphs_eager_ops": 200, "graphs": 400, "graphs_nor
 GRAPHS_EAGER_OPS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                     "cudagraph_capture_sizes": [1, 2, 4, 8]}
 
-#: name -> (tp_comm mode, EchoConfig changes from Echo's defaults)
+#: name -> (tp_comm, EchoConfig changes from Echo's defaults)
 VARIANTS = {
     "exact": ("nccl", {}),
     "echo": ("echo", {}),
@@ -235,8 +235,8 @@ def run_phase(args) -> None:
     if graphs:
         measure("exact" if args.phase == "graphs_exact" else "echo")
     else:
-        for name, (mode, changes) in VARIANTS.items():
-            session.set_variant(mode=mode, **{**ECHO_DEFAULTS, **changes})
+        for name, (tp_comm, changes) in VARIANTS.items():
+            session.set_variant(tp_comm=tp_comm, **{**ECHO_DEFAULTS, **changes})
             measure(name)
     result["ok"] = True
     save()

@@ -24,10 +24,10 @@ from typing import Any
 
 from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES,
                       SUPPORTED_GROUP_SIZES, EchoConfig)
-from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
+from ..postnorm_policy import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
-from ..vllm_glue.settings import MODES as TP_COMM_CHOICES
+from ..vllm_glue.settings import TP_COMM_CHOICES
 
 
 class ServeArgsError(ValueError):

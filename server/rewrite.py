@@ -609,7 +609,7 @@ def rewrite_args(
     plugin = _plugin_settings({**additional, TP_COMM_KEY: tp_comm, EMULATE_KEY: emulate, **given, **echo_values})
     if plugin.active and tp > MAX_RANKS:
         raise ServeArgsError(f"--tensor-parallel-size {tp}: Echo runs on groups of at most {MAX_RANKS} ({RANKS_WHY})")
-    if plugin.mode == "nccl":
+    if plugin.tp_comm == "nccl":
         echo_only = sorted(spelled for flag, _, spelled in scan.echo_flags.values() if flag.field is not None)
         if echo_only:
             raise ServeArgsError(f"{' '.join(echo_only)} needs --tp-comm echo (nccl is vLLM's own all-reduce)")
@@ -621,7 +621,7 @@ def rewrite_args(
     emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}
     emulation.update({POSTNORM_KEY: postnorm} if postnorm is not None else {})
 
-    if plugin.mode == "nccl":
+    if plugin.tp_comm == "nccl":
         if not emulate:  # stock vLLM: argv untouched
             return _argv(scan), ServeSettings("nccl", tp, additional_config=additional)
         # the emulation's exact baseline: the same P partials summed in 16-bit

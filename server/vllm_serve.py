@@ -54,7 +54,7 @@ def ensure_platform_for_parsing() -> None:
     accelerator (``--help`` on a laptop, CI) use the CPU platform, as
     ``vllm bench`` does, so that parsing works (and vLLM's own one-line
     refusals of bad flags with it). :func:`serve` still refuses to start
-    there (:func:`check_device`). Serving is unaffected on a GPU host."""
+    there (:func:`require_accelerator`). Serving is unaffected on a GPU host."""
     global _no_device
     from vllm import platforms
 
@@ -86,7 +86,7 @@ def _nvml_says() -> str:
             pass
 
 
-def check_device() -> None:
+def require_accelerator() -> None:
     """Refuse to start on a host where vLLM detected no accelerator: its
     parser ran on the CPU platform (:func:`ensure_platform_for_parsing`),
     and vLLM would otherwise end in a traceback."""
@@ -202,7 +202,7 @@ def serve(vllm_argv: list[str], settings: ServeSettings, on_ready: Any = None) -
             + "; ".join(problems))
     if settings.glue_active:
         check_plugin(settings)
-    check_device()
+    require_accelerator()
     if on_ready is not None:
         on_ready(args)
     args.dispatch_function(args)

@@ -29,8 +29,7 @@ from ..envs import EchoEnv
 from ..transport import Transport
 from .base import EchoBackend
 from .composed import ComposedBackend
-from .fused import FusedSymmMemBackend, fused_support
-from .stages import KernelStages, NumbaStages, ReferenceStages, StageOps, TritonStages
+from .stages import ReferenceStages, StageOps
 
 
 @dataclass(frozen=True)
@@ -59,21 +58,45 @@ register_backend(BackendSpec(
     "reference", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, ReferenceStages()), ("cpu", "cuda"),
     "torch references of every stage (the specification) around the transport",
 ))
-register_backend(BackendSpec(
-    "triton", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, TritonStages()), ("cuda", "cpu"),
-    "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
-))
-register_backend(BackendSpec(
-    "numba", lambda cfg, tr, env, **group: ComposedBackend(cfg, tr, NumbaStages()), ("cpu",),
-    "fused numba CPU loops around the transport",
-))
+# the Triton and numba backends' modules import Triton or numba: only where one is built
+
+
+def _build_triton(cfg: EchoConfig, tr: Transport, env: EchoEnv, **group) -> EchoBackend:
+    from .triton_stages import TritonStages
+
+    return ComposedBackend(cfg, tr, TritonStages())
+
+
+def _build_numba(cfg: EchoConfig, tr: Transport, env: EchoEnv, **group) -> EchoBackend:
+    from .numba_stages import NumbaStages
+
+    return ComposedBackend(cfg, tr, NumbaStages())
 
 
 def _build_fused(cfg: EchoConfig, tr: Transport, env: EchoEnv, *, peers: Transport,
                  max_numel: int | None) -> EchoBackend:
+    from .fused import FusedSymmMemBackend
+
     # messages larger than its buffers take the composed Triton path over the transport: same bits
-    fallback = ComposedBackend(cfg, tr, TritonStages())
-    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=fallback)
+    return FusedSymmMemBackend(cfg, peers, max_numel=max_numel, fallback=_build_triton(cfg, tr, env))
+
+
+def fused_support(transport: Transport, device_type: str) -> tuple[bool, str]:
+    """:func:`.fused.fused_support` (a collective on a process group), its
+    module imported only where the answer is asked: for CUDA tensors."""
+    from . import fused
+
+    return fused.fused_support(transport, device_type)
+
+
+register_backend(BackendSpec(
+    "triton", _build_triton, ("cuda", "cpu"),
+    "fused Triton stage kernels around the transport (CPU only under TRITON_INTERPRET=1)",
+))
+register_backend(BackendSpec(
+    "numba", _build_numba, ("cpu",),
+    "fused numba CPU loops around the transport",
+))
 
 
 register_backend(BackendSpec(
@@ -195,12 +218,8 @@ __all__ = [
     "BackendSpec",
     "ComposedBackend",
     "EchoBackend",
-    "FusedSymmMemBackend",
-    "KernelStages",
-    "NumbaStages",
     "ReferenceStages",
     "StageOps",
-    "TritonStages",
     "choose_backend",
     "fastest_cpu_backend",
     "make_backend",

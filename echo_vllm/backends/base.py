@@ -22,8 +22,8 @@ import abc
 import torch
 
 from ..config import EchoConfig
-from ..norm import NormOperands
-from ..norm_plan import NormTiling
+from ..rmsnorm import NormOperands
+from ..rmsnorm_plan import NormTiling
 from ..quant import WireLayout
 from ..transport import Transport
 
@@ -69,9 +69,9 @@ class EchoBackend(abc.ABC):
         has_incoming: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`all_reduce` followed by the residual add and RMSNorm of
-        ``norm`` (``norm.NormOperands.apply``): ``(out, new residual)``,
+        ``norm`` (``rmsnorm.NormOperands.apply``): ``(out, new residual)``,
         shaped as ``norm.residual`` (``[rows, cols]`` without one). With a
-        ``tiling`` (``echo_vllm.norm_plan.norm_tiling``'s) a backend may do
+        ``tiling`` (``echo_vllm.rmsnorm_plan.norm_tiling``'s) a backend may do
         the norm in its output phase; the bits are the same either way.
         This default runs them one after the other."""
         y = self.all_reduce(xs, layout, feedback, has_incoming=has_incoming)

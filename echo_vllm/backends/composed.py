@@ -44,10 +44,10 @@ class ComposedBackend(EchoBackend):
         """Stage 1, the all-to-all, stage 2, the all-gather: the gathered chunks."""
         cfg, st = self.config, self.stages
         wire = st.stage1(xs, feedback, layout, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-                         noise=self._noise(layout.padded_numel, xs.device))
+                         **self._noise(layout.padded_numel, xs.device))
         recv = self.transport.all_to_all(wire)
         q2 = st.stage2(recv, feedback, self._own_chunks, layout, qmax=cfg.qmax,
-                       noise=self._noise(layout.chunk_numel, xs.device))
+                       **self._noise(layout.chunk_numel, xs.device))
         return self.transport.all_gather(q2)
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
@@ -64,11 +64,12 @@ class ComposedBackend(EchoBackend):
     def consume(self, xs, layout, feedback):
         return self.stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
 
-    def _noise(self, numel: int, device: torch.device) -> torch.Tensor | None:
-        """Uniform [0, 1) draws per local rank for stochastic rounding (seeded
-        per rank from ``config.seed``); None when rounding to nearest."""
+    def _noise(self, numel: int, device: torch.device) -> dict:
+        """The stage's ``noise`` keyword for stochastic rounding: uniform [0, 1)
+        draws per local rank (seeded per rank from ``config.seed``); none when
+        rounding to nearest (stages without noise take no such keyword)."""
         if self.config.rounding != "stochastic":
-            return None
+            return {}
         if capturing():
             # a replay would reuse the captured draw: the same "random" noise
             # every step, biased rounding instead of unbiased
@@ -81,7 +82,7 @@ class ComposedBackend(EchoBackend):
                 g = torch.Generator(device=device)
                 g.manual_seed(self.config.seed * 1_000_003 + r)
                 self._generators.append(g)
-        return torch.stack([torch.rand(numel, generator=g, device=device) for g in self._generators])
+        return {"noise": torch.stack([torch.rand(numel, generator=g, device=device) for g in self._generators])}
 
 
 __all__ = ["ComposedBackend"]

@@ -59,11 +59,13 @@ import torch.distributed as dist
 
 from ..capture import capturing
 from ..config import EchoConfig
+from ..kernels.fused_kernel import (SMLimits, buffer_bytes, decode_trap, fused_all_reduce, fused_all_reduce_norm,
+                                    max_per_sm, signal_slots, sm_limits, tiling_for, tiling_for_norm, trap_word)
 from . import topology
 from ..quant import WIRE_DTYPE, WireLayout
 from ..transport import ProcessGroupTransport, Transport
 from .base import EchoBackend
-from .stages import TritonStages
+from .triton_stages import TritonStages
 
 #: torch's switch for symmetric memory on ranks that share a GPU (tests on
 #: one GPU); read here only, by :func:`probe`.
@@ -322,8 +324,6 @@ def _allocate(group: dist.ProcessGroup, device: torch.device, chunk_bytes: int, 
     until every rank has (so no flag is raised before its owner cleared it)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
-    from ..kernels.fused_kernel import buffer_bytes
-
     world = dist.get_world_size(group)
     data = buffer_bytes(chunk_bytes, world)
     # the flags live in the buffer itself: torch's signal pad (9 KiB) holds
@@ -363,8 +363,6 @@ def local_buffers(world_size: int, chunk_bytes: int, signal_slots: int,
     of ``fused_all_reduce``: tests, per-phase timing): ``(table, buffers,
     pads)``; ``table`` is the one every emulated rank passes (it keeps the
     buffers and pads alive: a caller may drop the other two)."""
-    from ..kernels.fused_kernel import buffer_bytes
-
     bufs = [torch.zeros(buffer_bytes(chunk_bytes, world_size), dtype=WIRE_DTYPE, device=device)
             for _ in range(world_size)]  # flags in separate tensors: every byte of a buffer is data
     pads = [torch.zeros(signal_slots, dtype=torch.int32, device=device) for _ in range(world_size)]
@@ -468,9 +466,6 @@ class FusedSymmMemBackend(EchoBackend):
         ok, reason = fused_availability(facts)
         if not ok:
             raise RuntimeError(f"the fused backend cannot run here: {reason}")
-        from ..kernels import fused_kernel
-
-        self._k = fused_kernel
         self._stages = TritonStages()
         self.fallback = fallback
         self.rank = transport.rank
@@ -479,8 +474,8 @@ class FusedSymmMemBackend(EchoBackend):
             max_numel = config.max_bytes // 2 if config.max_bytes else DEFAULT_MAX_NUMEL
         p = self.world_size
         self.sms = min(sms or sms_for(facts), sms_for(facts))
-        self.sm = fused_kernel.sm_limits() if torch.cuda.is_available() else fused_kernel.SMLimits()
-        slots = fused_kernel.signal_slots(self.sms * fused_kernel.max_per_sm(), p)
+        self.sm = sm_limits() if torch.cuda.is_available() else SMLimits()
+        slots = signal_slots(self.sms * max_per_sm(), p)
         if buffers is None:
             buffers = symm_buffers(_group(transport), _local_device(),
                                    WireLayout(max_numel, p, config.group_size).chunk_bytes, slots)
@@ -489,9 +484,9 @@ class FusedSymmMemBackend(EchoBackend):
         self.buffers = buffers
         if self.buffers.rank != self.rank:
             raise RuntimeError(f"symmetric memory says rank {self.buffers.rank}, the transport {self.rank}")
-        self._tilings = functools.lru_cache(maxsize=1024)(self._tiling)
+        self._options = functools.lru_cache(maxsize=1024)(self._kernel_options)
         self._norm_tilings = functools.lru_cache(maxsize=1024)(self._norm_tiling)
-        self.status = fused_kernel.trap_word()
+        self.status = trap_word()
         self._status_word = self.status.numpy()  # read per call: a numpy element costs no torch dispatch
         self._trap_reported = False
         TRAPS.watch(self)
@@ -500,7 +495,7 @@ class FusedSymmMemBackend(EchoBackend):
         """The :class:`~echo_vllm.kernels.fused_kernel.TrapStatus` a trapped
         kernel of this backend left, or None."""
         word = int(self._status_word[0])
-        return self._k.decode_trap(word) if word else None
+        return decode_trap(word) if word else None
 
     def trap_error(self) -> str | None:
         """The error text of this backend's trap (Echo, the phase, the peer),
@@ -533,11 +528,16 @@ class FusedSymmMemBackend(EchoBackend):
         fallback runs the message, or :class:`MessageTooLarge`)."""
         return layout.world_size == self.world_size and layout.chunk_bytes <= self.buffers.chunk_bytes
 
-    def _tiling(self, layout: WireLayout):
-        return self._k.tiling_for(layout, self.sms, self.sm)
+    def _kernel_options(self, layout: WireLayout) -> dict:
+        """The keywords of :func:`fused_all_reduce` that a message's layout
+        and this backend fix (worked out once per layout)."""
+        cfg, b = self.config, self.buffers
+        return dict(rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard,
+                    tiling=tiling_for(layout, self.sms, self.sm), timeout_ns=self.timeout_ns, sms=self.sms,
+                    status=self.status)
 
     def _norm_tiling(self, layout: WireLayout, norm):
-        return self._k.tiling_for_norm(layout, norm, self.sms, self.sm)
+        return tiling_for_norm(layout, norm, self.sms, self.sm)
 
     def _too_large(self, layout: WireLayout) -> MessageTooLarge:
         return MessageTooLarge(
@@ -560,21 +560,15 @@ class FusedSymmMemBackend(EchoBackend):
                 return self.fallback.all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
             raise self._too_large(layout)
         self._ready()
-        return self._call(xs, layout, feedback, has_incoming, out)
+        return fused_all_reduce(xs, feedback, self.buffers.table, layout, has_incoming=has_incoming, out=out,
+                                **self._options(layout))
 
     def compile(self, xs, layout, feedback, *, has_incoming):
         """The fused kernel of this message compiled (a message that does not
         fit: its fallback's business, nothing here)."""
         if self.fits(layout):
-            self._call(xs, layout, feedback, has_incoming, None, compile_only=True)
-
-    def _call(self, xs, layout, feedback, has_incoming, out, *, compile_only=False):
-        cfg, b = self.config, self.buffers
-        return self._k.fused_all_reduce(
-            xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
-            hadamard=cfg.hadamard, has_incoming=has_incoming, tiling=self._tilings(layout), timeout_ns=self.timeout_ns,
-            out=out, sms=self.sms, status=self.status, compile_only=compile_only,
-        )
+            fused_all_reduce(xs, feedback, self.buffers.table, layout, has_incoming=has_incoming, compile_only=True,
+                             **self._options(layout))
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
         """The norm in the kernel's phase 3 (``fused_kernel.fused_all_reduce_norm``)
@@ -586,7 +580,7 @@ class FusedSymmMemBackend(EchoBackend):
                 return self.fallback.all_reduce_norm(xs, layout, feedback, norm, tiling, has_incoming=has_incoming)
             raise self._too_large(layout)
         cfg, b = self._ready()
-        out, res = self._k.fused_all_reduce_norm(
+        out, res = fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
             tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,

@@ -33,20 +33,28 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..communicator import EchoCommunicator
+from ..communicator import EchoCommunicator, chain_key, message_layout
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir, parse_int
 from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
 from ..outputs import check_names
+from ..numbering import CallSlot
+from ..policy import Path
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
 from . import report, timing
 
-ALGOS = ("16-bit", "naive4", "echo", "wire-only")
-"""``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
+ALGOS = ("exact", "naive", "echo", "wire-only")
+"""The contenders, in :data:`echo_vllm.policy.MODES`' words: ``exact`` is the
+16-bit all-reduce (NCCL's, gloo's), ``naive`` Echo's path without error
+feedback, ``echo`` Echo; ``wire-only`` moves Echo's bytes (the all-to-all and the all-gather of
 4-bit chunks) without quantizing anything: the time Echo would take if its
 stages were free, i.e. what the link alone allows."""
+
+#: The slot the Echo contenders run as: a forward pass's steady state
+#: (call 1 of a chain, absorbing the error call 0 left).
+STEADY = CallSlot(1)
 
 
 def echo_algo(backend: str) -> str:
@@ -81,8 +89,8 @@ class Contenders:
         self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport,
                                       device=device)
         self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
-        self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
-        lay = self.echo.message_layout(tuple(inputs[0].shape))
+        lay = message_layout(tuple(inputs[0].shape), transport.world_size, cfg.group_size)
+        self.key = chain_key(inputs[0], lay)
         self.wire = torch.zeros(1, lay.world_size, lay.chunk_bytes, dtype=torch.uint8, device=inputs[0].device)
         self.transport = transport
         # gloo with CUDA tensors: the 16-bit baseline crosses the link as Echo does
@@ -96,20 +104,20 @@ class Contenders:
     def x(self, i: int) -> torch.Tensor:
         return self.inputs[i % len(self.inputs)]
 
-    def sixteen_bit(self, i: int) -> None:
+    def exact(self, i: int) -> None:
         x = self.inputs16[i % len(self.inputs16)]
         if self.staged:
             x.copy_(self.transport.exact_all_reduce(x.unsqueeze(0)))
         else:
             dist.all_reduce(x)
 
-    def naive4(self, i: int) -> torch.Tensor:
-        return self.naive.echo_all_reduce(self.x(i))
+    def naive(self, i: int) -> torch.Tensor:
+        return self.naive.all_reduce(self.x(i), path=Path.ECHO)
 
     def echo_call(self, i: int) -> torch.Tensor:
         # the steady state of a forward pass: call 1 absorbs call 0's error
         self.chain.record(0, self.key, left_error=True)
-        return self.echo.echo_all_reduce(self.x(i), self.chain, 1)
+        return self.echo.all_reduce(self.x(i), slot=STEADY, path=Path.ECHO, chain=self.chain)
 
     def wire_only(self, i: int) -> torch.Tensor:
         recv = self.transport.all_to_all(self.wire)
@@ -120,12 +128,12 @@ class Contenders:
 
         def run(i: int) -> torch.Tensor:
             self.chain.record(0, self.key, left_error=True)
-            return ar.echo_all_reduce(self.x(i), self.chain, 1)
+            return ar.all_reduce(self.x(i), slot=STEADY, path=Path.ECHO, chain=self.chain)
 
         return run
 
     def runs(self):
-        out = {"16-bit": self.sixteen_bit, "naive4": self.naive4, "echo": self.echo_call,
+        out = {"exact": self.exact, "naive": self.naive, "echo": self.echo_call,
                "wire-only": self.wire_only}
         out.update({algo: self.named_call(algo) for algo in self.named})
         return out
@@ -202,9 +210,9 @@ def _finish(args, rows: list[report.Row], meta: dict) -> None:
     title = f"{meta['transport']} P={meta['world_size']}"
     print()
     print(f"all-reduce of bf16 messages, {title}; times are medians per call; "
-          "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs 16-bit")
+          "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs exact (the 16-bit all-reduce)")
     algos = [a for a in ALGOS] + sorted({r.algo for r in rows} - set(ALGOS))
-    print(report.format_table(rows, "16-bit", algos))
+    print(report.format_table(rows, "exact", algos))
     if args.out:
         json_name, png_name = output_names(meta["transport"], meta["world_size"])
         path = report.write_json(args.out, json_name, {**meta, "rows": [r.to_dict() for r in rows]})

@@ -249,7 +249,7 @@ def plan_specs(text: str) -> list[str]:
 
 def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch.dtype, gbps: float,
             stages: bool = True, plan: str = "") -> Case:
-    from ..backends.stages import TritonStages
+    from ..backends.triton_stages import TritonStages
     from ..kernels import fused_kernel as fk
 
     numel = size_bytes // 2

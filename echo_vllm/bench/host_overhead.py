@@ -164,7 +164,7 @@ def route_s(calls: int = 5000, rows: int = 64, cols: int = 4096) -> float:
     """Host seconds per ``EchoCommunicator.all_reduce`` of a ``[rows, cols]``
     bf16 residual message above the backend (the ``--route`` measure)."""
     from ..backends.base import EchoBackend
-    from ..communicator import EchoCommunicator
+    from ..communicator import EchoCommunicator, ResidualStream
     from ..config import EchoConfig
     from ..numbering import CallSlot
     from ..transport import Transport
@@ -202,8 +202,8 @@ def route_s(calls: int = 5000, rows: int = 64, cols: int = 4096) -> float:
         return slots[count[0] % 8]
 
     paths: set[str] = set()
-    comm = EchoCommunicator(cfg, transport, backend=Returns(cfg, transport), numbering=numbering, hidden_size=cols,
-                            residual_ndim=2, max_num_tokens=rows, fixed_capacity=True,
+    stream = ResidualStream(cols, ndim=2, max_num_tokens=rows, fixed_capacity=True)
+    comm = EchoCommunicator(cfg, transport, stream=stream, backend=Returns(cfg, transport), numbering=numbering,
                             sink=lambda record: paths.add(record.path))
     seconds = _per_call_s(lambda: comm.all_reduce(x), calls)
     if paths != {"echo"}:  # an exact return would time the wrong route

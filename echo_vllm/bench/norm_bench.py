@@ -8,7 +8,7 @@ For each P and prompt length T (bf16 rows of ``--hidden`` values, Qwen3-8B's
 * **(a) Echo, then the norm**: the fused kernel (every rank of P emulated
   in one launch, time over P) plus one rank's ``fused_add_rms_norm`` of the
   ``[T, hidden]`` output: vLLM's op as it serves it under compilation
-  (its IR op's ``native`` code compiled by Inductor: ``norm.add_rms_norm``
+  (its IR op's ``native`` code compiled by Inductor: ``rmsnorm.add_rms_norm``
   under ``torch.compile``), and vLLM's eager CUDA kernel
   (``torch.ops._C.fused_add_rms_norm``) where vLLM is importable -- the
   same bytes (two reads, two writes) with the sum rounded before the
@@ -16,7 +16,7 @@ For each P and prompt length T (bf16 rows of ``--hidden`` values, Qwen3-8B's
 * **(b) the fused Echo + add + norm** (``fused_all_reduce_norm``, every
   rank in one launch, time over P), and Echo alone, the same way (the
   goal: (b) within 10% of Echo alone); where the plan reads a tile's rows
-  in one pass (``norm_plan.one_pass_rows``), (b) in two passes too ("2
+  in one pass (``rmsnorm_plan.one_pass_rows``), (b) in two passes too ("2
   passes": what the one pass buys, measured in the same run);
 * **(c) the phases of (b)** alone (one rank, no barriers), each against its
   memory roofline: the bytes it must move (:func:`norm_phase_bytes`) at the
@@ -164,9 +164,9 @@ class NormCase:
 
 def _norm_impls(w: torch.Tensor) -> dict:
     """The unfused norms to time: ``name -> fn(y, residual)`` (in place or not: the same bytes)."""
-    from .. import norm
+    from .. import rmsnorm
 
-    impls = {"inductor": torch.compile(lambda y, r: norm.add_rms_norm(y, r, w, EPS), dynamic=False)}
+    impls = {"inductor": torch.compile(lambda y, r: rmsnorm.add_rms_norm(y, r, w, EPS), dynamic=False)}
     try:
         import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -180,7 +180,7 @@ def verify_norm(world: int, hidden: int) -> list[str]:
     """Every rank of the norm kernel in one launch (barriers on) against
     the composed stage kernels and ``output_norm``: bits of the output, the
     new residual and the feedback, under each plan :func:`_plans` times."""
-    from ..norm_plan import norm_tiling
+    from ..rmsnorm_plan import norm_tiling
 
     lay = WireLayout(37 * hidden, world, 32, hidden)
     tiling, reason = norm_tiling(lay)
@@ -192,7 +192,7 @@ def verify_norm(world: int, hidden: int) -> list[str]:
 def _plans(lay: WireLayout) -> dict:
     """The output phase's plans to time: the plan's own, and two passes where
     the plan takes one (so each run measures what one pass buys)."""
-    from ..norm_plan import norm_tiling
+    from ..rmsnorm_plan import norm_tiling
 
     plans = {"plan": norm_tiling(lay)[0]}
     if plans["plan"].one_pass_rows:
@@ -235,7 +235,7 @@ def _verify_plan(world: int, lay: WireLayout, tiling) -> list[str]:
 def measure_norm(world: int, tokens: int, hidden: int, sets: int) -> NormCase:
     from ..backends.fused import local_buffers
     from ..kernels import fused_kernel as fk
-    from ..norm_plan import norm_tiling
+    from ..rmsnorm_plan import norm_tiling
 
     lay = WireLayout(tokens * hidden, world, 32, hidden)
     tiling, reason = norm_tiling(lay)

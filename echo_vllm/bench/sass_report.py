@@ -99,7 +99,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_outp
     from ..kernels import fused_kernel as fk
     from ..kernels import contract
     from ..kernels import output_norm_kernel as onk
-    from ..norm_plan import norm_tiling
+    from ..rmsnorm_plan import norm_tiling
     from ..quant import WireLayout
 
     lay = WireLayout(rows * cols, world_size, 32, cols)

@@ -3,7 +3,7 @@
 ``stage1``, ``stage2``, ``output`` and ``consume`` take the same arguments as
 the references (plus optional ``out`` buffers, so a CUDA graph can capture a
 call without allocations) and return the same bits; ``output_norm`` is
-``output`` followed by the norm of ``echo_vllm.norm`` (``norm_into``). ``echo_vllm.backends`` picks
+``output`` followed by the norm of ``echo_vllm.rmsnorm`` (``norm_into``). ``echo_vllm.backends`` picks
 them for CUDA tensors. ``AVAILABLE`` is False when Triton cannot be imported;
 the references then serve every device.
 

@@ -100,8 +100,8 @@ from ..quant import WireLayout
 from . import contract
 from .direct_launch import Launcher, LaunchPlan
 from .bodies import output_finish, output_load, stage1_finish, stage1_load, stage2_tile
-from ..norm_plan import MAX_PROGRAMS_PER_SM, NormTiling
-from .norm_tile import output_norm_tile, tile_groups
+from ..rmsnorm_plan import MAX_PROGRAMS_PER_SM, NormTiling
+from .rmsnorm_tile import output_norm_tile, tile_groups
 from .tile import block_offsets, group_rows, store_chunk_groups
 
 #: Compiled kernels bound their barrier waits with ``%globaltimer`` and
@@ -270,7 +270,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic.
-    Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``norm_tile.tile_groups``)."""
+    Tiles: ``BG`` consecutive groups, or ``K`` whole rows (``rmsnorm_tile.tile_groups``)."""
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         rows = group_rows(lg, row_groups)
@@ -391,7 +391,7 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
                  DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
-    from every chunk of the local ``gathered`` area (``norm_tile.output_norm_tile``,
+    from every chunk of the local ``gathered`` area (``rmsnorm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
     mine = _peer_buffer(table_ptr, rank)
     if ONE_PASS_ROWS > 0:
@@ -556,7 +556,7 @@ def tiling_for(layout: WireLayout, sms: int, sm: SMLimits = SMLimits()) -> Fused
 
 def tiling_for_norm(layout: WireLayout, norm: NormTiling, sms: int, sm: SMLimits = SMLimits()) -> FusedTiling:
     """:func:`tiling_for` with the residual add and RMSNorm: ``norm``'s whole
-    rows per tile (``echo_vllm.norm_plan.norm_tiling``), its warps,
+    rows per tile (``echo_vllm.rmsnorm_plan.norm_tiling``), its warps,
     ``norm.per_sm()`` programs per SM."""
     return _persistent(norm.tiles(layout), norm.groups_per_tile, norm.num_warps, norm.per_sm(), sms, sm, norm)
 
@@ -729,7 +729,12 @@ def fused_all_reduce(
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
-    _launch(lp, (x, fb, out, table), ints, x, phase, sms, compile_only=compile_only)
+    tensors = (x, fb, out, table)
+    _check_grid(lp, tensors, ints, x, phase, sms)
+    if not compile_only:
+        lp.launcher(lp.grid, tensors, ints, lp.constexprs)
+    elif x.is_cuda:  # the interpreter compiles nothing; _check_grid's compilation is found in Triton's cache
+        lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
     return out.view(layout.numel) if ranks == 1 else out.view(ranks, layout.numel)
 
 
@@ -757,8 +762,8 @@ def fused_all_reduce_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`fused_all_reduce` followed by the residual add and RMSNorm in
     its phase 3: ``(out, new residual)``, the bits of its output then
-    ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
-    (``norm.rms_norm`` without ``residual``, and ``residual_out`` holding
+    ``rmsnorm.add_rms_norm(y, residual, weight, eps, variance="kernel")``
+    (``rmsnorm.rms_norm`` without ``residual``, and ``residual_out`` holding
     Echo's output, or None when not given), the same as the
     composed ``output_norm`` kernel's. ``tiling``: :func:`tiling_for_norm`'s
     (whole rows per tile in every phase). ``residual`` (``[numel]``
@@ -782,7 +787,9 @@ def fused_all_reduce_norm(
                            tiling_lanes(tiling, layout, x, out, weight, res, res_out))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
-    _launch(lp, (x, fb, table, res, weight, out, res_out), ints, x, phase, sms)
+    tensors = (x, fb, table, res, weight, out, res_out)
+    _check_grid(lp, tensors, ints, x, phase, sms)
+    lp.launcher(lp.grid, tensors, ints, lp.constexprs)
     shape = (layout.numel,) if ranks == 1 else (ranks, layout.numel)
     return out.view(shape), residual_out.view(shape) if residual_out is not None else None
 
@@ -816,18 +823,12 @@ def _check_call(x, feedback, table, layout: WireLayout, rank: int, gathered_offs
     return ranks
 
 
-def _launch(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None, *,
-            compile_only: bool = False) -> None:
-    """Launch, a grid with barriers checked resident first (:func:`check_resident`,
-    which compiles the kernel); ``compile_only``: compile, launch nothing."""
+def _check_grid(lp: LaunchPlan, tensors, ints, x: torch.Tensor, phase: int, sms: int | None) -> None:
+    """Before a launch of ``lp`` with barriers, its grid checked resident on
+    ``sms`` SMs (:func:`check_resident`, which compiles the kernel)."""
     if phase == ALL_PHASES and x.is_cuda:
         check_resident(lp, tensors, ints, sms or torch.cuda.get_device_properties(x.device).multi_processor_count,
                        sm_limits(x.device))
-    if compile_only:
-        if x.is_cuda:  # the interpreter compiles nothing; check_resident's compilation is found in Triton's cache
-            lp.launcher.compile(lp.grid, tensors, ints, lp.constexprs)
-    else:
-        lp.launcher(lp.grid, tensors, ints, lp.constexprs)
 
 
 __all__ = [

@@ -3,10 +3,10 @@ does vLLM's ``fused_add_rms_norm`` (or ``rms_norm``) on the rows it decodes.
 
 Every rank runs this on the same gathered bytes, so every rank returns the
 same bits. Specification: ``quant.output_reference`` followed by
-``norm.add_rms_norm(..., variance="kernel")`` (``norm.rms_norm`` without a
-residual); the device code is :func:`.norm_tile.output_norm_tile`, shared
+``rmsnorm.add_rms_norm(..., variance="kernel")`` (``rmsnorm.rms_norm`` without a
+residual); the device code is :func:`.rmsnorm_tile.output_norm_tile`, shared
 with the fused kernel's phase 3. Rows must be whole in one program: the
-tile plan is :func:`echo_vllm.norm_plan.norm_tiling` (a layout it refuses
+tile plan is :func:`echo_vllm.rmsnorm_plan.norm_tiling` (a layout it refuses
 raises here; callers ask it first and take the unfused path).
 """
 
@@ -21,8 +21,8 @@ import triton.language as tl
 from ..quant import WireLayout
 from . import contract
 from .direct_launch import Launcher, LaunchPlan
-from ..norm_plan import NormTiling, norm_tiling
-from .norm_tile import ADD_RESIDUAL, KEEP_OUTPUT, NO_RESIDUAL, output_norm_tile
+from ..rmsnorm_plan import NormTiling, norm_tiling
+from .rmsnorm_tile import ADD_RESIDUAL, KEEP_OUTPUT, NO_RESIDUAL, output_norm_tile
 
 
 @triton.jit
@@ -134,9 +134,9 @@ def output_norm(
     tiling: NormTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel version of ``quant.output_reference`` then
-    ``norm.add_rms_norm(y, residual, weight, eps, variance="kernel")``:
+    ``rmsnorm.add_rms_norm(y, residual, weight, eps, variance="kernel")``:
     ``gathered [P, chunk_bytes]`` -> ``(out [numel], new residual [numel])``
-    of ``out_dtype`` (without ``residual``: ``norm.rms_norm``, and
+    of ``out_dtype`` (without ``residual``: ``rmsnorm.rms_norm``, and
     ``residual_out`` holding Echo's output, or None when not given).
     The new residual goes into ``residual_out``, by default ``residual``
     itself (in place, as vLLM's op). ``tiling``: the tile plan, by default

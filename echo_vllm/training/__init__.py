@@ -25,8 +25,7 @@ same with ``TPGroup.from_process_group()``)::
 from .collectives import (
     BACKWARD_DEFAULT,
     FORWARD_DEFAULT,
-    MODES,
-    CallRecord,
+    ChainCall,
     TPComm,
     TPCommConfig,
     TPGroup,
@@ -38,8 +37,7 @@ from .model import ModelConfig, TPQwen3
 __all__ = [
     "BACKWARD_DEFAULT",
     "FORWARD_DEFAULT",
-    "MODES",
-    "CallRecord",
+    "ChainCall",
     "ModelConfig",
     "TPComm",
     "TPCommConfig",

@@ -48,9 +48,8 @@ import torch.distributed as dist
 from ..emulation import StackedCommunicator
 from ..config import EchoConfig
 from ..numbering import CallCounter
+from ..policy import MODES, Path, mode_config
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
-
-MODES = ("exact", "naive", "echo")
 
 #: Forward chain defaults. Training messages (tokens x hidden, 16-bit) are
 #: far above Echo's serving size gate, and the comparison is about
@@ -152,9 +151,9 @@ class TPCommConfig:
     """How the residual all-reduces of a TP training step are done."""
 
     mode: str = "echo"
-    """"exact": every call 16-bit (the baseline); "naive": the Echo configs
-    below with ``feedback=False`` (plain 4-bit, same calls 16-bit as Echo);
-    "echo": the configs as given."""
+    """:data:`echo_vllm.policy.MODES`: "exact", every call 16-bit (the
+    baseline); "naive", the Echo configs below with ``feedback=False``
+    (plain 4-bit, same calls 16-bit as Echo); "echo", the configs as given."""
 
     forward: EchoConfig = FORWARD_DEFAULT
     """Echo options of the forward chain (g: embedding and row-parallel
@@ -180,18 +179,16 @@ class TPCommConfig:
     def echo_config(self, direction: str) -> EchoConfig | None:
         """The EchoConfig of ``direction`` ("forward"/"backward") in this
         mode; None for exact."""
-        if self.mode == "exact":
-            return None
-        cfg = self.forward if direction == "forward" else self.backward
-        return cfg.replace(feedback=False) if self.mode == "naive" else cfg
+        return mode_config(self.mode, self.forward if direction == "forward" else self.backward)
 
     def replace(self, **changes) -> "TPCommConfig":
         return dataclasses.replace(self, **changes)
 
 
 @dataclass
-class CallRecord:
-    """One residual all-reduce, as kept by :attr:`ChainedAllReduce.recorder`."""
+class ChainCall:
+    """One residual all-reduce of a direction's chain, its message and output,
+    as :attr:`ChainedAllReduce.trace` keeps it."""
 
     direction: str
     index: int
@@ -224,16 +221,17 @@ class ChainedAllReduce:
         self.group = group
         self.comm_dtype = config.comm_dtype
         echo_cfg = config.echo_config(direction)
-        self.exact_only = echo_cfg is None
-        # exact mode still owns a communicator: its exact path is the one the
-        # Echo modes fall back to, so the three modes share the 16-bit numerics
+        # exact mode still owns a communicator and forces its exact path: the one
+        # the Echo modes fall back to, so the three modes share the 16-bit numerics
+        self.path = Path.EXACT if echo_cfg is None else None
+        """The path every call is forced onto (None: the policy's)."""
         self.comm = StackedCommunicator(echo_cfg or EchoConfig(min_bytes=0), group.transport, device=group.device,
-                                        fast_cpu=True, enabled=not self.exact_only)
+                                        fast_cpu=True)
         self.counter = CallCounter()
         """Numbers this direction's calls; ``calls_per_pass`` is declared per
         pass (known before the pass's last call)."""
         self.counter.start()
-        self.recorder: list[CallRecord] | None = None
+        self.trace: list[ChainCall] | None = None
         """Set to a list to keep every call's message and output (tests)."""
         self.time = CommTime()
 
@@ -253,11 +251,11 @@ class ChainedAllReduce:
         xs = partials.to(self.comm_dtype)
         slot = self.counter.next()
         start = self._tick()
-        y = self.comm.all_reduce(xs, slot=slot)
+        y = self.comm.all_reduce(xs, slot=slot, path=self.path)
         self._tock(start)
-        if self.recorder is not None:
-            path = self.comm.should_echo(xs, slot).path.value
-            self.recorder.append(CallRecord(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
+        if self.trace is not None:
+            path = (self.path or self.comm.should_echo(xs, slot).path).value
+            self.trace.append(ChainCall(self.direction, slot.index, slot.last_call, path, xs.detach().clone(),
                                             y.detach().clone()))
         return y
 
@@ -313,9 +311,10 @@ class TPComm:
                 f"the model declared {counter.calls_per_pass}"
             )
 
-    def set_recorder(self, recorder: list[CallRecord] | None) -> None:
-        self.forward.recorder = recorder
-        self.backward.recorder = recorder
+    def set_trace(self, trace: list[ChainCall] | None) -> None:
+        """Keep every call's :class:`ChainCall` in ``trace`` (None: stop)."""
+        self.forward.trace = trace
+        self.backward.trace = trace
 
     def stats(self) -> dict:
         """Calls by path/reason per direction, and chain counters."""
@@ -385,8 +384,7 @@ def reduce_from_tp(partials: torch.Tensor, comm: TPComm, out_dtype: torch.dtype 
 __all__ = [
     "BACKWARD_DEFAULT",
     "FORWARD_DEFAULT",
-    "MODES",
-    "CallRecord",
+    "ChainCall",
     "ChainedAllReduce",
     "CommTime",
     "TPComm",

@@ -41,7 +41,8 @@ from echo_vllm.cli_args import (MAX_RANKS, MAX_TOOL_SEED, RANKS_WHY, SEED_WHY, U
 from echo_vllm.config import MAX_CALLS, SUPPORTED_GROUP_SIZES
 from echo_vllm.outputs import check_names, save_figure, write_json, write_text
 
-from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, MODES, TPCommConfig, TPGroup
+from ..policy import MODES
+from .collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT, TPCommConfig, TPGroup
 from .data import CORPUS_FILES, SOURCES, VOCAB_SIZE, Corpus, prepare_corpus
 from .fidelity import OUTPUTS as FIDELITY_FILES
 from .model import ModelConfig

@@ -19,7 +19,7 @@ import torch
 
 from .. import envs
 from ..backends import make_backend
-from ..communicator import EchoCommunicator
+from ..communicator import EchoCommunicator, ResidualStream
 from ..config import EchoConfig
 from ..envs import EchoEnv
 from ..health import HealthCounters
@@ -53,14 +53,12 @@ def tp_communicator(coordinator: Any, config: EchoConfig, tracker: ForwardTracke
                                    env=env, peers=_peers(coordinator, transport), max_numel=max_numel)
     logger.info("echo: %s backend on %s (%s)", backend.name, coordinator.unique_name, reason)
     # sampled NaN/Inf checks count on the device (allocated with the feedback buffer)
-    health = HealthCounters(coordinator.device) if config.health_every else None
-    tracker.stats.health = health
+    tracker.stats.health = HealthCounters(coordinator.device) if config.health_every else None
     tracker.stats.set_thresholds(config.effective_min_bytes, config.max_bytes)
-
-    return EchoCommunicator(config, transport, device=coordinator.device, backend=backend, env=env,
-                            exact_all_reduce=vllm_all_reduce, numbering=tracker.number, hidden_size=hidden_size, residual_ndim=2,
-                            max_num_tokens=max_num_tokens, fixed_capacity=True, stats=tracker.stats,
-                            sink=tracker.on_record, health=health)
+    stream = ResidualStream(hidden_size, ndim=2, max_num_tokens=max_num_tokens, fixed_capacity=True)
+    return EchoCommunicator(config, transport, device=coordinator.device, stream=stream, backend=backend,
+                            exact_all_reduce=vllm_all_reduce, numbering=tracker.number, stats=tracker.stats,
+                            sink=tracker.on_record)
 
 
 def make_transport(coordinator: Any) -> Transport:

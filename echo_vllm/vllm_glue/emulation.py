@@ -35,15 +35,17 @@ from typing import Any, Optional
 import torch
 
 from ..capture import capturing
+from ..communicator import ResidualStream
 from ..config import EchoConfigError
 from ..emulation import StackedCommunicator, row_parallel_partials, vocab_parallel_partials, vocab_shard_bounds
 from ..health import HealthCounters
-from ..norm import NormOperands
+from ..rmsnorm import NormOperands
 from ..numbering import CallSlot
+from ..policy import Path
 from ..transport import VirtualTransport
 from . import compat
 from . import session as sessions
-from .norm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
+from .rmsnorm_fusion import ROW_NORM_OP, VOCAB_NORM_OP, outputs_like, run_norm
 from .session import EchoSession
 from .settings import TpCommSettings
 
@@ -81,9 +83,9 @@ class EmulationSession(EchoSession):
         if capturing():
             self.captured = True
         comm = self._communicator(partials.device)
-        residual = comm.is_residual(partials[0])
+        residual = comm.stream.holds(partials[0])
         slot = self.tracker.number(partials.shape[1] if partials.dim() > 1 else 0, residual)
-        y = comm.all_reduce(partials, slot=slot)
+        y = comm.all_reduce(partials, slot=slot, path=self._path)
         if self.settings.emulate_measure:
             self._measure(partials, y, slot, residual)
         return y
@@ -97,17 +99,22 @@ class EmulationSession(EchoSession):
             return norm.apply(self.reduce(partials))
         if capturing():
             self.captured = True
-        return self._communicator(partials.device).all_reduce_norm(partials, norm)
+        return self._communicator(partials.device).all_reduce_norm(partials, norm, path=self._path)
+
+    @property
+    def _path(self) -> Optional[Path]:
+        """The path every call takes: the policy's with ``tp_comm=echo``, the
+        exact one (the baseline of the same partials) otherwise."""
+        return None if self.settings.tp_comm == "echo" else Path.EXACT
 
     def _communicator(self, device: torch.device) -> StackedCommunicator:
         if self.comm is None or self.comm.chain.device != device:
             # the buffer is sized once, by the first residual call, never under capture
-            health = HealthCounters(device) if self.settings.echo.health_every else None
-            self.stats.health = health
+            self.stats.health = HealthCounters(device) if self.settings.echo.health_every else None
+            stream = ResidualStream(self.hidden_size, ndim=2, max_num_tokens=self.max_num_tokens, fixed_capacity=True)
             self.comm = StackedCommunicator(
-                self.settings.echo, VirtualTransport(self.world_size), device=device, numbering=self.tracker.number,
-                hidden_size=self.hidden_size, residual_ndim=2, max_num_tokens=self.max_num_tokens, fixed_capacity=True,
-                enabled=self.settings.mode == "echo", stats=self.stats, sink=self.tracker.on_record, health=health)
+                self.settings.echo, VirtualTransport(self.world_size), device=device, stream=stream,
+                numbering=self.tracker.number, stats=self.stats, sink=self.tracker.on_record)
         return self.comm
 
     def close(self) -> None:
@@ -153,8 +160,8 @@ class EmulationSession(EchoSession):
 
     # -- switching variants in one eager engine -----------------------------------
 
-    def set_variant(self, mode: Optional[str] = None, **echo_changes: Any) -> None:
-        """Change the reduce (``mode`` "echo"/"nccl", EchoConfig fields) between
+    def set_variant(self, tp_comm: Optional[str] = None, **echo_changes: Any) -> None:
+        """Change the reduce (``tp_comm`` "echo"/"nccl", EchoConfig fields) between
         requests. Eager engines only: a captured CUDA graph keeps the
         decisions it was captured with."""
         if self.captured:
@@ -165,7 +172,7 @@ class EmulationSession(EchoSession):
         self.flush()
         self.settings = dataclasses.replace(
             self.settings,
-            mode=mode or self.settings.mode,
+            tp_comm=tp_comm or self.settings.tp_comm,
             echo=self.settings.echo.replace(**echo_changes),
         )
         self.close()

@@ -108,7 +108,7 @@ def conflicts(settings: TpCommSettings, engine: EngineFacts) -> list[Conflict]:
             f"{EMULATE_KEY}={settings.emulate_world_size} emulates tensor parallelism on one "
             f"device and needs --tensor-parallel-size 1 (got {tp}); drop {EMULATE_KEY} "
             "to run Echo on the real group"))
-    if settings.mode == "echo" and not settings.emulated and tp == 1:
+    if settings.tp_comm == "echo" and not settings.emulated and tp == 1:
         out.append(Conflict(
             "tp_comm=echo needs --tensor-parallel-size > 1 (or tp_comm_emulate=P to emulate TP=P on one "
             "device): at TP=1 there is no all-reduce to replace, and vLLM runs unchanged", refused=False))
@@ -118,18 +118,18 @@ def conflicts(settings: TpCommSettings, engine: EngineFacts) -> list[Conflict]:
                 f"compilation pass {name} is on; it {BYPASS_PASSES[name]}, removing the all-reduce Echo "
                 f"replaces. Turn it off: vllm serve ... -cc.pass_config.{name}=false "
                 f"(Python: compilation_config={{'pass_config': {{'{name}': False}}}})"))
-    if settings.mode == "echo" and settings.echo.rounding == "stochastic" and engine.cudagraphs:
+    if settings.tp_comm == "echo" and settings.echo.rounding == "stochastic" and engine.cudagraphs:
         out.append(Conflict(
             "echo_rounding=stochastic draws its noise from a torch generator; a CUDA-graph replay would "
             "repeat the captured draw every step. Run eager (--enforce-eager) or use echo_rounding=nearest"))
     if settings.active and (engine.enable_dbo or engine.ubatch_size > 1):
-        who = "tp_comm=echo" if settings.mode == "echo" else f"{EMULATE_KEY}={settings.emulate_world_size}"
+        who = "tp_comm=echo" if settings.tp_comm == "echo" else f"{EMULATE_KEY}={settings.emulate_world_size}"
         given = "--enable-dbo" if engine.enable_dbo else f"--ubatch-size {engine.ubatch_size}"
         out.append(Conflict(
             f"{who} cannot run with {given}: dual-batch overlap interleaves two micro-batches' all-reduces "
             "in one feedback chain. Turn it off: drop --enable-dbo / --ubatch-size "
             "(Python: enable_dbo=False, ubatch_size=0)"))
-    if settings.postnorm is not None and settings.mode != "echo":
+    if settings.postnorm is not None and settings.tp_comm != "echo":
         out.append(Conflict(
             f"{POSTNORM_KEY}={settings.postnorm} needs tp_comm=echo (it decides what Echo does on "
             "post-norm models)", refused=False))
@@ -144,7 +144,7 @@ def check_engine_config(vllm_config: Any, settings: TpCommSettings) -> list[str]
     if refused:
         raise EchoEngineConfigError(
             "echo-vllm cannot run with this vLLM configuration "
-            f"(tp_comm={settings.mode!r}):\n  - " + "\n  - ".join(refused)
+            f"(tp_comm={settings.tp_comm!r}):\n  - " + "\n  - ".join(refused)
         )
     return [c.message for c in found if not c.refused]
 
@@ -158,7 +158,7 @@ def check_hook_installed(vllm_config: Any, problem: str | None) -> None:
     settings = TpCommSettings.from_vllm_config(vllm_config)
     if not settings.active:
         return
-    asked = f"tp_comm={settings.mode!r}" + (
+    asked = f"tp_comm={settings.tp_comm!r}" + (
         f", tp_comm_emulate={settings.emulate_world_size}" if settings.emulated else ""
     )
     raise EchoEngineConfigError(

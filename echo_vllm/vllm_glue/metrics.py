@@ -54,7 +54,7 @@ Exported (``rank`` = tensor-parallel rank of the worker):
   NaN/Inf, ``echo:nonfinite_total{rank,where}`` those whose input / output
   held one, ``echo:saturated_total{rank}`` those whose output saturated
   (a sum beyond the dtype's range, decoded to +-max; ``echo_vllm.health``)
-- the norm after the all-reduce (``norm_fusion``): ``echo:norm_calls_total{rank,how}``
+- the norm after the all-reduce (``rmsnorm_fusion``): ``echo:norm_calls_total{rank,how}``
   residual calls whose norm ran inside Echo (``how="fused"``) or after the
   reduce (the reason: the row too wide, ``exact path``), CUDA-graph replays
   included; ``echo:norm_fusion_sites{rank,outcome}`` Echo's all-reduces in

@@ -21,7 +21,7 @@ Keys
     sum per call).
 ``tp_comm_postnorm``
     What Echo does on a post-norm model (Gemma-2/3, OLMo-2, ...; see
-    :mod:`echo_vllm.postnorm`): ``"exact"`` (default: Echo off for that
+    :mod:`echo_vllm.postnorm_policy`): ``"exact"`` (default: Echo off for that
     model), ``"no-feedback"`` (Echo without error feedback) or
     ``"feedback"`` (as configured, for measurement). Ignored for other models.
 ``echo_<field>``
@@ -37,15 +37,16 @@ from typing import Any, Mapping
 
 from ..cli_args import MAX_RANKS, RANKS_WHY, did_you_mean
 from ..config import EchoConfig, EchoConfigError, _coerce
-from ..postnorm import (
+from ..postnorm_policy import (
     DEFAULT_POSTNORM_POLICY,
     POSTNORM_POLICIES,
     decide_postnorm,
     postnorm_config,
 )
 
-#: Values of ``tp_comm``.
-MODES = ("nccl", "echo")
+#: Values of ``tp_comm`` (vLLM users' words: ``nccl`` is vLLM's own all-reduce, the
+#: 16-bit one; inside Echo the same all-reduce is ``exact``, ``policy.MODES``).
+TP_COMM_CHOICES = ("nccl", "echo")
 
 TP_COMM_KEY = "tp_comm"
 """additional_config key the plugin reads the all-reduce backend from."""
@@ -83,7 +84,7 @@ def normalize_keys(raw: Mapping[str, Any]) -> dict:
 class TpCommSettings:
     """The engine's tensor-parallel communication choice."""
 
-    mode: str = "nccl"
+    tp_comm: str = "nccl"
     """"echo" reduces residual-stream all-reduces with Echo; "nccl" leaves
     vLLM's all-reduce alone (or, with emulation, sums partials exactly)."""
 
@@ -98,11 +99,12 @@ class TpCommSettings:
 
     postnorm: str | None = None
     """Policy for post-norm models (``tp_comm_postnorm``); None: not given
-    (:data:`~echo_vllm.postnorm.DEFAULT_POSTNORM_POLICY` applies)."""
+    (:data:`~echo_vllm.postnorm_policy.DEFAULT_POSTNORM_POLICY` applies)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise EchoConfigError(f"tp_comm={self.mode!r}: choose one of {MODES}{did_you_mean(self.mode, MODES)}")
+        if self.tp_comm not in TP_COMM_CHOICES:
+            raise EchoConfigError(f"tp_comm={self.tp_comm!r}: choose one of {TP_COMM_CHOICES}"
+                                  f"{did_you_mean(self.tp_comm, TP_COMM_CHOICES)}")
         p = self.emulate_world_size
         if not isinstance(p, int) or isinstance(p, bool) or (p != 0 and not 2 <= p <= MAX_RANKS):
             raise EchoConfigError(
@@ -126,7 +128,7 @@ class TpCommSettings:
     @property
     def active(self) -> bool:
         """Echo's glue has something to do in this engine."""
-        return self.mode == "echo" or self.emulated
+        return self.tp_comm == "echo" or self.emulated
 
     @classmethod
     def from_additional_config(cls, raw: Any) -> "TpCommSettings":
@@ -143,11 +145,11 @@ class TpCommSettings:
             raise EchoConfigError(
                 f"unknown option(s) {unknown} in additional_config{hint or ';'} known: {list(KNOWN_KEYS)}"
             )
-        mode = str(raw.get(TP_COMM_KEY, "nccl")).strip().lower()
+        tp_comm = str(raw.get(TP_COMM_KEY, "nccl")).strip().lower()
         emulate = _coerce(EMULATE_KEY, raw.get(EMULATE_KEY, 0), int)
         measure = _coerce(MEASURE_KEY, raw.get(MEASURE_KEY, False), bool)
         return cls(
-            mode=mode,
+            tp_comm=tp_comm,
             emulate_world_size=emulate,
             emulate_measure=measure,
             echo=EchoConfig.from_mapping(raw, prefix="echo_"),
@@ -159,9 +161,9 @@ class TpCommSettings:
         """These settings adjusted for the served model, and why (None when
         unchanged): on a post-norm model Echo's feedback would add errors
         back at the wrong scale, so :attr:`postnorm` decides. Post-norm is
-        :func:`~echo_vllm.postnorm.decide_postnorm`'s answer for
+        :func:`~echo_vllm.postnorm_policy.decide_postnorm`'s answer for
         ``architectures``, ``hf_config`` and the module tree ``modules``."""
-        if self.mode != "echo":
+        if self.tp_comm != "echo":
             return self, None
         decision = decide_postnorm(architectures, hf_config, modules)
         if not decision.postnorm:
@@ -170,7 +172,7 @@ class TpCommSettings:
         model = f"{architectures} ({decision.reason})"
         if mode == "exact":
             # the policy is spent: Echo is off, nothing is left for it to decide
-            return replace(self, mode="nccl", postnorm=None), (
+            return replace(self, tp_comm="nccl", postnorm=None), (
                 f"post-norm model {model}: Echo is off, every all-reduce in 16-bit "
                 "(tp_comm_postnorm=exact, the default: 4-bit costs such models accuracy even without "
                 "error feedback; tp_comm_postnorm=no-feedback opts in)")
@@ -191,7 +193,7 @@ class TpCommSettings:
         the path its call index gives whatever the batch, and the layout
         keeps each token's bits to itself. Stochastic rounding is refused:
         a value's noise draw depends on its position in the message."""
-        if not enabled or self.mode != "echo":
+        if not enabled or self.tp_comm != "echo":
             return self, None
         if self.echo.rounding == "stochastic":
             raise EchoConfigError(

@@ -8,7 +8,7 @@ conflicting engine settings (:mod:`.guards`) and model code that goes
 around the hook (:mod:`.bypass`: refused, or logged and exported), and
 activates the process's session (:mod:`.session`): real TP, or the
 one-device emulation; then registers the compilation pass that folds the
-norm after each all-reduce into Echo (:mod:`.norm_fusion`).
+norm after each all-reduce into Echo (:mod:`.rmsnorm_fusion`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..postnorm import decide_postnorm, module_tree
+from ..postnorm_policy import decide_postnorm, module_tree
 from . import compat, emulation, session
 from .bypass import ModelFacts, model_bypasses
 from .guards import EchoEngineConfigError, check_engine_config
@@ -50,9 +50,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     # is the decoder transformers builds from its config, on the meta device
     hf_config = compat.model_hf_config(vllm_config)
     trust = bool(getattr(getattr(vllm_config, "model_config", None), "trust_remote_code", False))
-    modules = module_tree(hf_config, trust_remote_code=trust) if settings.mode == "echo" else None
+    modules = module_tree(hf_config, trust_remote_code=trust) if settings.tp_comm == "echo" else None
     architectures = compat.model_architectures(vllm_config)
-    postnorm = settings.mode == "echo" and decide_postnorm(architectures, hf_config, modules).postnorm
+    postnorm = settings.tp_comm == "echo" and decide_postnorm(architectures, hf_config, modules).postnorm
     settings, note = settings.for_model(architectures, hf_config, modules)
     if note:
         logger.warning("echo: %s", note)
@@ -64,7 +64,7 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     # refused conflicts raise here; the others leave vLLM's all-reduce in place, said loudly
     for problem in check_engine_config(vllm_config, settings):
         logger.warning("echo: %s", problem)
-    bypasses = model_bypasses(ModelFacts.from_vllm_config(vllm_config)) if settings.mode == "echo" else ()
+    bypasses = model_bypasses(ModelFacts.from_vllm_config(vllm_config)) if settings.tp_comm == "echo" else ()
     refused = [b.message for b in bypasses if b.refused]
     if refused:
         raise EchoEngineConfigError("echo-vllm cannot run this model with tp_comm=echo:\n  - " + "\n  - ".join(refused))
@@ -74,7 +74,7 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     if settings.emulated:
         active = session.activate(emulation.start(settings, vllm_config))
         logger.info("echo: emulating tensor parallelism %d on one device (%s reduce) %s",
-                    settings.emulate_world_size, settings.mode, settings.echo)
+                    settings.emulate_world_size, settings.tp_comm, settings.echo)
     elif world > 1:
         active = session.activate(session.TpSession(coordinator, settings, vllm_config,
                                                     functools.partial(vllm_all_reduce, coordinator)))
@@ -90,9 +90,9 @@ def on_group_created(coordinator: Any, vllm_all_reduce: Callable[[Any, torch.Ten
     else:
         # nothing to reduce (the rule book's warning above): vLLM runs unchanged
         return
-    from . import norm_fusion  # vLLM's compilation modules: only in the engine that runs Echo
+    from . import rmsnorm_fusion  # vLLM's compilation modules: only in the engine that runs Echo
 
-    logger.info("echo: %s", norm_fusion.install(vllm_config, settings.mode, settings.echo.fuse_norm, postnorm,
+    logger.info("echo: %s", rmsnorm_fusion.install(vllm_config, settings.tp_comm, settings.echo.fuse_norm, postnorm,
                                                 None if settings.emulated else coordinator.unique_name))
     active.model_note = note
     active.stats.bypasses = tuple(sorted({b.path for b in bypasses}))

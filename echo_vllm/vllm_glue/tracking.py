@@ -102,7 +102,7 @@ class StepStats(EchoStats):
     (``bypass.Bypass.path``; logged at start)."""
     norm_sites: Counter = field(default_factory=Counter)
     """Echo's all-reduces in the compiled graphs by what the norm fusion
-    pass did with them (``"fused"`` or why not; ``norm_fusion``), summed
+    pass did with them (``"fused"`` or why not; ``rmsnorm_fusion``), summed
     over the graphs compiled (a cached compilation runs no pass)."""
 
     def add_norm_sites(self, outcomes: Counter) -> None:

@@ -8,7 +8,7 @@ rows of 8192, every peer's buffer local), and each composed stage kernel
 With ``--norm`` it launches instead the fused kernel's phase 3 with the
 residual add and RMSNorm (rows of ``--hidden``, ``--tokens`` of them), twice,
 with the output phase's second pass as ``--decode-once`` says (``auto``:
-the plan's choice, ``norm_plan.norm_tiling``), for comparing the two
+the plan's choice, ``rmsnorm_plan.norm_tiling``), for comparing the two
 designs of the P = 8 output phase:
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from echo_vllm import quant
     from echo_vllm.backends.fused import local_buffers
-    from echo_vllm.backends.stages import TritonStages
+    from echo_vllm.backends.triton_stages import TritonStages
     from echo_vllm.bench.report import parse_size
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.quant import WireLayout
@@ -76,7 +76,7 @@ def _norm_phase3(args) -> int:
 
     from echo_vllm.backends.fused import local_buffers
     from echo_vllm.kernels import fused_kernel as fk
-    from echo_vllm.norm_plan import norm_tiling
+    from echo_vllm.rmsnorm_plan import norm_tiling
     from echo_vllm.quant import WireLayout
 
     p = args.world_size

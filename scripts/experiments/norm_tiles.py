@@ -1,5 +1,5 @@
 r"""Time the fused Echo + add + RMSNorm under tile plans other than
-``norm_plan.norm_tiling``'s: rows per tile and the output phase's second
+``rmsnorm_plan.norm_tiling``'s: rows per tile and the output phase's second
 pass (Echo's output read back, or decoded again, or none: ``--once one``,
 every chunk of a step's rows in one pass), every rank of P emulated
 in one launch (time over P, as ``bench norm``'s (b)), and phase 3 alone
@@ -48,14 +48,14 @@ SECOND_PASS = {"on": 1, "off": 0, "one": 2}
 def _tiling(lay, rows: int, once: int, step: int, warps_per_sm: int, one_pass_values: int = 16):
     """``(the plan's tiling, a variant)``: ``rows`` rows per tile (warps and values per thread to
     match), in two passes whose second reads Echo's output back (``once`` 1) or decodes again (0), or
-    in one pass (2: as many rows a step as ``norm_plan.one_pass_rows`` allows; None if not one), and
-    ``warps_per_sm`` in place of ``norm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers),
-    ``one_pass_values`` of ``norm_plan.ONE_PASS_MAX_VALUES`` (the most values a thread holds in one pass)."""
-    from echo_vllm import norm_plan
-    from echo_vllm.norm_plan import MAX_WARPS, WARP_VALUES, norm_tiling, one_pass_rows
+    in one pass (2: as many rows a step as ``rmsnorm_plan.one_pass_rows`` allows; None if not one), and
+    ``warps_per_sm`` in place of ``rmsnorm_plan.NORM_WARPS_PER_SM`` (programs per SM, and so registers),
+    ``one_pass_values`` of ``rmsnorm_plan.ONE_PASS_MAX_VALUES`` (the most values a thread holds in one pass)."""
+    from echo_vllm import rmsnorm_plan
+    from echo_vllm.rmsnorm_plan import MAX_WARPS, WARP_VALUES, norm_tiling, one_pass_rows
 
-    norm_plan.NORM_WARPS_PER_SM = warps_per_sm  # read by NormTiling.per_sm()
-    norm_plan.ONE_PASS_MAX_VALUES = one_pass_values  # read by one_pass_rows()
+    rmsnorm_plan.NORM_WARPS_PER_SM = warps_per_sm  # read by NormTiling.per_sm()
+    rmsnorm_plan.ONE_PASS_MAX_VALUES = one_pass_values  # read by one_pass_rows()
 
     plan, reason = norm_tiling(lay)
     if plan is None:
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--once", default="on,off,one", help="second passes to try: on (read back), off (decode "
                     "again), one (none: one pass)")
     ap.add_argument("--steps", default="4", help="chunks per step of the first pass to try")
-    ap.add_argument("--warps-per-sm", default="24", help="norm_plan.NORM_WARPS_PER_SM values to try")
-    ap.add_argument("--one-pass-values", default="16", help="norm_plan.ONE_PASS_MAX_VALUES values to try (one pass: the most values a thread holds; 32 gives P = 8 at hidden 4096 steps of 2 rows on 8 warps)")
+    ap.add_argument("--warps-per-sm", default="24", help="rmsnorm_plan.NORM_WARPS_PER_SM values to try")
+    ap.add_argument("--one-pass-values", default="16", help="rmsnorm_plan.ONE_PASS_MAX_VALUES values to try (one pass: the most values a thread holds; 32 gives P = 8 at hidden 4096 steps of 2 rows on 8 warps)")
     ap.add_argument("--grids", default="plan", help="persistent grids to try: plan (the plan's), full "
                     "(a program in every slot of every SM), few (as few programs as share the tiles evenly)")
     ap.add_argument("--echo-phases", action="store_true",
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from echo_vllm.bench import timing
     from echo_vllm.kernels import fused_kernel as fk
-    from echo_vllm.norm_plan import NORM_WARPS_PER_SM as PLAN_WPS
-    from echo_vllm.norm_plan import ONE_PASS_MAX_VALUES as PLAN_OPV
-    from echo_vllm.norm_plan import WARP_VALUES
+    from echo_vllm.rmsnorm_plan import NORM_WARPS_PER_SM as PLAN_WPS
+    from echo_vllm.rmsnorm_plan import ONE_PASS_MAX_VALUES as PLAN_OPV
+    from echo_vllm.rmsnorm_plan import WARP_VALUES
 
     if args.echo_phases:
         return _echo_phases(args, timing)

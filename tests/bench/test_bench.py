@@ -52,7 +52,7 @@ def test_gloo_allreduce_cli_smoke(tmp_path, capsys):
     assert rc == 0
     data = json.loads((tmp_path / "allreduce_gloo_p2.json").read_text())
     algos = {r["algo"] for r in data["rows"]}
-    assert algos == {"16-bit", "naive4", "echo", "wire-only"}
+    assert algos == {"exact", "naive", "echo", "wire-only"}
     assert all(r["time_s"] > 0 and r["size_bytes"] == 65536 for r in data["rows"])
     assert "speedup" in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""Echo's all-reduce (``echo_all_reduce``: Echo whatever the policy says)
+"""Echo's all-reduce (``all_reduce(path=Path.ECHO)``: Echo whatever the policy says)
 over real gloo process groups (P = 2, 3, 4, one ``EchoCommunicator`` per
 rank) and in-process virtual ranks (``StackedCommunicator``): same bits
 everywhere, error within the derived bound, clear errors for bad input."""
@@ -18,6 +18,9 @@ from echo_vllm import (
     StackedCommunicator,
     VirtualTransport,
 )
+from echo_vllm.numbering import CallSlot
+from echo_vllm.policy import Path
+from echo_vllm.quant import WireLayout
 from echo_vllm.spawn import run_processes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,18 +49,19 @@ def _worker(rank, world, cases):
         comm = EchoCommunicator(cfg, transport)
         chain = FeedbackChain(1)
         outs = [
-            comm.echo_all_reduce(_inputs(rank, cid, t, shape, DTYPES[dt]), chain, t) for t in range(CALLS)
+            comm.all_reduce(_inputs(rank, cid, t, shape, DTYPES[dt]), slot=CallSlot(t), path=Path.ECHO, chain=chain)
+            for t in range(CALLS)
         ]
         results.append(outs)
     # mismatched sizes must raise on every rank, not hang
     comm = EchoCommunicator(EchoConfig(min_bytes=0), transport)
     try:
-        comm.echo_all_reduce(torch.zeros(100 + rank, dtype=torch.bfloat16))
+        comm.all_reduce(torch.zeros(100 + rank, dtype=torch.bfloat16), path=Path.ECHO)
         mismatch = "no error"
     except EchoShapeMismatch as e:
         mismatch = str(e)
     # the exact path still works afterwards: 16-bit sum of rank+1
-    exact = comm.exact_all_reduce(torch.full((4,), float(rank + 1), dtype=torch.bfloat16))
+    exact = comm.all_reduce(torch.full((4,), float(rank + 1), dtype=torch.bfloat16), path=Path.EXACT)
     return results, mismatch, exact
 
 
@@ -70,7 +74,7 @@ def _virtual(world, cases):
         outs = []
         for t in range(CALLS):
             xs = torch.stack([_inputs(r, cid, t, shape, DTYPES[dt]) for r in range(world)])
-            outs.append(comm.echo_all_reduce(xs, chain, t))
+            outs.append(comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain))
         results.append(outs)
     return results
 
@@ -125,7 +129,7 @@ def test_virtual_one_call_bound_many_shapes():
             torch.manual_seed(n + world)
             xs = torch.randn(world, n).bfloat16()
             comm = StackedCommunicator(EchoConfig(min_bytes=0, hadamard=False), VirtualTransport(world))
-            y = comm.echo_all_reduce(xs)
+            y = comm.all_reduce(xs, path=Path.ECHO)
             err = (y.double() - xs.double().sum(0)).abs()
             assert torch.all(err <= _one_call_bound(xs, 32, torch.bfloat16))
 
@@ -151,9 +155,9 @@ def test_one_rank_communicator_refuses_a_transport_of_several_local_ranks():
 def test_bad_inputs_are_rejected():
     comm = StackedCommunicator(EchoConfig(), VirtualTransport(4))
     with pytest.raises(ValueError, match="stacked"):
-        comm.echo_all_reduce(torch.zeros(3, 64))
+        comm.all_reduce(torch.zeros(3, 64), path=Path.ECHO)
     with pytest.raises(TypeError, match="floating-point"):
-        comm.echo_all_reduce(torch.zeros(4, 64, dtype=torch.int32))
+        comm.all_reduce(torch.zeros(4, 64, dtype=torch.int32), path=Path.ECHO)
 
 
 def test_each_rank_alone_computes_the_virtual_ranks_bits():
@@ -170,12 +174,12 @@ def test_each_rank_alone_computes_the_virtual_ranks_bits():
     cfg = EchoConfig(min_bytes=0)
     t = VirtualTransport(world)
     comm = StackedCommunicator(cfg, t)
-    lay = comm.layout(n)
+    lay = WireLayout(n, world, cfg.group_size)
     fb = torch.zeros(world, lay.padded_numel)
     wire = quant.stage1_reference(xs, fb, lay, hadamard=True)
     recv = t.all_to_all(wire)
     q2 = quant.stage2_reference(recv, fb, list(range(world)), lay)
-    y = comm.echo_all_reduce(xs)
+    y = comm.all_reduce(xs, path=Path.ECHO)
     assert torch.equal(quant.output_reference(t.all_gather(q2), lay, torch.bfloat16, hadamard=True), y)
     chunks = []
     for r in range(world):
@@ -245,11 +249,13 @@ def echo_calls(draw):
 
 
 def _run_chain(world, cfg, xs, backend):
+    """The chain's Echo outputs, then the input of its last call, exact, with
+    the carried error absorbed (its ``exact_all_reduce`` hands it back)."""
     config = EchoConfig(min_bytes=0, first_exact_calls=0, backend=backend, **cfg)
-    comm = StackedCommunicator(config, VirtualTransport(world))
+    comm = StackedCommunicator(config, VirtualTransport(world), exact_all_reduce=lambda xs: xs)
     chain = FeedbackChain.of(config, world, "cpu")
-    outs = [comm.echo_all_reduce(x, chain, t) for t, x in enumerate(xs[:-1])]
-    return outs + [comm.absorb(xs[-1], chain, len(xs) - 1)]
+    outs = [comm.all_reduce(x, slot=CallSlot(t), path=Path.ECHO, chain=chain) for t, x in enumerate(xs[:-1])]
+    return outs + [comm.all_reduce(xs[-1], slot=CallSlot(len(xs) - 1), path=Path.EXACT, chain=chain)]
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

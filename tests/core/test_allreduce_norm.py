@@ -1,5 +1,5 @@
 """Echo followed by the residual add and RMSNorm, through the communicator:
-the same bits as Echo then ``norm.norm_into`` on every path (fused in the
+the same bits as Echo then ``rmsnorm.norm_into`` on every path (fused in the
 output phase, unfused past the widest row, the exact path), counted by how
 the norm ran; over gloo processes the ranks agree."""
 
@@ -10,8 +10,8 @@ from support.norm_chains import EPS, assert_same, chain_pair, check_pair, partia
 
 from echo_vllm import (CallSlot, EchoCommunicator, EchoConfig, ProcessGroupTransport, StackedCommunicator,
                         VirtualTransport)
-from echo_vllm.norm import NormOperands, norm_into
-from echo_vllm.norm_plan import MAX_NORM_COLS
+from echo_vllm.rmsnorm import NormOperands, norm_into
+from echo_vllm.rmsnorm_plan import MAX_NORM_COLS
 from echo_vllm.spawn import run_processes
 
 

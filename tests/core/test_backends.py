@@ -115,10 +115,11 @@ def test_make_backend_takes_the_fastest_cpu_backend_where_asked(monkeypatch):
     assert backends.make_backend(EchoConfig(), FakeRank(), device_type="cpu", env=EchoEnv())[0].name == "reference"
 
 
-def test_the_backend_the_communicator_builds_is_make_backends():
+def test_the_backend_the_communicator_builds_is_make_backends(monkeypatch):
     from echo_vllm import StackedCommunicator, VirtualTransport
 
-    comm = StackedCommunicator(EchoConfig(), VirtualTransport(2), env=EchoEnv(kernels="numba"))
+    monkeypatch.setenv("ECHO_KERNELS", "numba")
+    comm = StackedCommunicator(EchoConfig(), VirtualTransport(2))
     assert comm.backend(torch.device("cpu")).name == "numba"
 
 

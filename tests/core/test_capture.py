@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
+from echo_vllm import EchoConfig, FeedbackChain, Path, StackedCommunicator, VirtualTransport
 from echo_vllm.capture import capturing, cuda_available
 from support.vllm_graphs import capture
 
@@ -32,13 +32,13 @@ def test_cuda_is_asked_once_per_process(monkeypatch):
 def test_stochastic_rounding_refuses_capture_nearest_runs():
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
     stochastic = StackedCommunicator(EchoConfig(rounding="stochastic", min_bytes=0), VirtualTransport(4))
-    stochastic.echo_all_reduce(x)  # eager: fine
+    stochastic.all_reduce(x, path=Path.ECHO)  # eager: fine
     with capture(), pytest.raises(RuntimeError, match="cannot run inside a CUDA graph"):
-        stochastic.echo_all_reduce(x)
+        stochastic.all_reduce(x, path=Path.ECHO)
     nearest = StackedCommunicator(EchoConfig(min_bytes=0), VirtualTransport(4))
     with capture():
-        captured = nearest.echo_all_reduce(x)
-    eager = StackedCommunicator(EchoConfig(min_bytes=0), VirtualTransport(4)).echo_all_reduce(x)
+        captured = nearest.all_reduce(x, path=Path.ECHO)
+    eager = StackedCommunicator(EchoConfig(min_bytes=0), VirtualTransport(4)).all_reduce(x, path=Path.ECHO)
     assert torch.equal(captured, eager)
 
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from echo_vllm import CallSlot, EchoConfig, EchoConfigError, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, EchoConfigError, Path, StackedCommunicator, VirtualTransport
 from echo_vllm.backends.composed import ComposedBackend
+from echo_vllm.communicator import ResidualStream, message_layout
 from echo_vllm.backends.stages import ReferenceStages
 from echo_vllm.policy import Reason
 
@@ -43,52 +44,82 @@ def test_a_message_beyond_the_fused_buffers_is_recorded_with_its_reason():
 
 
 class _RouteSpy(ComposedBackend):
-    """The reference backend, noting which functions called its ``all_reduce``."""
+    """The reference backend, noting the calls between the test and its
+    ``all_reduce`` / ``all_reduce_norm``."""
 
     def __init__(self, transport):
         super().__init__(CFG, transport, ReferenceStages())
-        self.callers = []
+        self.routes = []
+
+    def _note(self):
+        f, route = sys._getframe(2), []
+        while f.f_code.co_name != self.caller:
+            route.append(f.f_code.co_qualname)
+            f = f.f_back
+        self.routes.append(route[::-1])
 
     def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
-        self.callers.append((sys._getframe(1).f_code.co_qualname, sys._getframe(2).f_code.co_qualname))
+        self._note()
         return super().all_reduce(xs, layout, feedback, has_incoming=has_incoming, out=out)
 
+    def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
+        self._note()
+        return super().all_reduce_norm(xs, layout, feedback, norm, tiling, has_incoming=has_incoming)
 
-def test_all_reduce_calls_the_backend_itself():
-    """The route to the kernel launch: vLLM's hook -> ``all_reduce`` -> the
-    backend's ``all_reduce`` -> the launcher (4 frames with the fused
-    backend), so ``all_reduce`` itself calls the backend, with ``out``."""
+
+def test_both_public_calls_reach_the_backend_through_the_one_echo_path():
+    """The route to the kernel launch: vLLM's hook -> ``all_reduce`` ->
+    ``_echo`` -> the backend's ``all_reduce`` -> the kernel's host function
+    (4 calls to the launch with the fused backend); ``all_reduce_norm``
+    takes the same ``_echo``, and ``out`` reaches the backend."""
+    from echo_vllm.rmsnorm import NormOperands
+
     transport = VirtualTransport(P)
     spy = _RouteSpy(transport)
+    spy.caller = test_both_public_calls_reach_the_backend_through_the_one_echo_path.__name__
     comm = StackedCommunicator(CFG, transport, backend=spy)
     x = torch.randn(P, 8, 128).bfloat16()
     out = torch.empty(8, 128, dtype=torch.bfloat16)
     y = comm.all_reduce(x, slot=CallSlot(0), out=out)
-    assert y is out and spy.callers == [("EchoCommunicator.all_reduce", test_all_reduce_calls_the_backend_itself.__name__)]
+    comm.all_reduce_norm(x, NormOperands(torch.ones(128, dtype=torch.bfloat16), 1e-6), slot=CallSlot(1))
+    assert y is out and spy.routes == [["EchoCommunicator.all_reduce", "EchoCommunicator._echo"],
+                                       ["EchoCommunicator.all_reduce_norm", "EchoCommunicator._echo"]]
 
 
-def test_a_callers_exact_reason_takes_the_exact_path_and_is_recorded():
+@pytest.mark.parametrize("path, reason", [(Path.EXACT, Reason.FORCED_EXACT), (Path.ECHO, Reason.ECHO)])
+def test_a_forced_path_is_taken_whatever_the_policy_and_recorded(path, reason):
+    """Call 0 with ``first_exact_calls=1``: the policy's exact path, unless
+    the caller forces one."""
     records = []
-    comm = StackedCommunicator(CFG, VirtualTransport(P), sink=records.append)
+    comm = StackedCommunicator(CFG.replace(first_exact_calls=1), VirtualTransport(P), sink=records.append)
     x = torch.randn(P, 8, 128).bfloat16()
-    y = comm.all_reduce(x, slot=CallSlot(3), exact_reason=Reason.FORCED_EXACT)
-    assert torch.equal(y, VirtualTransport(P).exact_all_reduce(x))
-    assert [(r.path, r.reason) for r in records] == [("exact", Reason.FORCED_EXACT.value)]
+    y = comm.all_reduce(x, slot=CallSlot(0), path=path)
+    if path is Path.EXACT:
+        assert torch.equal(y, VirtualTransport(P).exact_all_reduce(x))
+    assert [(r.path, r.reason) for r in records] == [(path.value, reason.value)]
 
 
 @pytest.mark.parametrize("arguments, named", [
-    (dict(config={"min_bytes": 0}), "config="), (dict(transport=4), "transport=4"),
+    (dict(config={"min_bytes": 0}), "StackedCommunicator: config="),
+    (dict(transport=4), "StackedCommunicator: transport=4"),
+    (dict(stream={"hidden_size": 64}), "StackedCommunicator: stream="),
+    (dict(fast_cpu="no"), "StackedCommunicator: fast_cpu='no'")])
+def test_a_bad_constructor_argument_is_refused_by_name(arguments, named):
+    given = dict(config=CFG, transport=VirtualTransport(P)) | arguments
+    with pytest.raises(EchoConfigError, match=named):
+        StackedCommunicator(given.pop("config"), given.pop("transport"), **given)
+
+
+@pytest.mark.parametrize("arguments, named", [
     (dict(capacity_numel=-5), "capacity_numel=-5"), (dict(capacity_numel=1.5), "capacity_numel=1.5"),
     (dict(hidden_size=0), "hidden_size=0"), (dict(max_num_tokens=-1), "max_num_tokens=-1"),
-    (dict(residual_ndim=2.0), "residual_ndim=2.0"), (dict(enabled="no"), "enabled='no'"),
-    (dict(fixed_capacity="no"), "fixed_capacity='no'")])
-def test_a_bad_constructor_argument_is_refused_by_name(arguments, named):
+    (dict(ndim=2.0), "ndim=2.0"), (dict(fixed_capacity="no"), "fixed_capacity='no'")])
+def test_a_bad_residual_stream_is_refused_by_name(arguments, named):
     """Each failed inside torch (capacity_numel) or at the first call, or ran
-    every call on a path nobody asked for (enabled="no" ran Echo,
-    hidden_size=0 made every call exact)."""
-    given = dict(config=CFG, transport=VirtualTransport(P)) | arguments
-    with pytest.raises(EchoConfigError, match=f"StackedCommunicator: {named}"):
-        StackedCommunicator(given.pop("config"), given.pop("transport"), **given)
+    every call on a path nobody asked for (hidden_size=0 made every call
+    exact)."""
+    with pytest.raises(EchoConfigError, match=f"ResidualStream: {named}"):
+        ResidualStream(**arguments)
 
 
 def test_a_call_after_close_is_refused_and_closing_twice_is_harmless():
@@ -103,14 +134,14 @@ def test_a_call_after_close_is_refused_and_closing_twice_is_harmless():
         comm.all_reduce(x, slot=CallSlot(1))
 
 
-def test_a_slot_or_exact_reason_of_another_type_is_refused_by_name():
+def test_a_slot_or_path_of_another_type_is_refused_by_name():
     comm = StackedCommunicator(CFG, VirtualTransport(P))
     x = torch.randn(P, 8, 128).bfloat16()
     with pytest.raises(TypeError, match=r"slot=3: must be a CallSlot \(CallSlot\(3\)"):
         comm.all_reduce(x, slot=3)  # failed inside the policy
-    for reason in ("forced", Reason.ECHO):  # a string failed after the reduction ran; ECHO was recorded as exact
-        with pytest.raises(ValueError, match="exact_reason=.*must be a policy.Reason other than ECHO"):
-            comm.all_reduce(x, slot=CallSlot(0), exact_reason=reason)
+    for path in ("forced", Reason.FORCED_EXACT, 1):
+        with pytest.raises(ValueError, match="path=.*must be a policy.Path"):
+            comm.all_reduce(x, slot=CallSlot(0), path=path)
 
 
 @pytest.mark.parametrize("out, why", [
@@ -127,7 +158,7 @@ def test_out_must_be_the_messages_shape_dtype_and_device_on_both_paths(out, why,
     comm = StackedCommunicator(CFG, VirtualTransport(P))
     x = torch.randn(P, 8, 128).bfloat16()
     with pytest.raises(ValueError, match=why):
-        comm.all_reduce(x, slot=CallSlot(0), out=out, exact_reason=Reason.FORCED_EXACT if exact else None)
+        comm.all_reduce(x, slot=CallSlot(0), out=out, path=Path.EXACT if exact else None)
 
 
 def test_an_input_on_another_device_than_the_communicator_is_refused_by_name():
@@ -151,7 +182,7 @@ class _CompileSpy(ComposedBackend):
 
 
 @pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no-feedback"])
-def test_compile_echo_asks_for_every_kernel_a_chain_launches_and_changes_nothing(feedback):
+def test_compile_asks_for_every_kernel_a_chain_launches_and_changes_nothing(feedback):
     """A chain's first call takes no incoming error, its later ones do: both
     kernels compiled with feedback, one without; the chain's error is
     untouched (the next call's bits, which absorb it, are the plain ones) (``scripts/gpu_fused_check.py``'s sweep)."""
@@ -164,16 +195,17 @@ def test_compile_echo_asks_for_every_kernel_a_chain_launches_and_changes_nothing
     plain = StackedCommunicator(cfg, VirtualTransport(P))
     x = torch.randn(P, 3, 96).bfloat16()
     chain, twin = FeedbackChain.of(cfg, P), FeedbackChain.of(cfg, P)
-    comm.echo_all_reduce(x, chain, 0)
-    plain.echo_all_reduce(x, twin, 0)
-    comm.compile_echo(x, chain)
-    lay = comm.message_layout((3, 96))
+    comm.all_reduce(x, slot=CallSlot(0), path=Path.ECHO, chain=chain)
+    plain.all_reduce(x, slot=CallSlot(0), path=Path.ECHO, chain=twin)
+    comm.compile(x, chain)
+    lay = message_layout((3, 96), P, cfg.group_size)
     fb_dtype = chain.buffer(lay.padded_numel).dtype if feedback else None
     assert spy.compiled == [((P, lay.numel), lay.numel, fb_dtype, False)] + (
         [((P, lay.numel), lay.numel, fb_dtype, True)] if feedback else [])
-    assert torch.equal(comm.echo_all_reduce(x, chain, 1), plain.echo_all_reduce(x, twin, 1))
+    assert torch.equal(comm.all_reduce(x, slot=CallSlot(1), path=Path.ECHO, chain=chain),
+                       plain.all_reduce(x, slot=CallSlot(1), path=Path.ECHO, chain=twin))
 
 
 def test_a_backend_without_kernels_to_compile_compiles_nothing():
     comm = StackedCommunicator(CFG, VirtualTransport(P))
-    assert comm.compile_echo(torch.randn(P, 2, 64).bfloat16()) is None
+    assert comm.compile(torch.randn(P, 2, 64).bfloat16()) is None

@@ -98,8 +98,10 @@ def test_emulated_tp_exact_mode_sums_and_bad_modes_are_refused():
     exact = EmulatedTP(4, EchoConfig(min_bytes=0), mode="exact")
     exact.begin_forward()
     assert torch.equal(exact.reduce(parts), parts.float().sum(0).bfloat16())  # small integers: exact
-    with pytest.raises(EchoConfigError, match="emulation mode 'fp8': choose 'echo' or 'exact'"):
+    with pytest.raises(EchoConfigError, match=r"mode='fp8': choose one of \('exact', 'naive', 'echo'\)"):
         EmulatedTP(4, mode="fp8")
+    naive = EmulatedTP(4, EchoConfig(min_bytes=0), mode="naive")
+    assert not naive.comm.config.feedback  # naive: Echo's path without error feedback
 
 
 def test_the_last_call_of_a_pass_is_exact_once_the_count_is_known():

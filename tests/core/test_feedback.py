@@ -15,9 +15,11 @@ from echo_vllm import (
     CallSlot,
     EchoConfig,
     FeedbackChain,
+    Path,
     StackedCommunicator,
     VirtualTransport,
 )
+from echo_vllm.communicator import ResidualStream, message_layout
 from echo_vllm.quant import (
     ALIGN_GROUPS,
     OUTPUT_SCALE,
@@ -149,7 +151,7 @@ def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
     errs = []
     for t in range(calls):
         xs = _partials(t)
-        res += comm.echo_all_reduce(xs, chain, t).double()
+        res += comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain).double()
         ref += xs.double().sum(0)
         errs.append(((res - ref).norm() / res.numel() ** 0.5).item())
     return errs
@@ -178,7 +180,7 @@ def test_telescoping_identity_holds_exactly():
     transport = _Recorder(P, chain)
     comm = StackedCommunicator(cfg, transport)
     n = TOKENS * HIDDEN
-    lay = comm.message_layout((TOKENS, HIDDEN))
+    lay = message_layout((TOKENS, HIDDEN), P, comm.config.group_size)
     res = torch.zeros(n, dtype=torch.float64)
     ref = torch.zeros_like(res)
     slack = torch.zeros_like(res)
@@ -186,7 +188,7 @@ def test_telescoping_identity_holds_exactly():
     for t in range(10):
         xs = _partials(t, torch.float32)
         e_in = chain.buffer(n).clone()
-        y = comm.echo_all_reduce(xs, chain, t)
+        y = comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain)
         slack += _echo_call_slack(
             xs, y, transport.log[-1], e_in, chain.buffer(n), lay, hadamard=False, incoming=t > 0
         )
@@ -211,7 +213,7 @@ def test_exact_last_call_flushes_the_error():
     transport.chain = comm.chain
     assert comm.chain.dtype == "bfloat16"  # the default: storage roundings are counted
     n = TOKENS * HIDDEN
-    lay = comm.message_layout((TOKENS, HIDDEN))
+    lay = message_layout((TOKENS, HIDDEN), P, comm.config.group_size)
     calls = 9
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
@@ -253,7 +255,7 @@ def test_exact_call_mid_chain_consumes_pending_error():
     transport = _Recorder(P)
     comm = StackedCommunicator(echo_cfg, transport)
     transport.chain = comm.chain
-    lay = comm.message_layout((TOKENS, HIDDEN))
+    lay = message_layout((TOKENS, HIDDEN), P, comm.config.group_size)
     xs0, xs1 = _partials(0), _partials(1)
     y0 = comm.all_reduce(xs0, slot=CallSlot(0))
     pending = comm.chain.buffer(1)[:, : lay.padded_numel].clone()
@@ -289,13 +291,13 @@ def test_chain_rule_restarts_and_drops():
     comm = StackedCommunicator(cfg, VirtualTransport(P))
     chain = FeedbackChain(P)
     xs = _partials(0)
-    comm.echo_all_reduce(xs, chain, 0)
+    comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=chain)
     assert chain.pending
-    comm.echo_all_reduce(xs, chain, 1)  # carries
-    comm.echo_all_reduce(xs, chain, 0)  # new forward pass: starts clean, not a drop
-    comm.echo_all_reduce(xs, chain, 2)  # gap 0 -> 2: dropped and counted
-    comm.echo_all_reduce(xs[:, :16], chain, 3)  # other shape: dropped and counted
-    comm.echo_all_reduce(xs[:, :16], chain, None)  # outside a forward pass: never carries
+    comm.all_reduce(xs, slot=CallSlot(1), path=Path.ECHO, chain=chain)  # carries
+    comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=chain)  # new forward pass: starts clean, not a drop
+    comm.all_reduce(xs, slot=CallSlot(2), path=Path.ECHO, chain=chain)  # gap 0 -> 2: dropped and counted
+    comm.all_reduce(xs[:, :16], slot=CallSlot(3), path=Path.ECHO, chain=chain)  # other shape: dropped and counted
+    comm.all_reduce(xs[:, :16], path=Path.ECHO, chain=chain)  # outside a forward pass: never carries
     assert chain.stats.carried == 1
     assert chain.stats.dropped == 2
     assert chain.stats.started_clean == 5
@@ -308,10 +310,11 @@ def test_call_zero_ignores_stale_buffer():
     comm = StackedCommunicator(cfg, VirtualTransport(P))
     used = FeedbackChain(P)
     for t in range(3):
-        comm.echo_all_reduce(_partials(t), used, t)
+        comm.all_reduce(_partials(t), slot=CallSlot(t), path=Path.ECHO, chain=used)
     fresh = FeedbackChain(P)
     xs = _partials(7)
-    assert torch.equal(comm.echo_all_reduce(xs, used, 0), comm.echo_all_reduce(xs, fresh, 0))
+    assert torch.equal(comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=used),
+                       comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=fresh))
 
 
 def test_feedback_off_is_stateless():
@@ -319,8 +322,8 @@ def test_feedback_off_is_stateless():
     comm = StackedCommunicator(cfg, VirtualTransport(P))
     chain = FeedbackChain(P)
     xs = _partials(3)
-    a = comm.echo_all_reduce(xs, chain, 0)
-    b = comm.echo_all_reduce(xs, chain, 1)
+    a = comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=chain)
+    b = comm.all_reduce(xs, slot=CallSlot(1), path=Path.ECHO, chain=chain)
     assert torch.equal(a, b) and not chain.pending
 
 
@@ -347,7 +350,7 @@ def _residual_error_with_side_calls(side_after: tuple[int, ...]) -> tuple[float,
     sum_t y_t - sum_t S_t, in units of one call's output RMS) and the stats."""
     tokens, hidden, calls = 16, 1024, 5
     comm = StackedCommunicator(EchoConfig(min_bytes=0, first_exact_calls=0, backend="reference"), VirtualTransport(P),
-                               hidden_size=hidden)  # a [T, 1] message is not the residual stream
+                               stream=ResidualStream(hidden))  # a [T, 1] message is not the residual stream
     g = torch.Generator().manual_seed(18)
     res = torch.zeros(tokens, hidden, dtype=torch.float64)
     ref = torch.zeros_like(res)
@@ -443,7 +446,7 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
     transport = _Recorder(P, chain)
     comm = StackedCommunicator(cfg, transport)
     n = TOKENS * HIDDEN
-    lay = comm.message_layout((TOKENS, HIDDEN))
+    lay = message_layout((TOKENS, HIDDEN), P, comm.config.group_size)
     np_, c = lay.padded_numel, lay.chunk_numel
     owner = (torch.arange(np_) // c).unsqueeze(0)
     res = torch.zeros(n, dtype=torch.float64)
@@ -451,7 +454,7 @@ def test_int8_feedback_telescopes_up_to_its_storage_bound():
     for t in range(10):
         xs = _partials(t, torch.float32)
         e_in = read_feedback(chain.buffer(n), 0, np_, G)
-        y = comm.echo_all_reduce(xs, chain, t)
+        y = comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain)
         rec = transport.log[-1]
         e_out = read_feedback(chain.buffer(n), 0, np_, G)
         slack += _echo_call_slack(xs, y, dict(rec, fb1=read_feedback(rec["fb1"], 0, np_, G)), e_in, e_out,

@@ -5,7 +5,7 @@ repeats and the stats that /metrics exports."""
 import pytest
 import torch
 
-from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, EchoStats, StackedCommunicator, VirtualTransport
 from echo_vllm.health import HealthCounters, HealthCounts, sampled
 
 P = 2
@@ -77,7 +77,7 @@ def test_sampled_echo_calls_are_checked_and_recorded():
     records = []
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, health_every=2)
     health = HealthCounters("cpu")
-    comm = StackedCommunicator(cfg, VirtualTransport(P), health=health, sink=records.append)
+    comm = StackedCommunicator(cfg, VirtualTransport(P), stats=EchoStats(health=health), sink=records.append)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(P, 4, 64, generator=g).bfloat16() for _ in range(5)]
     xs[3][1, 2, 5] = float("nan")

@@ -46,8 +46,7 @@ def test_decide_table(change, override, path, reason):
     assert d.echo == (path is Path.ECHO)
 
 
-def test_disabled_or_missing_config():
-    assert decide(BASE, CFG, enabled=False).reason is Reason.DISABLED
+def test_a_missing_config_is_echo_disabled():
     assert decide(BASE, None).reason is Reason.DISABLED
 
 

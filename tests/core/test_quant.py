@@ -167,7 +167,7 @@ def test_encode_decode_chunks_round_trip():
 
 from support.extremes import PATTERNS, extreme_inputs, one_call_bound  # noqa: E402
 
-from echo_vllm import CallSlot, EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport  # noqa: E402
+from echo_vllm import CallSlot, EchoConfig, FeedbackChain, Path, StackedCommunicator, VirtualTransport  # noqa: E402
 from echo_vllm import quant  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -232,19 +232,21 @@ def test_chains_stay_finite_at_every_magnitude(pattern, dt, world, fb):
     dtype = DTYPES[dt]
     for hadamard in (True, False):
         cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=fb)
-        comm = StackedCommunicator(cfg, VirtualTransport(world))
+        # the exact path hands back its input, the carried error absorbed
+        comm = StackedCommunicator(cfg, VirtualTransport(world), exact_all_reduce=lambda xs: xs)
         chain = FeedbackChain.of(cfg, world, "cpu")
         for t in range(4):
             x = extreme_inputs(pattern, world, 12, 69, dtype, seed=10 * t + world)
-            y = comm.echo_all_reduce(x, chain, t)
+            y = comm.all_reduce(x, slot=CallSlot(t), path=Path.ECHO, chain=chain)
             assert torch.isfinite(y).all(), f"call {t} (had={hadamard}): {int((~torch.isfinite(y)).sum())} non-finite"
-        lay = comm.message_layout((12, 69))
+        lay = WireLayout(12 * 69, world, cfg.group_size, 69)
         fb_now = chain.buffer(lay.padded_numel).clone()
         assert torch.isfinite(quant.read_feedback(fb_now, 0, lay.padded_numel, 32)).all()
         x = extreme_inputs(pattern, world, 12, 69, dtype, seed=99)
         consumed = quant.consume_reference(x.reshape(world, -1), fb_now, lay, hadamard=hadamard)
         assert torch.isfinite(consumed).all(), f"input plus carried error (had={hadamard})"
-        assert torch.equal(comm.absorb(x.clone(), chain, 4).reshape(world, -1), consumed)
+        absorbed = comm.all_reduce(x.clone(), slot=CallSlot(4), path=Path.EXACT, chain=chain)
+        assert torch.equal(absorbed.reshape(world, -1), consumed)
 
 
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, FeedbackChain, Path, StackedCommunicator, VirtualTransport
 from echo_vllm.rotation import fwht, hadamard_matrix, hadamard_orthonormal
 
 
@@ -40,7 +40,7 @@ def test_fwht_rejects_non_power_of_two():
 
 def _echo(cfg, xs):
     comm = StackedCommunicator(cfg, VirtualTransport(xs.shape[0]))
-    return comm.echo_all_reduce(xs, FeedbackChain(xs.shape[0]), 0)
+    return comm.all_reduce(xs, slot=CallSlot(0), path=Path.ECHO, chain=FeedbackChain(xs.shape[0]))
 
 
 def test_rotated_echo_equals_plain_echo_on_rotated_inputs():

@@ -137,13 +137,13 @@ def test_install_remove_restores_model_bitwise():
 
 def test_call_indices_restart_every_forward():
     model = tiny_llama(layers=3)
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), trace=True)
     with emu, torch.no_grad():
         model(_ids(seed=1))
         model(_ids(seed=2))
-    idx = [r.index for r in emu.records]
+    idx = [r.index for r in emu.traced]
     assert idx == list(range(7)) * 2
-    assert [r.site for r in emu.records[:3]] == ["embed", "0.o_proj", "0.down_proj"]
+    assert [r.site for r in emu.traced[:3]] == ["embed", "0.o_proj", "0.down_proj"]
     calls = emu.tp.comm.stats.snapshot()["calls"]
     assert calls == {"echo/echo": 12, "exact/exact_last_call": 2}
 
@@ -153,10 +153,10 @@ def test_fp32_model_needs_comm_dtype_for_echo():
     with pytest.raises(EchoConfigError, match="bf16/fp16"):
         with HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)), torch.no_grad():
             model(_ids())
-    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), comm_dtype=torch.bfloat16, record=True)
+    emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), comm_dtype=torch.bfloat16, trace=True)
     with emu, torch.no_grad():
         out = model(_ids()).logits
-    assert out.dtype == torch.float32 and emu.records[1].partials.dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and emu.traced[1].partials.dtype == torch.bfloat16
 
 
 def test_indivisible_width_fails_early():
@@ -221,12 +221,12 @@ def _one_call_bound(rec, hadamard: bool) -> torch.Tensor:
 def test_echo_without_feedback_within_quantization_bound(hadamard):
     model = tiny_llama()
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, feedback=False, hadamard=hadamard, exact_last_call=False)
-    emu = HFEmulation(model, P, "echo", cfg, record=True)
+    emu = HFEmulation(model, P, "echo", cfg, trace=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
-    assert len(emu.records) == 5 and cfg.group_size == G
+    assert len(emu.traced) == 5 and cfg.group_size == G
     worst = 0.0
-    for rec in emu.records:
+    for rec in emu.traced:
         s = rec.partials.double().sum(0)
         y = rec.output.double()
         bound = _one_call_bound(rec, hadamard)
@@ -244,10 +244,10 @@ def test_echo_feedback_telescopes_over_a_real_forward(feedback_dtype):
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, hadamard=True, exact_last_call=True,
                      feedback_dtype=feedback_dtype)
     u_s = U_B if feedback_dtype == "bfloat16" else 0.0  # unit roundoff of storing an fp32 error
-    emu = HFEmulation(model, P, "echo", cfg, record=True)
+    emu = HFEmulation(model, P, "echo", cfg, trace=True)
     with emu, torch.no_grad():
         model(_ids(seq=13))
-    *echo_calls, last = emu.records
+    *echo_calls, last = emu.traced
     assert emu.tp.comm.stats.snapshot()["calls"] == {"echo/echo": len(echo_calls), "exact/exact_last_call": 1}
     total = torch.zeros_like(last.output, dtype=torch.float64)
     slack = torch.zeros_like(total)
@@ -318,14 +318,14 @@ def test_gemma3_postnorm_detected_and_feedback_off_by_default():
     model = tiny_gemma3()
     assert postnorm_decision(model).postnorm and not postnorm_decision(tiny_llama()).postnorm
     emu = HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0))
-    assert emu.effective_mode == "echo" and emu.effective_config.feedback is False
+    assert emu.effective_mode == "naive" and emu.effective_config.feedback is False
     assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="exact").effective_mode == "exact"
     assert HFEmulation(model, P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0), postnorm_policy="feedback").effective_config.feedback
     assert HFEmulation(tiny_llama(), P, "echo", EchoConfig(min_bytes=0, first_exact_calls=0)).effective_config.feedback
 
 
 def _gemma3_run(model, ids, mode, config, policy="no-feedback"):
-    emu = HFEmulation(model, P, mode, config, postnorm_policy=policy, record=True)
+    emu = HFEmulation(model, P, mode, config, postnorm_policy=policy, trace=True)
     with emu, torch.no_grad():
         logits = model(ids).logits.double()
     return emu, logits
@@ -336,7 +336,7 @@ def _quantized_calls_within_one_call_bound(emu) -> float:
     when no carried error reaches the outputs (0/0, an all-zero group such
     as the padding token's embedding, counts as 0)."""
     cfg = emu.effective_config
-    calls = emu.records[:-1] if cfg.exact_last_call else emu.records
+    calls = emu.traced[:-1] if cfg.exact_last_call else emu.traced
     worst = 0.0
     for rec in calls:
         err = (rec.output.double() - rec.partials.double().sum(0)).abs()
@@ -362,7 +362,7 @@ def test_gemma3_echo_runs():
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0)
     _, exact = _gemma3_run(model, ids, "exact", cfg)
     emu, echo = _gemma3_run(model, ids, "echo", cfg)
-    assert emu.effective_mode == "echo" and emu.effective_config == cfg.replace(feedback=False)
+    assert emu.effective_mode == "naive" and emu.effective_config == cfg.replace(feedback=False)
     assert emu.tp.comm.stats.snapshot()["calls"] == {"echo/echo": 4, "exact/exact_last_call": 1}
     _, naive = _gemma3_run(model, ids, "echo", EchoConfig.naive(min_bytes=0))
 
@@ -392,7 +392,7 @@ def test_gemma3_echo_runs():
 
 def test_variant_specs():
     vs = parse_variants(["exact", "naive", "default:group_size=16,first_exact_calls=2", "echo+hadamard+last"])
-    assert [v.mode for v in vs] == ["exact", "echo", "echo", "echo"]
+    assert [v.mode for v in vs] == ["exact", "naive", "echo", "echo"]
     # the ladder pins what defines it, whatever EchoConfig's defaults are
     assert vs[1].config == EchoConfig.naive(min_bytes=0, first_exact_calls=0, feedback_dtype="float32")
     assert vs[3].config == EchoConfig(min_bytes=0, first_exact_calls=0, feedback_dtype="float32",
@@ -415,9 +415,12 @@ def test_vllm_additional_config_roundtrips_through_echoconfig():
     extra = v.vllm_additional_config(emulate=4)
     assert extra["tp_comm"] == "echo" and extra["tp_comm_emulate"] == 4
     assert EchoConfig.from_mapping(extra, prefix="echo_") == v.config
-    exact = parse_variant("exact").vllm_additional_config(emulate=3)
-    assert EchoConfig.from_mapping(exact, prefix="echo_").min_bytes > 2**50  # every call exact
+    # the exact baseline is vLLM's own all-reduce: the emulation's 16-bit sum of the same partials
+    assert parse_variant("exact").vllm_additional_config(emulate=3) == {"tp_comm": "nccl", "tp_comm_emulate": 3}
     assert parse_variant("exact").vllm_additional_config(emulate=0) == {}
+    naive = parse_variant("naive")
+    assert naive.mode == "naive" and not EchoConfig.from_mapping(naive.vllm_additional_config(emulate=2),
+                                                                  prefix="echo_").feedback
     assert "tp_comm_emulate" not in parse_variant("naive").vllm_additional_config(emulate=0)
     assert math.isclose(parse_variant("naive").bits_per_value, 4.5)
 
@@ -432,13 +435,13 @@ def test_vllm_model_args_carry_the_postnorm_policy_to_the_plugin(tmp_path):
                            enforce_eager=True, postnorm="exact", kv_cache_gib=None, parallel=False)
     echo = vllm_model_args(args, parse_variant("default"), tmp_path)["additional_config"]
     settings = TpCommSettings.from_additional_config(echo)
-    assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.mode == "echo"
+    assert settings.postnorm == "exact" and settings.emulate_world_size == 4 and settings.tp_comm == "echo"
     # the exact baseline stays all 16-bit on a post-norm model whatever the policy
     for policy in ("exact", "no-feedback", "feedback"):
         args.postnorm = policy
         exact = vllm_model_args(args, parse_variant("exact"), tmp_path)["additional_config"]
         s, _ = TpCommSettings.from_additional_config(exact).for_model(["Gemma3ForCausalLM"])
-        assert s.mode == "nccl" or s.echo.min_bytes > 2**50
+        assert s.tp_comm == "nccl" and s.emulate_world_size == 4
 
 
 def test_side_by_side_engines_get_a_fixed_kv_cache_that_vllm_accepts(tmp_path):

@@ -105,7 +105,7 @@ def test_a_refused_connection_fails_at_once_and_says_so():
     t0 = time.monotonic()
     with pytest.raises(UsageError, match=r"/health: connection refused: no server there \(start it, or give "
                                          r"--launch to start one\)"):
-        ttft.wait_healthy(url, timeout_s=900)
+        ttft.wait_for_server(url, timeout_s=900)
     assert time.monotonic() - t0 < 30  # not the 900 s of polling
 
 
@@ -125,12 +125,12 @@ def test_waiting_for_a_launched_server_talks_and_ends(monkeypatch):
     lines = []
     url = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(UsageError, match=r"not healthy after 0 s \(last answer: connection refused\)"):
-        ttft.wait_healthy(url, timeout_s=0.3, proc=Starting(), log=lines.append)
+        ttft.wait_for_server(url, timeout_s=0.3, proc=Starting(), log=lines.append)
     assert lines and lines[0].startswith(f"[ttft] waiting for {url}/health: ") and "connection refused" in lines[0]
     exited = Starting()
     exited.returncode = 3
     with pytest.raises(UsageError, match="the server \\(--launch\\) exited with 3"):
-        ttft.wait_healthy(url, timeout_s=60, proc=exited)
+        ttft.wait_for_server(url, timeout_s=60, proc=exited)
 
 
 def test_a_launched_server_command_is_printed_without_its_keys(tmp_path, refused):

@@ -32,8 +32,6 @@ import time
 import traceback
 from pathlib import Path
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from test_kernels import (
@@ -572,7 +570,8 @@ def test_the_backend_compiles_what_fits_and_leaves_the_rest_to_its_fallback(monk
     b = fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32), _OneRank(), sms=4, fallback=rec, facts=_facts(),
                                       buffers=buffers)
     seen, real = [], fk.fused_all_reduce
-    monkeypatch.setattr(fk, "fused_all_reduce", lambda *a, **kw: seen.append(kw["compile_only"]) or real(*a, **kw))
+    monkeypatch.setattr(fused_mod, "fused_all_reduce",
+                        lambda *a, **kw: seen.append(kw["compile_only"]) or real(*a, **kw))
     assert b.compile(torch.zeros(1, big.numel, dtype=torch.bfloat16), big, None, has_incoming=False) is None
     b.compile(torch.zeros(1, small.numel, dtype=torch.bfloat16), small, None, has_incoming=False)
     assert seen == [True] and rec.calls == []
@@ -649,8 +648,7 @@ def test_a_call_from_a_second_stream_on_the_same_buffers_is_refused(monkeypatch)
     launches = []
     backends = [fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32), _OneRank(), sms=4, facts=_facts(),
                                               buffers=buffers) for _ in range(2)]
-    for b in backends:
-        b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(on[0]) or "y", tiling_for=lambda *a: None)
+    monkeypatch.setattr(fused_mod, "fused_all_reduce", lambda *a, **k: launches.append(on[0]) or "y")
     lay = WireLayout(256, 2, 32)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert backends[0].all_reduce(x, lay, None, has_incoming=False) == "y"
@@ -694,8 +692,7 @@ def test_a_trap_is_logged_once_and_every_later_call_raises_it(caplog, monkeypatc
     b = fused_mod.FusedSymmMemBackend(EchoConfig(group_size=32, timeout_s=2.0), _OneRank(), sms=4, facts=_facts(),
                                       buffers=_cpu_buffers())
     launches = []
-    b._k = SimpleNamespace(fused_all_reduce=lambda *a, **k: launches.append(k["status"]) or "y",
-                           decode_trap=fk.decode_trap, tiling_for=lambda *a: None)
+    monkeypatch.setattr(fused_mod, "fused_all_reduce", lambda *a, **k: launches.append(k["status"]) or "y")
     lay, x = WireLayout(256, 2, 32), torch.zeros(1, 256, dtype=torch.bfloat16)
     assert b.all_reduce(x, lay, None, has_incoming=False) == "y" and launches == [b.status]
     assert b.trap() is None and b.trap_error() is None and fused_mod.TRAPS.poll() == []

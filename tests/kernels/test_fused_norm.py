@@ -21,7 +21,7 @@ from test_output_norm import EPS, expected, norm_operands, partials
 
 from echo_vllm import quant
 from echo_vllm.backends import fused as fused_mod
-from echo_vllm.norm_plan import NormTiling, norm_tiling
+from echo_vllm.rmsnorm_plan import NormTiling, norm_tiling
 from echo_vllm.quant import WireLayout
 
 QMAX = 7
@@ -270,7 +270,7 @@ def test_one_launch_other_shapes_on_gpu(rows, cols, world):
 # -- the tiling -------------------------------------------------------------------------
 
 
-def test_norm_plan_covers_every_group_with_resident_programs():
+def test_rmsnorm_plan_covers_every_group_with_resident_programs():
     from echo_vllm.kernels import fused_kernel as fk
 
     for rows, cols in [(1, 4096), (8192, 4096), (333, 5120), (4096, 8192), (64, 16384), (7, 77)]:

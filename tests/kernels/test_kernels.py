@@ -28,7 +28,7 @@ import torch
 
 from support.extremes import PATTERNS, extreme_inputs
 
-from echo_vllm import quant
+from echo_vllm import CallSlot, Path, quant
 from echo_vllm.quant import WireLayout
 
 CUDA = torch.cuda.is_available()
@@ -63,10 +63,14 @@ def kernels(impl: str = "triton"):
 
 
 def stages(impl: str = "triton"):
-    """The backend stage object under test (``echo_vllm.backends.stages``)."""
-    from echo_vllm.backends.stages import NumbaStages, TritonStages
+    """The backend stage object under test (``echo_vllm.backends.numba_stages``, ``.triton_stages``)."""
+    if impl == "cpu":
+        from echo_vllm.backends.numba_stages import NumbaStages
 
-    return NumbaStages() if impl == "cpu" else TritonStages()
+        return NumbaStages()
+    from echo_vllm.backends.triton_stages import TritonStages
+
+    return TritonStages()
 
 
 def _numba_available() -> bool:
@@ -519,14 +523,17 @@ def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float
     for m in ("reference", mode):
         cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m,
                          feedback_dtype=feedback_dtype)
-        ar = StackedCommunicator(cfg, VirtualTransport(world), device=device)
+        # the exact path hands back its input, the carried error absorbed
+        ar = StackedCommunicator(cfg, VirtualTransport(world), device=device, exact_all_reduce=lambda xs: xs)
         assert ar.backend(torch.device(device)).name == cfg.backend
         chain = FeedbackChain.of(cfg, world, device)
         outs = [
-            ar.echo_all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), chain, t)
+            ar.all_reduce(_values((world, *shape), 100 + t).to(torch.bfloat16).to(device), slot=CallSlot(t),
+                          path=Path.ECHO, chain=chain)
             for t in range(3)
         ]
-        consumed = ar.absorb(_values((world, *shape), 200).to(torch.bfloat16).to(device), chain, 3)
+        consumed = ar.all_reduce(_values((world, *shape), 200).to(torch.bfloat16).to(device), slot=CallSlot(3),
+                                 path=Path.EXACT, chain=chain)
         results[m] = (outs, consumed)
     for t, (a, b) in enumerate(zip(results[mode][0], results["reference"][0])):
         assert_same_bits(a, b, f"Echo call {t}", nan_any=True)
@@ -951,23 +958,23 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype):
 
     def fresh_state():
         chain.reset()
-        ar.echo_all_reduce(x0, chain, 0)  # leaves an error for call 1
+        ar.all_reduce(x0, slot=CallSlot(0), path=Path.ECHO, chain=chain)  # leaves an error for call 1
         return chain.buffer(0).clone()
 
     fb_start = fresh_state()
-    y_eager = ar.echo_all_reduce(x1, chain, 1)
+    y_eager = ar.all_reduce(x1, slot=CallSlot(1), path=Path.ECHO, chain=chain)
     fb_eager = chain.buffer(0).clone()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture (compiles kernels)
         fresh_state()
-        ar.echo_all_reduce(static_x, chain, 1)
+        ar.all_reduce(static_x, slot=CallSlot(1), path=Path.ECHO, chain=chain)
     torch.cuda.current_stream().wait_stream(side)
     fresh_state()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_static = ar.echo_all_reduce(static_x, chain, 1)
+        y_static = ar.all_reduce(static_x, slot=CallSlot(1), path=Path.ECHO, chain=chain)
     chain.buffer(0).copy_(fb_start)
     graph.replay()
     torch.cuda.synchronize()

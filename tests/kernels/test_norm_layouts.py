@@ -2,7 +2,7 @@
 the CPU (no GPU): the composed kernel and the fused kernel's phase 3 at
 Qwen3-8B's 8192 x 4096, P = 8, 4 and 2, compile without spilling
 (``bench.sass_report.norm_report``; the fused one under the register cap
-its plan gives, ``norm_plan.registers``: 3 programs per SM), and the whole
+its plan gives, ``rmsnorm_plan.registers``: 3 programs per SM), and the whole
 fused norm kernel spills no more than Echo's own whole fused kernel on the
 same rows (whole-row tiles in phases 1-2 once spilled 30 loads at P = 8),
 and every lane shuffle of theirs is in the lane layout and every

@@ -1,5 +1,5 @@
 """Echo's output with the residual add and RMSNorm: the kernel against
-``quant.output_reference`` followed by ``norm.add_rms_norm(...,
+``quant.output_reference`` followed by ``rmsnorm.add_rms_norm(...,
 variance="kernel")``, bit for bit (any NaN equal to any NaN), and the tile
 plan that keeps rows whole.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_kernels import CUDA, DEVICE, DTYPES, _values, assert_same_bits, in_kernel_process
 
-from echo_vllm import norm, quant
+from echo_vllm import rmsnorm, quant
 from echo_vllm.quant import WireLayout
 
 QMAX = 7
@@ -50,15 +50,15 @@ def expected(gathered, layout, dtype, res, w, *, hadamard):
     """``(out, new residual)`` of the spec: Echo's output, then the norm."""
     y = quant.output_reference(gathered, layout, dtype, hadamard=hadamard).view(layout.rows, layout.cols)
     if res is None:
-        return norm.rms_norm(y, w, EPS, variance="kernel"), None
-    return norm.add_rms_norm(y, res, w, EPS, variance="kernel")
+        return rmsnorm.rms_norm(y, w, EPS, variance="kernel"), None
+    return rmsnorm.add_rms_norm(y, res, w, EPS, variance="kernel")
 
 
 def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0,
                          one_pass=True, decode_once=True):
     from echo_vllm import kernels
     from echo_vllm.kernels.output_norm_kernel import output_norm as kernel
-    from echo_vllm.norm_plan import norm_tiling
+    from echo_vllm.rmsnorm_plan import norm_tiling
 
     dtype = DTYPES[dt]
     lay = WireLayout(rows * cols, world, group, cols)
@@ -146,7 +146,7 @@ def test_plan_cases_cover_the_one_pass_paths():
     """Under the plan the cases above take one pass with steps of fewer rows
     than a tile, chunks padded to a power of two and unaligned rows (and
     ``two-passes`` runs them all in two)."""
-    from echo_vllm.norm_plan import norm_tiling
+    from echo_vllm.rmsnorm_plan import norm_tiling
 
     one = [(norm_tiling(WireLayout(r * c, p, g, c))[0], p) for r, c, p, g, *_ in CASES]
     assert all(t.one_pass_rows for t, _ in one)
@@ -156,11 +156,16 @@ def test_plan_cases_cover_the_one_pass_paths():
 
 def _stage_ops_agree(impl):
     """``StageOps.output_norm`` of every implementation: the same bits."""
-    from echo_vllm.backends.stages import NumbaStages, ReferenceStages, TritonStages
+    from echo_vllm.backends.stages import ReferenceStages
 
     if impl == "numba":
         pytest.importorskip("numba")
-    ops = {"reference": ReferenceStages, "triton": TritonStages, "numba": NumbaStages}[impl]()
+        from echo_vllm.backends.numba_stages import NumbaStages as ops
+    elif impl == "triton":
+        from echo_vllm.backends.triton_stages import TritonStages as ops
+    else:
+        ops = ReferenceStages
+    ops = ops()
     device = "cpu" if impl == "numba" else DEVICE
     lay = WireLayout(7 * 200, 3, 32, 200)
     x = _values((3, lay.numel), 9).to(torch.bfloat16).to(device)
@@ -199,7 +204,7 @@ def _residual_only_matches(rows, cols, world, group):
     want, want_res = expected(g, lay, torch.float32, res, w, hadamard=False)
     assert_same_bits(want_res, res, "0 + residual")
     y = res.view(rows, cols)
-    plain = norm.rms_norm(y, w, EPS)  # torch's mean, another order: this input tells them apart
+    plain = rmsnorm.rms_norm(y, w, EPS)  # torch's mean, another order: this input tells them apart
     assert (plain != want).any()
     out, _ = output_norm(g, lay, torch.float32, w, EPS, hadamard=False, residual=res.clone())
     assert_same_bits(out.view(rows, cols), want, f"fp32 rows of a wide range (cols={cols}, P={world})")
@@ -229,7 +234,7 @@ def test_output_norm_other_hidden_sizes_on_gpu(cols, world):
 
 def _composed_backend_fuses():
     from echo_vllm.backends.composed import ComposedBackend
-    from echo_vllm.backends.stages import TritonStages
+    from echo_vllm.backends.triton_stages import TritonStages
     from support.norm_chains import chain_pair, check_pair
 
     check_pair(chain_pair(2, 3, 160, 3, backend=lambda cfg, t: ComposedBackend(cfg, t, TritonStages()),

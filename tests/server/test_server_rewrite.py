@@ -344,9 +344,9 @@ def test_rejected(argv, message):
 
 
 @pytest.mark.parametrize("argv,settings,engine", [
-    (["m", "--tp-comm", "echo"], TpCommSettings(mode="echo"), EngineFacts()),
+    (["m", "--tp-comm", "echo"], TpCommSettings(tp_comm="echo"), EngineFacts()),
     (["m", "-tp", "4", "--tp-comm", "echo", "--echo-emulate-tp", "4"],
-     TpCommSettings(mode="echo", emulate_world_size=4), EngineFacts(tensor_parallel_size=4)),
+     TpCommSettings(tp_comm="echo", emulate_world_size=4), EngineFacts(tensor_parallel_size=4)),
     (["m", "--echo-emulate-tp", "2", "--ubatch-size", "2"],
      TpCommSettings(emulate_world_size=2), EngineFacts(ubatch_size=2)),
 ])
@@ -493,7 +493,7 @@ def test_dashed_keys_in_additional_config_read_like_the_plugin_reads_them():
     assert additional["tp_comm"] == "echo" and additional["echo_group_size"] == 64
     assert additional["other-key"] == 1  # a platform's own keys are passed as given
     plugin = TpCommSettings.from_additional_config(additional)
-    assert plugin.mode == "echo" and plugin.echo == s.echo
+    assert plugin.tp_comm == "echo" and plugin.echo == s.echo
 
 
 def test_a_nested_echo_object_is_refused_up_front():

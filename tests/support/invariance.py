@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
+from echo_vllm import CallSlot, EchoConfig, FeedbackChain, Path, StackedCommunicator, VirtualTransport
 
 
 def _rows(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -35,10 +35,8 @@ def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dty
         a = _rows(world, tokens_a, hidden, dtype, seed * 1000 + 2 * t).to(device)
         b = _rows(world, tokens_b, hidden, dtype, seed * 1000 + 2 * t + 1).to(device)
         inputs = {"A": a, "AB": torch.cat([a, b], dim=1), "BA": torch.cat([b, a], dim=1)}
-        if t == exact_at:
-            out = {k: comm.exact_all_reduce(x, chains[k], t) for k, x in inputs.items()}
-        else:
-            out = {k: comm.echo_all_reduce(x, chains[k], t) for k, x in inputs.items()}
+        path = Path.EXACT if t == exact_at else Path.ECHO
+        out = {k: comm.all_reduce(x, slot=CallSlot(t), path=path, chain=chains[k]) for k, x in inputs.items()}
         alone = out["A"].cpu()
         for name, rows in (("[A; B]", out["AB"][:tokens_a]), ("[B; A]", out["BA"][tokens_b:])):
             rows = rows.cpu()

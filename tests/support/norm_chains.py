@@ -8,7 +8,7 @@ import torch
 
 from echo_vllm import CallSlot, EchoConfig, StackedCommunicator, VirtualTransport
 from echo_vllm.communicator import EXACT_PATH_NORM
-from echo_vllm.norm import NormOperands
+from echo_vllm.rmsnorm import NormOperands
 
 EPS = 1e-6
 

@@ -32,11 +32,11 @@ def _model(mode: str, forward: EchoConfig, backward: EchoConfig) -> TPQwen3:
 
 def _step_records(model: TPQwen3, step: int = 0):
     rec = []
-    model.comm.set_recorder(rec)
+    model.comm.set_trace(rec)
     ids, tgt = (t.to(model.group.device) for t in train_batch(DATA, TC.batch_size, TC.seq_len, 0, step))
     loss = model(ids, tgt)
     loss.backward()
-    model.comm.set_recorder(None)
+    model.comm.set_trace(None)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads, rec

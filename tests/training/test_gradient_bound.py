@@ -88,7 +88,7 @@ def _run(mode: str, stds, hadamard: bool) -> dict:
     x0 = torch.randn(T, H, generator=gen, dtype=torch.float64).requires_grad_()
     c = torch.randn(T, H, generator=gen, dtype=torch.float64)
     rec = []
-    comm.set_recorder(rec)
+    comm.set_trace(rec)
     x2 = model(x0, comm)
     (x2 * c).sum().backward()
     calls = {(r.direction, r.index): r for r in rec}

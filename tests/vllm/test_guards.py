@@ -26,7 +26,7 @@ def _problems(vllm_config, settings, refused=True):
             if c.refused is refused]
 
 
-ECHO = TpCommSettings(mode="echo")
+ECHO = TpCommSettings(tp_comm="echo")
 
 
 def test_guards_pass_a_clean_config_and_ignore_echo_off():
@@ -52,7 +52,7 @@ def test_guards_without_fields_of_newer_vllm():
 
 
 def test_guards_for_emulation():
-    emu = TpCommSettings(mode="echo", emulate_world_size=4)
+    emu = TpCommSettings(tp_comm="echo", emulate_world_size=4)
     # fusion passes do not matter at TP=1 (no all-reduce node to remove)
     assert conflicts(emu, EngineFacts.from_vllm_config(_config(tp=1, fuse_allreduce_rms=True))) == []
     (msg,) = _problems(_config(tp=2), emu)
@@ -67,16 +67,16 @@ def test_what_the_engine_runs_through_is_a_warning_not_a_refusal():
     (echo-vllm serve refuses both, tests/server)."""
     (msg,) = check_engine_config(_config(tp=1), ECHO)
     assert "needs --tensor-parallel-size > 1" in msg and "vLLM runs unchanged" in msg
-    baseline = TpCommSettings(mode="nccl", emulate_world_size=2, postnorm="exact")
+    baseline = TpCommSettings(tp_comm="nccl", emulate_world_size=2, postnorm="exact")
     assert check_engine_config(_config(tp=1), baseline) == [
         "tp_comm_postnorm=exact needs tp_comm=echo (it decides what Echo does on post-norm models)"]
     # a post-norm model whose policy turned Echo off has spent the policy: nothing to say
-    spent, _ = TpCommSettings(mode="echo", emulate_world_size=2, postnorm="exact").for_model(GEMMA3)
-    assert spent.mode == "nccl" and check_engine_config(_config(tp=1), spent) == []
+    spent, _ = TpCommSettings(tp_comm="echo", emulate_world_size=2, postnorm="exact").for_model(GEMMA3)
+    assert spent.tp_comm == "nccl" and check_engine_config(_config(tp=1), spent) == []
 
 
 def test_guards_refuse_stochastic_rounding_under_cuda_graphs():
-    stochastic = TpCommSettings(mode="echo", echo=EchoConfig(rounding="stochastic"))
+    stochastic = TpCommSettings(tp_comm="echo", echo=EchoConfig(rounding="stochastic"))
     graphs = _config()
     graphs.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL_AND_PIECEWISE")
     (msg,) = _problems(graphs, stochastic)

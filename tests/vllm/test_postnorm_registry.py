@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from echo_vllm.postnorm import (
+from echo_vllm.postnorm_policy import (
     CONDITIONAL_POSTNORM_ARCHITECTURES,
     POSTNORM_ARCHITECTURES,
     POSTNORM_MARKERS,

@@ -11,7 +11,7 @@ exact all-reduce through each transport.
 import pytest
 import torch
 
-from echo_vllm import EchoCommunicator, EchoConfig, FeedbackChain, ProcessGroupTransport
+from echo_vllm import CallSlot, EchoCommunicator, EchoConfig, FeedbackChain, Path, ProcessGroupTransport
 from echo_vllm.spawn import run_processes
 
 HIDDEN = 128
@@ -66,7 +66,8 @@ def _worker(rank, world):
     for label, transport in (("pynccl", PyncclTransport(_GlooAsPynccl(group), group)),
                              ("gloo", ProcessGroupTransport(group))):
         comm, chain = EchoCommunicator(EchoConfig(min_bytes=0), transport), FeedbackChain(1)
-        by[label] = [comm.echo_all_reduce(x.clone(), chain, t) for t, x in enumerate(xs)]
+        by[label] = [comm.all_reduce(x.clone(), slot=CallSlot(t), path=Path.ECHO, chain=chain)
+                     for t, x in enumerate(xs)]
         by[label].append(transport.exact_all_reduce(xs[0].unsqueeze(0).clone()))
     return by
 

@@ -28,18 +28,18 @@ class _Closing(session.EchoSession):
 
 
 def test_a_session_reads_the_models_width_and_largest_batch():
-    s = session.EchoSession(TpCommSettings(mode="echo"), _engine(576, 2048), rank=1)
+    s = session.EchoSession(TpCommSettings(tp_comm="echo"), _engine(576, 2048), rank=1)
     assert (s.hidden_size, s.max_num_tokens) == (576, 2048)
     assert s.tracker.stats is s.stats and s.tracker.rank == 1
-    bare = session.EchoSession(TpCommSettings(mode="echo"), SimpleNamespace(), rank=0)
+    bare = session.EchoSession(TpCommSettings(tp_comm="echo"), SimpleNamespace(), rank=0)
     assert (bare.hidden_size, bare.max_num_tokens) == (None, None)
 
 
 def test_one_current_session_and_the_one_it_replaces_is_closed():
     assert session.current() is None and session.current_stats() is None
-    first = session.activate(_Closing(TpCommSettings(mode="echo"), _engine(), rank=0))
+    first = session.activate(_Closing(TpCommSettings(tp_comm="echo"), _engine(), rank=0))
     assert session.current() is first and session.current_stats() is first.stats
-    second = session.activate(_Closing(TpCommSettings(mode="echo"), _engine(), rank=0))
+    second = session.activate(_Closing(TpCommSettings(tp_comm="echo"), _engine(), rank=0))
     assert session.current() is second and first.closed and not hasattr(second, "closed")
     session.deactivate()
     assert session.current() is None and session.current_stats() is None and second.closed
@@ -47,7 +47,7 @@ def test_one_current_session_and_the_one_it_replaces_is_closed():
 
 
 def test_reset_stats_starts_fresh_counters_and_keeps_what_was_learned():
-    s = session.EchoSession(TpCommSettings(mode="echo"), _engine(), rank=0)
+    s = session.EchoSession(TpCommSettings(tp_comm="echo"), _engine(), rank=0)
     health = SimpleNamespace(resets=0)
     health.reset = lambda: setattr(health, "resets", health.resets + 1)
     old = s.stats

@@ -12,14 +12,14 @@ from echo_vllm.vllm_glue import TpCommSettings
 def test_settings_default_is_off():
     for raw in (None, {}, {"unrelated": 1}, SimpleNamespace(tp_comm="echo")):
         s = TpCommSettings.from_additional_config(raw)
-        assert not s.active and s.mode == "nccl" and not s.emulated
+        assert not s.active and s.tp_comm == "nccl" and not s.emulated
 
 
 def test_settings_parse_echo_options_and_emulation():
     s = TpCommSettings.from_additional_config(
         {"tp_comm": "Echo", "tp_comm_emulate": "4", "echo_group_size": "64", "echo_feedback": "off"}
     )
-    assert s.active and s.mode == "echo" and s.emulate_world_size == 4
+    assert s.active and s.tp_comm == "echo" and s.emulate_world_size == 4
     assert s.echo == EchoConfig(group_size=64, feedback=False)
 
 
@@ -49,7 +49,7 @@ GEMMA3 = ["Gemma3ForCausalLM"]
 @pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", "Olmo2ForCausalLM", "Glm4ForCausalLM", "Plamo2ForCausalLM"])
 def test_post_norm_models_keep_16_bit_by_default(arch):
     exact, note = TpCommSettings.from_additional_config({"tp_comm": "echo"}).for_model([arch])
-    assert exact.mode == "nccl" and not exact.active
+    assert exact.tp_comm == "nccl" and not exact.active
     assert "Echo is off" in note and arch in note and "tp_comm_postnorm=no-feedback" in note
 
 
@@ -57,12 +57,12 @@ def test_post_norm_policies_no_feedback_and_feedback():
     s = TpCommSettings.from_additional_config(
         {"tp_comm": "echo", "echo_group_size": 64, "tp_comm_postnorm": "no-feedback"})
     adjusted, note = s.for_model(GEMMA3)
-    assert adjusted.echo == EchoConfig(group_size=64, feedback=False) and adjusted.mode == "echo"
+    assert adjusted.echo == EchoConfig(group_size=64, feedback=False) and adjusted.tp_comm == "echo"
     assert "feedback off" in note
     # with emulation, "exact" keeps the emulation and sums the partials in 16-bit
     emu, _ = TpCommSettings.from_additional_config(
         {"tp_comm": "echo", "tp_comm_emulate": 4}).for_model(GEMMA3)
-    assert emu.mode == "nccl" and emu.emulated and emu.active
+    assert emu.tp_comm == "nccl" and emu.emulated and emu.active
     kept, note = TpCommSettings.from_additional_config(
         {"tp_comm": "echo", "tp_comm_postnorm": "feedback"}).for_model(GEMMA3)
     assert kept.echo.feedback and "measurement only" in note

@@ -128,11 +128,11 @@ def _emulation(stack, out):
         session.flush()
         out["measure_stats"] = current_stats().snapshot()
 
-        session.set_variant(mode="nccl")
+        session.set_variant(tp_comm="nccl")
         session.reset_stats()
         out["exact"] = forward(_model, ids[1])
         out["exact_stats"] = current_stats().snapshot()
-        session.set_variant(mode="echo", feedback=False, exact_last_call=False, hadamard=False)
+        session.set_variant(tp_comm="echo", feedback=False, exact_last_call=False, hadamard=False)
         out["naive"] = forward(_model, ids[1])
     out["ops"] = [hasattr(torch.ops.echo, n) for n in ("emulated_row_parallel", "emulated_vocab_embedding")]
 
@@ -265,7 +265,7 @@ def test_exact_variant_is_the_fp32_sum_of_the_same_partials(proc):
     forward = _reference(CONFIG, mode="exact")
     ids = _stack().ids
     assert torch.equal(proc["exact"], forward(ids[1])[0])
-    assert proc["exact_stats"]["calls"] == {"exact/disabled": 1 + 2 * LAYERS}
+    assert proc["exact_stats"]["calls"] == {"exact/forced_exact_calls": 1 + 2 * LAYERS}
     naive = _reference(EchoConfig.naive(min_bytes=0, first_exact_calls=0))
     naive(ids[0])
     assert torch.equal(proc["naive"], naive(ids[1])[0])

@@ -68,7 +68,7 @@ def _worker(rank, world):
             startup.on_group_created(SimpleNamespace(unique_name="tp:0", world_size=1, rank_in_group=0), None)
         s = current_session()
         key = name + ("/" + extra["tp_comm_postnorm"] if extra else "")
-        out[key] = dict(archs=compat.model_architectures(cfg), mode=s.settings.mode,
+        out[key] = dict(archs=compat.model_architectures(cfg), tp_comm=s.settings.tp_comm,
                         feedback=s.settings.echo.feedback, note=s.model_note)
     return out
 
@@ -85,34 +85,34 @@ def sessions():
 def test_pre_norm_model_keeps_feedback(sessions):
     s = sessions["qwen3"]
     assert s["archs"] == ["Qwen3ForCausalLM"]
-    assert (s["mode"], s["feedback"], s["note"]) == ("echo", True, None)
+    assert (s["tp_comm"], s["feedback"], s["note"]) == ("echo", True, None)
 
 
 @pytest.mark.vllm
 def test_post_norm_model_keeps_16_bit_by_default(sessions):
     s = sessions["gemma3"]
     assert s["archs"] == ["Gemma3ForCausalLM"]
-    assert s["mode"] == "nccl" and "Echo is off" in s["note"]  # the emulation's exact 16-bit sum
+    assert s["tp_comm"] == "nccl" and "Echo is off" in s["note"]  # the emulation's exact 16-bit sum
 
 
 @pytest.mark.vllm
 def test_post_norm_overrides(sessions):
     nofb, kept = sessions["gemma3/no-feedback"], sessions["gemma3/feedback"]
-    assert (nofb["mode"], nofb["feedback"]) == ("echo", False) and "feedback off" in nofb["note"]
-    assert (kept["mode"], kept["feedback"]) == ("echo", True) and "measurement only" in kept["note"]
+    assert (nofb["tp_comm"], nofb["feedback"]) == ("echo", False) and "feedback off" in nofb["note"]
+    assert (kept["tp_comm"], kept["feedback"]) == ("echo", True) and "measurement only" in kept["note"]
 
 
 @pytest.mark.vllm
 def test_openpangu_follows_its_sandwich_norm_flag(sessions):
     on, off = sessions["pangu-sandwich=True"], sessions["pangu-sandwich=False"]
     assert on["archs"] == off["archs"] == ["PanguEmbeddedForCausalLM"]
-    assert on["mode"] == "nccl" and "Echo is off" in on["note"]
-    assert (off["mode"], off["feedback"], off["note"]) == ("echo", True, None)
+    assert on["tp_comm"] == "nccl" and "Echo is off" in on["note"]
+    assert (off["tp_comm"], off["feedback"], off["note"]) == ("echo", True, None)
 
 
 @pytest.mark.vllm
 def test_renamed_post_norm_model_is_recognised_by_structure(sessions):
     s = sessions["renamed-gemma3"]
     assert s["archs"] == [RENAMED]
-    assert s["mode"] == "nccl" and "Echo is off" in s["note"]
+    assert s["tp_comm"] == "nccl" and "Echo is off" in s["note"]
     assert "by structure: layers.0.post_feedforward_layernorm (Gemma3RMSNorm)" in s["note"]

@@ -1,4 +1,4 @@
-"""Post-norm by structure (echo_vllm.postnorm.decide_postnorm): a model whose
+"""Post-norm by structure (echo_vllm.postnorm_policy.decide_postnorm): a model whose
 architecture name is in no list is still recognised by its module tree --
 tiny transformers models on CPU with random weights, and the meta-device
 skeleton the vLLM glue builds from a config alone."""
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-from echo_vllm.postnorm import decide_postnorm, is_postnorm_architecture, module_tree  # noqa: E402
+from echo_vllm.postnorm_policy import decide_postnorm, is_postnorm_architecture, module_tree  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64)

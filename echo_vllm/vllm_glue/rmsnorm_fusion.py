@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..norm import NormOperands
+from ..rmsnorm import NormOperands
 from . import compat
 
 logger = logging.getLogger("echo_vllm")
@@ -165,12 +165,12 @@ def site_reason(f: SiteFacts) -> Optional[str]:
     return None
 
 
-def pass_decision(mode: str, fuse_norm: bool, postnorm: bool, existing: Any) -> "tuple[bool, str]":
-    """``(register, reason)`` for the pass on an engine: Echo's mode
-    (``tp_comm``), ``echo_fuse_norm``, whether the model is post-norm, and
+def pass_decision(tp_comm: str, fuse_norm: bool, postnorm: bool, existing: Any) -> "tuple[bool, str]":
+    """``(register, reason)`` for the pass on an engine: ``tp_comm``,
+    ``echo_fuse_norm``, whether the model is post-norm, and
     what ``post_grad_custom_post_pass`` already holds."""
-    if mode != "echo":
-        return False, f"tp_comm={mode}: no Echo to fuse the norm into"
+    if tp_comm != "echo":
+        return False, f"tp_comm={tp_comm}: no Echo to fuse the norm into"
     if not fuse_norm:
         return False, "echo_fuse_norm is off"
     if postnorm:
@@ -347,13 +347,13 @@ def EchoNormFusionPass(echo_group: Optional[str]) -> Any:
     return pass_class()(echo_group)
 
 
-def install(vllm_config: Any, mode: str, fuse_norm: bool, postnorm: bool, echo_group: Optional[str]) -> str:
+def install(vllm_config: Any, tp_comm: str, fuse_norm: bool, postnorm: bool, echo_group: Optional[str]) -> str:
     """Register the pass for this engine if :func:`pass_decision` says so
     (and the fused ops); returns what was done, for the start-up log."""
     inductor = compat.inductor_compile_config(vllm_config)
     if inductor is None:
         return "the norm after each all-reduce stays unfused (the engine has no Inductor config)"
-    register, reason = pass_decision(mode, fuse_norm, postnorm, inductor.get(PASS_KEY))
+    register, reason = pass_decision(tp_comm, fuse_norm, postnorm, inductor.get(PASS_KEY))
     if not register:
         return f"the norm after each all-reduce stays unfused ({reason})"
     register_ops()

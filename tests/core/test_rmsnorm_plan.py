@@ -4,8 +4,8 @@ register budget, the unfused path for rows it cannot take, with the reason."""
 
 import pytest
 
-from echo_vllm.norm_plan import (CHUNKS_PER_STEP, DECODE_ONCE_MAX_VALUES, MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS,
-                                 NORM_WARPS_PER_SM, ONE_PASS_MAX_VALUES, SM_REGISTERS, TILE_VALUES, norm_tiling,
+from echo_vllm.rmsnorm_plan import (CHUNKS_PER_STEP, DECODE_ONCE_MAX_VALUES, MAX_NORM_COLS, MAX_PROGRAMS_PER_SM, MAX_WARPS,
+                                 NORM_WARPS_PER_SM, ONE_PASS_MAX_VALUES, SM_REGISTERS, FUSED_TILE_VALUES, norm_tiling,
                                  registers)
 from echo_vllm.quant import WireLayout
 
@@ -20,7 +20,7 @@ def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
     assert t.padded_row_groups >= lay.row_groups and t.padded_row_groups & (t.padded_row_groups - 1) == 0
     assert t.rows * t.padded_row_groups * group >= 256 * t.num_warps  # a warp's lanes hold whole groups
     # as large as the fused kernel's own tile, larger only for a whole row, then with more warps
-    assert t.groups_per_tile * group == max(TILE_VALUES, t.padded_row_groups * group)
+    assert t.groups_per_tile * group == max(FUSED_TILE_VALUES, t.padded_row_groups * group)
     assert t.num_warps <= MAX_WARPS
     chunks = 1 << (world - 1).bit_length()  # one pass: the chunks padded to a power of two
     if t.one_pass_rows:
@@ -34,7 +34,7 @@ def test_tiling_keeps_rows_whole_within_the_register_budget(cols, world, group):
         # a row of every chunk is too many values for one pass: one chunk's values at a time
         assert chunks * t.padded_row_groups * group > ONE_PASS_MAX_VALUES * 32 * t.num_warps
         assert t.groups_per_tile * group == t.values_per_thread * 32 * t.num_warps
-        assert t.values_per_thread <= 2 * TILE_VALUES // (32 * 8)
+        assert t.values_per_thread <= 2 * FUSED_TILE_VALUES // (32 * 8)
         assert t.chunks_per_step == min(world, CHUNKS_PER_STEP)
         assert t.decode_once == (t.groups_per_tile * group * world <= DECODE_ONCE_MAX_VALUES)
         assert ("decoded once" if t.decode_once else "decoded twice") in reason

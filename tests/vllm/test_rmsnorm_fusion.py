@@ -6,7 +6,7 @@
   ops): what is replaced, what is left and why;
 * over real vLLM TP = 2 (gloo processes): the pass is registered at
   TP-group creation, and the rewritten graph's fused op gives Echo's output
-  followed by ``norm.add_rms_norm(..., variance="kernel")`` bit for bit,
+  followed by ``rmsnorm.add_rms_norm(..., variance="kernel")`` bit for bit,
   counted as fused;
 * the one-device emulation under ``torch.compile`` (Inductor, vLLM's
   pre-grad functionalization, this pass as ``post_grad_custom_post_pass``)
@@ -37,17 +37,17 @@ def _nf():
     import vllm.distributed.parallel_state  # noqa: F401  (defines torch.ops.vllm.all_reduce)
     import vllm.ir  # noqa: F401  (torch.ops.vllm_ir.*)
 
-    from echo_vllm.vllm_glue import norm_fusion
+    from echo_vllm.vllm_glue import rmsnorm_fusion
 
-    norm_fusion.register_ops()
-    return norm_fusion
+    rmsnorm_fusion.register_ops()
+    return rmsnorm_fusion
 
 
 # -- pure (no vLLM imported) ------------------------------------------------------------
 
 
 def test_site_reasons():
-    from echo_vllm.vllm_glue import norm_fusion as nf
+    from echo_vllm.vllm_glue import rmsnorm_fusion as nf
 
     ok = nf.SiteFacts("tp", True, "fused_add_rms_norm", 0, 0, False, True)
     assert nf.site_reason(ok) is None and nf.site_reason(ok._replace(reduce="vocab", norm="rms_norm")) is None
@@ -64,7 +64,7 @@ def test_site_reasons():
 
 
 def test_pass_is_registered_only_for_echo_with_fusion_on_and_a_pre_norm_model():
-    from echo_vllm.vllm_glue import norm_fusion as nf
+    from echo_vllm.vllm_glue import rmsnorm_fusion as nf
 
     class Ours:
         echo_norm_fusion = True
@@ -78,7 +78,7 @@ def test_pass_is_registered_only_for_echo_with_fusion_on_and_a_pre_norm_model():
 
 
 def test_report_line():
-    from echo_vllm.vllm_glue import norm_fusion as nf
+    from echo_vllm.vllm_glue import rmsnorm_fusion as nf
 
     assert nf.report(Counter({"fused": 3})) == "fused the norm into 3 of 3 Echo all-reduces"
     assert (nf.report(Counter({"fused": 2, "not followed by vLLM's RMSNorm": 1}))
@@ -206,7 +206,7 @@ def _tp_worker(rank, world):
     from vllm.distributed import parallel_state as ps
     from vllm.forward_context import set_forward_context
 
-    from echo_vllm import norm
+    from echo_vllm import rmsnorm
     from echo_vllm.vllm_glue import current_stats
 
     out = {}
@@ -242,9 +242,9 @@ def _tp_worker(rank, world):
             got = dict(zip(names, fused(*xs, res, w)))
         out["norm_calls"] = {k: v - before.get(k, 0) for k, v in current_stats().snapshot()["norm_calls"].items()}
         out["got"] = {k: got[k] for k in FUSED_OUTPUTS}
-        out["want"] = dict(zip(("out0", "res0"), norm.add_rms_norm(ys[0], res, w, EPS, variance="kernel")))
-        out["want"]["out1"] = norm.rms_norm(ys[1], w, 1e-5, variance="kernel")
-        out["want"]["out2"], out["want"]["y2"] = norm.rms_norm(ys[2], w, EPS, variance="kernel"), ys[2]
+        out["want"] = dict(zip(("out0", "res0"), rmsnorm.add_rms_norm(ys[0], res, w, EPS, variance="kernel")))
+        out["want"]["out1"] = rmsnorm.rms_norm(ys[1], w, 1e-5, variance="kernel")
+        out["want"]["out2"], out["want"]["y2"] = rmsnorm.rms_norm(ys[2], w, EPS, variance="kernel"), ys[2]
         out["res_untouched"] = torch.equal(res, torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9))
                                            .bfloat16())
     ps.destroy_model_parallel()
@@ -309,7 +309,7 @@ def _emulation_worker(rank, world):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from echo_vllm import norm
+    from echo_vllm import rmsnorm
     from echo_vllm.vllm_glue import current_stats
     from echo_vllm.vllm_glue.emulation import current_session
 
@@ -333,9 +333,9 @@ def _emulation_worker(rank, world):
 
         def spec(embed, o_layer, down_layer, norms, ids):  # Echo's reduces, then the kernels' norm
             h = embed(ids)
-            a = norm.rms_norm(h, norms[0].weight.data, EPS, variance="kernel")
-            x, h = norm.add_rms_norm(o_layer(a), h, norms[1].weight.data, EPS, variance="kernel")
-            z = norm.rms_norm(down_layer(torch.cat([x, -x], dim=-1)), norms[2].weight.data, EPS, variance="kernel")
+            a = rmsnorm.rms_norm(h, norms[0].weight.data, EPS, variance="kernel")
+            x, h = rmsnorm.add_rms_norm(o_layer(a), h, norms[1].weight.data, EPS, variance="kernel")
+            z = rmsnorm.rms_norm(down_layer(torch.cat([x, -x], dim=-1)), norms[2].weight.data, EPS, variance="kernel")
             return a, x, h, z
 
         out["spec"] = forward(spec)

@@ -208,11 +208,11 @@ def module_tree(hf_config: Any, *, trust_remote_code: bool = False) -> Any:
 
 
 def postnorm_config(config: EchoConfig, policy: str) -> tuple[str, EchoConfig]:
-    """Echo settings for a post-norm model: returns ``(mode, config)`` with
-    mode ``"echo"`` or ``"exact"``.
+    """Echo settings for a post-norm model: returns ``(mode, config)``, the
+    mode one of :data:`echo_vllm.policy.MODES`.
 
-    * ``"no-feedback"``: quantize every call independently (Hadamard, exact
-      last call and group size as configured, feedback off).
+    * ``"no-feedback"``: naive, every call quantized independently (Hadamard,
+      exact last call and group size as configured, feedback off).
     * ``"exact"`` (serving default): every call in 16-bit (Echo disabled for
       this model).
     * ``"feedback"``: run Echo as configured anyway (for measurement).
@@ -222,5 +222,5 @@ def postnorm_config(config: EchoConfig, policy: str) -> tuple[str, EchoConfig]:
     if policy == "exact":
         return "exact", config
     if policy == "no-feedback":
-        return "echo", config.replace(feedback=False)
+        return "naive", config.replace(feedback=False)
     return "echo", config

@@ -5,10 +5,10 @@ row, so a program holds whole rows: ``rows`` rows (virtual rows past the
 message too, in the fused kernel's phases 1-2: the chunk's padding groups)
 of every chunk, a rank's ``row_groups`` groups of each padded to a power of
 two (``padded_row_groups``; the padding lanes are masked): a tile covers
-:data:`TILE_VALUES` values of each chunk where rows allow, the fused
+:data:`FUSED_TILE_VALUES` values of each chunk where rows allow, the fused
 kernel's own tile for large messages (its phases 1 and 2 run Echo's tile,
 with as many programs per SM as the output phase's registers allow:
-:meth:`NormTiling.per_sm`). The output phase (``kernels.norm_tile``) reads
+:meth:`NormTiling.per_sm`). The output phase (``kernels.rmsnorm_tile``) reads
 a tile's rows in one pass, a step of ``one_pass_rows`` rows of every chunk
 at a time, where a step is at most :data:`ONE_PASS_MAX_VALUES` values a
 thread (Qwen3-8B's rows at P = 2, 4 and 8); wider rows in two passes, so
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .norm import MAX_COLS
+from .rmsnorm import MAX_COLS
 from .quant import WireLayout
 
 #: Values of a row the fused norm takes (Qwen3-8B 4096, larger models 5120 and 8192, up to 16384).
@@ -48,11 +48,11 @@ ONE_PASS_MAX_VALUES = 16
 WARP_VALUES = 256
 #: Values of each chunk a tile covers when its rows are shorter: the fused
 #: kernel's tile for large chunks (``fused_kernel.TILE_TABLE``).
-TILE_VALUES = 2048
+FUSED_TILE_VALUES = 2048
 #: Most warps per program.
 MAX_WARPS = 16
-#: Fewest warps a program has (a tile is at least :data:`TILE_VALUES` values of each chunk).
-MIN_WARPS = TILE_VALUES // WARP_VALUES
+#: Fewest warps a program has (a tile is at least :data:`FUSED_TILE_VALUES` values of each chunk).
+MIN_WARPS = FUSED_TILE_VALUES // WARP_VALUES
 #: Most warps of the fused kernel's norm programs resident per SM (as its own large tiles: 3 programs of 8).
 NORM_WARPS_PER_SM = 24
 #: Most programs of the fused norm kernel resident per SM (sizes the barrier flags).
@@ -90,7 +90,7 @@ class NormTiling(NamedTuple):
     rows: int
     padded_row_groups: int
     num_warps: int
-    values_per_thread: int = TILE_VALUES // (32 * MIN_WARPS)
+    values_per_thread: int = FUSED_TILE_VALUES // (32 * MIN_WARPS)
     chunks_per_step: int = CHUNKS_PER_STEP
     decode_once: bool = True
     aligned: bool = False
@@ -147,7 +147,7 @@ def norm_tiling(layout: WireLayout, *, one_pass: bool = True) -> tuple[NormTilin
         return None, f"{layout.world_size} ranks (the fused norm takes at most {MAX_NORM_RANKS})"
     rgp = _next_power_of_2(layout.row_groups)
     chunk_row = rgp * layout.group_size
-    rows = max(1, TILE_VALUES // chunk_row)
+    rows = max(1, FUSED_TILE_VALUES // chunk_row)
     warps = min(MAX_WARPS, rows * chunk_row // WARP_VALUES)
     per_thread = rows * chunk_row // (32 * warps)
     aligned = layout.row_groups == rgp
@@ -165,4 +165,4 @@ def norm_tiling(layout: WireLayout, *, one_pass: bool = True) -> tuple[NormTilin
 
 
 __all__ = ["BASE_REGISTERS", "CHUNKS_PER_STEP", "DECODE_ONCE_MAX_VALUES", "MAX_NORM_COLS", "MAX_NORM_RANKS", "MAX_PROGRAMS_PER_SM", "MAX_WARPS", "MIN_WARPS", "NORM_WARPS_PER_SM",
-           "NormTiling", "ONE_PASS_MAX_VALUES", "REGISTERS_PER_VALUE", "TILE_VALUES", "WARP_VALUES", "norm_tiling", "one_pass_rows", "registers"]
+           "NormTiling", "ONE_PASS_MAX_VALUES", "REGISTERS_PER_VALUE", "FUSED_TILE_VALUES", "WARP_VALUES", "norm_tiling", "one_pass_rows", "registers"]

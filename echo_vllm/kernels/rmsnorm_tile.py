@@ -1,18 +1,18 @@
 """Device code of Echo's output with the residual add and RMSNorm: whole rows per tile.
 
-A tile is ``K`` rows (:mod:`echo_vllm.norm_plan`): of every chunk, the ``K *
+A tile is ``K`` rows (:mod:`echo_vllm.rmsnorm_plan`): of every chunk, the ``K *
 RGP`` groups ``lg`` of those rows (:func:`tile_groups`), in the lane layout
 of :mod:`.tile`. :func:`output_norm_tile` decodes the tile's groups of every
 chunk (``tile.decode_output``: Echo's output, rounded to the output dtype),
 adds the residual in fp32, and once the rows' mean squares are known
 stores the new residual and ``rmsnorm(sum) * weight`` -- the bits of
-``quant.output_reference`` followed by ``norm.add_rms_norm(...,
-variance="kernel")`` (``norm.rms_norm`` without a residual; with
+``quant.output_reference`` followed by ``rmsnorm.add_rms_norm(...,
+variance="kernel")`` (``rmsnorm.rms_norm`` without a residual; with
 ``KEEP_OUTPUT`` Echo's output itself is stored as the new residual). The composed
 output kernel (:mod:`.output_norm_kernel`) and the fused kernel's phase 3
 share it, so the two give the same bits by construction.
 
-The mean square is ``norm.kernel_mean_square``: each lane's 8 squares
+The mean square is ``rmsnorm.kernel_mean_square``: each lane's 8 squares
 summed in registers as its pairwise tree (:func:`lane_sums`), the lanes'
 sums of a row combined as integers (:func:`row_total`), which ``tl.sum``
 may add in any order.
@@ -34,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..norm import FIXED_BITS as _FIXED_BITS
-from ..norm import MAX_SHIFT as _MAX_SHIFT
+from ..rmsnorm import FIXED_BITS as _FIXED_BITS
+from ..rmsnorm import MAX_SHIFT as _MAX_SHIFT
 from .bodies import output_load, output_load_chunks
 from .tile import (
     as_lanes, block_offsets, block_shift, decode_output, from_f32, group_amax, group_rows, lanes_hold, load_values,
@@ -85,7 +85,7 @@ def groups_at(t, i, BG: tl.constexpr, row_groups, chunk_groups, K: tl.constexpr 
 @triton.jit
 def lane_sums(sq):
     """``[BG, L, V]`` -> ``[BG, L]``: each lane's ``V`` (8) values summed as
-    ``norm.block_sums``' tree, in registers."""
+    ``rmsnorm.block_sums``' tree, in registers."""
     BG: tl.constexpr = sq.shape[0]
     L: tl.constexpr = sq.shape[1]
     a, b = tl.split(tl.reshape(sq, (BG, L, 4, 2)))  # (0, 1) (2, 3) (4, 5) (6, 7)
@@ -121,7 +121,7 @@ def _power_of_two(k):
 
 @triton.jit
 def fixed_shift(m):
-    """int32 ``k`` of ``norm.fixed_shift``: rows whose largest lane sum is
+    """int32 ``k`` of ``rmsnorm.fixed_shift``: rows whose largest lane sum is
     ``m`` (>= 0, finite) scale by ``2**k`` to integers below ``2**FIXED_BITS``."""
     field = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return tl.minimum(FIXED_BITS - (tl.maximum(field, 1) - 126), MAX_SHIFT)
@@ -347,11 +347,6 @@ def _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_
 # -- one pass: a step's rows of every chunk at once ---------------------------------
 
 
-@triton.constexpr_function
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @triton.jit
 def step_row_max(s, PP: tl.constexpr, R: tl.constexpr):
     """``[R]``: the largest lane sum of each row of a step (``s [PP * R * RGP, L] >= 0``, chunk-major; NaN
@@ -466,14 +461,14 @@ def _one_pass(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_pt
     """:func:`output_norm_tile` in one pass: tile ``t``'s ``R`` rows of every
     chunk decoded, added, summed and stored together (a thread holds ``P * R
     * RGP * G`` values over the program's threads: few enough where
-    ``norm_plan`` chooses this). The residual is loaded before the new one
+    ``rmsnorm_plan`` chooses this). The residual is loaded before the new one
     is stored, so it may be updated in place, and ``out`` is written once.
     Callers loop over such tiles in one loop: a loop over a larger tile's
     steps inside theirs kept every step's loop-invariant offsets in
     registers (compiled for sm_90: 90 registers at P = 8, against 48)."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     SHUFFLE: tl.constexpr = lanes_hold(OUT, res_ptr.dtype.element_ty, w_ptr.dtype.element_ty) and LANES
-    PP: tl.constexpr = _next_power_of_2(P)
+    PP: tl.constexpr = triton.next_power_of_2(P)
     words, s, r, w, start, offs, m = _step_in(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, t,
                                               row_groups, cols, msg_groups, chunk_groups, P, PP, G, R, RGP,
                                               RESIDUAL, ALIGNED)
