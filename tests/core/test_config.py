@@ -96,7 +96,7 @@ def test_one_option_in_two_spellings_with_one_value_is_one_setting():
     assert EchoConfig.from_mapping({"group_size": 64, "group-size": 64}).group_size == 64
     assert EchoConfig.from_mapping({"echo_seed": 7, "echo-seed": "7"}, prefix="echo_").seed == 7  # read alike
     settings = TpCommSettings.from_additional_config({"tp_comm": "echo", "tp-comm": "echo", "echo_seed": 3})
-    assert settings.mode == "echo" and settings.echo.seed == 3
+    assert settings.tp_comm == "echo" and settings.echo.seed == 3
 
 
 def test_min_bytes_auto_reads_in_python_too():

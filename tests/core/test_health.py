@@ -61,7 +61,7 @@ def test_an_overflowing_sum_is_counted_saturated_by_the_communicator():
     maxima, the old check, overflowed and called it Echo's NaN)."""
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, health_every=1, exact_last_call=False)
     health = HealthCounters("cpu")
-    comm = StackedCommunicator(cfg, VirtualTransport(P), health=health)
+    comm = StackedCommunicator(cfg, VirtualTransport(P), stats=EchoStats(health=health))
     x = torch.ones(P, 4, 64, dtype=torch.bfloat16)
     x[:, 2, 9] = torch.finfo(torch.bfloat16).max
     y = comm.all_reduce(x, slot=CallSlot(0))
