@@ -137,6 +137,21 @@ def test_virtual_backend_matches_the_reference_over_a_chain(stages, host_map, ro
     assert not torch.equal(absorbed, xs)  # the error was added: not vacuous
 
 
+@pytest.mark.parametrize("stages", ["reference", "numba"])
+def test_the_norm_in_the_output_stage_gives_echo_then_the_norm(stages):
+    """``all_reduce_norm`` on two-level (the flat layout's output stage with
+    the residual add and RMSNorm) against ``all_reduce`` then the norm, over
+    a chain (tests/support/norm_chains.py, as the flat path's test)."""
+    from support.norm_chains import chain_pair, check_pair
+
+    from echo_vllm.backends import TwoLevelBackend
+
+    def two_level(cfg, transport):
+        return TwoLevelBackend.over(cfg, transport, _stages(stages), HostMap((0, 0, 1, 1)))
+
+    check_pair(chain_pair(4, 5, 96, 4, backend=two_level), 4, "fused")
+
+
 def test_auto_builds_two_level_from_the_host_map_and_counts_bytes_per_level():
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False, host_map=(0, 0, 1, 1))
     comm = StackedCommunicator(cfg, VirtualTransport(4), hidden_size=256)
