@@ -15,7 +15,7 @@ out of each host, whatever its number of GPUs.
   reason, called once per group by ``backends.make_backend``).
 * :func:`host_map_refusal`: a configured ``host_map`` that does not fit the
   group, as one line.
-* :func:`transport_hosts`: ask the group (a collective, once per group):
+* :func:`hosts_of_group`: ask the group (a collective, once per group):
   the ranks' host names over ``torch.distributed``; in-process virtual ranks
   share one host. The vLLM glue uses vLLM's own node test instead
   (``vllm_glue.communicator``).
@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from .config import TOPOLOGY_CHOICES, EchoConfigError
+from .transport import ProcessGroupTransport, Transport
 
 
 @dataclass(frozen=True)
@@ -168,21 +169,19 @@ def host_key() -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def transport_hosts(transport: object) -> HostMap:
+def hosts_of_group(transport: Transport) -> HostMap:
     """The hosts of ``transport``'s ranks: one all-gather of :func:`host_key`
     over a ``torch.distributed`` group (a collective: every rank calls it at
     the same point); one host for in-process virtual ranks and for any
     other transport (whose bytes this process cannot place)."""
-    from .transport import ProcessGroupTransport
-
     if isinstance(transport, ProcessGroupTransport):
         device = "cuda" if transport.backend == "nccl" else "cpu"
         mine = torch.tensor([host_key()], dtype=torch.int64, device=device)
         every = torch.empty(transport.world_size, dtype=torch.int64, device=device)
         torch.distributed.all_gather_into_tensor(every, mine, group=transport.group)
         return HostMap.of(every.tolist())
-    return HostMap((0,) * transport.world_size)  # type: ignore[attr-defined]
+    return HostMap((0,) * transport.world_size)
 
 
 __all__ = ["FLAT", "TWO_LEVEL", "HostMap", "check_host_map", "choose_topology", "host_key", "host_map_refusal",
-           "transport_hosts"]
+           "hosts_of_group"]

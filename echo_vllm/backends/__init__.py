@@ -32,7 +32,7 @@ from typing import Callable
 
 from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
-from ..hosts import TWO_LEVEL, HostMap, check_host_map, choose_topology, transport_hosts
+from ..hosts import TWO_LEVEL, HostMap, check_host_map, choose_topology, hosts_of_group
 from ..transport import Transport
 from .base import EchoBackend
 from .composed import ComposedBackend
@@ -191,7 +191,7 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     The host of each rank: ``hosts`` (the vLLM glue's node test), else
     ``config.host_map`` (its length checked against the group here, before
     anything runs), else asked from ``peers``
-    (:func:`~echo_vllm.hosts.transport_hosts`: a collective). A two-level
+    (:func:`~echo_vllm.hosts.hosts_of_group`: a collective). A two-level
     backend splits ``peers`` into its sub-groups (a collective too).
 
     When the answer depends on whether the group can run the fused kernel,
@@ -209,7 +209,7 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     peers = transport if peers is None else peers
     check_host_map(config.host_map, transport.world_size)
     if hosts is None:
-        hosts = HostMap.of(config.host_map) if config.host_map is not None else transport_hosts(peers)
+        hosts = HostMap.of(config.host_map) if config.host_map is not None else hosts_of_group(peers)
     stochastic = config.rounding == "stochastic"
     topology, topology_reason = choose_topology(hosts.host_of_rank, config.topology, stochastic=stochastic)
     two_level = topology == TWO_LEVEL

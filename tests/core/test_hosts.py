@@ -8,7 +8,7 @@ import torch
 from echo_vllm import EchoCommunicator, EchoConfig, EchoConfigError, StackedCommunicator, VirtualTransport
 from echo_vllm.backends import make_backend
 from echo_vllm.envs import EchoEnv
-from echo_vllm.hosts import HostMap, choose_topology, host_map_refusal, transport_hosts
+from echo_vllm.hosts import HostMap, choose_topology, host_map_refusal, hosts_of_group
 from echo_vllm.spawn import run_processes
 
 #: (host of each rank, setting, stochastic) -> (choice, what the reason says)
@@ -103,7 +103,7 @@ def test_two_level_with_stochastic_rounding_is_refused_by_the_config():
 def test_virtual_ranks_share_one_host_so_auto_stays_flat():
     comm = StackedCommunicator(EchoConfig(), VirtualTransport(4))
     backend = comm.backend(torch.device("cpu"))
-    assert transport_hosts(VirtualTransport(4)).host_of_rank == (0, 0, 0, 0)
+    assert hosts_of_group(VirtualTransport(4)).host_of_rank == (0, 0, 0, 0)
     assert backend.topology == "flat" and "one host" in backend.topology_reason
 
 
@@ -119,7 +119,7 @@ def _ask_the_group(rank, world):
 
     comm = EchoCommunicator(EchoConfig(), ProcessGroupTransport())
     backend = comm.backend(torch.device("cpu"))
-    return transport_hosts(ProcessGroupTransport()).host_of_rank, backend.topology, backend.topology_reason
+    return hosts_of_group(ProcessGroupTransport()).host_of_rank, backend.topology, backend.topology_reason
 
 
 def test_processes_of_one_machine_are_found_on_one_host():
