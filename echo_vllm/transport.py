@@ -164,7 +164,9 @@ class ProcessGroupTransport(Transport):
             global_ranks = [ranks[m] for m in members]
             if global_ranks != sorted(global_ranks):  # torch numbers a group's ranks in global order
                 raise ValueError(f"sub-group {list(members)} (global ranks {global_ranks}) is not in rank order")
-            sub = dist.new_group(global_ranks, backend=self.backend, use_local_synchronization=True)
+            # NCCL: the communicator made now, not at a first call that may come under graph capture
+            device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if self.backend == "nccl" else {}
+            sub = dist.new_group(global_ranks, backend=self.backend, use_local_synchronization=True, **device)
             out.append((ProcessGroupTransport(sub), (0,)))
         return out
 

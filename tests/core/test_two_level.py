@@ -185,15 +185,20 @@ def _fp32_rank_order_sum(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     flat = x.contiguous().view(-1).view(torch.uint8)
-    every = torch.empty(dist.get_world_size() * flat.numel(), dtype=torch.uint8)
+    every = torch.empty(dist.get_world_size() * flat.numel(), dtype=torch.uint8, device=x.device)
     dist.all_gather_into_tensor(every, flat)
     return VirtualTransport(dist.get_world_size()).exact_all_reduce(every.view(dist.get_world_size(), -1)
                                                                     .view(x.dtype).view(-1, *x.shape))
 
 
-def _gloo_rank(rank, world, host_map):
+def _rank(rank, world, host_map, device="cpu"):
+    """One rank's pass of each dtype (tensors on ``device``: ``cuda`` takes
+    GPU ``rank`` and the Triton stages over NCCL sub-groups); CPU results."""
     from echo_vllm.transport import ProcessGroupTransport
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     out = {}
     for dt in DTYPES:
         cfg = EchoConfig(min_bytes=0, first_exact_calls=1, topology="two_level", host_map=host_map)
@@ -203,18 +208,19 @@ def _gloo_rank(rank, world, host_map):
             seen.append(x.clone())
             return _fp32_rank_order_sum(x)
 
-        comm = EchoCommunicator(cfg, ProcessGroupTransport(), exact_all_reduce=exact, hidden_size=COLS,
+        comm = EchoCommunicator(cfg, ProcessGroupTransport(), device=device, exact_all_reduce=exact, hidden_size=COLS,
                                 residual_ndim=2)
         ys, slot = [], 0
         for i, kind in enumerate(PASS):
-            x = _call_inputs(world, dt, i)[rank]
+            x = _call_inputs(world, dt, i)[rank].to(device)
             if kind == "side":
                 ys.append(comm.all_reduce(x))
                 continue
             ys.append(comm.all_reduce(x, slot=CallSlot(slot, last_call=kind == "last")))
             slot += 1
-        backend = comm.backend(torch.device("cpu"))
-        out[dt] = (ys, seen, comm.chain.buffer(0).clone(), comm.stats.snapshot()["calls"], backend.topology)
+        backend = comm.backend(torch.device(device))
+        out[dt] = ([y.cpu() for y in ys], [x.cpu() for x in seen], comm.chain.buffer(0).cpu(),
+                   comm.stats.snapshot()["calls"], backend.topology)
     return out
 
 
@@ -241,11 +247,7 @@ def _reference_pass(hosts: HostMap, dt: str):
     return ys, seen, fb
 
 
-@pytest.mark.parametrize("host_map", [pytest.param((0, 0, 1, 1), id="2x2"),
-                                      pytest.param((0, 0, 0, 1, 1, 1), id="2x3", marks=pytest.mark.slow)])
-def test_every_gloo_rank_gets_the_references_bits(host_map):
-    hosts = HostMap(host_map)
-    per_rank = run_processes(_gloo_rank, hosts.world_size, host_map)
+def _check_ranks(hosts: HostMap, per_rank: list) -> None:
     for dt in DTYPES:
         ys, seen, fb = _reference_pass(hosts, dt)
         for rank, got in enumerate(per_rank):
@@ -260,6 +262,21 @@ def test_every_gloo_rank_gets_the_references_bits(host_map):
             assert calls == {"echo/echo": 3, "exact/first_exact_calls": 1, "exact/exact_last_call": 1,
                              "exact/unsupported_dtype": 1}, calls  # the fp32 side call
         assert not torch.equal(seen[2], _call_inputs(hosts.world_size, dt, 5))  # the error was absorbed
+
+
+@pytest.mark.parametrize("host_map", [pytest.param((0, 0, 1, 1), id="2x2"),
+                                      pytest.param((0, 0, 0, 1, 1, 1), id="2x3", marks=pytest.mark.slow)])
+def test_every_gloo_rank_gets_the_references_bits(host_map):
+    _check_ranks(HostMap(host_map), run_processes(_rank, len(host_map), host_map))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="two hosts of two GPUs need 4 GPUs")
+def test_every_nccl_rank_gets_the_references_bits():
+    """The same over NCCL, one GPU a rank: the Triton stages compiled, the
+    sub-groups NCCL communicators (scripts/gpu_multi.sh runs it)."""
+    host_map = (0, 0, 1, 1)
+    _check_ranks(HostMap(host_map), run_processes(_rank, 4, host_map, "cuda", backend="nccl"))
 
 
 # -- bytes per level -----------------------------------------------------------------
