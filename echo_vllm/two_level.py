@@ -58,6 +58,8 @@ and the exact all-reduce sums them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import quant
@@ -70,6 +72,7 @@ def shard_cols(layout: WireLayout, hosts: int) -> int:
     return hosts * layout.row_groups * layout.group_size
 
 
+@functools.lru_cache(maxsize=1024)  # asked at every call; layouts are frozen
 def shard_layout(layout: WireLayout, hosts: int) -> WireLayout:
     """The cross-host layout of one shard of a message of flat ``layout``:
     ``rows x S`` values over ``hosts`` ranks, rows of S (module docstring)."""

@@ -28,6 +28,7 @@ call's record (``CallRecord.in_host_bytes``, ``cross_host_bytes``), which
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +59,7 @@ def _ring(hosts: HostMap, rank: int, nbytes: int) -> LevelBytes:
     return LevelBytes(0, nbytes) if crosses else LevelBytes(nbytes, 0)
 
 
+@functools.lru_cache(maxsize=1024)  # every Echo call's record asks; the arguments are frozen
 def echo_bytes(layout: WireLayout, hosts: HostMap, rank: int, topology: str, elem_bytes: int = 2) -> LevelBytes:
     """Bytes ``rank`` sends in one Echo call of the message of flat
     ``layout`` (``elem_bytes``: its input's bytes per value).
