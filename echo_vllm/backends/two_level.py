@@ -78,17 +78,20 @@ class TwoLevelBackend(ComposedBackend):
         g_ranks, h_hosts = self.hosts.ranks_per_host[0], self.hosts.hosts
         sl = two_level.shard_layout(layout, h_hosts)
         shards = two_level.to_shards(xs, layout, g_ranks)
-        sums = torch.empty(xs.shape[0], sl.numel, dtype=torch.float32, device=xs.device)
+        # positions by basic indexing only: a list index is a host-to-device copy, which graph capture refuses
+        sums: list[torch.Tensor | None] = [None] * xs.shape[0]
         for tr, pos in self.in_host:  # 1. the 16-bit shards as bytes (gloo has no bf16 all-to-all)
-            recv = tr.all_to_all(shards[list(pos)].contiguous().view(torch.uint8))
-            sums[list(pos)] = two_level.host_sum_reference(recv.view(xs.dtype))
+            recv = tr.all_to_all(torch.stack([shards[p] for p in pos]).view(torch.uint8))
+            host_sums = two_level.host_sum_reference(recv.view(xs.dtype))
+            for i, p in enumerate(pos):
+                sums[p] = host_sums[i : i + 1]
 
         def rows(t: torch.Tensor | None, p: int) -> torch.Tensor | None:
             return None if t is None else t[p : p + 1]
 
         chunks: list[torch.Tensor | None] = [None] * xs.shape[0]
         for tr, pos in self.cross_host:  # 2. Echo over the hosts, each local rank on its shard
-            wire = torch.cat([st.stage1(sums[p : p + 1], rows(feedback, p), sl, qmax=cfg.qmax, hadamard=cfg.hadamard,
+            wire = torch.cat([st.stage1(sums[p], rows(feedback, p), sl, qmax=cfg.qmax, hadamard=cfg.hadamard,
                                         has_incoming=has_incoming) for p in pos])
             recv = tr.all_to_all(wire)
             q2 = torch.cat([st.stage2(recv[i : i + 1], rows(feedback, p), [self._host[p]], sl, qmax=cfg.qmax)

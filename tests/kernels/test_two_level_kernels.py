@@ -94,3 +94,39 @@ def test_the_two_level_kernels_compile_for_sm90_without_spills_or_shared_memory(
             spills = {op: n for op, n in r["memory"].items() if op.startswith(("LDL", "STL", "LDS", "STS"))}
             assert not spills and r["shared_bytes"] == 0 and r["barriers"] == 0, (name, r)
             assert r["memory"].get("LDG.E.128", 0) > 0 or name == "output", (name, r)  # 16-byte loads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("host_map,rows,cols", [((0, 0, 0, 0, 1, 1, 1, 1), 512, 2880), ((0, 1, 0, 1), 33, 4096)])
+def test_large_two_level_calls_and_a_graph_replay_on_gpu(host_map, rows, cols):
+    """Compiled kernels at model-sized rows against the reference (a chain
+    and its absorb, every feedback format), then one call with an incoming
+    error captured into a CUDA graph: its replay gives the eager bits."""
+    for fb_dtype in ("bfloat16", "int8", "float32"):
+        assert _triton_against_reference(host_map, rows, cols, fb_dtype, torch.bfloat16) == 3
+    from echo_vllm import EchoConfig, VirtualTransport
+    from echo_vllm import two_level as tl
+    from echo_vllm.backends import TritonStages, TwoLevelBackend
+    from echo_vllm.hosts import HostMap
+    from echo_vllm.quant import WireLayout
+
+    hosts, p = HostMap(host_map), len(host_map)
+    backend = TwoLevelBackend.over(EchoConfig(topology="two_level", host_map=host_map), VirtualTransport(p),
+                                   TritonStages(), hosts)
+    lay = WireLayout(rows * cols, p, 32, cols)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(p, lay.numel, generator=g, device="cuda").bfloat16()
+    fb0 = (torch.randn(p, tl.shard_layout(lay, hosts.hosts).padded_numel, generator=g, device="cuda") / 64).bfloat16()
+    fb = fb0.clone()
+    eager = backend.all_reduce(x, lay, fb, has_incoming=True).clone()
+    fb_eager = fb.clone()
+    fb.copy_(fb0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # compiled by the eager call: nothing is compiled under capture
+        out = backend.all_reduce(x, lay, fb, has_incoming=True)
+    fb.copy_(fb0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_bits(out, eager, "replayed output", nan_any=True)
+    assert_same_bits(fb, fb_eager, "replayed carried error")
