@@ -53,6 +53,7 @@ from .capture import capturing
 from .config import EchoConfig, EchoConfigError
 from .feedback import FeedbackChain
 from .health import sampled
+from .hosts import HostMap, check_host_map
 from .rmsnorm import NormOperands
 from .rmsnorm_plan import norm_tiling
 from .numbering import NO_PASS, CallSlot
@@ -60,6 +61,7 @@ from .policy import ECHO_DTYPES, CallInfo, Decision, Path, Reason, decide
 from .quant import WireLayout
 from .stats import CallRecord, CallSink, EchoStats
 from .transport import Transport
+from .wire_bytes import echo_bytes
 
 #: ``CallRecord.norm`` of a call on the exact path: the norm runs after the 16-bit all-reduce.
 EXACT_PATH_NORM = "exact path"
@@ -195,6 +197,7 @@ class EchoCommunicator:
             raise EchoConfigError(f"{type(self).__name__}: fast_cpu={fast_cpu!r:.60}: must be True or False")
         if transport.world_size < 2:
             raise EchoConfigError(f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}")
+        check_host_map(config.host_map, transport.world_size)
         local = len(transport.local_ranks)
         if local != 1 and not self.stacked:
             raise EchoConfigError(
@@ -341,7 +344,7 @@ class EchoCommunicator:
         """:meth:`should_echo` of a message whose layout and residual check
         the call already has (each worked out once per call)."""
         fits = (not (self._fixed and self.config.feedback and lay is not None)
-                or self.chain.fits(lay.padded_numel))
+                or self.chain.fits(self.feedback_numel(lay, msg.device)))
         return decide(CallInfo(
             nbytes=msg.numel() * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
             capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
@@ -367,7 +370,7 @@ class EchoCommunicator:
         backend = self._backend or self.backend(xs.device)
         feedback = chain is not None and self.config.feedback
         if compile_only:
-            fb = self._feedback(chain, lay.padded_numel, xs.device) if feedback else None
+            fb = self._feedback(chain, backend.feedback_numel(lay), xs.device) if feedback else None
             for incoming in (False, True) if feedback else (False,):
                 backend.compile(flat, lay, fb, has_incoming=incoming)
             return None
@@ -375,7 +378,8 @@ class EchoCommunicator:
         self._check(key)
         incoming = feedback and chain.take(call_index, key)
         # outside a pass no error carries: none is written (the output's bits are the same)
-        fb = self._feedback(chain, lay.padded_numel, xs.device) if feedback and call_index is not None else None
+        fb = (self._feedback(chain, backend.feedback_numel(lay), xs.device)
+              if feedback and call_index is not None else None)
         if norm is not None:
             y = backend.all_reduce_norm(flat, lay, fb, norm, tiling, has_incoming=incoming)
         else:
@@ -399,8 +403,9 @@ class EchoCommunicator:
                 lay = self._layout(tuple(xs.shape[1:]))
                 key = (tuple(xs.shape[1:]), xs.dtype, lay.padded_numel)
                 if chain.take(call_index, key):
-                    fb = self._feedback(chain, lay.padded_numel, xs.device)
-                    xs = self.backend(xs.device).consume(xs.reshape(xs.shape[0], lay.numel), lay, fb).reshape(xs.shape)
+                    backend = self.backend(xs.device)
+                    fb = self._feedback(chain, backend.feedback_numel(lay), xs.device)
+                    xs = backend.consume(xs.reshape(xs.shape[0], lay.numel), lay, fb).reshape(xs.shape)
                 chain.record(call_index, key, left_error=False)
         if self._exact_all_reduce is not None:
             return self._exact_all_reduce(self._unlocal(xs))
@@ -438,9 +443,11 @@ class EchoCommunicator:
         # the backend's own kernels may not take the message: its fallback ran it
         backend = self._backend or self.backend(y.device)
         reason = decision.reason if backend.fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
-        self.sink(CallRecord("echo", reason.value, wire_bytes=lay.wire_bytes_per_rank,
-                             equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked, norm=norm,
-                             **_chain_outcome(chain)))
+        hosts = backend.hosts or HostMap((0,) * self.world_size)  # not asked: counted as one host's
+        sent = echo_bytes(lay, hosts, self.transport.local_ranks[0], backend.topology, y.element_size())
+        self.sink(CallRecord("echo", reason.value, wire_bytes=sent.total, in_host_bytes=sent.in_host,
+                             cross_host_bytes=sent.cross_host, equiv_bytes=lay.ring_bytes_per_rank(y.element_size()),
+                             checked=checked, norm=norm, **_chain_outcome(chain)))
 
     def _record_exact(self, msg: torch.Tensor, reason: Reason, chain: FeedbackChain, norm: str = "") -> None:
         self.sink(CallRecord("exact", reason.value, nbytes=msg.numel() * msg.element_size(), norm=norm,
@@ -459,11 +466,17 @@ class EchoCommunicator:
             self._backends[device.type] = b
         return b
 
+    def feedback_numel(self, lay: WireLayout, device: torch.device | None = None) -> int:
+        """Carried-error values per rank a message of ``lay`` on ``device``
+        (default the buffer's) needs: its backend's (two-level keeps its
+        shard's only)."""
+        return self.backend(self.chain.device if device is None else device).feedback_numel(lay)
+
     def _reserve(self, rows: int, cols: int) -> None:
         """Size the feedback buffer for messages of up to ``rows`` rows of
         ``cols`` (and allocate the health counter: both before any capture)."""
         if self.config.feedback:
-            self.chain.reserve(self._layout((rows, cols)).padded_numel)
+            self.chain.reserve(self.feedback_numel(self._layout((rows, cols))))
         if self.stats.health is not None:
             self.stats.health.allocate()
 

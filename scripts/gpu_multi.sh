@@ -8,7 +8,11 @@
 # 2. nccl-tests-style table: NCCL bf16 vs Echo (auto = fused here) vs Echo on
 #    the composed Triton path vs the fused one, 8 KiB .. 1 GiB, P = all GPUs;
 # 3. the same through the host (NCCL_P2P_DISABLE=1, the PCIe-class link;
-#    the fused backend needs P2P, so composed only).
+#    the fused backend needs P2P, so composed only);
+# 4. with 4 GPUs or more, two-level Echo with the GPUs told they sit on two
+#    hosts (--host-map): its ranks against the reference bit for bit over NCCL
+#    (tests/core/test_two_level.py, -m gpu), then the table with the bytes
+#    each host sends inside and out of itself.
 # Needs torch + Triton (no vLLM). Real-TP TTFT and the real-model TP=2 vs
 # emulation run need vLLM: `REAL_TP=2 MODEL=qwen2.5-coder-1.5b eval/gpu_eval.sh ttft`
 # after its setup steps (eval/gpu_eval.sh). Budget: ~9 minutes.
@@ -30,7 +34,13 @@ step nccl 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGP
 step nccl_no_p2p 150 env NCCL_P2P_DISABLE=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
   -m echo_vllm.cli bench allreduce --backend nccl --min-size 64K --max-size 1G --factor 4 --echo-backends triton \
   --out "$OUT/nccl_no_p2p"
+if [ "$NGPU" -ge 4 ]; then
+  HOSTS=$("$PY" -c "import sys; n = int(sys.argv[1]); print(','.join(str(2 * r // n) for r in range(n)))" "$NGPU")
+  step two_level_check 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/core/test_two_level.py
+  step two_level 200 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m echo_vllm.cli bench \
+    allreduce --backend nccl --min-size 64K --max-size 1G --factor 4 --host-map "$HOSTS" --out "$OUT/two_level"
+fi
 echo; echo "=================== summary ($OUT) ==================="
 printf '%s\n' "${status[@]}"
 grep -E '"ok"' "$OUT/fused_check.json" | tail -n 1 || true
-for s in nccl nccl_no_p2p; do echo "--- $s:"; grep -E "^ +[0-9]+ [KMG]iB \|" "$OUT/$s.log" || true; done
+for s in nccl nccl_no_p2p two_level; do echo "--- $s:"; grep -E "^ +[0-9]+ [KMG]iB \|" "$OUT/$s.log" || true; done
