@@ -344,7 +344,7 @@ class EchoCommunicator:
         """:meth:`should_echo` of a message whose layout and residual check
         the call already has (each worked out once per call)."""
         fits = (not (self._fixed and self.config.feedback and lay is not None)
-                or self.chain.fits(self.feedback_numel(lay, msg.device)))
+                or self.chain.fits(self._feedback_numel(lay, msg.device)))
         return decide(CallInfo(
             nbytes=msg.numel() * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
             capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
@@ -466,7 +466,7 @@ class EchoCommunicator:
             self._backends[device.type] = b
         return b
 
-    def feedback_numel(self, lay: WireLayout, device: torch.device | None = None) -> int:
+    def _feedback_numel(self, lay: WireLayout, device: torch.device | None = None) -> int:
         """Carried-error values per rank a message of ``lay`` on ``device``
         (default the buffer's) needs: its backend's (two-level keeps its
         shard's only)."""
@@ -476,7 +476,7 @@ class EchoCommunicator:
         """Size the feedback buffer for messages of up to ``rows`` rows of
         ``cols`` (and allocate the health counter: both before any capture)."""
         if self.config.feedback:
-            self.chain.reserve(self.feedback_numel(self._layout((rows, cols))))
+            self.chain.reserve(self._feedback_numel(self._layout((rows, cols))))
         if self.stats.health is not None:
             self.stats.health.allocate()
 

@@ -95,7 +95,7 @@ class Contenders:
         self.inputs16 = [t.clone() for t in inputs]
         device = inputs[0].device
         self.echo = EchoCommunicator(cfg, transport, device=device)
-        self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend,
+        self.naive_comm = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend,
                                                        topology=cfg.topology, host_map=cfg.host_map), transport,
                                       device=device)
         self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
@@ -122,7 +122,7 @@ class Contenders:
             dist.all_reduce(x)
 
     def naive(self, i: int) -> torch.Tensor:
-        return self.naive.all_reduce(self.x(i), path=Path.ECHO)
+        return self.naive_comm.all_reduce(self.x(i), path=Path.ECHO)
 
     def echo_call(self, i: int) -> torch.Tensor:
         # the steady state of a forward pass: call 1 absorbs call 0's error

@@ -13,8 +13,10 @@ import torch
 from echo_vllm import EchoCommunicator, EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 from echo_vllm import quant
 from echo_vllm import two_level as tl
+from echo_vllm.communicator import ResidualStream, message_layout
 from echo_vllm.hosts import HostMap
 from echo_vllm.numbering import CallSlot
+from echo_vllm.policy import Path
 from echo_vllm.quant import WireLayout
 from echo_vllm.spawn import run_processes
 from echo_vllm.wire_bytes import echo_bytes, per_host, ring_bytes
@@ -62,7 +64,8 @@ def test_reference_is_flat_echo_over_the_hosts_fed_their_sums(host_map, rows, co
     for t in range(1 if feedback else 3):
         xs = _inputs(p, (rows, cols), 10 * t + p)
         y = tl.two_level_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=hadamard)
-        want = flat.echo_all_reduce(_host_sums(xs, hosts).reshape(h, rows, cols), chain, t)
+        want = flat.all_reduce(_host_sums(xs, hosts).reshape(h, rows, cols), slot=CallSlot(t), path=Path.ECHO,
+                               chain=chain)
         assert torch.equal(y.view(rows, cols), want.to(torch.bfloat16)), t
 
 
@@ -120,21 +123,22 @@ def test_virtual_backend_matches_the_reference_over_a_chain(stages, host_map, ro
     hosts, p = HostMap(host_map), len(host_map)
     cfg = EchoConfig(min_bytes=0, topology="two_level", host_map=host_map, feedback_dtype="bfloat16")
     backend = TwoLevelBackend.over(cfg, VirtualTransport(p), _stages(stages), hosts)
-    comm = StackedCommunicator(cfg, VirtualTransport(p), backend=backend)
+    # the exact path hands back its input, the carried error absorbed
+    comm = StackedCommunicator(cfg, VirtualTransport(p), backend=backend, exact_all_reduce=lambda xs: xs)
     chain = FeedbackChain.of(cfg, p)
-    lay = comm.message_layout((rows, cols))
+    lay = message_layout((rows, cols), p, cfg.group_size)
     n_fb = tl.shard_layout(lay, hosts.hosts).padded_numel
-    assert comm.feedback_numel(lay) == n_fb == lay.padded_numel // hosts.ranks_per_host[0]
+    assert backend.feedback_numel(lay) == n_fb == lay.padded_numel // hosts.ranks_per_host[0]
     fb = torch.zeros(p, n_fb, dtype=torch.bfloat16)
     for t in range(3):
         xs = _inputs(p, (rows, cols), 100 + t, DTYPES[dt])
-        y = comm.echo_all_reduce(xs, chain, t)
+        y = comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain)
         want = tl.two_level_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True, has_incoming=t > 0)
         assert torch.equal(y.reshape(-1), want), t
         assert torch.equal(chain.buffer(n_fb)[:, :n_fb], fb), t
     assert chain.buffer(n_fb).shape == (p, n_fb)  # the shard's, not the flat path's
     xs = _inputs(p, (rows, cols), 200, DTYPES[dt])
-    absorbed = comm.absorb(xs, chain, 3)
+    absorbed = comm.all_reduce(xs, slot=CallSlot(3), path=Path.EXACT, chain=chain)
     assert torch.equal(absorbed.reshape(p, -1), tl.consume_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True))
     assert not torch.equal(absorbed, xs)  # the error was added: not vacuous
 
@@ -156,11 +160,11 @@ def test_the_norm_in_the_output_stage_gives_echo_then_the_norm(stages):
 
 def test_auto_builds_two_level_from_the_host_map_and_counts_bytes_per_level():
     cfg = EchoConfig(min_bytes=0, first_exact_calls=0, exact_last_call=False, host_map=(0, 0, 1, 1))
-    comm = StackedCommunicator(cfg, VirtualTransport(4), hidden_size=256)
+    comm = StackedCommunicator(cfg, VirtualTransport(4), stream=ResidualStream(hidden_size=256))
     y = comm.all_reduce(_inputs(4, (8, 256), 5), slot=CallSlot(0))
     backend = comm.backend(y.device)
     assert type(backend).__name__ == "TwoLevelBackend" and backend.topology == "two_level"
-    lay = comm.message_layout((8, 256))
+    lay = message_layout((8, 256), 4, cfg.group_size)
     sent = echo_bytes(lay, backend.hosts, 0, "two_level")
     snap = comm.stats.snapshot()
     assert snap["level_bytes"] == {"cross_host": sent.cross_host, "in_host": sent.in_host}
@@ -210,8 +214,8 @@ def _rank(rank, world, host_map, device="cpu"):
             seen.append(x.clone())
             return _fp32_rank_order_sum(x)
 
-        comm = EchoCommunicator(cfg, ProcessGroupTransport(), device=device, exact_all_reduce=exact, hidden_size=COLS,
-                                residual_ndim=2)
+        comm = EchoCommunicator(cfg, ProcessGroupTransport(), device=device, exact_all_reduce=exact,
+                                stream=ResidualStream(hidden_size=COLS, ndim=2))
         ys, slot = [], 0
         for i, kind in enumerate(PASS):
             x = _call_inputs(world, dt, i)[rank].to(device)

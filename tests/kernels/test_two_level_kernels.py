@@ -20,17 +20,21 @@ CASES = [((0, 0, 1, 1), 3, 100, "bfloat16"), ((0, 0, 0, 1, 1, 1), 2, 70, "int8")
 def _triton_against_reference(host_map, rows, cols, fb_dtype, dtype) -> int:
     from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
     from echo_vllm import two_level as tl
+    from echo_vllm.communicator import message_layout
     from echo_vllm.backends import TwoLevelBackend
     from echo_vllm.backends.triton_stages import TritonStages
     from echo_vllm.hosts import HostMap
+    from echo_vllm.numbering import CallSlot
+    from echo_vllm.policy import Path
     from echo_vllm.quant import FEEDBACK_STORAGE, feedback_row_len
 
     hosts, p = HostMap(host_map), len(host_map)
     cfg = EchoConfig(min_bytes=0, topology="two_level", host_map=host_map, feedback_dtype=fb_dtype)
-    comm = StackedCommunicator(cfg, VirtualTransport(p), device=DEVICE,
+    # the exact path hands back its input, the carried error absorbed
+    comm = StackedCommunicator(cfg, VirtualTransport(p), device=DEVICE, exact_all_reduce=lambda xs: xs,
                                backend=TwoLevelBackend.over(cfg, VirtualTransport(p), TritonStages(), hosts))
     chain = FeedbackChain.of(cfg, p, DEVICE)
-    lay = comm.message_layout((rows, cols))
+    lay = message_layout((rows, cols), p, cfg.group_size)
     n_fb = tl.shard_layout(lay, hosts.hosts).padded_numel
     storage = FEEDBACK_STORAGE[fb_dtype]
     fb = torch.zeros(p, feedback_row_len(n_fb, storage, 32), dtype=storage)
@@ -38,13 +42,13 @@ def _triton_against_reference(host_map, rows, cols, fb_dtype, dtype) -> int:
     checked = 0
     for t in range(2):
         xs = (torch.randn(p, rows, cols, generator=g) * (t + 1)).to(dtype)
-        y = comm.echo_all_reduce(xs.to(DEVICE), chain, t)
+        y = comm.all_reduce(xs.to(DEVICE), slot=CallSlot(t), path=Path.ECHO, chain=chain)
         want = tl.two_level_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True, has_incoming=t > 0)
         assert_same_bits(y.reshape(-1).cpu(), want, f"two-level call {t}", nan_any=True)
         assert_same_bits(chain.buffer(n_fb)[:, : fb.shape[1]].cpu(), fb, f"carried error after call {t}")
         checked += 1
     xs = torch.randn(p, rows, cols, generator=g).to(dtype)
-    absorbed = comm.absorb(xs.to(DEVICE), chain, 2)
+    absorbed = comm.all_reduce(xs.to(DEVICE), slot=CallSlot(2), path=Path.EXACT, chain=chain)
     assert_same_bits(absorbed.reshape(p, -1).cpu(), tl.consume_reference(xs.reshape(p, -1), fb, lay, hosts,
                                                                           hadamard=True), "absorb")
     return checked + 1
@@ -62,6 +66,7 @@ def _compiled_reports() -> dict[str, list[dict]]:
     for sm_90 and not run: the SASS report of each, by stage."""
     from echo_vllm import EchoConfig, VirtualTransport
     from echo_vllm import two_level as tl
+    from echo_vllm.communicator import message_layout
     from echo_vllm.backends import TwoLevelBackend
     from echo_vllm.backends.triton_stages import TritonStages
     from echo_vllm.bench import sass_report
@@ -109,6 +114,7 @@ def test_large_two_level_calls_and_a_graph_replay_on_gpu(host_map, rows, cols):
         assert _triton_against_reference(host_map, rows, cols, fb_dtype, torch.bfloat16) == 3
     from echo_vllm import EchoConfig, VirtualTransport
     from echo_vllm import two_level as tl
+    from echo_vllm.communicator import message_layout
     from echo_vllm.backends import TwoLevelBackend
     from echo_vllm.backends.triton_stages import TritonStages
     from echo_vllm.hosts import HostMap
