@@ -44,6 +44,7 @@ from .config import EchoConfig, EchoConfigError
 from .envs import EchoEnv
 from .feedback import FeedbackChain
 from .health import HealthCounters, sampled
+from .hosts import HostMap, check_host_map
 from .norm import NormOperands
 from .norm_plan import norm_tiling
 from .numbering import NO_PASS, CallSlot
@@ -51,6 +52,7 @@ from .policy import ECHO_DTYPES, CallInfo, Decision, Path, Reason, decide
 from .quant import WireLayout
 from .stats import CallRecord, CallSink, EchoStats
 from .transport import Transport
+from .wire_bytes import echo_bytes
 
 #: ``CallRecord.norm`` of a call on the exact path: the norm runs after the 16-bit all-reduce.
 EXACT_PATH_NORM = "exact path"
@@ -158,6 +160,7 @@ class EchoCommunicator:
             raise EchoConfigError(f"{type(self).__name__}: {refusal}")
         if transport.world_size < 2:
             raise EchoConfigError(f"Echo needs a group of at least 2 ranks, got world_size={transport.world_size}")
+        check_host_map(config.host_map, transport.world_size)
         local = len(transport.local_ranks)
         if local != 1 and not self.stacked:
             raise EchoConfigError(
@@ -223,7 +226,7 @@ class EchoCommunicator:
         """:meth:`should_echo` of a message whose layout and residual check
         the call already has (each worked out once per call)."""
         fits = not (self.fixed_capacity and self.config.feedback and lay is not None) or \
-            self.chain.fits(lay.padded_numel)
+            self.chain.fits(self.feedback_numel(lay, msg.device))
         return decide(CallInfo(
             nbytes=msg.numel() * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
             capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
@@ -328,7 +331,7 @@ class EchoCommunicator:
         compilations out over the ranks)."""
         xs = self._local(inp)
         lay = self.message_layout(tuple(xs.shape[1:]))
-        fb = (self._feedback(chain, lay.padded_numel, xs.device)
+        fb = (self._feedback(chain, self.feedback_numel(lay, xs.device), xs.device)
               if chain is not None and self.config.feedback else None)
         backend = self.backend(xs.device)
         for incoming in (False, True) if fb is not None else (False,):
@@ -370,7 +373,7 @@ class EchoCommunicator:
         fb, incoming = None, False
         if chain is not None and self.config.feedback:
             incoming = chain.take(call_index, key)
-            fb = self._feedback(chain, lay.padded_numel, xs.device)
+            fb = self._feedback(chain, self.feedback_numel(lay, xs.device), xs.device)
         return key, fb, incoming
 
     @staticmethod
@@ -401,7 +404,8 @@ class EchoCommunicator:
         if chain.take(call_index, key):
             lay = self.message_layout(key[0])
             xs = self.backend(xs.device).consume(xs.reshape(xs.shape[0], lay.numel), lay,
-                                                 self._feedback(chain, lay.padded_numel, xs.device)).reshape(xs.shape)
+                                                 self._feedback(chain, self.feedback_numel(lay, xs.device), xs.device)
+                                                 ).reshape(xs.shape)
         chain.record(call_index, key, left_error=False)
         return xs
 
@@ -413,9 +417,11 @@ class EchoCommunicator:
                    and self.health.observe(inp, y))
         # the backend's own kernels may not take the message: its fallback ran it
         reason = decision.reason if backend.fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
-        self.sink(CallRecord("echo", reason.value, wire_bytes=lay.wire_bytes_per_rank,
-                             equiv_bytes=lay.ring_bytes_per_rank(y.element_size()), checked=checked, norm=norm,
-                             **self._chain_outcome()))
+        hosts = backend.hosts or HostMap((0,) * self.world_size)  # not asked: counted as one host's
+        sent = echo_bytes(lay, hosts, self.transport.local_ranks[0], backend.topology, y.element_size())
+        self.sink(CallRecord("echo", reason.value, wire_bytes=sent.total, in_host_bytes=sent.in_host,
+                             cross_host_bytes=sent.cross_host, equiv_bytes=lay.ring_bytes_per_rank(y.element_size()),
+                             checked=checked, norm=norm, **self._chain_outcome()))
 
     def _record_exact(self, msg: torch.Tensor, reason: Reason, norm: str = "") -> None:
         self.sink(CallRecord("exact", reason.value, nbytes=msg.numel() * msg.element_size(), norm=norm,
@@ -440,6 +446,12 @@ class EchoCommunicator:
     def message_layout(self, shape: tuple[int, ...]) -> WireLayout:
         """Layout of a message of ``shape`` (one rank's): rows along the last dim."""
         return self.layout(math.prod(shape), shape[-1] if shape else 0)
+
+    def feedback_numel(self, lay: WireLayout, device: torch.device | None = None) -> int:
+        """Carried-error values per rank a message of ``lay`` on ``device``
+        (default the buffer's) needs: its backend's (two-level keeps its
+        shard's only)."""
+        return self.backend(self.chain.device if device is None else device).feedback_numel(lay)
 
     def chain_key(self, xs: torch.Tensor, lay: WireLayout | None = None) -> tuple:
         """The chain's key of local inputs ``xs [R, ...]``: shape, dtype, padded
@@ -478,7 +490,7 @@ class EchoCommunicator:
         """Size the feedback buffer for messages of up to ``rows`` rows of
         ``cols`` (and allocate the health counter: both before any capture)."""
         if self.config.feedback:
-            self.chain.reserve(self.layout(rows * cols, cols).padded_numel)
+            self.chain.reserve(self.feedback_numel(self.layout(rows * cols, cols)))
         if self.health is not None:
             self.health.allocate()
 

@@ -68,6 +68,10 @@ ROUNDING_MODES = ("nearest", "stochastic")
 BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
 #: Values of ``EchoConfig.feedback_dtype`` (formats: ``echo_vllm.quant``'s docstring).
 FEEDBACK_DTYPES = ("float32", "bfloat16", "int8")
+#: Values of ``EchoConfig.topology`` (``echo_vllm.hosts.choose_topology`` decides ``auto``).
+TOPOLOGY_CHOICES = ("auto", "flat", "two_level")
+#: Most ranks a ``host_map`` names: far more than any tensor-parallel group.
+MAX_HOST_MAP_RANKS = 1024
 
 
 class EchoConfigError(UsageError):
@@ -175,6 +179,27 @@ class EchoConfig:
     which rounds its sum in another order than Inductor's kernel. False
     (the default) keeps vLLM's norm after the all-reduce."""
 
+    topology: str = "auto"
+    """How Echo crosses hosts (``echo_vllm.hosts``): ``two_level`` reduces
+    inside each host first (an exact 16-bit reduce-scatter), runs Echo
+    across hosts on each rank's shard (the ranks with the same local index),
+    and gathers inside the host: 2(H-1)/H x 4.5 bits per value leave a host
+    whatever its number of GPUs. ``flat`` is the one two-shot over all ranks
+    (its all-to-all sends every rank's chunks to every remote rank).
+    ``auto``: two-level where the group spans 2 or more hosts of equal size
+    with 2 or more ranks each, flat otherwise (the reason is logged and on
+    /metrics). An explicit ``two_level`` the group cannot run is refused.
+    Two-level rounds to nearest (stochastic rounding runs flat)."""
+
+    host_map: tuple[int, ...] | None = None
+    """The host of each rank of the group, in group-rank order (``0,0,1,1``:
+    ranks 0-1 on one host, 2-3 on another; labels are any integers from 0,
+    hosts are numbered by their first rank). None: asked from the group
+    once (vLLM: its own node test; elsewhere the ranks' host names). Set it
+    where every host reports the same name (containers, network namespaces)
+    or to emulate hosts on one machine. Its length must be the group's size
+    (checked when the group is known)."""
+
     timeout_s: float = 60.0
     """Seconds a fused-backend kernel waits for a peer at a barrier before it
     traps instead of hanging: the error names the barrier and the late peer,
@@ -194,6 +219,8 @@ class EchoConfig:
         _check_choice("rounding", self.rounding, ROUNDING_MODES)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
         _check_choice("feedback_dtype", self.feedback_dtype, FEEDBACK_DTYPES)
+        _check_choice("topology", self.topology, TOPOLOGY_CHOICES)
+        object.__setattr__(self, "host_map", _host_map(self.host_map))
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -212,6 +239,9 @@ class EchoConfig:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_TIMEOUT_S:  # NaN fails too
             raise EchoConfigError(f"timeout_s={t!r:.60}: must be a number of seconds above 0, at most "
                                   f"{MAX_TIMEOUT_S:g} (a day: a longer wait at a barrier is a hang)")
+        if self.topology == "two_level" and self.rounding == "stochastic":
+            raise EchoConfigError("topology='two_level' with rounding='stochastic': two-level Echo rounds to "
+                                  "nearest; use rounding='nearest' or topology='flat'")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
@@ -345,6 +375,35 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise EchoConfigError(f"{name}={value!r:.60}: choose one of {shown}{hint}")
 
 
+def _host_map(value: Any) -> tuple[int, ...] | None:
+    """``host_map`` as a tuple of host labels (integers from 0), or None; a
+    list reads as its tuple (JSON has no tuples)."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        value = tuple(value)
+    if (not isinstance(value, tuple) or not 1 <= len(value) <= MAX_HOST_MAP_RANKS
+            or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value)):
+        raise EchoConfigError(f"host_map={value!r:.80}: must be the host of each rank in group-rank order, "
+                              f"integers from 0 (e.g. 0,0,1,1), at most {MAX_HOST_MAP_RANKS} ranks")
+    return value
+
+
+def _parse_host_map(key: str, value: Any) -> Any:
+    """``host_map`` from text (``"0,0,1,1"``; ``""`` or ``none``: None), a
+    JSON list, or as given (:func:`_host_map` checks it)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("", "none"):
+        return None
+    try:
+        return tuple(parse_int(part) for part in text.split(","))
+    except ValueError:
+        raise EchoConfigError(f"{key}={value!r:.80}: expected the host of each rank as integers separated by "
+                              "commas (e.g. 0,0,1,1)") from None
+
+
 def _unknown_option(key: str, prefix: str = "") -> str:
     """The error for an option ``prefix + key`` EchoConfig does not have."""
     if key in REMOVED_OPTIONS:
@@ -361,6 +420,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     A value of another type is refused (``3.7`` is not an integer, ``None``
     not a boolean); ranges are the dataclass's."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if key == "host_map":
+        return _parse_host_map(key, value)
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -421,6 +482,7 @@ __all__ = [
     "EchoConfigError",
     "FALSE_TEXT",
     "SUPPORTED_GROUP_SIZES",
+    "TOPOLOGY_CHOICES",
     "TRUE_TEXT",
     "parse_bytes",
 ]

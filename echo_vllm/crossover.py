@@ -9,6 +9,13 @@ the slowest rank's time for each (every rank then holds the same numbers),
 and one pure function (:func:`decide`) turns them into thresholds. Every
 rank computes the same thresholds from the same numbers: ranks that
 disagreed on the path of a call would hang.
+
+Echo's side of the measurement runs through the group's own backend, so
+it measures the topology in use: across hosts, two-level Echo sends
+2(H-1)/H x 4.5 bits per value over the network where the 16-bit
+all-reduce sends ~2 x 16, and its crossover comes at smaller messages
+than inside one host, where the link is fast and the kernels' floors
+decide. Nothing here assumes where it lies.
 """
 
 from __future__ import annotations

@@ -35,7 +35,11 @@ class CallRecord:
     nbytes: int = 0
     """Input bytes of this rank's message (exact calls)."""
     wire_bytes: int = 0
-    """Bytes this rank sent on the wire (Echo calls)."""
+    """Bytes this rank sent on the wire (Echo calls): ``in_host_bytes + cross_host_bytes``."""
+    in_host_bytes: int = 0
+    """Of those, bytes sent to ranks on this rank's host (``echo_vllm.wire_bytes``)."""
+    cross_host_bytes: int = 0
+    """Of those, bytes sent to ranks on other hosts: what crosses the network."""
     equiv_bytes: int = 0
     """Bytes a bandwidth-optimal 16-bit all-reduce would have sent (Echo calls)."""
     carried: bool = False
@@ -62,6 +66,8 @@ class EchoStats:
     """Calls by (path, reason)."""
     wire_bytes: int = 0
     """Bytes this rank sent on the wire in Echo calls."""
+    level_bytes: Counter = field(default_factory=Counter)
+    """Those bytes by where they went: ``in_host``, ``cross_host``."""
     equiv_16bit_bytes: int = 0
     """Bytes a bandwidth-optimal 16-bit all-reduce of the same Echo calls would
     have sent from this rank."""
@@ -91,6 +97,8 @@ class EchoStats:
             self.calls[(rec.path, rec.reason)] += 1
             if rec.path == "echo":
                 self.wire_bytes += rec.wire_bytes
+                self.level_bytes["in_host"] += rec.in_host_bytes
+                self.level_bytes["cross_host"] += rec.cross_host_bytes
                 self.equiv_16bit_bytes += rec.equiv_bytes
             else:
                 self.exact_bytes += rec.nbytes
@@ -136,6 +144,7 @@ class EchoStats:
             return {
                 "calls": {f"{p}/{r}": n for (p, r), n in sorted(self.calls.items())},
                 "wire_bytes": self.wire_bytes,
+                "level_bytes": dict(sorted(self.level_bytes.items())),
                 "equiv_16bit_bytes": self.equiv_16bit_bytes,
                 "exact_bytes": self.exact_bytes,
                 "rel_err_mean": self.rel_err_sum / self.rel_err_samples if self.rel_err_samples else None,

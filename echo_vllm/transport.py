@@ -9,6 +9,10 @@ P for in-process virtual ranks):
 * ``all_gather(chunk[R, B]) -> [P, B]``: every rank's reduced chunk;
 * ``exact_all_reduce(x[R, ...]) -> [...]``: the 16-bit fallback.
 
+Two-level Echo (:mod:`echo_vllm.two_level`) also needs ``split(groups)``:
+transports over sub-groups of the ranks (the ranks of each host, the
+ranks with the same local index on every host).
+
 Backends:
 
 * :class:`ProcessGroupTransport` -- ``torch.distributed`` (gloo on CPU,
@@ -58,6 +62,15 @@ class Transport(abc.ABC):
         """Raise :class:`EchoShapeMismatch` on every rank if ranks disagree on
         ``values``. Virtual ranks share one call, so they always agree."""
 
+    def split(self, groups: Sequence[Sequence[int]]) -> list[tuple["Transport", tuple[int, ...]]]:
+        """Transports over ``groups`` (disjoint lists of this transport's
+        ranks, each in rank order): for each group holding ranks of this
+        process, ``(its transport, the positions of those ranks in
+        local_ranks)``, in the order of ``groups``. A collective where the
+        ranks are processes: every rank calls it with the same ``groups``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split into sub-groups (two-level Echo runs "
+                                  "over a torch.distributed group or in-process virtual ranks)")
+
     def max_over_ranks(self, values: Sequence[float]) -> list[float]:
         """The element-wise maximum of ``values`` over the ranks (the same
         list on every rank). Virtual ranks share one call: ``values``."""
@@ -81,6 +94,9 @@ class VirtualTransport(Transport):
 
     def all_gather(self, chunks: torch.Tensor) -> torch.Tensor:
         return chunks
+
+    def split(self, groups: Sequence[Sequence[int]]) -> list[tuple[Transport, tuple[int, ...]]]:
+        return [(VirtualTransport(len(members)), tuple(members)) for members in groups]
 
     def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks in rank order: floats narrower than fp32 in
@@ -133,6 +149,24 @@ class ProcessGroupTransport(Transport):
         out = self._host(x[0]).clone()
         dist.all_reduce(out, group=self.group)
         return out.to(x.device)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> list[tuple[Transport, tuple[int, ...]]]:
+        """One ``torch.distributed.new_group`` per group this rank is in, with
+        this group's backend; only the members take part
+        (``use_local_synchronization``), so other ranks of the job need not
+        call it. Every rank calls its groups in the order of ``groups``."""
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else \
+            list(range(dist.get_world_size()))
+        out: list[tuple[Transport, tuple[int, ...]]] = []
+        for members in groups:
+            if self.rank not in members:
+                continue
+            global_ranks = [ranks[m] for m in members]
+            if global_ranks != sorted(global_ranks):  # torch numbers a group's ranks in global order
+                raise ValueError(f"sub-group {list(members)} (global ranks {global_ranks}) is not in rank order")
+            sub = dist.new_group(global_ranks, backend=self.backend, use_local_synchronization=True)
+            out.append((ProcessGroupTransport(sub), (0,)))
+        return out
 
     def max_over_ranks(self, values: Sequence[float]) -> list[float]:
         device = "cuda" if self.backend == "nccl" else "cpu"

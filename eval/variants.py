@@ -95,18 +95,25 @@ class Variant:
 
 
 def parse_variant(spec: str) -> Variant:
-    """``NAME`` or ``NAME:field=value,...`` -> :class:`Variant`."""
+    """``NAME`` or ``NAME:field=value,...`` -> :class:`Variant`. A list
+    value keeps its commas: an item without ``=`` continues the value
+    before it (``default:topology=two_level,host_map=0,0,1,1``)."""
     name, _, rest = spec.partition(":")
     name = name.strip()
     if name not in PRESETS:
         raise EchoConfigError(f"unknown variant {name!r}" + (did_you_mean(name, PRESETS) or "; known: " + ", ".join(PRESETS)))
     mode, kwargs, text = PRESETS[name]
     raw: dict = {"min_bytes": 0, **kwargs}
+    last = None
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
-            raise EchoConfigError(f"variant {spec!r}: expected field=value, got {item!r}")
-        raw[key.strip()] = value.strip()
+            if last is None:
+                raise EchoConfigError(f"variant {spec!r}: expected field=value, got {item!r}")
+            raw[last] += "," + item
+            continue
+        last = key.strip()
+        raw[last] = value.strip()
     try:
         config = EchoConfig.from_mapping(raw)
     except EchoConfigError as e:

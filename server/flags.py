@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES,
-                      SUPPORTED_GROUP_SIZES, EchoConfig)
+                      SUPPORTED_GROUP_SIZES, TOPOLOGY_CHOICES, EchoConfig)
 from ..postnorm import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
 from ..vllm_glue.settings import EMULATE_KEY, MEASURE_KEY, POSTNORM_KEY, TP_COMM_KEY
@@ -43,7 +43,11 @@ _CHOICES: dict[str, tuple] = {
     "rounding": ROUNDING_MODES,
     "feedback_dtype": FEEDBACK_DTYPES,
     "backend": BACKEND_CHOICES,
+    "topology": TOPOLOGY_CHOICES,
 }
+
+#: Fields whose value is a list, typed as text (``--echo-host-map 0,0,1,1``; EchoConfig parses it).
+_LIST_FIELDS = {"host_map": "H0,H1,..."}
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Flag:
     key: str
     """additional_config key the value lands in."""
     kind: str
-    """"bool", "int", "float", "str" or "choice"."""
+    """"bool", "int", "float", "str", "choice" or "list" (comma-separated text)."""
     default: Any
     help: str
     choices: tuple = ()
@@ -141,6 +145,8 @@ def echo_flags() -> tuple[Flag, ...]:
         choices = _CHOICES.get(f.name, ())
         if kind == "str" and choices:
             kind = "choice"
+        if f.name in _LIST_FIELDS:
+            kind = "list"
         flags.append(Flag("--echo-" + f.name.replace("_", "-"), ECHO_KEY_PREFIX + f.name,
                           kind, f.default, docs.get(f.name, ""), tuple(choices)))
     return tuple(flags)
@@ -179,6 +185,8 @@ def format_help(width: int = 100) -> str:
             spell += " {" + ",".join(str(c) for c in flag.choices) + "}"
         elif flag.kind == "str":
             spell += " TEXT"
+        elif flag.kind == "list":
+            spell += " " + _LIST_FIELDS[flag.field]
         lines.append(f"  {spell}")
         text = _with_values(flag.help)
         default = "auto" if flag.field == "min_bytes" and flag.default == AUTO_BYTES else flag.default

@@ -17,6 +17,12 @@ tensors, whether the caller wants the fastest CPU backend installed
 is made there (``EchoCommunicator`` on first use, the vLLM glue once per
 tensor-parallel group, with the group's facts). A new backend registers a
 :class:`BackendSpec`.
+
+The group's topology is decided there too (:func:`echo_vllm.hosts.choose_topology`,
+from ``EchoConfig.topology`` and the host of each rank: ``host_map``, or
+asked from the group): where it is two-level, the chosen backend's stages
+run as :class:`~.two_level.TwoLevelBackend` over the group's sub-groups
+(``fused`` as the Triton stages: peer memory stays inside one host).
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from typing import Callable
 
 from ..config import BACKEND_CHOICES, EchoConfig, EchoConfigError
 from ..envs import EchoEnv
+from ..hosts import TWO_LEVEL, HostMap, check_host_map, choose_topology, transport_hosts
 from ..transport import Transport
 from .base import EchoBackend
 from .composed import ComposedBackend
 from .fused import FusedSymmMemBackend, fused_support
 from .stages import KernelStages, NumbaStages, ReferenceStages, StageOps, TritonStages
+from .two_level import TwoLevelBackend
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,15 @@ register_backend(BackendSpec(
 
 
 assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}, "config.BACKEND_CHOICES and the registry disagree"
+
+#: The stages each backend runs as two-level Echo (the fused kernel's peer memory stays inside one host).
+TWO_LEVEL_STAGES: dict[str, Callable[[], StageOps]] = {
+    "reference": ReferenceStages, "triton": TritonStages, "numba": NumbaStages, "fused": TritonStages,
+}
+assert set(TWO_LEVEL_STAGES) == set(BACKENDS), "every backend needs its two-level stages"
+
+#: ``fused_support``'s answer on a two-level group: the sub-groups run composed stages.
+_TWO_LEVEL_NOT_FUSED = (False, "two-level topology: the composed stages run on the in-host and cross-host groups")
 
 
 def choose_backend(requested: str, *, device_type: str, stochastic: bool, env_kernels: str = "auto",
@@ -165,9 +182,17 @@ def fastest_cpu_backend() -> str:
 
 def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, env: EchoEnv,
                  peers: Transport | None = None, max_numel: int | None = None,
-                 fast_cpu: bool = False) -> tuple[EchoBackend, str]:
-    """Build the backend :func:`choose_backend` picks for ``config``;
-    returns it and the reason.
+                 fast_cpu: bool = False, hosts: HostMap | None = None) -> tuple[EchoBackend, str]:
+    """Build the backend :func:`choose_backend` picks for ``config``, in the
+    topology :func:`~echo_vllm.hosts.choose_topology` picks; returns it
+    (``topology``, ``topology_reason`` and ``hosts`` set) and the backend's
+    reason.
+
+    The host of each rank: ``hosts`` (the vLLM glue's node test), else
+    ``config.host_map`` (its length checked against the group here, before
+    anything runs), else asked from ``peers``
+    (:func:`~echo_vllm.hosts.transport_hosts`: a collective). A two-level
+    backend splits ``peers`` into its sub-groups (a collective too).
 
     When the answer depends on whether the group can run the fused kernel,
     ``peers`` is probed first (:func:`.fused.fused_support`: a collective on
@@ -182,11 +207,23 @@ def make_backend(config: EchoConfig, transport: Transport, *, device_type: str, 
     (:func:`fastest_cpu_backend`) rather than the references.
     """
     peers = transport if peers is None else peers
-    name, reason = choose_backend(config.backend, device_type=device_type, stochastic=config.rounding == "stochastic",
+    check_host_map(config.host_map, transport.world_size)
+    if hosts is None:
+        hosts = HostMap.of(config.host_map) if config.host_map is not None else transport_hosts(peers)
+    stochastic = config.rounding == "stochastic"
+    topology, topology_reason = choose_topology(hosts.host_of_rank, config.topology, stochastic=stochastic)
+    two_level = topology == TWO_LEVEL
+    name, reason = choose_backend(config.backend, device_type=device_type, stochastic=stochastic,
                                   env_kernels=env.kernels, interpreted=env.triton_interpret,
-                                  probe=lambda: fused_support(peers, device_type),
+                                  probe=(lambda: _TWO_LEVEL_NOT_FUSED) if two_level else
+                                  (lambda: fused_support(peers, device_type)),
                                   fastest_cpu=fastest_cpu_backend if fast_cpu else None)
-    return BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel), reason
+    if two_level:
+        backend: EchoBackend = TwoLevelBackend.over(config, transport, TWO_LEVEL_STAGES[name](), hosts, split=peers)
+    else:
+        backend = BACKENDS[name].build(config, transport, env, peers=peers, max_numel=max_numel)
+    backend.hosts, backend.topology_reason = hosts, topology_reason
+    return backend, reason
 
 
 __all__ = [
@@ -200,7 +237,9 @@ __all__ = [
     "NumbaStages",
     "ReferenceStages",
     "StageOps",
+    "TWO_LEVEL_STAGES",
     "TritonStages",
+    "TwoLevelBackend",
     "choose_backend",
     "fastest_cpu_backend",
     "make_backend",

@@ -22,6 +22,7 @@ import abc
 import torch
 
 from ..config import EchoConfig
+from ..hosts import FLAT, HostMap
 from ..norm import NormOperands
 from ..norm_plan import NormTiling
 from ..quant import WireLayout
@@ -32,12 +33,18 @@ class EchoBackend(abc.ABC):
     """One way to run Echo over a group of ranks (see the module docstring)."""
 
     name: str = "?"
+    topology: str = FLAT
+    """``flat`` (one two-shot over the group) or ``two_level`` (:mod:`.two_level`)."""
 
     def __init__(self, config: EchoConfig, transport: Transport):
         self.config = config
         self.transport = transport
         self.world_size = transport.world_size
         self.local_ranks = transport.local_ranks
+        self.hosts: HostMap | None = None
+        """The host of each rank (``make_backend`` sets it; None: not asked)."""
+        self.topology_reason = ""
+        """Why ``topology`` (``hosts.choose_topology``'s reason; ``make_backend`` sets it)."""
 
     @property
     def capturable(self) -> bool:
@@ -55,8 +62,9 @@ class EchoBackend(abc.ABC):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Echo of local inputs ``xs [R, numel]`` -> ``[numel]`` of ``xs.dtype``.
-        ``feedback``: ``[R, >= padded_numel]`` or None (no feedback); its
-        first ``padded_numel`` values are added first if ``has_incoming``."""
+        ``feedback``: ``[R, >= feedback_numel(layout)]`` values or None (no
+        feedback); its first ``feedback_numel(layout)`` values are added
+        first if ``has_incoming``."""
 
     def all_reduce_norm(
         self,
@@ -88,6 +96,11 @@ class EchoBackend(abc.ABC):
     def consume(self, xs: torch.Tensor, layout: WireLayout, feedback: torch.Tensor) -> torch.Tensor:
         """``xs + rot^-1(e)`` rounded to ``xs.dtype`` (``[R, numel]``): the input
         of an exact call that absorbs the carried error."""
+
+    def feedback_numel(self, layout: WireLayout) -> int:
+        """Values of the carried error one rank keeps for a message of
+        ``layout``: the flat path's ``padded_numel`` (two-level: its shard's)."""
+        return layout.padded_numel
 
     def fits(self, layout: WireLayout) -> bool:
         """Whether this backend's own kernels run a message of ``layout``

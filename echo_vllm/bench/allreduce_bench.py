@@ -19,6 +19,12 @@ Three ways to run, picked by ``--backend``:
 
 Every rank runs every call (an all-reduce is done when the slowest rank is);
 rank 0 prints an nccl-tests-style table and writes JSON and a PNG.
+
+``--topology`` and ``--host-map`` set Echo's (``EchoConfig``'s; on one
+machine a host map emulates hosts, e.g. ``0,0,1,1``), and a second table
+gives, per message size, the bytes each host sends inside itself and out
+of itself per call for the 16-bit ring, flat Echo and two-level Echo
+(arithmetic: :mod:`echo_vllm.wire_bytes`, what the records count).
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ import torch.distributed as dist
 from .. import envs
 from ..communicator import EchoCommunicator
 from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, factor, out_dir, parse_int
-from ..config import BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfig, EchoConfigError
+from ..config import (BACKEND_CHOICES, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, TOPOLOGY_CHOICES, EchoConfig,
+                      EchoConfigError)
 from ..envs import EchoEnv
 from ..feedback import FeedbackChain
+from ..hosts import FLAT, TWO_LEVEL, HostMap, host_map_refusal
 from ..quant import WireLayout
 from ..transport import ProcessGroupTransport
+from ..wire_bytes import echo_bytes, per_host, ring_bytes
 from . import report, timing
 
 ALGOS = ("16-bit", "naive4", "echo", "wire-only")
@@ -77,7 +86,8 @@ class Contenders:
         self.inputs16 = [t.clone() for t in inputs]
         device = inputs[0].device
         self.echo = EchoCommunicator(cfg, transport, device=device)
-        self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend), transport,
+        self.naive = EchoCommunicator(EchoConfig.naive(group_size=cfg.group_size, backend=cfg.backend,
+                                                       topology=cfg.topology, host_map=cfg.host_map), transport,
                                       device=device)
         self.chain = FeedbackChain.of(cfg, 1, inputs[0].device, capacity_numel)
         self.key = self.echo.chain_key(inputs[0].unsqueeze(0))
@@ -197,6 +207,42 @@ def _slowest_rank(per_rank: list[list[dict]]) -> list[report.Row]:
     return [report.Row(r["size_bytes"], r["algo"], r["world_size"], r["median_s"]) for r in merged.values()]
 
 
+def level_bytes(sizes: list[int], hosts: HostMap, group_size: int) -> list[dict]:
+    """Per message size (bf16 bytes per rank, one row), per algorithm: the
+    bytes each host sends inside itself and out of itself in one call, the
+    largest over the hosts (``echo_vllm.wire_bytes``; two-level only where
+    the hosts allow it)."""
+    from ..hosts import choose_topology
+
+    two_level = choose_topology(hosts.host_of_rank, "auto")[0] == TWO_LEVEL
+    out = []
+    for size in sizes:
+        lay = WireLayout(size // 2, hosts.world_size, group_size)
+        algos = {"16-bit ring": lambda r: ring_bytes(lay.numel, hosts, r),
+                 "flat Echo": lambda r: echo_bytes(lay, hosts, r, FLAT)}
+        if two_level:
+            algos["two-level Echo"] = lambda r: echo_bytes(lay, hosts, r, TWO_LEVEL)
+        for algo, of_rank in algos.items():
+            sent = per_host(hosts, of_rank)
+            out.append({"size_bytes": size, "algo": algo, "in_host_bytes": max(b.in_host for b in sent),
+                        "cross_host_bytes": max(b.cross_host for b in sent)})
+    return out
+
+
+def format_level_bytes(rows: list[dict], hosts: HostMap) -> str:
+    """:func:`level_bytes` as a table, each count also per value of the
+    message (N bf16 values per rank: ``3.00 N`` is 3 bytes a value)."""
+    head = f"{'size':>10} | {'algorithm':<15} | {'inside a host':>21} | {'out of a host':>21}"
+    lines = [f"bytes per call, the busiest host's ({hosts.describe()}; arithmetic, echo_vllm.wire_bytes; "
+             "N = values per rank)", head, "-" * len(head)]
+    for r in rows:
+        n = r["size_bytes"] // 2
+        lines.append(f"{report.human_bytes(r['size_bytes']):>10} | {r['algo']:<15} | "
+                     f"{r['in_host_bytes']:>11} ({r['in_host_bytes'] / n:5.2f} N) | "
+                     f"{r['cross_host_bytes']:>11} ({r['cross_host_bytes'] / n:5.2f} N)")
+    return "\n".join(lines)
+
+
 def _finish(args, rows: list[report.Row], meta: dict) -> None:
     title = f"{meta['transport']} P={meta['world_size']}"
     print()
@@ -204,9 +250,14 @@ def _finish(args, rows: list[report.Row], meta: dict) -> None:
           "algbw = size/time, busbw = algbw*2(P-1)/P; speedup vs 16-bit")
     algos = [a for a in ALGOS] + sorted({r.algo for r in rows} - set(ALGOS))
     print(report.format_table(rows, "16-bit", algos))
+    cfg = _config(args)
+    hosts = HostMap.of(cfg.host_map) if cfg.host_map is not None else HostMap((0,) * meta["world_size"])
+    levels = level_bytes(sorted({r.size_bytes for r in rows}), hosts, cfg.group_size)
+    print()
+    print(format_level_bytes(levels, hosts))
     if args.out:
         path = report.write_json(args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.json",
-                                 {**meta, "rows": [r.to_dict() for r in rows]})
+                                 {**meta, "rows": [r.to_dict() for r in rows], "level_bytes": levels})
         report.plot_lines(
             args.out, f"allreduce_{meta['transport']}_p{meta['world_size']}.png",
             {a: [(r.size_bytes, r.busbw_gbps) for r in rows if r.algo == a] for a in algos},
@@ -231,7 +282,8 @@ def _meta(args, transport: str, world: int) -> dict:
 
 def _config(args) -> EchoConfig:
     return EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard,
-                      feedback_dtype=args.feedback_dtype, min_bytes=0)
+                      feedback_dtype=args.feedback_dtype, min_bytes=0, topology=args.topology,
+                      host_map=args.host_map)
 
 
 def _sizes(args, default_lo: str, default_hi: str) -> list[int]:
@@ -244,6 +296,8 @@ def _sizes(args, default_lo: str, default_hi: str) -> list[int]:
 
 def run_gloo(args) -> int:
     world = args.world_size
+    if refusal := host_map_refusal(args.host_map, world):
+        raise UsageError(f"--host-map: {refusal}")
     sizes = _sizes(args, "1M", "256M")
     threads = max(1, (os.cpu_count() or 1) // world)
     from ..backends import fastest_cpu_backend
@@ -335,7 +389,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--echo-backends", type=choice_list(BACKEND_CHOICES), default=[],
                     help="also time Echo on each of these backends (comma list, e.g. triton,fused; "
                          "columns echo-<name>); the column 'echo' is backend auto")
+    ap.add_argument("--topology", default=EchoConfig.topology, choices=TOPOLOGY_CHOICES,
+                    help="Echo across hosts (EchoConfig.topology): auto, flat or two_level")
+    ap.add_argument("--host-map", type=host_map_arg, default=None, metavar="H0,H1,...",
+                    help="the host of each rank (EchoConfig.host_map; e.g. 0,0,1,1 emulates two hosts of two "
+                         "ranks on one machine); also the hosts of the bytes table")
     ap.add_argument("--out", type=out_dir, default=None, help="directory for JSON and PNG")
+
+
+def host_map_arg(text: str) -> tuple[int, ...] | None:
+    """argparse type of ``--host-map``: what ``EchoConfig.host_map`` reads."""
+    try:
+        return EchoConfig.from_mapping({"host_map": text}).host_map
+    except EchoConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_echo_backends(names, device_type: str, env: EchoEnv) -> None:

@@ -202,6 +202,9 @@ class EchoMetrics:
                              rank + ["path", "reason"], registry=registry)
         self.wire_bytes = Counter(PREFIX + "wire_bytes", "Bytes sent on the wire by Echo calls.",
                                   rank, registry=registry)
+        self.level_bytes = Counter(PREFIX + "level_bytes", "Bytes sent by Echo calls inside this rank's host "
+                                   "(level: in_host) and to other hosts (cross_host: what crosses the network).",
+                                   rank + ["level"], registry=registry)
         self.equiv_bytes = Counter(
             PREFIX + "equiv_16bit_bytes",
             "Bytes a bandwidth-optimal 16-bit all-reduce of the same Echo calls would send.",
@@ -251,6 +254,9 @@ class EchoMetrics:
         self.norm_calls = Counter(PREFIX + "norm_calls", "Residual all-reduces followed by the add + RMSNorm, by "
                                   "how the norm ran (fused into Echo, or why not).", rank + ["how"],
                                   registry=registry)
+        self.topology = Gauge(PREFIX + "topology", "How Echo crosses hosts on the TP group (topology: flat, "
+                              "two_level) and why (reason; value always 1; logged at start).",
+                              rank + ["topology", "reason"], registry=registry, multiprocess_mode="mostrecent")
         self.norm_sites = Gauge(PREFIX + "norm_fusion_sites", "Echo's all-reduces in the compiled graphs by what "
                                 "the norm fusion pass did (fused, or why not).", rank + ["outcome"],
                                 registry=registry, multiprocess_mode="mostrecent")
@@ -329,13 +335,15 @@ class EchoMetrics:
             if delta:
                 counter.labels(r).inc(delta)
         for family, counter in (("feedback_dropped", self.dropped), ("nonfinite", self.nonfinite),
-                                ("norm_calls", self.norm_calls)):
+                                ("norm_calls", self.norm_calls), ("level_bytes", self.level_bytes)):
             for label, total in (snapshot.get(family) or {}).items():
                 delta = self._advance((r, family, label), int(total))
                 if delta:
                     counter.labels(r, str(label)).inc(delta)
         for path in snapshot.get("bypasses") or ():
             self.bypass.labels(r, str(path)).set(1)
+        if snapshot.get("topology"):
+            self.topology.labels(r, *map(str, snapshot["topology"])).set(1)
         for outcome, n in (snapshot.get("norm_sites") or {}).items():
             self.norm_sites.labels(r, str(outcome)).set(int(n))
 

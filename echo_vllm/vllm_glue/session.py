@@ -62,7 +62,8 @@ class EchoSession:
         old = self.stats
         self.stats = self.tracker.stats = StepStats(calls_per_forward=old.calls_per_forward,
                                                     min_bytes=old.min_bytes, max_bytes=old.max_bytes,
-                                                    bypasses=old.bypasses, health=old.health)
+                                                    bypasses=old.bypasses, topology=old.topology,
+                                                    health=old.health)
         if old.health is not None:
             # the device-side counter starts from zero too; the old counters no longer read it
             old.health.reset()

@@ -100,6 +100,9 @@ class StepStats(EchoStats):
     bypasses: tuple[str, ...] = ()
     """The model's fused all-reduce paths that go around Echo's hook
     (``bypass.Bypass.path``; logged at start)."""
+    topology: tuple[str, str] | None = None
+    """The TP group's topology and why (``hosts.choose_topology``; logged
+    at start), or None before the group's communicator is built."""
     norm_sites: Counter = field(default_factory=Counter)
     """Echo's all-reduces in the compiled graphs by what the norm fusion
     pass did with them (``"fused"`` or why not; ``norm_fusion``), summed
@@ -142,6 +145,7 @@ class StepStats(EchoStats):
                 min_bytes=self.min_bytes,
                 max_bytes=self.max_bytes,
                 bypasses=list(self.bypasses),
+                topology=list(self.topology) if self.topology is not None else None,
                 norm_sites=dict(sorted(self.norm_sites.items())),
             )
         return snap

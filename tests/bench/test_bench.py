@@ -57,6 +57,28 @@ def test_gloo_allreduce_cli_smoke(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_the_bytes_table_gives_each_level_per_host():
+    from echo_vllm.bench.allreduce_bench import format_level_bytes, level_bytes
+    from echo_vllm.hosts import HostMap
+
+    two = HostMap((0, 0, 1, 1))
+    rows = level_bytes([1 << 20], two, 32)
+    assert [r["algo"] for r in rows] == ["16-bit ring", "flat Echo", "two-level Echo"]
+    by = {r["algo"]: r for r in rows}
+    assert by["two-level Echo"]["cross_host_bytes"] < by["flat Echo"]["cross_host_bytes"] < \
+        by["16-bit ring"]["cross_host_bytes"]
+    assert "3.00 N" in format_level_bytes(rows, two)  # the ring's 2 (P-1)/P x 2 bytes a value leave a host
+    one = level_bytes([1 << 20], HostMap((0, 0, 0, 0)), 32)  # one host: no two-level row, nothing crosses
+    assert [r["algo"] for r in one] == ["16-bit ring", "flat Echo"] and all(r["cross_host_bytes"] == 0 for r in one)
+
+
+def test_a_host_map_that_does_not_fit_the_world_is_refused_before_processes_start():
+    from echo_vllm.cli_args import UsageError
+
+    with pytest.raises(UsageError, match="--host-map: host_map=0,1 names 2 ranks but the group has 4"):
+        cli.main(["allreduce", "--backend", "gloo", "--world-size", "4", "--sizes", "64K", "--host-map", "0,1"])
+
+
 def test_kernels_cli_smoke_on_cpu(tmp_path, capsys):
     rc = cli.main(["kernels", "--device", "cpu", "--world-sizes", "2", "--sizes", "64K",
                    "--iters", "1", "--out", str(tmp_path)])

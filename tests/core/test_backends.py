@@ -27,7 +27,7 @@ def group(monkeypatch):
 
     def build(cfg, transport, env, **facts):
         state.built.append((transport, facts))
-        return "the fused backend"
+        return SimpleNamespace(name="the fused backend")
 
     monkeypatch.setattr(backends, "fused_support", probe)
     monkeypatch.setitem(backends.BACKENDS, "fused", dataclasses.replace(backends.BACKENDS["fused"], build=build))
@@ -38,7 +38,7 @@ def test_fused_is_built_with_the_groups_facts(group):
     pynccl, nccl = FakeRank("pynccl"), FakeRank("nccl")
     backend, reason = backends.make_backend(EchoConfig(), pynccl, device_type="cuda", env=EchoEnv(),
                                             peers=nccl, max_numel=4096)
-    assert backend == "the fused backend" and "peer-to-peer" in reason and "2 GPUs with P2P" in reason
+    assert backend.name == "the fused backend" and "peer-to-peer" in reason and "2 GPUs with P2P" in reason
     assert group.probed == [nccl]  # the probe runs on the process group, not on pynccl
     assert group.built == [(pynccl, {"peers": nccl, "max_numel": 4096})]
 
@@ -128,9 +128,9 @@ def test_int8_feedback_runs_on_the_backend_auto_picks(group):
     gets the fused kernel or the Triton stage kernels as the others do."""
     int8 = EchoConfig(feedback_dtype="int8")
     assert backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv(),
-                                 peers=FakeRank("nccl"))[0] == "the fused backend"
+                                 peers=FakeRank("nccl"))[0].name == "the fused backend"
     assert backends.make_backend(int8.replace(backend="fused"), FakeRank(), device_type="cuda",
-                                 env=EchoEnv())[0] == "the fused backend"
+                                 env=EchoEnv())[0].name == "the fused backend"
     group.p2p = (False, "GPU 0 cannot access GPU 1")
     backend, reason = backends.make_backend(int8, FakeRank(), device_type="cuda", env=EchoEnv())
     assert backend.name == "triton" and "cannot access GPU 1" in reason

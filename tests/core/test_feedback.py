@@ -142,7 +142,7 @@ def _fp64_slack(ops: int, mag: torch.Tensor) -> torch.Tensor:
 def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
     """RMS error of the residual stream after each call (fp64 reference),
     the chain's buffer in ``cfg.feedback_dtype``."""
-    comm = StackedCommunicator(cfg, VirtualTransport(P))
+    comm = StackedCommunicator(cfg, VirtualTransport(P), fast_cpu=True)  # numba where installed: the same bits
     chain = FeedbackChain.of(cfg, P)
     res = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
     ref = torch.zeros_like(res)
@@ -155,11 +155,16 @@ def _residual_errors(cfg: EchoConfig, calls: int) -> list[float]:
     return errs
 
 
+#: The topologies the depth test runs: flat, and two-level with the P ranks on two hosts.
+TOPOLOGIES = {"flat": {}, "two_level": dict(topology="two_level", host_map=(0, 0, 1, 1))}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("hadamard", [False, True])
-def test_echo_error_stays_flat_while_naive_grows(hadamard):
+def test_echo_error_stays_flat_while_naive_grows(hadamard, topology):
     calls = 64
-    echo = _residual_errors(EchoConfig(hadamard=hadamard, exact_last_call=False), calls)
-    naive = _residual_errors(EchoConfig.naive(hadamard=hadamard), calls)
+    echo = _residual_errors(EchoConfig(hadamard=hadamard, exact_last_call=False, **TOPOLOGIES[topology]), calls)
+    naive = _residual_errors(EchoConfig.naive(hadamard=hadamard, **TOPOLOGIES[topology]), calls)
     # same first call, bit for bit: no incoming error, the same stages
     assert echo[0] == naive[0]
     # Echo: E_T is one call's stage-1 + stage-2 error at every depth.

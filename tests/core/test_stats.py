@@ -8,8 +8,9 @@ from echo_vllm.stats import CallRecord, EchoStats
 
 def _records():
     return [
-        CallRecord("echo", "echo", wire_bytes=10, equiv_bytes=40, carried=True, checked=True),
-        CallRecord("echo", "echo", wire_bytes=12, equiv_bytes=44, norm="fused"),
+        CallRecord("echo", "echo", wire_bytes=10, in_host_bytes=4, cross_host_bytes=6, equiv_bytes=40, carried=True,
+                   checked=True),
+        CallRecord("echo", "echo", wire_bytes=12, in_host_bytes=12, equiv_bytes=44, norm="fused"),
         CallRecord("exact", "below_min_bytes", nbytes=256, dropped="shape_changed"),
         CallRecord("exact", "below_min_bytes", nbytes=128, norm="no weight"),
         CallRecord("exact", "unsupported_dtype", nbytes=64, checked=True, dropped="shape_changed"),
@@ -25,6 +26,7 @@ def test_records_add_up_by_path_reason_and_what_the_chain_did():
     assert stats.snapshot() == {
         "calls": {"echo/echo": 2, "exact/below_min_bytes": 2, "exact/unsupported_dtype": 1},
         "wire_bytes": 22,
+        "level_bytes": {"cross_host": 6, "in_host": 16},
         "equiv_16bit_bytes": 84,
         "exact_bytes": 448,  # the bytes of the exact calls only
         "rel_err_mean": 0.375,

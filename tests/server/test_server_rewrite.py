@@ -78,6 +78,8 @@ SAMPLE = {
     "first_exact_calls": ("2", 2),
     "backend": ("reference", "reference"),
     "health_every": ("4", 4),
+    "topology": ("two_level", "two_level"),
+    "host_map": ("0,0,1,1", [0, 0, 1, 1]),  # JSON's list; EchoConfig holds it as a tuple
     "timeout_s": ("2.5", 2.5),
 }
 
@@ -126,7 +128,8 @@ def test_echo_flag_lands_in_additional_config(tokens, key, expected):
     assert head == ["m", "-tp", "4", "--port", "8001", "--enforce-eager"]
     assert additional == {"tp_comm": "echo", key: expected}
     assert compilation == {"pass_config": OFF}
-    assert getattr(settings.echo, key[len("echo_"):]) == expected
+    held = getattr(settings.echo, key[len("echo_"):])
+    assert held == (tuple(expected) if isinstance(expected, list) else expected)
 
 
 def test_defaults_when_no_echo_option_given():

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from echo_vllm.hosts import HostMap
 from echo_vllm.transport import Transport
 
 
@@ -48,11 +49,12 @@ def cuda_tp_group(monkeypatch) -> SimpleNamespace:
                             device_group="nccl-group", cpu_group="gloo-group", device_communicator=None,
                             probed=[], built=[])
     monkeypatch.setattr(glue, "make_transport", lambda coordinator: FakeRank("pynccl"))
+    monkeypatch.setattr(glue, "node_map", lambda coordinator: HostMap((0, 0)))  # vLLM's node test: one host
     monkeypatch.setattr(glue, "ProcessGroupTransport", ProcessGroupStandIn)
     monkeypatch.setattr(backends, "fused_support", lambda peers, device: group.probed.append(peers) or (True, "P2P"))
 
     def build(cfg, transport, env, **facts):
-        backend = SimpleNamespace(name="fused", close=lambda: None)
+        backend = SimpleNamespace(name="fused", topology="flat", close=lambda: None)
         group.built.append((transport, facts, backend))
         return backend
 

@@ -137,6 +137,17 @@ def vocab_parallel_embedding(weight: torch.Tensor) -> torch.nn.Module:
     return layer
 
 
+def toy_norm(h: torch.Tensor) -> torch.Tensor:
+    """The toy stack's RMS norm (no weight) before each layer's o_proj."""
+    return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def toy_mlp_in(h: torch.Tensor) -> torch.Tensor:
+    """The toy stack's down_proj input: [H] -> [2H] after the norm."""
+    x = toy_norm(h)
+    return F.silu(torch.cat([x, -x], dim=-1))
+
+
 @dataclass
 class ToyStack:
     """Weights of a pre-norm-like residual stack whose forward pass makes

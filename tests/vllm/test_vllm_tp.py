@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 from echo_vllm import EchoConfig  # noqa: E402
 from echo_vllm.emulation import EmulatedTP, row_parallel_partials, vocab_parallel_partials  # noqa: E402
-from support.vllm_cpu import run_vllm_processes  # noqa: E402
+from support.vllm_cpu import run_vllm_processes, toy_mlp_in as _mlp_in, toy_norm as _norm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,15 +29,6 @@ def _stack():
     from support.vllm_cpu import ToyStack
 
     return ToyStack.random(layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tokens=TOKENS, seed=1234)
-
-
-def _norm(h):
-    return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-
-
-def _mlp_in(h):
-    x = _norm(h)
-    return torch.nn.functional.silu(torch.cat([x, -x], dim=-1))
 
 
 def _guard_rail():
