@@ -40,15 +40,6 @@ def toy_stack():
     return ToyStack.random(layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, tokens=TOKENS, seed=SEED)
 
 
-def _norm(h: torch.Tensor) -> torch.Tensor:
-    return (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
-
-
-def _mlp_in(h: torch.Tensor) -> torch.Tensor:
-    x = _norm(h)
-    return torch.nn.functional.silu(torch.cat([x, -x], dim=-1))
-
-
 class ProbeWorker(WorkerBase):
     """vLLM's worker interface down to the distributed environment; the
     model is :func:`toy_stack`."""
@@ -100,6 +91,8 @@ class ProbeWorker(WorkerBase):
         from vllm.distributed import parallel_state as ps
         from vllm.forward_context import set_forward_context
 
+        from support.vllm_cpu import toy_mlp_in, toy_norm
+
         tp = ps.get_tp_group()
         hooked = type(tp)._all_reduce_out_place
         calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -119,8 +112,8 @@ class ProbeWorker(WorkerBase):
                     with set_forward_context(None, self.vllm_config, num_tokens=len(tok)):
                         h = emb(tok)
                         for layer in range(LAYERS):
-                            h = h + o[layer](_norm(h))
-                            h = h + down[layer](_mlp_in(h))
+                            h = h + o[layer](toy_norm(h))
+                            h = h + down[layer](toy_mlp_in(h))
         finally:
             tp.__dict__.pop("_all_reduce_out_place")
         return calls

@@ -27,7 +27,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from echo_vllm import EchoConfig  # noqa: E402
 from echo_vllm.emulation import EmulatedTP  # noqa: E402
+from echo_vllm.hosts import HostMap  # noqa: E402
+from echo_vllm.quant import WireLayout  # noqa: E402
+from echo_vllm.wire_bytes import echo_bytes  # noqa: E402
 from support.vllm_launch import free_port, host_argv, hosts_refusal, launch_env, stop  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -40,19 +44,22 @@ TP = HOSTS * PER_HOST
 #: reference here reproduces bit for bit).
 ECHO_FLAGS = ["--tp-comm", "echo", "--echo-min-bytes", "0", "--echo-first-exact-calls", "0",
               "--no-echo-exact-last-call"]
+#: The launch's Echo settings as the reference reads them, with the hosts
+#: vLLM finds as a host map (in-process virtual ranks share one host).
+REFERENCE = {"echo_min_bytes": 0, "echo_first_exact_calls": 0, "echo_exact_last_call": False,
+             "echo_host_map": ",".join(str(r // PER_HOST) for r in range(TP))}
 LAUNCH_S = 900
 
 
-def serve_argv(model: Path, master_port: int) -> list[str]:
-    """Every node's ``echo-vllm serve`` arguments (docs/multi-node.md), less
-    ``--node-rank``."""
-    return [str(model), *ECHO_FLAGS, "--tensor-parallel-size", str(TP), "--nnodes", str(HOSTS),
-            "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+def serve_argv(model: Path, *launch: str) -> list[str]:
+    """Every node's ``echo-vllm serve`` arguments (docs/multi-node.md), with
+    ``launch``'s."""
+    return [str(model), *ECHO_FLAGS, "--tensor-parallel-size", str(TP), *launch,
             "--worker-cls", "support.probe_worker.ProbeWorker", "--max-model-len", "128"]
 
 
-@pytest.fixture(scope="module")
-def mp_launch(tmp_path_factory):
+def _launch_setup(tmp_path_factory, name):
+    """(folder, model, environment, one /dev/shm folder per host)."""
     why = hosts_refusal()
     if why:
         pytest.skip(f"two hosts on one machine: {why}")
@@ -60,13 +67,19 @@ def mp_launch(tmp_path_factory):
     from support.cpu_platform import DEVICES_PER_HOST, install_platform_plugin
     from support.probe_worker import HIDDEN
 
-    tmp = tmp_path_factory.mktemp("multinode")
+    tmp = tmp_path_factory.mktemp(name)
     # the toy decoder's width: the glue takes [tokens, model width] messages as the residual stream
     model = make_tiny_qwen3(tmp / "model", num_layers=1, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                             vocab_size=512)
     env = launch_env(install_platform_plugin(tmp / "platform"), **{DEVICES_PER_HOST: str(PER_HOST)})
-    argv = serve_argv(model, free_port())
-    shm = [Path(tmp_path_factory.mktemp(f"shm{h}")) for h in range(HOSTS)]
+    shm = [Path(tmp_path_factory.mktemp(f"{name}-shm{h}")) for h in range(HOSTS)]
+    return tmp, model, env, shm
+
+
+@pytest.fixture(scope="module")
+def mp_launch(tmp_path_factory):
+    tmp, model, env, shm = _launch_setup(tmp_path_factory, "mp")
+    argv = serve_argv(model, "--nnodes", str(HOSTS), "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
     out = tmp / "node0.pt"
     echo_vllm = str(Path(sys.executable).with_name("echo-vllm"))
     with open(tmp / "node1.log", "wb") as log1:
@@ -82,9 +95,37 @@ def mp_launch(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-def test_the_plugin_loads_in_every_worker_of_both_nodes(mp_launch):
-    assert mp_launch["executor"] == "MultiprocExecutor"
-    reports = mp_launch["reports"]
+@pytest.fixture(scope="module")
+def ray_launch(tmp_path_factory):
+    """The same TP group under vLLM's Ray executor: a local Ray cluster of
+    two nodes, one per host (``support.vllm_launch.drive_on_ray``), node 0
+    driving the executor ``echo-vllm serve ... --distributed-executor-backend
+    ray`` would start."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install ray): vLLM's Ray executor needs it")
+    tmp, model, env, shm = _launch_setup(tmp_path_factory, "ray")
+    argv = serve_argv(model, "--distributed-executor-backend", "ray")
+    out = tmp / "node0.pt"
+    node0 = subprocess.run(
+        host_argv([sys.executable, "-m", "support.vllm_launch", str(out), "--ray-hosts", *map(str, shm),
+                   "--devices-per-host", str(PER_HOST), "--", *argv], shm[0]),
+        env=env, capture_output=True, text=True, timeout=LAUNCH_S)
+    assert node0.returncode == 0, node0.stdout[-3000:] + node0.stderr[-8000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(params=["mp", "ray"])
+def launch(request):
+    """Each launch's result (the Ray one skips where Ray is not installed)."""
+    return dict(request.getfixturevalue(f"{request.param}_launch"), kind=request.param)
+
+
+#: The executor vLLM starts for each launch.
+EXECUTORS = {"mp": "MultiprocExecutor", "ray": "RayDistributedExecutor"}
+
+
+def test_the_plugin_loads_in_every_worker_of_both_nodes(launch):
+    assert launch["executor"] == EXECUTORS[launch["kind"]]
+    reports = launch["reports"]
     assert [r["rank"] for r in reports] == list(range(TP))
     assert [r["local_rank"] for r in reports] == [r % PER_HOST for r in range(TP)]
     assert len({r["pid"] for r in reports}) == TP
@@ -94,24 +135,28 @@ def test_the_plugin_loads_in_every_worker_of_both_nodes(mp_launch):
         assert r["echo_comm"] and r["tp_ranks"] == list(range(TP)), r
 
 
-def test_vllm_sees_the_tp_group_on_two_hosts(mp_launch):
+def test_vllm_sees_the_tp_group_on_two_hosts(launch):
     hosts = [r // PER_HOST for r in range(TP)]
-    for r in mp_launch["reports"]:
+    for r in launch["reports"]:
         assert r["same_node_as_tp0"] == [h == 0 for h in hosts], r
         assert r["node_count"] == HOSTS
 
 
-def test_echo_calls_across_the_hosts_give_the_references_bits(mp_launch):
-    """Every rank returns the same bits, and they are those of the
-    in-process reference fed the four ranks' partials: Echo's calls
-    crossed the hosts (gloo over TCP between the two namespaces' ranks)."""
-    from echo_vllm.vllm_glue.settings import TpCommSettings
+def test_vllms_node_test_makes_the_tp_group_two_level(launch):
+    """No host map is set (both "hosts" report one host name): the glue
+    asks vLLM's node test, finds 2 hosts of 2 ranks and takes two-level,
+    its sub-groups made with the TP group on every rank."""
+    for r in launch["reports"]:
+        assert r["snapshot"]["topology"] == ["two_level", f"{HOSTS} hosts x {PER_HOST} ranks"], r
 
-    passes = mp_launch["passes"]
+
+def test_echo_calls_across_the_hosts_give_the_references_bits(launch):
+    """Every rank returns the same bits, and they are those of the
+    in-process two-level reference (the hosts vLLM found, as a host map)
+    fed the four ranks' partials: Echo's calls crossed the hosts."""
+    passes = launch["passes"]
     assert len({len(p) for p in passes}) == 1 and len(passes[0]) > 0
-    settings = TpCommSettings.from_additional_config(
-        {"tp_comm": "echo", "echo_min_bytes": 0, "echo_first_exact_calls": 0, "echo_exact_last_call": False})
-    ref = EmulatedTP(TP, settings.echo)
+    ref = EmulatedTP(TP, EchoConfig.from_mapping(REFERENCE, prefix="echo_"))
     forward = None
     for calls in zip(*passes):
         f = calls[0][0]
@@ -124,5 +169,16 @@ def test_echo_calls_across_the_hosts_give_the_references_bits(mp_launch):
         for _, _, y in calls:
             assert torch.equal(y, expect), f
     ref.end_forward()
-    for r in mp_launch["after"]:  # every call took Echo's path, on every rank
-        assert r["snapshot"]["calls"] == {"echo/echo": len(passes[0])}, r
+
+
+def test_the_bytes_that_crossed_the_hosts_are_counted(launch):
+    """Every call took Echo's path on every rank, and the records count the
+    bytes each sent inside its host and across (the two-level arithmetic)."""
+    hosts = HostMap(tuple(r // PER_HOST for r in range(TP)))
+    for r, calls in zip(launch["after"], launch["passes"]):
+        snap = r["snapshot"]
+        assert snap["calls"] == {"echo/echo": len(calls)}, r
+        want = [echo_bytes(WireLayout(y.numel(), TP, 32, y.shape[-1]), hosts, r["tp_rank"], "two_level")
+                for _, _, y in calls]
+        assert snap["level_bytes"] == {"cross_host": sum(b.cross_host for b in want),
+                                       "in_host": sum(b.in_host for b in want)}
