@@ -95,9 +95,12 @@ def drive(serve_argv: list[str]) -> dict:
     would start, its workers' reports and forward passes (``ray.init``
     must have run first where the command line asks for Ray)."""
     from echo_vllm.server import vllm_serve
+    from echo_vllm.server.cli import ray_copy_env
     from echo_vllm.server.rewrite import rewrite_args
 
     vllm_argv, settings = rewrite_args(serve_argv)
+    if settings.glue_active:  # as echo-vllm serve does
+        os.environ.update(ray_copy_env(os.environ))
     args = vllm_serve.parse(vllm_argv)
     args.model = args.model_tag or args.model  # as vLLM's ServeSubcommand.cmd
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -116,6 +119,8 @@ def drive(serve_argv: list[str]) -> dict:
         executor.shutdown()
 
 
+#: Echo's variables: the second Ray node starts without them.
+ECHO_PREFIX = "ECHO_"
 #: Ray's session folder: its sockets' paths must stay below the 107 bytes of a Unix socket path.
 RAY_TEMP_PREFIX = "/tmp/echo-ray-"
 
@@ -126,14 +131,16 @@ def drive_on_ray(serve_argv: list[str], hosts: list[Path], devices_per_host: int
     ``support.cpu_platform`` places workers on): this process starts the
     head, on host 0 (the namespace it runs in); node ``i`` is a
     ``ray start`` in the mount namespace of ``hosts[i]`` (its ``/dev/shm``),
-    which vLLM's Ray executor must see as another host (its own
-    ``VLLM_HOST_IP``, 127.0.0.i+1). Every Ray process ends with this call."""
+    which vLLM's Ray executor must see as another node (its own address,
+    127.0.0.i+1, for Ray and for vLLM's ``VLLM_HOST_IP``), started without Echo's variables (what
+    its workers get of them, the executor sent). Every Ray process, and
+    Ray's session folder, ends with this call."""
     import ray
 
-    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
     temp = Path(RAY_TEMP_PREFIX + str(os.getpid()))
-    ray.init(num_cpus=devices_per_host, num_gpus=devices_per_host, include_dashboard=False,
-             _temp_dir=str(temp), _node_ip_address="127.0.0.1")
+    # the head takes this machine's address, as vLLM's get_ip() here does (the older executor
+    # places its first worker on the node of that address)
+    ray.init(num_cpus=devices_per_host, num_gpus=devices_per_host, include_dashboard=False, _temp_dir=str(temp))
     nodes = []
     try:
         gcs = ray.get_runtime_context().gcs_address
@@ -141,7 +148,8 @@ def drive_on_ray(serve_argv: list[str], hosts: list[Path], devices_per_host: int
             ip = f"127.0.0.{i + 1}"
             argv = [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--address={gcs}",
                     f"--num-cpus={devices_per_host}", f"--num-gpus={devices_per_host}", f"--node-ip-address={ip}"]
-            nodes.append(subprocess.Popen(host_argv(argv, shm), env=dict(os.environ, VLLM_HOST_IP=ip),
+            env = {k: v for k, v in os.environ.items() if not k.startswith(ECHO_PREFIX)}
+            nodes.append(subprocess.Popen(host_argv(argv, shm), env=dict(env, VLLM_HOST_IP=ip),
                                           start_new_session=True))
         deadline = time.monotonic() + 300
         while sum(n["Alive"] for n in ray.nodes()) < len(hosts):
@@ -153,6 +161,7 @@ def drive_on_ray(serve_argv: list[str], hosts: list[Path], devices_per_host: int
         ray.shutdown()
         for node in nodes:
             stop(node)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,12 @@ groups (the plugin loaded by ``WorkerWrapperBase.init_worker``, the TP
 group made by ``init_worker_distributed_environment``) with vLLM's own
 parallel layers for a model (vLLM's CPU worker needs the CPU build's
 kernels, which the CUDA wheel lacks).
+
+The Ray launches (``--distributed-executor-backend ray``; skipped without
+Ray): a local Ray cluster of two nodes, one per host, and the executor vLLM
+starts, driven the same way: ``RayExecutorV2`` (0.26's default) and
+``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``).
+Each launch takes minutes (every node and worker process imports vLLM).
 """
 
 import subprocess
@@ -49,6 +55,11 @@ ECHO_FLAGS = ["--tp-comm", "echo", "--echo-min-bytes", "0", "--echo-first-exact-
 REFERENCE = {"echo_min_bytes": 0, "echo_first_exact_calls": 0, "echo_exact_last_call": False,
              "echo_host_map": ",".join(str(r // PER_HOST) for r in range(TP))}
 LAUNCH_S = 900
+#: The executor vLLM starts for each launch.
+EXECUTORS = {"mp": "MultiprocExecutor", "ray": "RayExecutorV2", "ray_v1": "RayDistributedExecutor"}
+#: A valid ECHO_KERNELS (the backend CPU tensors take anyway): the Ray tests
+#: start their second node without it.
+RAY_KERNELS = "reference"
 
 
 def serve_argv(model: Path, *launch: str) -> list[str]:
@@ -95,14 +106,14 @@ def mp_launch(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def ray_launch(tmp_path_factory):
+def _ray_launch(tmp_path_factory, name, **env_extra):
     """The same TP group under vLLM's Ray executor: a local Ray cluster of
     two nodes, one per host (``support.vllm_launch.drive_on_ray``), node 0
     driving the executor ``echo-vllm serve ... --distributed-executor-backend
-    ray`` would start."""
+    ray`` would start. Node 0 runs with ``ECHO_KERNELS`` set; node 1 without."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install ray): vLLM's Ray executor needs it")
-    tmp, model, env, shm = _launch_setup(tmp_path_factory, "ray")
+    tmp, model, env, shm = _launch_setup(tmp_path_factory, name)
+    env.update(env_extra, ECHO_KERNELS=RAY_KERNELS)
     argv = serve_argv(model, "--distributed-executor-backend", "ray")
     out = tmp / "node0.pt"
     node0 = subprocess.run(
@@ -113,14 +124,25 @@ def ray_launch(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(params=["mp", "ray"])
+@pytest.fixture(scope="module")
+def ray_launch(tmp_path_factory):
+    """vLLM 0.26's default Ray executor (``RayExecutorV2``: multiprocessing's
+    worker processes as Ray actors)."""
+    return _ray_launch(tmp_path_factory, "ray")
+
+
+@pytest.fixture(scope="module")
+def ray_v1_launch(tmp_path_factory):
+    """The older one (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``:
+    ``RayDistributedExecutor`` and its ``RayWorkerWrapper``)."""
+    return _ray_launch(tmp_path_factory, "ray_v1", VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0")
+
+
+@pytest.fixture(params=["mp", "ray", "ray_v1"])
 def launch(request):
-    """Each launch's result (the Ray one skips where Ray is not installed)."""
+    """Each launch's result (the Ray ones skip where Ray is not installed)."""
     return dict(request.getfixturevalue(f"{request.param}_launch"), kind=request.param)
 
-
-#: The executor vLLM starts for each launch.
-EXECUTORS = {"mp": "MultiprocExecutor", "ray": "RayDistributedExecutor"}
 
 
 def test_the_plugin_loads_in_every_worker_of_both_nodes(launch):
@@ -133,6 +155,15 @@ def test_the_plugin_loads_in_every_worker_of_both_nodes(launch):
         # loaded through vLLM's entry point by each worker itself (nothing preloaded it)
         assert r["plugin_status"].startswith("installed on vLLM 0.26"), r
         assert r["echo_comm"] and r["tp_ranks"] == list(range(TP)), r
+
+
+@pytest.mark.parametrize("kind", ["ray", "ray_v1"])
+def test_ray_workers_on_every_node_get_echos_variables(kind, request):
+    """The Ray node of host 1 started without ``ECHO_KERNELS``: its
+    workers have it from the executor (V2 sends the driver's environment;
+    V1 only the prefixes it is told, which ``echo-vllm serve`` adds)."""
+    for r in request.getfixturevalue(f"{kind}_launch")["reports"]:
+        assert r["environ"].get("ECHO_KERNELS") == RAY_KERNELS, r
 
 
 def test_vllm_sees_the_tp_group_on_two_hosts(launch):
