@@ -7,14 +7,15 @@ the engine's executor driven by a test.
   mount namespace with its own folder bound on ``/dev/shm`` shares memory
   only with the processes of its "host". Every process vLLM starts inherits
   the namespace.
-* ``python -m support.vllm_launch OUT [--ray-hosts ...] -- ECHO_VLLM_SERVE_ARGS...``: node 0's
-  side of ``echo-vllm serve`` with the same command line as every node's:
+* ``python -m support.vllm_launch OUT [--ray-hosts ...] -- SERVE_ARGS...``:
+  node 0's side of ``echo-vllm serve`` with the same command line as every node's:
   the rewrite into ``vllm serve`` arguments, vLLM's parser, the engine
   config, then the executor vLLM would start (multiprocessing across
   nodes, or Ray) -- driven here with ``collective_rpc`` instead of an
   engine core, because the workers are :class:`support.probe_worker.ProbeWorker`
-  (``--worker-cls``). Writes every worker's report and forward passes to
-  ``OUT`` (``torch.save``).
+  (``--worker-cls``). Writes every worker's report, its forward passes and
+  its report after them to ``OUT`` (``torch.save``). ``--ray-hosts``:
+  on a local Ray cluster of one node per host (:func:`drive_on_ray`).
 
 Every process needs ``tests/`` and :mod:`support.cpu_platform`'s folder on
 ``PYTHONPATH`` (:func:`launch_env`).
@@ -132,9 +133,9 @@ def drive_on_ray(serve_argv: list[str], hosts: list[Path], devices_per_host: int
     head, on host 0 (the namespace it runs in); node ``i`` is a
     ``ray start`` in the mount namespace of ``hosts[i]`` (its ``/dev/shm``),
     which vLLM's Ray executor must see as another node (its own address,
-    127.0.0.i+1, for Ray and for vLLM's ``VLLM_HOST_IP``), started without Echo's variables (what
-    its workers get of them, the executor sent). Every Ray process, and
-    Ray's session folder, ends with this call."""
+    127.0.0.i+1, for Ray and for vLLM's ``VLLM_HOST_IP``), started without
+    Echo's variables (what its workers get of them, the executor sent).
+    Every Ray process, and Ray's session folder, ends with this call."""
     import ray
 
     temp = Path(RAY_TEMP_PREFIX + str(os.getpid()))
