@@ -16,10 +16,11 @@
    in the user's ``PROMETHEUS_MULTIPROC_DIR`` if it is empty (or holds only
    an earlier run's value files); anything else there is refused, never
    deleted;
-4. with the glue active, vLLM's Ray executor is told to copy Echo's
+4. with the glue active, vLLM's older Ray executor is told to copy Echo's
    variables (``ECHO_*``, ``PROMETHEUS_MULTIPROC_DIR``, ``TRITON_INTERPRET``)
    to its workers, as the multiprocessing launch's workers inherit them
-   (:func:`ray_copy_env`; vLLM copies only its own prefixes by default);
+   (:func:`ray_copy_env`; that executor copies only its own prefixes, the
+   default one, ``RayExecutorV2``, the driver's whole environment);
 5. vLLM's own ``vllm serve`` runs in this process
    (:mod:`~echo_vllm.server.vllm_serve`): vLLM parses and checks the
    arguments (on a host without a GPU too, where the start is then refused),
@@ -63,8 +64,9 @@ def config_labels(settings: ServeSettings) -> dict[str, str]:
 
 
 #: What vLLM's Ray executor must copy from the engine's environment to its
-#: workers for Echo (vLLM 0.26 ``vllm/ray/ray_env.py`` copies ``VLLM_``,
-#: ``NCCL_``, ``HF_``... and the names listed in these two variables).
+#: workers for Echo: vLLM 0.26's ``RayDistributedExecutor``
+#: (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``; ``vllm/ray/ray_env.py``) copies
+#: ``VLLM_``, ``NCCL_``, ``HF_``... and what these two variables list.
 RAY_PREFIXES_VAR, RAY_NAMES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 RAY_PREFIXES, RAY_NAMES = ("ECHO_",), ("PROMETHEUS_MULTIPROC_DIR", "TRITON_INTERPRET")
 

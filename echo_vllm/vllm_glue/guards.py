@@ -106,6 +106,11 @@ class EngineFacts:
         )
 
 
+#: ``distributed_executor_backend`` values whose workers vLLM places by
+#: ``--nnodes`` (None: not chosen yet, vLLM's default is ``mp`` then).
+MP_EXECUTORS = (None, "mp", "uni")
+
+
 def launch_tp_hosts(tp: int, pp: int, dp: int, nnodes: int, executor: Any) -> tuple[int, ...] | None:
     """The node of each rank of the first TP group as vLLM 0.26 launches
     ``tp * pp`` workers over ``nnodes`` nodes, or None where the launch
@@ -115,9 +120,10 @@ def launch_tp_hosts(tp: int, pp: int, dp: int, nnodes: int, executor: Any) -> tu
     unset) gives node ``k`` the global ranks ``k*L .. (k+1)*L - 1``, ``L =
     tp * pp / nnodes`` (``MultiprocExecutor``: ``global_start_rank``), and
     a TP group is ``tp`` consecutive ranks: TP rank ``r`` runs on node
-    ``r // L``. Ray's placement group decides at start (None), and so does
-    data parallelism (its engines split the nodes: None)."""
-    if executor == "ray" or not isinstance(executor, (str, type(None))):
+    ``r // L``. Ray's placement group decides at start, an external
+    launcher (torchrun) or an executor class places the ranks itself, and
+    data parallelism's engines split the nodes: None for those."""
+    if executor not in MP_EXECUTORS:
         return None
     if nnodes == 1:
         return (0,) * tp

@@ -108,6 +108,8 @@ LAUNCHES = [
     ((8, 2, 1, 2, "mp"), (0,) * 8),  # each pipeline stage's TP group on its own node
     ((8, 2, 1, 4, "mp"), (0, 0, 0, 0, 1, 1, 1, 1)),
     ((4, 1, 1, 2, "ray"), None),  # Ray's placement group decides
+    ((4, 1, 1, 1, "external_launcher"), None),  # torchrun places the ranks
+    ((4, 1, 1, 1, object), None),  # an executor class of the user's
     ((4, 1, 2, 2, "mp"), None),  # data parallelism splits the nodes
     ((4, 1, 1, 3, "mp"), None),  # vLLM refuses a world its nodes cannot divide
 ]
