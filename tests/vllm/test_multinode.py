@@ -113,7 +113,9 @@ def _ray_launch(tmp_path_factory, name, **env_extra):
     ray`` would start. Node 0 runs with ``ECHO_KERNELS`` set; node 1 without."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install ray): vLLM's Ray executor needs it")
     tmp, model, env, shm = _launch_setup(tmp_path_factory, name)
-    env.update(env_extra, ECHO_KERNELS=RAY_KERNELS)
+    # Ray's memory monitor kills workers when the whole machine is at 95% of its memory, which
+    # other processes on a shared CI machine reach without this test (the kernel's OOM killer stays)
+    env.update(env_extra, ECHO_KERNELS=RAY_KERNELS, RAY_memory_monitor_refresh_ms="0")
     argv = serve_argv(model, "--distributed-executor-backend", "ray")
     out = tmp / "node0.pt"
     node0 = subprocess.run(
