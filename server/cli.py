@@ -19,7 +19,12 @@
    in the user's ``PROMETHEUS_MULTIPROC_DIR`` if it is empty (or holds only
    an earlier run's value files); anything else there is refused, never
    deleted;
-4. vLLM's own ``vllm serve`` runs in this process
+4. with the glue active, vLLM's older Ray executor is told to copy Echo's
+   variables (``ECHO_*``, ``PROMETHEUS_MULTIPROC_DIR``, ``TRITON_INTERPRET``)
+   to its workers, as the multiprocessing launch's workers inherit them
+   (:func:`ray_copy_env`; that executor copies only its own prefixes, the
+   default one, ``RayExecutorV2``, the driver's whole environment);
+5. vLLM's own ``vllm serve`` runs in this process
    (:mod:`~echo_vllm.server.vllm_serve`): vLLM parses and checks the
    arguments (on a host without a GPU too, where the start is then refused),
    and only once every check has passed are an earlier run's value files
@@ -34,6 +39,7 @@ import logging
 import os
 import shlex
 import sys
+from typing import Mapping
 
 from .. import envs
 from ..cli_args import UsageError, check_argv
@@ -59,6 +65,24 @@ def config_labels(settings: ServeSettings) -> dict[str, str]:
     if settings.echo is not None:
         labels.update(settings.echo.to_dict())
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in labels.items()}
+
+
+#: What vLLM's Ray executor must copy from the engine's environment to its
+#: workers for Echo: vLLM 0.26's ``RayDistributedExecutor``
+#: (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``; ``vllm/ray/ray_env.py``) copies
+#: ``VLLM_``, ``NCCL_``, ``HF_``... and what these two variables list.
+RAY_PREFIXES_VAR, RAY_NAMES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+RAY_PREFIXES, RAY_NAMES = ("ECHO_",), ("PROMETHEUS_MULTIPROC_DIR", "TRITON_INTERPRET")
+
+
+def ray_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The two variables with Echo's prefixes and names added to what
+    ``environ`` already lists (comma-separated, as vLLM reads them)."""
+    out = {}
+    for var, wanted in ((RAY_PREFIXES_VAR, RAY_PREFIXES), (RAY_NAMES_VAR, RAY_NAMES)):
+        listed = [item.strip() for item in environ.get(var, "").split(",") if item.strip()]
+        out[var] = ",".join(listed + [item for item in wanted if item not in listed])
+    return out
 
 
 def _help(argv: list[str]) -> int:
@@ -110,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import vllm_serve
 
     os.environ.update(secret_env)
+    if settings.glue_active:
+        os.environ.update(ray_copy_env(os.environ))
     try:
         return vllm_serve.serve(vllm_argv, settings, on_ready=on_ready)
     except (ServeArgsError, metrics.MultiprocessDirError) as e:

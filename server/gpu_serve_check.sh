@@ -57,22 +57,8 @@ trap 'stop_server; rm -rf "$WORK"' EXIT
 
 # -- 0. echo-vllm importable from this checkout, and visible to vLLM as a
 #       plugin (entry point) without pip or network: a dist-info next to it.
-export PYTHONPATH="$REPO:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" - "$WORK/site" <<'EOF' || { echo "cannot register the echo-vllm entry points"; exit 1; }
-import importlib.metadata as md, pathlib, sys, tomllib
-if any(e.name == "echo_vllm" and e.value.startswith("echo_vllm.")
-       for e in md.entry_points(group="vllm.general_plugins")):
-    sys.exit(0)  # installed already (its code is shadowed by this checkout on PYTHONPATH)
-project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-info = pathlib.Path(sys.argv[1]) / f"echo_vllm-{project['version']}.dist-info"
-info.mkdir(parents=True)
-(info / "METADATA").write_text(
-    f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-lines = ["[console_scripts]"] + [f"{k} = {v}" for k, v in project.get("scripts", {}).items()]
-for group, entries in project.get("entry-points", {}).items():
-    lines += ["", f"[{group}]"] + [f"{k} = {v}" for k, v in entries.items()]
-(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-EOF
+source server/entry_points.sh
+register_entry_points "$WORK/site" || { echo "cannot register the echo-vllm entry points"; exit 1; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import sys, torch, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__)"

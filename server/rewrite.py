@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping
 from ..cli_args import MAX_RANKS, RANKS_WHY, TRUE_TEXT, did_you_mean, parse_bool, parse_int, parse_json
 from ..config import REMOVED_OPTIONS, EchoConfig, EchoConfigError
 from ..vllm_glue import compat
-from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts
+from ..vllm_glue.guards import BYPASS_PASSES, EngineFacts, conflicts, launch_tp_hosts
 from ..vllm_glue.settings import TpCommSettings, normalize_keys
 from .flags import (
     ECHO_KEY_PREFIX,
@@ -65,6 +65,14 @@ _DBO_OPTIONS = {"--enable-dbo": True, "--no-enable-dbo": False}
 _UBATCH_OPTION = "--ubatch-size"
 _EAGER_OPTIONS = {"--enforce-eager": True, "--no-enforce-eager": False}
 _LEVEL_OPTION = "--optimization-level"
+#: What the launch says of where the workers run (``guards.launch_tp_hosts``):
+#: option -> vLLM's dest. Other multi-node flags (--node-rank, --master-addr,
+#: --master-port, --headless) pass through unread.
+_LAUNCH_OPTIONS = {"--nnodes": "nnodes", "-n": "nnodes", "--pipeline-parallel-size": "pipeline_parallel_size",
+                   "-pp": "pipeline_parallel_size", "--data-parallel-size": "data_parallel_size",
+                   "-dp": "data_parallel_size", "--distributed-executor-backend": "distributed_executor_backend"}
+#: Integer-valued ones among them (the executor is a name).
+_LAUNCH_COUNTS = ("nnodes", "pipeline_parallel_size", "data_parallel_size")
 
 #: The shortest abbreviation vLLM 0.26's ``serve`` parser expands to each
 #: option the rewrite reads (argparse takes a prefix that only one of its
@@ -202,6 +210,9 @@ class _Scan:
     level: str | None = None
     """``-O`` / ``--optimization-level`` as given (0: no CUDA graphs)."""
     file_level: str | None = None
+    launch: dict[str, Any] = field(default_factory=dict)
+    """:data:`_LAUNCH_OPTIONS`' values by dest, from the command line."""
+    file_launch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -222,6 +233,16 @@ class _Scan:
     @property
     def optimization_level(self) -> str | None:
         return next((v for v in (self.level, self.file_level) if v is not None), None)
+
+    def launch_value(self, dest: str, default: Any) -> Any:
+        return self.launch.get(dest, self.file_launch.get(dest, default))
+
+    @property
+    def tp_hosts(self) -> tuple[int, ...] | None:
+        """The node of each TP rank where the launch fixes it."""
+        return launch_tp_hosts(self.tensor_parallel_size, self.launch_value("pipeline_parallel_size", 1),
+                               self.launch_value("data_parallel_size", 1), self.launch_value("nnodes", 1),
+                               self.launch_value("distributed_executor_backend", None))
 
 
 def _split(token: str) -> tuple[str, str | None]:
@@ -320,6 +341,10 @@ def _scan(argv: list[str], read_config: Callable[[str], Mapping[str, Any]]) -> _
         elif name == _UBATCH_OPTION:
             raw, i = _take_value(argv, i, name, inline)
             scan.ubatch = _int(name, raw)
+        elif name in _LAUNCH_OPTIONS:
+            raw, i = _take_value(argv, i, name, inline)
+            dest = _LAUNCH_OPTIONS[name]
+            scan.launch[dest] = _int(name, raw) if dest in _LAUNCH_COUNTS else raw
         elif name == "--config":
             raw, i = _take_value(argv, i, name, inline)
             _scan_config_file(scan, raw, read_config)
@@ -440,6 +465,9 @@ def _scan_config_file(scan: _Scan, path: str, read_config: Callable) -> None:
             scan.file_eager = bool(value)
         elif name == _LEVEL_OPTION:
             scan.file_level = str(value)
+        elif name in _LAUNCH_OPTIONS:
+            dest = _LAUNCH_OPTIONS[name]
+            scan.file_launch[dest] = _int(name, value) if dest in _LAUNCH_COUNTS else value
     found = secret_in(raw)
     if found:  # vLLM reads the file into its arguments, and prints them
         raise secret_refusal(f"--config {path}", found)
@@ -615,7 +643,7 @@ def rewrite_args(
             raise ServeArgsError(f"{' '.join(echo_only)} needs --tp-comm echo (nccl is vLLM's own all-reduce)")
     # no bypassing pass is on: the rewrite turns them off, and refuses an explicit request for one
     engine = EngineFacts(tensor_parallel_size=tp, enable_dbo=scan.enable_dbo, ubatch_size=scan.ubatch_size,
-                         cudagraphs=_cudagraphs(scan))
+                         cudagraphs=_cudagraphs(scan), tp_hosts=scan.tp_hosts)
     for problem in conflicts(plugin, engine):
         raise ServeArgsError(problem.message)
     emulation = {EMULATE_KEY: emulate, **({MEASURE_KEY: measure} if measure is not None else {})} if emulate else {}

@@ -25,6 +25,13 @@ Why each rule:
 * stochastic rounding under CUDA graphs: a replay repeats the captured
   noise draw.
 * the emulation computes TP=P's partials on one device: it needs TP=1.
+* hosts (``echo_host_map``, ``echo_topology``): a host map names one host
+  per rank of the TP group; where vLLM's multiprocessing launch spreads
+  the group over nodes (:func:`launch_tp_hosts`), a map that places the
+  ranks otherwise is a mistake (on one node a map emulates hosts), and
+  ``two_level`` on a layout it cannot serve (the whole TP group on one
+  node without a map, one rank per node) would only fail at start. Under
+  Ray the placement group decides, at start.
 * Echo at TP=1 without the emulation has no all-reduce to replace, and
   ``tp_comm_postnorm`` without Echo has nothing to decide: the engine runs
   (vLLM's own all-reduce, logged), ``echo-vllm serve`` refuses them.
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import EchoConfigError
+from ..hosts import TWO_LEVEL, HostMap, choose_topology, host_map_refusal
 from . import compat
 from .settings import EMULATE_KEY, POSTNORM_KEY, TpCommSettings
 
@@ -74,19 +82,55 @@ class EngineFacts:
     """The engine may replay CUDA graphs (``echo-vllm serve`` reads it from
     its command line: on unless ``--enforce-eager``, ``-O0`` or
     ``cudagraph_mode`` NONE, so the refusal comes before vLLM starts)."""
+    tp_hosts: tuple[int, ...] | None = None
+    """The node of each rank of the (first) TP group where the launch fixes
+    it (:func:`launch_tp_hosts`); None where it does not (Ray, data
+    parallelism across nodes): then vLLM's node test tells, at start."""
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "EngineFacts":
         parallel = getattr(vllm_config, "parallel_config", None)
         pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+        tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         return cls(
-            tensor_parallel_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+            tensor_parallel_size=tp,
             enable_dbo=bool(getattr(parallel, "enable_dbo", False)),
             ubatch_size=int(getattr(parallel, "ubatch_size", 0) or 0),
             # getattr: vLLM 0.33 has no enable_sp / fuse_gemm_comms
             passes_on=tuple(name for name in BYPASS_PASSES if getattr(pass_config, name, None)),
             cudagraphs=compat.cudagraphs_enabled(vllm_config),
+            tp_hosts=launch_tp_hosts(tp, int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+                                     int(getattr(parallel, "data_parallel_size", 1) or 1),
+                                     int(getattr(parallel, "nnodes", 1) or 1),
+                                     getattr(parallel, "distributed_executor_backend", None)),
         )
+
+
+#: ``distributed_executor_backend`` values whose workers vLLM places by
+#: ``--nnodes`` (None: not chosen yet, vLLM's default is ``mp`` then).
+MP_EXECUTORS = (None, "mp", "uni")
+
+
+def launch_tp_hosts(tp: int, pp: int, dp: int, nnodes: int, executor: Any) -> tuple[int, ...] | None:
+    """The node of each rank of the first TP group as vLLM 0.26 launches
+    ``tp * pp`` workers over ``nnodes`` nodes, or None where the launch
+    does not fix it.
+
+    The multiprocessing launch (``--nnodes``, ``executor`` ``mp`` or
+    unset) gives node ``k`` the global ranks ``k*L .. (k+1)*L - 1``, ``L =
+    tp * pp / nnodes`` (``MultiprocExecutor``: ``global_start_rank``), and
+    a TP group is ``tp`` consecutive ranks: TP rank ``r`` runs on node
+    ``r // L``. Ray's placement group decides at start, an external
+    launcher (torchrun) or an executor class places the ranks itself, and
+    data parallelism's engines split the nodes: None for those."""
+    if executor not in MP_EXECUTORS:
+        return None
+    if nnodes == 1:
+        return (0,) * tp
+    if dp != 1 or (tp * pp) % nnodes:
+        return None  # vLLM refuses the second itself (world_size must be divisible by nnodes)
+    per_node = tp * pp // nnodes
+    return tuple(r // per_node for r in range(tp))
 
 
 @dataclass(frozen=True)
@@ -129,11 +173,38 @@ def conflicts(settings: TpCommSettings, engine: EngineFacts) -> list[Conflict]:
             f"{who} cannot run with {given}: dual-batch overlap interleaves two micro-batches' all-reduces "
             "in one feedback chain. Turn it off: drop --enable-dbo / --ubatch-size "
             "(Python: enable_dbo=False, ubatch_size=0)"))
+    if settings.tp_comm == "echo" and not settings.emulated and tp > 1:
+        out.extend(_host_conflicts(settings, engine))
     if settings.postnorm is not None and settings.tp_comm != "echo":
         out.append(Conflict(
             f"{POSTNORM_KEY}={settings.postnorm} needs tp_comm=echo (it decides what Echo does on "
             "post-norm models)", refused=False))
     return out
+
+
+def _host_conflicts(settings: TpCommSettings, engine: EngineFacts) -> list[Conflict]:
+    """A host map that does not fit the TP group or the launch; two-level
+    on a layout it cannot serve."""
+    tp, echo = engine.tensor_parallel_size, settings.echo
+    refusal = host_map_refusal(echo.host_map, tp)
+    if refusal:
+        return [Conflict(f"echo_{refusal} (--tensor-parallel-size {tp})")]
+    launch = HostMap.of(engine.tp_hosts) if engine.tp_hosts is not None else None
+    # on one node a host map emulates hosts; across nodes the launch has placed the ranks
+    if echo.host_map is not None and launch is not None and launch.hosts > 1 and HostMap.of(echo.host_map) != launch:
+        return [Conflict(
+            f"echo_host_map={','.join(map(str, echo.host_map))} puts the TP group's ranks on other hosts than "
+            f"the launch does: it runs them on nodes {','.join(map(str, launch.host_of_rank))} "
+            f"({launch.describe()}, from --nnodes and the parallel sizes); drop echo_host_map (vLLM's node "
+            "test tells the hosts) or make it agree")]
+    hosts = echo.host_map if echo.host_map is not None else engine.tp_hosts
+    if echo.topology == TWO_LEVEL and hosts is not None:
+        try:
+            choose_topology(hosts, TWO_LEVEL)
+        except EchoConfigError as e:
+            where = "echo_host_map" if echo.host_map is not None else "--nnodes and the parallel sizes"
+            return [Conflict(f"echo_{e} (hosts from {where}); use echo_topology=auto or flat")]
+    return []
 
 
 def check_engine_config(vllm_config: Any, settings: TpCommSettings) -> list[str]:

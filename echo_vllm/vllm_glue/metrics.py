@@ -185,13 +185,19 @@ def prepare_multiprocess_dir(remove_stale: bool = True) -> tuple[str, list[str]]
         if path.startswith("~"):  # quoted in an env file: the client would make a folder named ~ here
             path = os.environ[MULTIPROC_ENV] = os.path.expanduser(path)
         removed = _user_dir(path, remove_stale)
+    _share_values()
+    return path, removed
+
+
+def _share_values() -> None:
+    """Metrics created from now on write to ``PROMETHEUS_MULTIPROC_DIR``'s
+    files: the client chose its value store when imported, which may have
+    been before the variable was set (a Ray worker gets it from vLLM's
+    executor after importing vLLM)."""
     if "prometheus_client" in sys.modules:
-        # The client chose its value store when imported; metrics created
-        # from now on must write to the shared files.
         from prometheus_client import values
 
         values.ValueClass = values.get_value_class()
-    return path, removed
 
 
 def multiprocess_mode() -> bool:
@@ -399,7 +405,9 @@ def publish(snapshot: Mapping[str, Any], rank: int) -> None:
         if _default is None:
             with _default_lock:
                 if _default is None:
-                    if not multiprocess_mode():
+                    if multiprocess_mode():
+                        _share_values()
+                    else:
                         logger.info("echo: %s is not set; Echo metrics of this process (pid %d) reach "
                                     "/metrics only if it is the API server (run `echo-vllm serve`)",
                                     MULTIPROC_ENV, os.getpid())

@@ -122,7 +122,7 @@ def served(monkeypatch, tmp_path):
 
     monkeypatch.setattr(values, "ValueClass", values.ValueClass)
     monkeypatch.setenv(metrics.MULTIPROC_ENV, str(tmp_path))
-    for name in ("VLLM_API_KEY", "HF_TOKEN", "ECHO_KERNELS"):
+    for name in ("VLLM_API_KEY", "HF_TOKEN", "ECHO_KERNELS", cli.RAY_PREFIXES_VAR, cli.RAY_NAMES_VAR):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     seen = []
@@ -135,7 +135,8 @@ def served(monkeypatch, tmp_path):
             on_ready(None)
         seen.append({"argv": vllm_argv, "files_before": before,
                      "files": sorted(os.listdir(path)) if path else None,
-                     "api_key": os.environ.get("VLLM_API_KEY"), "hf_token": os.environ.get("HF_TOKEN")})
+                     "api_key": os.environ.get("VLLM_API_KEY"), "hf_token": os.environ.get("HF_TOKEN"),
+                     "ray_copy": {v: os.environ.get(v) for v in (cli.RAY_PREFIXES_VAR, cli.RAY_NAMES_VAR)}})
         return 0
 
     monkeypatch.setattr(vllm_serve, "serve", fake_serve)
@@ -326,3 +327,17 @@ def test_a_multiprocess_folder_under_a_quoted_tilde_is_the_home_folder(served, m
     monkeypatch.setenv(metrics.MULTIPROC_ENV, "~/metrics")
     assert cli.main(["m", *ECHO]) == 0
     assert os.environ[metrics.MULTIPROC_ENV] == str(tmp_path / "metrics") and (tmp_path / "metrics").is_dir()
+
+
+def test_ray_workers_are_given_echos_variables(served, monkeypatch):
+    """vLLM's Ray executor copies only its own prefixes to its workers:
+    with Echo on, serve adds Echo's (keeping what the user listed); stock
+    vLLM is left alone."""
+    monkeypatch.setenv(cli.RAY_NAMES_VAR, "MY_VAR, PROMETHEUS_MULTIPROC_DIR")
+    assert cli.main(["m", "-tp", "2", "--tp-comm", "echo", "--distributed-executor-backend", "ray"]) == 0
+    assert served[-1]["ray_copy"] == {cli.RAY_PREFIXES_VAR: "ECHO_",
+                                      cli.RAY_NAMES_VAR: "MY_VAR,PROMETHEUS_MULTIPROC_DIR,TRITON_INTERPRET"}
+    monkeypatch.delenv(cli.RAY_NAMES_VAR)
+    monkeypatch.delenv(cli.RAY_PREFIXES_VAR)
+    assert cli.main(["m", "-tp", "2", "--distributed-executor-backend", "ray"]) == 0
+    assert served[-1]["ray_copy"] == {cli.RAY_PREFIXES_VAR: None, cli.RAY_NAMES_VAR: None}

@@ -121,11 +121,12 @@ def _bool_cases():
 
 @pytest.mark.parametrize("tokens,key,expected", list(_value_cases()) + list(_bool_cases()))
 def test_echo_flag_lands_in_additional_config(tokens, key, expected):
-    # eager: stochastic rounding (a sample) is refused under CUDA graphs
-    argv = ["m", "-tp", "4", "--tp-comm", "echo", *tokens, "--port", "8001", "--enforce-eager"]
+    # eager: stochastic rounding (a sample) is refused under CUDA graphs; two nodes: two-level
+    # (a sample) is refused on a TP group the launch keeps on one node
+    argv = ["m", "-tp", "4", "--nnodes", "2", "--tp-comm", "echo", *tokens, "--port", "8001", "--enforce-eager"]
     vllm_argv, settings = rewrite(argv)
     head, additional, compilation = split_tail(vllm_argv)
-    assert head == ["m", "-tp", "4", "--port", "8001", "--enforce-eager"]
+    assert head == ["m", "-tp", "4", "--nnodes", "2", "--port", "8001", "--enforce-eager"]
     assert additional == {"tp_comm": "echo", key: expected}
     assert compilation == {"pass_config": OFF}
     held = getattr(settings.echo, key[len("echo_"):])
@@ -694,3 +695,64 @@ def test_one_key_twice_in_a_json_object_is_refused_but_a_later_option_replaces()
     # two occurrences of the option: the later replaces the earlier (argparse's rule), in either spelling
     _, settings = rewrite(["m", *ECHO2, "--additional-config", '{"echo-seed": 1}', "--additional-config.echo_seed", "2"])
     assert settings.echo.seed == 2
+
+
+# -- across hosts: vLLM's multi-node flags pass through; bad host settings are refused ---
+
+MULTI_NODE = [
+    # docs/multi-node.md's commands: node 0, node 1 (headless), Ray's head
+    ["m", "--tp-comm", "echo", "-tp", "4", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
+     "--master-port", "29501"],
+    ["m", "--tp-comm", "echo", "-tp", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+     "--master-port", "29501", "--headless"],
+    ["m", "--tp-comm", "echo", "-tp", "4", "--distributed-executor-backend", "ray"],
+    ["m", "--tp-comm", "echo", "-tp", "4", "-n", "2", "-r", "1", "--headless", "--echo-topology", "two_level"],
+    ["m", "--tp-comm", "echo", "-tp", "8", "-pp", "2", "--nnodes=4", "--echo-topology=two_level"],
+    ["m", "--tp-comm", "echo", "-tp", "4", "--distributed-executor-backend=ray", "--echo-host-map", "0,0,1,1",
+     "--echo-topology", "two_level"],
+    ["m", "--tp-comm", "echo", "-tp", "4", "--echo-host-map", "0,0,1,1"],  # hosts emulated on one node
+]
+
+
+@pytest.mark.parametrize("argv", MULTI_NODE)
+def test_multi_node_flags_reach_vllm_unchanged(argv):
+    vllm_argv, settings = rewrite(argv)
+    kept, additional, _ = split_tail(vllm_argv)
+    echo_flags = {i for i, token in enumerate(argv) if token.startswith(("--tp-comm", "--echo-"))}
+    echo_values = {i + 1 for i in echo_flags if "=" not in argv[i]}
+    assert kept == [t for i, t in enumerate(argv) if i not in echo_flags | echo_values]
+    assert additional["tp_comm"] == "echo" and settings.echo is not None
+
+
+HOST_REJECTS = [
+    (["m", "--tp-comm", "echo", "-tp", "4", "--echo-host-map", "0,0,1"],
+     "echo_host_map=0,0,1 names 3 ranks but the group has 4: give the host of every rank, in group-rank order "
+     "(--tensor-parallel-size 4)"),
+    (["m", "--tp-comm", "echo", "-tp", "4", "--echo-topology", "two_level"],
+     "echo_topology='two_level' cannot run on this group: 1 host x 4 ranks: one host, nothing crosses the network "
+     "(hosts from --nnodes and the parallel sizes); use echo_topology=auto or flat"),
+    (["m", "--tp-comm", "echo", "-tp", "4", "--nnodes", "4", "--echo-topology", "two_level"],
+     "4 hosts x 1 rank: one rank per host, two-level would be flat"),
+    (["m", "--tp-comm", "echo", "-tp", "4", "--nnodes", "2", "--echo-host-map", "0,1,0,1"],
+     "echo_host_map=0,1,0,1 puts the TP group's ranks on other hosts than the launch does: it runs them on "
+     "nodes 0,0,1,1"),
+    (["m", "--tp-comm", "echo", "-tp", "4", "--distributed-executor-backend", "ray", "--echo-topology",
+      "two_level", "--echo-host-map", "0,0,0,1"], "2 hosts (3, 1 ranks): hosts of unequal size"),
+    (["m", "--tp-comm", "echo", "-tp", "4", "--nnodes", "two"], "--nnodes 'two' is not an integer"),
+]
+
+
+@pytest.mark.parametrize("argv,message", HOST_REJECTS)
+def test_host_settings_the_launch_cannot_run_are_refused_in_one_line(argv, message):
+    with pytest.raises(ServeArgsError) as info:
+        rewrite(argv)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_launch_in_a_config_file_counts_too():
+    files = {"nodes.yaml": {"nnodes": 2, "tensor-parallel-size": 4}}
+    with pytest.raises(ServeArgsError, match="echo_host_map=0,1,0,1 puts the TP group's ranks"):
+        rewrite(["m", "--config", "nodes.yaml", "--tp-comm", "echo", "--echo-host-map", "0,1,0,1"],
+                read_config=files.__getitem__)
+    rewrite(["m", "--config", "nodes.yaml", "--tp-comm", "echo", "--echo-host-map", "0,0,1,1"],
+            read_config=files.__getitem__)

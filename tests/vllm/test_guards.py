@@ -96,3 +96,77 @@ def test_an_engine_asking_for_echo_is_refused_without_the_hook():
     for raw in (None, {}, {"tp_comm": "nccl"}, {"other": 1}):
         check_hook_installed(SimpleNamespace(additional_config=raw), "vLLM 0.25 is too old")
     check_hook_installed(SimpleNamespace(additional_config={"tp_comm": "echo"}), None)  # installed
+
+
+# -- hosts: where the launch runs the TP group, and what a host map may say --------
+
+LAUNCHES = [
+    # (tp, pp, dp, nnodes, executor) -> the node of each TP rank, or None (decided at start)
+    ((4, 1, 1, 1, None), (0, 0, 0, 0)),
+    ((4, 1, 1, 2, "mp"), (0, 0, 1, 1)),
+    ((4, 1, 1, 4, None), (0, 1, 2, 3)),
+    ((8, 2, 1, 2, "mp"), (0,) * 8),  # each pipeline stage's TP group on its own node
+    ((8, 2, 1, 4, "mp"), (0, 0, 0, 0, 1, 1, 1, 1)),
+    ((4, 1, 1, 2, "ray"), None),  # Ray's placement group decides
+    ((4, 1, 1, 1, "external_launcher"), None),  # torchrun places the ranks
+    ((4, 1, 1, 1, object), None),  # an executor class of the user's
+    ((4, 1, 2, 2, "mp"), None),  # data parallelism splits the nodes
+    ((4, 1, 1, 3, "mp"), None),  # vLLM refuses a world its nodes cannot divide
+]
+
+
+@pytest.mark.parametrize("launch,hosts", LAUNCHES)
+def test_the_launch_fixes_the_tp_groups_hosts(launch, hosts):
+    from echo_vllm.vllm_glue.guards import launch_tp_hosts
+
+    assert launch_tp_hosts(*launch) == hosts
+
+
+def _hosts_engine(tp=4, pp=1, dp=1, nnodes=1, executor=None):
+    return SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, nnodes=nnodes,
+        distributed_executor_backend=executor, enable_dbo=False, ubatch_size=0))
+
+
+def _echo(**fields):
+    return TpCommSettings(mode="echo", echo=EchoConfig(**fields))
+
+
+HOST_CASES = [
+    # (engine, Echo's host settings) -> the refusal's start, or None
+    (_hosts_engine(nnodes=2), {}, None),
+    (_hosts_engine(nnodes=2), {"topology": "two_level"}, None),
+    (_hosts_engine(nnodes=2), {"host_map": (0, 0, 1, 1)}, None),
+    (_hosts_engine(nnodes=2), {"host_map": (7, 7, 3, 3)}, None),  # labels are names, not numbers
+    (_hosts_engine(), {"topology": "two_level", "host_map": (0, 0, 1, 1)}, None),  # hosts emulated on one node
+    (_hosts_engine(executor="ray"), {"topology": "two_level"}, None),  # hosts known at start
+    (_hosts_engine(executor="ray"), {"topology": "two_level", "host_map": (0, 0, 1, 1)}, None),
+    (_hosts_engine(), {"host_map": (0, 0, 1)}, "echo_host_map=0,0,1 names 3 ranks but the group has 4"),
+    (_hosts_engine(executor="ray"), {"host_map": (0, 1, 2, 3, 4)}, "echo_host_map=0,1,2,3,4 names 5 ranks"),
+    (_hosts_engine(nnodes=2), {"host_map": (0, 1, 0, 1)}, "echo_host_map=0,1,0,1 puts the TP group's ranks"),
+    (_hosts_engine(), {"topology": "two_level"},
+     "echo_topology='two_level' cannot run on this group: 1 host x 4 ranks: one host"),
+    (_hosts_engine(nnodes=4), {"topology": "two_level"}, "echo_topology='two_level' cannot run on this group: "
+     "4 hosts x 1 rank: one rank per host"),
+    (_hosts_engine(executor="ray"), {"topology": "two_level", "host_map": (0, 0, 0, 1)},
+     "echo_topology='two_level' cannot run on this group: 2 hosts (3, 1 ranks): hosts of unequal size"),
+    (_hosts_engine(tp=8, pp=2, nnodes=2), {"topology": "two_level"},
+     "echo_topology='two_level' cannot run on this group: 1 host x 8 ranks"),
+]
+
+
+@pytest.mark.parametrize("engine,fields,refusal", HOST_CASES)
+def test_host_settings_the_launch_cannot_run_are_refused(engine, fields, refusal):
+    found = conflicts(_echo(**fields), EngineFacts.from_vllm_config(engine))
+    if refusal is None:
+        assert found == []
+    else:
+        (c,) = found
+        assert c.refused and c.message.startswith(refusal), c.message
+
+
+def test_host_settings_do_not_matter_without_echo_on_a_group():
+    engine = EngineFacts.from_vllm_config(_hosts_engine())
+    assert conflicts(TpCommSettings(mode="nccl"), engine) == []
+    emulated = TpCommSettings(mode="echo", emulate_world_size=4, echo=EchoConfig(topology="two_level"))
+    assert conflicts(emulated, EngineFacts.from_vllm_config(_hosts_engine(tp=1))) == []

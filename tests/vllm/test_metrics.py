@@ -268,3 +268,28 @@ def test_norm_calls_and_sites():
     assert s['echo:norm_calls_total{how="exact path",rank="0"}'] == 1
     assert s['echo:norm_fusion_sites{outcome="fused",rank="0"}'] == 16
     assert s['echo:norm_fusion_sites{outcome="the reduced output is used beyond the norm",rank="0"}'] == 1
+
+
+LATE_WORKER = textwrap.dedent("""
+    import os, sys
+    import prometheus_client  # noqa: F401  (vLLM imports it before Ray's executor sets the folder)
+    from echo_vllm.vllm_glue import metrics
+    from echo_vllm.stats import CallRecord, EchoStats
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+    stats = EchoStats()
+    stats.record(CallRecord("echo", "echo", wire_bytes=100, equiv_bytes=400))
+    metrics.publish(stats.snapshot(), 2)
+""")
+
+
+@pytest.mark.vllm
+def test_a_worker_given_the_folder_after_importing_the_client_still_exports(tmp_path):
+    """A Ray worker imports vLLM (and prometheus_client) before vLLM's Ray
+    executor copies the engine's variables to it: its counters reach
+    /metrics all the same."""
+    pytest.importorskip("vllm")
+    late = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    _run(LATE_WORKER, tmp_path, env=dict(late, PYTHONPATH=REPO))
+    result = json.loads(_run(API_SERVER, env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+                                                  PYTHONPATH=REPO)).strip().splitlines()[-1])
+    assert echo_samples(result["text"])['echo:allreduce_calls_total{path="echo",rank="2",reason="echo"}'] == 1
