@@ -25,6 +25,7 @@ from ..config import EchoConfig
 from ..norm import NormOperands
 from ..norm_plan import NormTiling
 from ..quant import WireLayout
+from ..rotation import sign_flips
 from ..transport import Transport
 
 
@@ -38,6 +39,9 @@ class EchoBackend(abc.ABC):
         self.transport = transport
         self.world_size = transport.world_size
         self.local_ranks = transport.local_ranks
+        #: The rotation's sign flips (``rotation.sign_flips`` of the config's
+        #: seed): a function of the config, so the same on every rank and call.
+        self.flips = sign_flips(config.rotation_seed, config.group_size)
 
     @property
     def capturable(self) -> bool:

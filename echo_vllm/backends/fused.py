@@ -573,7 +573,7 @@ class FusedSymmMemBackend(EchoBackend):
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, tiling=self._tilings(layout), timeout_ns=self.timeout_ns,
-            out=out, sms=self.sms, status=self.status, compile_only=compile_only,
+            flips=self.flips, out=out, sms=self.sms, status=self.status, compile_only=compile_only,
         )
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
@@ -589,14 +589,14 @@ class FusedSymmMemBackend(EchoBackend):
         out, res = self._k.fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
+            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, flips=self.flips, out=norm.out,
             residual_out=norm.residual_out, sms=self.sms, status=self.status,
         )
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)
         return out.view(shape), res.view(shape) if res is not None else None
 
     def consume(self, xs, layout, feedback):
-        return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
+        return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard, flips=self.flips)
 
     def close(self) -> None:
         """Give the buffers back (the last user of shared ones frees them)
