@@ -459,7 +459,8 @@ def _draw_tables(result: dict) -> list[str]:
              "Intervals: 95%, Student t over the draws' means (each draw's mean over the slices; "
              f"{k - 1} degrees of freedom): the rotation's spread on these texts. A variant without a drawn "
              "rotation (marked fixed) has one value per slice, the same in every draw: a zero-width interval, "
-             "its value on these texts. Differences are paired by draw and slice (row variant minus column variant), in points of delta and in nats/token of KL.", ""]
+             "its value on these texts. Differences are paired by draw and slice, in points of delta and in "
+             "nats/token of KL.", ""]
     for text, summ in result["summary"].items():
         tokens = sum(t["tokens"] for t in result["texts"] if t["name"] == text)
         lines += [f"**{text}** ({tokens} tokens in {n_slices} slice(s))", ""]

@@ -15,8 +15,8 @@ from .. import quant
 
 from .tile import (
     LOG2_OUTPUT_SCALE, accumulate_chunk, as_groups, block_shift, chunk_lanes, clamp_finite, codes_of, decode_output,
-    feedback_values, flip, from_f32, fwht, group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes, load_values,
-    message_offsets, quantize, store_chunk_groups, store_feedback, store_values, to_f32,
+    feedback_values, flip, from_f32, fwht, group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes,
+    load_values, message_offsets, quantize, store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
 

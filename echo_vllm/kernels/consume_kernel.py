@@ -66,8 +66,8 @@ def consume(
     else:
         contract.check_rows("out", out, rows, layout.numel, (x.dtype,))
     contract.check_device(x, feedback, out)
-    plan = _plan(layout, rows, bool(hadamard), contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, x, out),
-                 contract.check_flips(flips, layout))
+    lanes = contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, x, out)
+    plan = _plan(layout, rows, bool(hadamard), lanes, contract.check_flips(flips, layout))
     plan.launcher(plan.grid, (x, feedback, out), (x.stride(0), feedback.stride(0), out.stride(0), *plan.ints),
             plan.constexprs)
     return out

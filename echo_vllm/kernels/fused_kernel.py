@@ -728,7 +728,8 @@ def fused_all_reduce(
                          f"{tuple(out.shape)}")
     contract.check_device(x, feedback, table, out)
     lp = _launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out), contract.check_flips(flips, layout))
+                      bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out),
+                      contract.check_flips(flips, layout))
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)

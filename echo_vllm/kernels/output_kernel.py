@@ -68,8 +68,8 @@ def output(
             f"out: expected {layout.numel} contiguous {out_dtype} values, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    plan = _plan(layout, bool(hadamard), contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, out),
-                 contract.check_flips(flips, layout))
+    lanes = contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, out)
+    plan = _plan(layout, bool(hadamard), lanes, contract.check_flips(flips, layout))
     contract.check_wire("gathered", gathered, plan.wire_shape)
     contract.check_device(gathered, out)
     plan.launcher(plan.grid, (gathered, out), plan.ints, plan.constexprs)
