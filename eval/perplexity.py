@@ -591,7 +591,11 @@ def plot_draws(result: dict, path) -> None:
         ax.set_xticks([i + width * (len(texts) - 1) / 2 for i in range(len(names))])
         ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel(label)
-        ax.grid(True, axis="y", alpha=0.3)
+        if key == "kl":
+            ax.set_yscale("log")
+        else:  # naive's tens of percent beside Echo's fractions: linear within +-1 %
+            ax.set_yscale("symlog", linthresh=1)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['model']}, emulated TP={result['world_size']}: {result['draws']} rotation draws x "
                  f"{result['slices']} slice(s), mean and 95% interval", fontsize=10)
