@@ -595,6 +595,7 @@ def plot_draws(result: dict, path) -> None:
             ax.set_yscale("log")
         else:  # naive's tens of percent beside Echo's fractions: linear within +-1 %
             ax.set_yscale("symlog", linthresh=1)
+        ax.margins(y=0.12)
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['model']}, emulated TP={result['world_size']}: {result['draws']} rotation draws x "
