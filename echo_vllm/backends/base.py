@@ -26,6 +26,7 @@ from ..hosts import FLAT, HostMap
 from ..rmsnorm import NormOperands
 from ..rmsnorm_plan import NormTiling
 from ..quant import WireLayout
+from ..rotation import sign_flips
 from ..transport import Transport
 
 
@@ -45,6 +46,9 @@ class EchoBackend(abc.ABC):
         """The host of each rank (``make_backend`` sets it; None: not asked)."""
         self.topology_reason = ""
         """Why ``topology`` (``hosts.choose_topology``'s reason; ``make_backend`` sets it)."""
+        #: The rotation's sign flips (``rotation.sign_flips`` of the config's
+        #: seed): a function of the config, so the same on every rank and call.
+        self.flips = sign_flips(config.rotation_seed, config.group_size)
 
     @property
     def capturable(self) -> bool:

@@ -38,13 +38,14 @@ class ComposedBackend(EchoBackend):
 
     def all_reduce(self, xs, layout, feedback, *, has_incoming, out=None):
         gathered = self._exchange(xs, layout, feedback, has_incoming)
-        return self.stages.output(gathered, layout, xs.dtype, hadamard=self.config.hadamard, out=out)
+        return self.stages.output(gathered, layout, xs.dtype, hadamard=self.config.hadamard, flips=self.flips,
+                                  out=out)
 
     def _exchange(self, xs, layout, feedback, has_incoming):
         """Stage 1, the all-to-all, stage 2, the all-gather: the gathered chunks."""
         cfg, st = self.config, self.stages
         wire = st.stage1(xs, feedback, layout, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-                         **self._noise(layout.padded_numel, xs.device))
+                         flips=self.flips, **self._noise(layout.padded_numel, xs.device))
         recv = self.transport.all_to_all(wire)
         q2 = st.stage2(recv, feedback, self._own_chunks, layout, qmax=cfg.qmax,
                        **self._noise(layout.chunk_numel, xs.device))
@@ -56,13 +57,14 @@ class ComposedBackend(EchoBackend):
             return super().all_reduce_norm(xs, layout, feedback, norm, tiling, has_incoming=has_incoming)
         gathered = self._exchange(xs, layout, feedback, has_incoming)
         out, res = self.stages.output_norm(gathered, layout, xs.dtype, norm.weight, norm.eps,
-                                           hadamard=self.config.hadamard, residual=norm.residual, out=norm.out,
+                                           hadamard=self.config.hadamard, flips=self.flips,
+                                           residual=norm.residual, out=norm.out,
                                            residual_out=norm.residual_out)
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)
         return out.view(shape), res.view(shape) if res is not None else None
 
     def consume(self, xs, layout, feedback):
-        return self.stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
+        return self.stages.consume(xs, feedback, layout, hadamard=self.config.hadamard, flips=self.flips)
 
     def _noise(self, numel: int, device: torch.device) -> dict:
         """The stage's ``noise`` keyword for stochastic rounding: uniform [0, 1)

@@ -533,8 +533,8 @@ class FusedSymmMemBackend(EchoBackend):
         and this backend fix (worked out once per layout)."""
         cfg, b = self.config, self.buffers
         return dict(rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard,
-                    tiling=tiling_for(layout, self.sms, self.sm), timeout_ns=self.timeout_ns, sms=self.sms,
-                    status=self.status)
+                    tiling=tiling_for(layout, self.sms, self.sm), timeout_ns=self.timeout_ns, flips=self.flips,
+                    sms=self.sms, status=self.status)
 
     def _norm_tiling(self, layout: WireLayout, norm):
         return tiling_for_norm(layout, norm, self.sms, self.sm)
@@ -583,14 +583,14 @@ class FusedSymmMemBackend(EchoBackend):
         out, res = fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
+            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, flips=self.flips, out=norm.out,
             residual_out=norm.residual_out, sms=self.sms, status=self.status,
         )
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)
         return out.view(shape), res.view(shape) if res is not None else None
 
     def consume(self, xs, layout, feedback):
-        return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard)
+        return self._stages.consume(xs, feedback, layout, hadamard=self.config.hadamard, flips=self.flips)
 
     def close(self) -> None:
         """Give the buffers back (the last user of shared ones frees them)

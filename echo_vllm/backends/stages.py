@@ -44,7 +44,7 @@ class StageOps(Protocol):
     a composed backend passes it to such stages only)."""
 
     def stage1(self, x: torch.Tensor, feedback: torch.Tensor | None, layout: WireLayout, *, qmax: int,
-               hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None,
+               hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None, flips: int = 0,
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def stage2(self, recv: torch.Tensor, feedback: torch.Tensor | None, own_chunks: list[int],
@@ -52,13 +52,14 @@ class StageOps(Protocol):
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def output(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool,
-               out: torch.Tensor | None = None) -> torch.Tensor: ...
+               flips: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def consume(self, x: torch.Tensor, feedback: torch.Tensor, layout: WireLayout, *,
-                hadamard: bool, out: torch.Tensor | None = None) -> torch.Tensor: ...
+                hadamard: bool, flips: int = 0, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def output_norm(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype,
-                    weight: torch.Tensor, eps: float, *, hadamard: bool, residual: torch.Tensor | None = None,
+                    weight: torch.Tensor, eps: float, *, hadamard: bool, flips: int = 0,
+                    residual: torch.Tensor | None = None,
                     out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``output``, then the residual add and RMSNorm of
@@ -72,11 +73,11 @@ def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def output_then_norm(stages, gathered, layout, out_dtype, weight, eps, *, hadamard, residual=None, out=None,
-                     residual_out=None):
+def output_then_norm(stages, gathered, layout, out_dtype, weight, eps, *, hadamard, flips=0, residual=None,
+                     out=None, residual_out=None):
     """``output_norm`` as the stages' ``output`` followed by ``rmsnorm.norm_into``
     (the same bits as the fused kernel, by its specification)."""
-    y = stages.output(gathered, layout, out_dtype, hadamard=hadamard).view(layout.rows, layout.cols)
+    y = stages.output(gathered, layout, out_dtype, hadamard=hadamard, flips=flips).view(layout.rows, layout.cols)
     o, r = norm_into(y, weight, eps, residual=residual, out=out, residual_out=residual_out)
     return o.view(layout.numel), r.view(layout.numel) if r is not None else None
 
@@ -87,19 +88,19 @@ class ReferenceStages:
     name = "reference"
     stochastic = True
 
-    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, flips=0, out=None):
         wire = quant.stage1_reference(x, feedback, layout, qmax=qmax, hadamard=hadamard,
-                                      has_incoming=has_incoming, noise=noise)
+                                      has_incoming=has_incoming, noise=noise, flips=flips)
         return _into(out, wire)
 
     def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
         return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise))
 
-    def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
-        return _into(out, quant.output_reference(gathered, layout, out_dtype, hadamard=hadamard))
+    def output(self, gathered, layout, out_dtype, *, hadamard, flips=0, out=None):
+        return _into(out, quant.output_reference(gathered, layout, out_dtype, hadamard=hadamard, flips=flips))
 
-    def consume(self, x, feedback, layout, *, hadamard, out=None):
-        return _into(out, quant.consume_reference(x, feedback, layout, hadamard=hadamard))
+    def consume(self, x, feedback, layout, *, hadamard, flips=0, out=None):
+        return _into(out, quant.consume_reference(x, feedback, layout, hadamard=hadamard, flips=flips))
 
     output_norm = output_then_norm
 

@@ -92,7 +92,7 @@ class TwoLevelBackend(ComposedBackend):
         chunks: list[torch.Tensor | None] = [None] * xs.shape[0]
         for tr, pos in self.cross_host:  # 2. Echo over the hosts, each local rank on its shard
             wire = torch.cat([st.stage1(sums[p], rows(feedback, p), sl, qmax=cfg.qmax, hadamard=cfg.hadamard,
-                                        has_incoming=has_incoming) for p in pos])
+                                        has_incoming=has_incoming, flips=self.flips) for p in pos])
             recv = tr.all_to_all(wire)
             q2 = torch.cat([st.stage2(recv[i : i + 1], rows(feedback, p), [self._host[p]], sl, qmax=cfg.qmax)
                             for i, p in enumerate(pos)])
@@ -111,7 +111,8 @@ class TwoLevelBackend(ComposedBackend):
         shards = two_level.to_shards(xs, layout, g_ranks)
         out = xs.clone()
         for p, l in enumerate(self._local):
-            absorbed = self.stages.consume(shards[p : p + 1, l], feedback[p : p + 1], sl, hadamard=self.config.hadamard)
+            absorbed = self.stages.consume(shards[p : p + 1, l], feedback[p : p + 1], sl, hadamard=self.config.hadamard,
+                                           flips=self.flips)
             two_level.put_shard(out[p : p + 1], absorbed, layout, l, g_ranks)
         return out
 

@@ -32,8 +32,10 @@ import tempfile
 
 import torch
 
-from ..cli_args import choice_list
+from ..cli_args import choice_list, count
+from ..config import MAX_SEED
 from ..quant import FEEDBACK_STORAGE
+from ..rotation import sign_flips
 from .host_overhead import _calls, compile_only
 
 #: SASS opcodes reported by name (others are summed as "other"; LDL/STL: spills).
@@ -75,9 +77,10 @@ def kernel_report(compiled) -> dict:
 
 
 def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16, rows: int = 4096,
-                 cols: int = 8192):
+                 cols: int = 8192, flips: int = 0):
     """The fused kernel compiled for one phase alone (``fused_kernel.ALL_PHASES``:
-    the whole kernel; 64 MiB of rows of 8192 by default)."""
+    the whole kernel; 64 MiB of rows of 8192 by default), the rotation's sign
+    flips ``flips``."""
     from ..kernels import fused_kernel as fk
     from ..quant import WireLayout, feedback_row_len
 
@@ -86,12 +89,13 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     tiling = fk.tiling_for(lay, 132)
     lp = fk._launch_plan(lay, tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                         fk.tiling_lanes(tiling, lay, x, y))
+                         fk.tiling_lanes(tiling, lay, x, y), flips)
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
 
-def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_output: bool = False) -> dict:
+def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_output: bool = False,
+                  flips: int = 0) -> dict:
     """The output-norm kernel, the fused kernel's phase 3 with the norm, the
     whole fused norm kernel and, beside it, Echo's own whole fused kernel,
     compiled for ``rows x cols`` bf16 (Qwen3-8B's prefill by default), with
@@ -110,7 +114,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_outp
     out = torch.empty(lay.numel, dtype=torch.bfloat16)
     mode = onk.residual_mode(None if keep_output else res, res)
     plan = onk._plan(lay, tiling, True, mode, contract.lane_layout(lay.cols, tiling.groups_per_tile * lay.group_size,
-                                                                     tiling.num_warps, res, w, out))
+                                                                     tiling.num_warps, res, w, out), flips)
     composed = plan.launcher.compile(plan.grid, (torch.empty(world_size, lay.chunk_bytes, dtype=torch.uint8), res, w, out, res),
                           (*plan.ints, 1e-6), plan.constexprs)
     fused_tiling = fk.tiling_for_norm(lay, tiling, 132)
@@ -118,7 +122,7 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_outp
 
     def fused(phase):
         lp = fk._norm_launch_plan(lay, fused_tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                                  mode, fk.tiling_lanes(fused_tiling, lay, res, w, out))
+                                  mode, fk.tiling_lanes(fused_tiling, lay, res, w, out), flips)
         ints = (0, 10**9, 0, x.stride(0), fb.stride(0), lay.numel, lay.numel, *lp.ints, 1e-6)
         return lp.launcher.compile(lp.grid, (x, fb, torch.zeros(2, world_size, dtype=torch.int64), res, w, out, res),
                                    ints, lp.constexprs)
@@ -127,17 +131,17 @@ def _norm_kernels(world_size: int, rows: int = 8192, cols: int = 4096, keep_outp
     return {"values_per_thread": tiling.values_per_thread, f"output_norm P={world_size}{kept}": composed,
             f"fused phase 3 norm P={world_size}{kept}": fused(3),
             f"fused norm whole P={world_size}{kept}": fused(fk.ALL_PHASES),
-            f"fused whole P={world_size}": _fused_phase(fk.ALL_PHASES, world_size, rows=rows, cols=cols)}
+            f"fused whole P={world_size}": _fused_phase(fk.ALL_PHASES, world_size, rows=rows, cols=cols, flips=flips)}
 
 
-def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False) -> list[dict]:
+def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False, flips: int = 0) -> list[dict]:
     """One row per norm kernel (:func:`_norm_kernels`) and P: SASS per row
     value a thread holds (``keep_output``: the kernels without a residual
     that keep Echo's output, named "... kept")."""
     rows = []
     with compile_only():
         for p in world_sizes:
-            kernels = _norm_kernels(p, keep_output=keep_output)
+            kernels = _norm_kernels(p, keep_output=keep_output, flips=flips)
             per_thread = kernels.pop("values_per_thread")
             for name, k in kernels.items():
                 r = kernel_report(k)
@@ -146,26 +150,27 @@ def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False
     return rows
 
 
-def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def report(fb_dtype: torch.dtype = torch.bfloat16, flips: int = 0) -> list[dict]:
     """One row per kernel, feedback in ``fb_dtype``: the stage kernels (no loops: the SASS count is
     what a thread executes, for ``TILE_VALUES / threads`` values) and the
     fused kernel's three phases compiled alone (static counts of a loop
     over tiles: phases 1 and 3 handle a thread's 8 values of each of the
     P = 8 chunks per tile, 64 values; phase 2 its 8 values of the own chunk,
-    each summed over 8 ranks and stored to 8 peers)."""
+    each summed over 8 ranks and stored to 8 peers). ``flips``: the
+    rotation's sign flips (``rotation.sign_flips``; 0 compiles none)."""
     from ..kernels import consume_kernel, contract, output_kernel, stage1_kernel, stage2_kernel
 
     modules = {"stage1": stage1_kernel, "stage2": stage2_kernel, "output": output_kernel, "consume": consume_kernel}
     values_per_thread = contract.TILE_VALUES // (32 * contract.NUM_WARPS)
     rows = []
     with compile_only():
-        for name, call in _calls(1 << 22, 8, fb_dtype).items():
+        for name, call in _calls(1 << 22, 8, fb_dtype, flips).items():
             call()
             compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
             r = kernel_report(compiled)
             rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / values_per_thread})
         for phase in (1, 2, 3):
-            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype))
+            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype, flips=flips))
             rows.append({"kernel": f"fused phase {phase}", **r, "sass_per_value": r["sass"] / (8 if phase == 2 else 64)})
     return rows
 
@@ -178,18 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                          + "), one table each")
     ap.add_argument("--norm", action="store_true",
                     help="also the output phase with the residual add + RMSNorm (8192 x 4096, P = 8 and 2)")
+    ap.add_argument("--rotation-seed", type=count(0, MAX_SEED, "seeds are int64"), default=0,
+                    help="compile with this EchoConfig.rotation_seed's sign flips (0: none, the default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    flips = sign_flips(args.rotation_seed, 32)
     for dt in args.feedback_dtype:
-        print(f"feedback {dt}:")
+        print(f"feedback {dt}, rotation seed {args.rotation_seed} (sign flips {flips:#010x}):")
         print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
-        for r in report(FEEDBACK_STORAGE[dt]):
+        for r in report(FEEDBACK_STORAGE[dt], flips):
             mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
             print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
                   f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
     if args.norm:
         print("with the residual add + RMSNorm (bf16 feedback):")
-        for r in norm_report():
+        for r in norm_report(flips=flips):
             mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
             print(f"{r['kernel']:<24} {r['registers']:>4}/{r['maxnreg'] or '-'} {r['shared_bytes']:>6} {r['sass']:>5} "
                   f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")

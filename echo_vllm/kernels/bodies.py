@@ -15,8 +15,8 @@ from .. import quant
 
 from .tile import (
     LOG2_OUTPUT_SCALE, accumulate_chunk, as_groups, block_shift, chunk_lanes, clamp_finite, codes_of, decode_output,
-    feedback_values, from_f32, fwht, group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes, load_values,
-    message_offsets, quantize, store_chunk_groups, store_feedback, store_values, to_f32,
+    feedback_values, flip, from_f32, fwht, group_rows, lanes_hold, load_chunk_groups, load_feedback, load_lanes,
+    load_values, message_offsets, quantize, store_chunk_groups, store_feedback, store_values, to_f32,
 )
 
 
@@ -50,8 +50,9 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
 @triton.jit
 def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
                   G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
-                  HAS_INCOMING: tl.constexpr, LANES: tl.constexpr):
-    """u = rot(x * c) [+ e] (``c = quant.input_scale``); quantize; the new
+                  HAS_INCOMING: tl.constexpr, LANES: tl.constexpr, FLIPS: tl.constexpr = 0):
+    """u = rot(flip(x) * c) [+ e] (``c = quant.input_scale``, ``FLIPS``:
+    ``tile.flip``'s, exact like the product); quantize; the new
     error into the feedback buffer (wire order), the codes and scales into
     the chunk at byte ``wire_first`` (``LANES``: ``contract.lane_layout`` of
     the message). A 16-bit ``x`` times ``c`` is exact,
@@ -60,7 +61,7 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
     SHUFFLE: tl.constexpr = lanes_hold(x.dtype, fb_ptr.dtype.element_ty) and LANES
     C: tl.constexpr = _input_scale(G, HADAMARD)
     FUSED: tl.constexpr = _exact_times_power_of_two(x.dtype)
-    u = to_f32(x)
+    u = flip(to_f32(x), FLIPS)
     if HADAMARD:
         if x.dtype == tl.float16 and HAS_FB and HAS_INCOMING:
             # fp16's rotation cannot overflow and stays normal, so rot(x) * c is
@@ -144,12 +145,13 @@ def output_load_chunks(buf_ptr, first, chunk_bytes, payload_bytes, j, lg, gmask,
 
 @triton.jit
 def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr, HADAMARD: tl.constexpr,
-                  LANES: tl.constexpr):
-    """Decode, unrotate and store into the message ``y`` the groups of ``y_tile``
-    (:func:`tile.block_offsets`) of chunk ``j``. ``LANES``: ``contract.lane_layout`` of ``y``."""
+                  LANES: tl.constexpr, FLIPS: tl.constexpr = 0):
+    """Decode, unrotate (``FLIPS``: the signs flipped back) and store into the
+    message ``y`` the groups of ``y_tile`` (:func:`tile.block_offsets`) of
+    chunk ``j``. ``LANES``: ``contract.lane_layout`` of ``y``."""
     offs, c, live = y_tile
     SHUFFLE: tl.constexpr = lanes_hold(y_ptr.dtype.element_ty) and LANES
-    v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE)
+    v = decode_output(words, s, y_ptr.dtype.element_ty, G, HADAMARD, SHUFFLE, FLIPS)
     d, limit = block_shift(j, row_groups, cols, G)
     # the scalar added to the pointer first: one add per chunk
     tl.store((y_ptr + d) + offs, as_groups(v), mask=live & (c < limit))
@@ -157,15 +159,16 @@ def output_finish(words, s, y_ptr, y_tile, j, row_groups, cols, G: tl.constexpr,
 
 @triton.jit
 def consume_tile(x_ptr, fb_ptr, out_ptr, j, lg, row_groups, cols, msg_groups, chunk_numel, G: tl.constexpr,
-                 HADAMARD: tl.constexpr, LANES: tl.constexpr):
-    """out = x + rot(e) * OUTPUT_SCALE for groups ``lg`` of chunk ``j`` (e in
-    wire order), as ``quant.consume_reference``: saturated where x is finite;
-    ``LANES``: ``contract.lane_layout`` of ``x`` and ``out``."""
+                 HADAMARD: tl.constexpr, LANES: tl.constexpr, FLIPS: tl.constexpr = 0):
+    """out = x + flip(rot(e)) * OUTPUT_SCALE for groups ``lg`` of chunk ``j``
+    (e in wire order), as ``quant.consume_reference``: saturated where x is
+    finite; ``LANES``: ``contract.lane_layout`` of ``x`` and ``out``."""
     xi, xm = message_offsets(j, lg, group_rows(lg, row_groups), row_groups, cols, msg_groups, G)
     e = feedback_values(fb_ptr, load_feedback(fb_ptr, j * chunk_numel, lg, lg < msg_groups, G))
     if HADAMARD:
         SHUFFLE: tl.constexpr = lanes_hold(x_ptr.dtype.element_ty, fb_ptr.dtype.element_ty) and LANES
         e = fwht(e, G, SHUFFLE)
+    e = flip(e, FLIPS)
     x = to_f32(load_values(x_ptr, xi, xm, G))
     y = x + e * (2.0 ** LOG2_OUTPUT_SCALE)
     y = tl.where(tl.abs(x) == float("inf"), y, clamp_finite(y, x_ptr.dtype.element_ty))

@@ -104,6 +104,16 @@ def lane_layout(cols: int, tile_values: int, num_warps: int, *tensors: torch.Ten
                for t in tensors)
 
 
+def check_flips(flips: int, layout: WireLayout) -> int:
+    """A sign pattern of ``layout``'s groups (``rotation.sign_flips``): an
+    integer of at most ``group_size`` bits; returned as the plain int the
+    kernels' ``FLIPS`` constexpr takes."""
+    if not isinstance(flips, int) or isinstance(flips, bool) or not 0 <= flips < 1 << layout.group_size:
+        raise ValueError(f"flips={flips!r:.60}: expected a sign pattern of {layout.group_size} bits "
+                         "(rotation.sign_flips)")
+    return int(flips)
+
+
 def check_feedback(feedback: torch.Tensor, rows: int, layout: WireLayout) -> None:
     """A buffer of ``rows`` rows in one of ``quant``'s formats, long enough
     for the message's ``padded_numel`` values (int8: its blocks,

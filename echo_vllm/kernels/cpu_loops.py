@@ -30,6 +30,7 @@ import torch
 
 from .. import quant
 from ..quant import ALIGN_GROUPS, FEEDBACK_QMAX, WireLayout
+from ..rotation import sign_vector
 from . import contract
 
 try:
@@ -315,6 +316,7 @@ def _scratch(g):
 @_njit
 def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard,
                 prescale):
+    # prescale[k]: quant.input_scale times value k's sign (rotation.sign_vector): one exact product
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
@@ -322,8 +324,8 @@ def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb,
         j = gi // groups_per_chunk
         src, valid = _message_group(j, gi - j * groups_per_chunk, msg[0], msg[1], msg[2], g)
         _load_group(x, x_bf16, src, valid, u, ub, g)
-        for k in range(g):  # quant.input_scale (exact for 16-bit inputs)
-            u[k] = u[k] * prescale
+        for k in range(g):  # quant.input_scale (exact for 16-bit inputs), then the flip (exact)
+            u[k] = u[k] * prescale[k]
         if hadamard:
             _fwht(u, g)
         if has_fb and incoming:
@@ -368,24 +370,24 @@ def _clamp(v, big):
 
 
 @_njit
-def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard, big):
+def _output_all(gathered, p, out, out_bf16, msg, c, cb, pb, g, hadamard, signs, big):
     v, vb, _, _, _, one, one_bits = _scratch(g)
     for j in range(p):
         for lg in range(c // g):
-            # rot(q * OUTPUT_SCALE) * scale, saturated to +-big: quant.output_reference
+            # flip(rot(q * OUTPUT_SCALE) * scale), saturated to +-big: quant.output_reference
             s = _decode_group(gathered, j * cb, pb, lg, g, v, one, one_bits, False, False)
             for k in range(g):
                 v[k] = v[k] * OUTPUT_SCALE
             if hadamard:
                 _fwht(v, g)
             for k in range(g):
-                v[k] = _clamp(v[k] * s, big)
+                v[k] = _clamp(v[k] * s * signs[k], big)
             dst, valid = _message_group(j, lg, msg[0], msg[1], msg[2], g)
             _store_group(out, out_bf16, dst, valid, v, vb, g)
 
 
 @_njit
-def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard, big):
+def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard, signs, big):
     u, ub, e, eb, _, one, one_bits = _scratch(g)
     groups_per_chunk = c // g
     for gi in range(p * groups_per_chunk):
@@ -397,8 +399,8 @@ def _consume_row(x, x_bf16, msg, fb, fbq, fb_kind, out, p, c, g, hadamard, big):
         if hadamard:
             _fwht(e, g)
         _load_group(x, x_bf16, src, valid, u, ub, g)
-        for k in range(valid):  # x + rot(e) * OUTPUT_SCALE, saturated where x is finite
-            y = u[k] + e[k] * OUTPUT_SCALE
+        for k in range(valid):  # x + flip(rot(e)) * OUTPUT_SCALE, saturated where x is finite
+            y = u[k] + e[k] * signs[k] * OUTPUT_SCALE
             u[k] = y if abs(u[k]) == np.inf else _clamp(y, big)
         _store_group(out, x_bf16, src, valid, u, ub, g)
 
@@ -442,7 +444,13 @@ def _feedback_rows(feedback: torch.Tensor | None, rows: int):
     return feedback.numpy(), dummy_b, FB_F32
 
 
-def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out=None):
+def _signs(flips: int, layout: WireLayout) -> np.ndarray:
+    """``rotation.sign_vector`` of ``flips`` as the loops take it (fp32 +-1
+    per value of a group)."""
+    return sign_vector(contract.check_flips(flips, layout), layout.group_size).numpy()
+
+
+def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, flips=0, out=None):
     """CPU loop version of ``quant.stage1_reference`` (see ``kernels.stage1``)."""
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -454,7 +462,7 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, out
     fb, fbq, kind = _feedback_rows(feedback, rows)
     q, inv_q = _qmax(qmax)
     wire_np = wire.numpy()
-    c = _F(quant.input_scale(layout.group_size, bool(hadamard)))
+    c = _signs(flips, layout) * _F(quant.input_scale(layout.group_size, bool(hadamard)))
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
         _stage1_row(xr, x_bf16, contract.message_ints(layout), fb[r], fbq[r], kind,
@@ -487,7 +495,7 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
     return wire
 
 
-def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
+def output(gathered, layout: WireLayout, out_dtype, *, hadamard, flips=0, out=None):
     """CPU loop version of ``quant.output_reference`` (see ``kernels.output``)."""
     _require(gathered, out)
     contract.check_wire("gathered", gathered, (layout.world_size, layout.chunk_bytes))
@@ -498,7 +506,7 @@ def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
     dst = buf.numpy().view(np.uint16) if bf16 else buf.numpy()
     _output_all(gathered.numpy().reshape(-1), layout.world_size, dst, bf16, contract.message_ints(layout),
                 layout.chunk_numel, layout.chunk_bytes, layout.payload_bytes, layout.group_size, bool(hadamard),
-                _F(torch.finfo(out_dtype).max))
+                _signs(flips, layout), _F(torch.finfo(out_dtype).max))
     y = buf.view(torch.bfloat16) if bf16 else buf.to(out_dtype)
     if out is None:
         return y
@@ -506,7 +514,7 @@ def output(gathered, layout: WireLayout, out_dtype, *, hadamard, out=None):
     return out
 
 
-def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
+def consume(x, feedback, layout: WireLayout, *, hadamard, flips=0, out=None):
     """CPU loop version of ``quant.consume_reference`` (see ``kernels.consume``)."""
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -516,10 +524,11 @@ def consume(x, feedback, layout: WireLayout, *, hadamard, out=None):
     bf16 = x.dtype == torch.bfloat16
     res = torch.empty(rows, layout.numel, dtype=torch.int16 if bf16 else torch.float32)
     res_np = res.numpy().view(np.uint16) if bf16 else res.numpy()
+    signs = _signs(flips, layout)
     for r in range(rows):
         xr, _ = _as_loop_input(x[r])
         _consume_row(xr, bf16, contract.message_ints(layout), fb[r], fbq[r], kind, res_np[r], layout.world_size,
-                      layout.chunk_numel, layout.group_size, bool(hadamard), _F(torch.finfo(x.dtype).max))
+                      layout.chunk_numel, layout.group_size, bool(hadamard), signs, _F(torch.finfo(x.dtype).max))
     y = res.view(torch.bfloat16) if bf16 else res.to(x.dtype)
     if out is None:
         return y

@@ -266,7 +266,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
             P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
             HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
-            K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
+            K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False, FLIPS: tl.constexpr = 0):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
     its owner's ``recv`` slot ``rank``; the next chunk's loads (and its
     owner's buffer address) are issued before this chunk's arithmetic.
@@ -287,7 +287,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
                                        chunk_groups, G, HAS_FB, HAS_INCOMING)
                 dest_n = _peer_buffer(table_ptr, j_n)
             stage1_finish(x, e, fb_ptr, dest, rank * chunk_bytes, payload_bytes, j, lg,
-                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
+                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, FLIPS)
             if k + 1 < P:
                 x, e, j, dest = x_n, e_n, j_n, dest_n
 
@@ -317,7 +317,7 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, c
 @triton.jit
 def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, G: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, HADAMARD: tl.constexpr,
-            LANES: tl.constexpr):
+            LANES: tl.constexpr, FLIPS: tl.constexpr):
     """Decode every chunk's tiles from the local ``gathered`` area into y,
     the loads of the chunk after next issued before this chunk's arithmetic
     (a chunk's codes are only 6 bytes per lane: one ahead leaves too few
@@ -332,7 +332,7 @@ def _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_group
             if j + 2 < P:
                 w2, s2 = output_load(mine, gathered_offset + (j + 2) * chunk_bytes, payload_bytes, lg,
                                      chunk_groups, G)
-            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD, LANES)
+            output_finish(w0, s0, y_ptr, y_tile, j, row_groups, cols, G, HADAMARD, LANES, FLIPS)
             if j + 1 < P:
                 w0, s0 = w1, s1
             if j + 2 < P:
@@ -346,6 +346,7 @@ def _fused_kernel(
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr, LANES: tl.constexpr,
+    FLIPS: tl.constexpr,
 ):
     # one rank per launch (grid [programs, 1]), or every rank of one address
     # space in one launch (grid [programs, P], rank = program_id(1), the
@@ -360,7 +361,8 @@ def _fused_kernel(
     gathered_offset = gathered_offset.to(tl.int64)
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES,
+                FLIPS=FLIPS)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
@@ -370,18 +372,18 @@ def _fused_kernel(
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
         _phase3(y_ptr, table_ptr, rank, gathered_offset, row_groups, cols, msg_groups, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, G, BG, P, HADAMARD, LANES)
+                payload_bytes, n_tiles, G, BG, P, HADAMARD, LANES, FLIPS)
 
 
 @triton.jit
 def _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, step,
                    row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
                    RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, LANES: tl.constexpr,
-                   ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
+                   ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr):
     """One step of :func:`_phase3_norm`'s one-pass loop: ``ONE_PASS_ROWS`` rows of every chunk."""
     output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, step,
                      row_groups, cols, msg_groups, chunk_groups, eps, P, G, ONE_PASS_ROWS, RGP, HADAMARD, RESIDUAL,
-                     LANES, 1, False, ALIGNED, ONE_PASS_ROWS)
+                     LANES, 1, False, ALIGNED, ONE_PASS_ROWS, FLIPS)
 
 
 @triton.jit
@@ -389,7 +391,7 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
                  msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G: tl.constexpr,
                  P: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
                  RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr,
-                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr):
+                 DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr):
     """Phase 3 with the residual add and RMSNorm: each tile's whole rows
     from every chunk of the local ``gathered`` area (``rmsnorm_tile.output_norm_tile``,
     the composed output-norm kernel's device code)."""
@@ -402,12 +404,12 @@ def _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered
         for n in range(0, steps):
             _one_pass_step(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr,
                            res_out_ptr, (pid + (n // S) * programs) * S + n % S, row_groups, cols, msg_groups,
-                           chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS)
+                           chunk_groups, eps, P, G, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, ONE_PASS_ROWS, FLIPS)
     else:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             output_norm_tile(mine, gathered_offset, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
                              t, row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL,
-                             LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
+                             LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS, FLIPS)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "status_addr", "n_tiles"])
@@ -418,7 +420,7 @@ def _fused_norm_kernel(
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr,
 ):
     # :func:`_fused_kernel` with whole rows per tile in every phase (a
     # program reads in phase 3 only what its twins on the peers wrote) and
@@ -436,7 +438,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
                 chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, K,
-                RGP, ALIGNED)
+                RGP, ALIGNED, FLIPS)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
@@ -447,7 +449,7 @@ def _fused_norm_kernel(
     if PHASE == 0 or PHASE == 3:
         _phase3_norm(table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rank, gathered_offset, row_groups, cols,
                      msg_groups, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps, G, P, K, RGP, HADAMARD,
-                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS, FLIPS)
 
 
 # -- grid: size -> tile, warps, programs -------------------------------------------
@@ -588,7 +590,7 @@ def _launcher(num_warps: int, registers: int, norm: bool = False) -> Launcher:
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool) -> LaunchPlan:
+                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool, flips: int = 0) -> LaunchPlan:
     """``ints`` after :func:`launch_ints`' per-call ones:
     gathered_offset, :func:`contract.message_ints`, :func:`contract.chunk_ints`, tiles."""
     la = _launcher(tiling.num_warps, tiling.registers)
@@ -598,7 +600,7 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
         ints=(gathered_offset, *contract.message_ints(layout), *contract.chunk_ints(layout), tiling.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, BG=tiling.groups_per_tile, **contract.qmax_constants(qmax),
-            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, LANES=lanes,
+            HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, LANES=lanes, FLIPS=flips,
         ),
     )
 
@@ -606,7 +608,7 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int,
                       hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: int,
-                      lanes: bool) -> LaunchPlan:
+                      lanes: bool, flips: int = 0) -> LaunchPlan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``tiling.norm`` set)."""
     la = _launcher(tiling.num_warps, tiling.registers, True)
     t = tiling.norm
@@ -618,7 +620,7 @@ def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathe
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
             **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
-            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows,
+            DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows, FLIPS=flips,
         ),
     )
 
@@ -684,6 +686,7 @@ def fused_all_reduce(
     has_incoming: bool,
     tiling: FusedTiling,
     timeout_ns: int,
+    flips: int = 0,
     out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
     sms: int | None = None,
@@ -692,8 +695,8 @@ def fused_all_reduce(
 ) -> torch.Tensor:
     """One Echo all-reduce of this rank's ``x [1, numel]`` -> ``[numel]`` of
     ``x.dtype``, through the symmetric buffers ``table`` describes (see the
-    module docstring); ``feedback [1, >= padded_numel]`` as in
-    ``quant.stage1_reference`` / ``stage2_reference``.
+    module docstring); ``feedback [1, >= padded_numel]`` and ``flips`` (the
+    rotation's sign flips) as in ``quant.stage1_reference`` / ``stage2_reference``.
 
     ``x [P, numel]`` (with ``rank=0``, ``feedback [P, ...]``, ``out [P,
     numel]``) runs every rank of one address space in this one launch
@@ -725,7 +728,8 @@ def fused_all_reduce(
                          f"{tuple(out.shape)}")
     contract.check_device(x, feedback, table, out)
     lp = _launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
-                      bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out))
+                      bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out),
+                      contract.check_flips(flips, layout))
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
@@ -754,6 +758,7 @@ def fused_all_reduce_norm(
     has_incoming: bool,
     tiling: FusedTiling,
     timeout_ns: int,
+    flips: int = 0,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
@@ -769,8 +774,8 @@ def fused_all_reduce_norm(
     (whole rows per tile in every phase). ``residual`` (``[numel]``
     values, ``[P, numel]`` for every rank in one launch) gets the new
     residual in place unless ``residual_out`` is given; ``out`` likewise
-    shaped. ``x``, ``feedback``, ``phase``, ``sms``, ``status``: as
-    :func:`fused_all_reduce`'s."""
+    shaped. ``x``, ``feedback``, ``flips``, ``phase``, ``sms``, ``status``:
+    as :func:`fused_all_reduce`'s."""
     from .output_norm_kernel import check_norm_operands, residual_mode
 
     if tiling.norm is None:
@@ -784,7 +789,8 @@ def fused_all_reduce_norm(
     res_out = residual_out if residual_out is not None else out
     lp = _norm_launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                            bool(has_incoming), phase, residual_mode(residual, residual_out),
-                           tiling_lanes(tiling, layout, x, out, weight, res, res_out))
+                           tiling_lanes(tiling, layout, x, out, weight, res, res_out),
+                           contract.check_flips(flips, layout))
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
     tensors = (x, fb, table, res, weight, out, res_out)

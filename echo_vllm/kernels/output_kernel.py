@@ -23,27 +23,27 @@ from .tile import block_offsets, group_rows
 def _output_kernel(
     gathered_ptr, out_ptr, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, LANES: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, HADAMARD: tl.constexpr, LANES: tl.constexpr, FLIPS: tl.constexpr,
 ):
     j = tl.program_id(1)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     words, s = output_load(gathered_ptr, j.to(tl.int64) * chunk_bytes, payload_bytes, lg, chunk_groups, G)
     output_finish(words, s, out_ptr, block_offsets(lg, group_rows(lg, row_groups), cols, msg_groups, G), j,
-                  row_groups, cols, G, HADAMARD, LANES)
+                  row_groups, cols, G, HADAMARD, LANES, FLIPS)
 
 
 _LAUNCH = Launcher(_output_kernel, contract.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, hadamard: bool, lanes: bool) -> LaunchPlan:
+def _plan(layout: WireLayout, hadamard: bool, lanes: bool, flips: int) -> LaunchPlan:
     """``ints``: :func:`contract.message_ints`, then :func:`contract.chunk_ints`."""
     return LaunchPlan(
         launcher=_LAUNCH,
         grid=(contract.programs(layout), layout.world_size, 1),
         ints=(*contract.message_ints(layout), *contract.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(G=layout.group_size, BG=contract.groups_per_program(layout), HADAMARD=hadamard,
-                                      LANES=lanes),
+                                      LANES=lanes, FLIPS=flips),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -54,6 +54,7 @@ def output(
     out_dtype: torch.dtype,
     *,
     hadamard: bool,
+    flips: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of ``quant.output_reference``: ``gathered [P, chunk_bytes]``
@@ -67,7 +68,8 @@ def output(
             f"out: expected {layout.numel} contiguous {out_dtype} values, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
-    plan = _plan(layout, bool(hadamard), contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, out))
+    lanes = contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, out)
+    plan = _plan(layout, bool(hadamard), lanes, contract.check_flips(flips, layout))
     contract.check_wire("gathered", gathered, plan.wire_shape)
     contract.check_device(gathered, out)
     plan.launcher(plan.grid, (gathered, out), plan.ints, plan.constexprs)

@@ -31,11 +31,11 @@ def _output_norm_kernel(
     row_groups, cols, msg_groups, chunk_groups, chunk_bytes, payload_bytes, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
-    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr,
+    ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr,
 ):
     output_norm_tile(gathered_ptr, 0, chunk_bytes.to(tl.int64), payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      tl.program_id(0), row_groups, cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD,
-                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS)
+                     RESIDUAL, LANES, STEP, DECODE_ONCE, ALIGNED, ONE_PASS_ROWS, FLIPS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,7 +46,7 @@ def _launcher(num_warps: int) -> Launcher:
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: int,
-          lanes: bool) -> LaunchPlan:
+          lanes: bool, flips: int = 0) -> LaunchPlan:
     """``ints``: :func:`contract.message_ints`' ``row_groups, cols, msg_groups``,
     then ``chunk_groups, chunk_bytes, payload_bytes``."""
     la = _launcher(tiling.num_warps)
@@ -60,7 +60,7 @@ def _plan(layout: WireLayout, tiling: NormTiling, hadamard: bool, residual: int,
                                  RGP=tiling.padded_row_groups, HADAMARD=hadamard, RESIDUAL=residual,
                                  LANES=lanes, STEP=tiling.chunks_per_step,
                                  DECODE_ONCE=tiling.decode_once, ALIGNED=tiling.aligned,
-                                 ONE_PASS_ROWS=tiling.one_pass_rows),
+                                 ONE_PASS_ROWS=tiling.one_pass_rows, FLIPS=flips),
         wire_shape=(layout.world_size, layout.chunk_bytes),
     )
 
@@ -128,6 +128,7 @@ def output_norm(
     eps: float,
     *,
     hadamard: bool,
+    flips: int = 0,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
@@ -149,7 +150,8 @@ def output_norm(
     res = residual if residual is not None else out  # unused pointers without a residual
     rows = (out, weight, res, residual_out if residual_out is not None else out)
     lanes = contract.lane_layout(layout.cols, tiling.groups_per_tile * layout.group_size, tiling.num_warps, *rows)
-    plan = _plan(layout, tiling, bool(hadamard), residual_mode(residual, residual_out), lanes)
+    plan = _plan(layout, tiling, bool(hadamard), residual_mode(residual, residual_out), lanes,
+                 contract.check_flips(flips, layout))
     contract.check_wire("gathered", gathered, plan.wire_shape)
     contract.check_device(gathered, weight, residual, out, residual_out)
     plan.launcher(plan.grid, (gathered, res, weight, out, residual_out if residual_out is not None else out),

@@ -209,7 +209,8 @@ def _store_rows(x, rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT: tl.con
 @triton.jit
 def _second_pass_decoded(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd, offs,
                          c, live, lg, row_groups, cols, chunk_groups, P: tl.constexpr, G: tl.constexpr,
-                         HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, SHUFFLE: tl.constexpr):
+                         HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, SHUFFLE: tl.constexpr,
+                         FLIPS: tl.constexpr):
     """Pass 2, decoding every chunk again (its bytes back from L1/L2). A kept
     loop, the next chunk's loads issued before this one's arithmetic, masked
     off after the last."""
@@ -222,7 +223,7 @@ def _second_pass_decoded(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_
         words_n, s_n, r_n, m_n = _chunk_in(buf_ptr, first + jn * chunk_bytes, payload_bytes, res_ptr, offs, c,
                                            live & more, lg, jn, row_groups, cols, tl.where(more, chunk_groups, 0),
                                            G, RESIDUAL, DROP)
-        x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE), r, RESIDUAL)
+        x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE, FLIPS), r, RESIDUAL)
         d, _ = block_shift(j, row_groups, cols, G)
         _store_rows(x, rstd, d, offs, c, m, w_ptr, out_ptr, res_out_ptr, OUT, G, RESIDUAL)
         words, s, r, m = words_n, s_n, r_n, m_n
@@ -258,7 +259,7 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
                      row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
                      K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
                      LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr, ALIGNED: tl.constexpr,
-                     ONE_PASS_ROWS: tl.constexpr):
+                     ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr = 0):
     """Tile ``t``'s ``K`` rows (:func:`tile_groups`) from the gathered
     chunks at bytes ``first + j * chunk_bytes`` of ``buf_ptr``: the new
     residual into ``res_out_ptr`` (``RESIDUAL`` not ``NO_RESIDUAL``; with
@@ -267,22 +268,24 @@ def output_norm_tile(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr,
     ``contract.lane_layout`` of the rows' tensors (else the decode takes the
     layout-agnostic butterflies, same bits). ``ONE_PASS_ROWS`` > 0 (``==
     K``): in one pass (:func:`_one_pass`); 0: two passes
-    (:func:`_two_passes`, ``STEP`` and ``DECODE_ONCE``)."""
+    (:func:`_two_passes`, ``STEP`` and ``DECODE_ONCE``). ``FLIPS``: the
+    rotation's sign flips (``tile.flip``), undone in the decode."""
     if ONE_PASS_ROWS > 0:
         tl.static_assert(K == ONE_PASS_ROWS, "one pass: callers give tiles of ONE_PASS_ROWS rows")
         _one_pass(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, t, row_groups,
-                  cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED)
+                  cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES, ALIGNED, FLIPS)
     else:
         lg = tile_groups(t, K * RGP, row_groups, chunk_groups, K, RGP, ALIGNED)
         _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg, row_groups,
-                    cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES, STEP, DECODE_ONCE)
+                    cols, msg_groups, chunk_groups, eps, P, G, K, RGP, HADAMARD, RESIDUAL, LANES, STEP, DECODE_ONCE,
+                    FLIPS)
 
 
 @triton.jit
 def _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, lg,
                 row_groups, cols, msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr,
                 K: tl.constexpr, RGP: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr,
-                LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr):
+                LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr, FLIPS: tl.constexpr):
     """:func:`output_norm_tile` of groups ``lg`` in two passes over the
     chunks, so that a thread holds one chunk's values
     at a time and never the row: the first decodes ``STEP`` chunks at a
@@ -312,7 +315,7 @@ def _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_
                                        tl.where(ok, chunk_groups, 0), G, RESIDUAL, KEEP),)
         for u in tl.static_range(STEP):
             words, s, r, m = loads[u]
-            a = decode_output(words, s, OUT, G, HADAMARD, SHUFFLE)
+            a = decode_output(words, s, OUT, G, HADAMARD, SHUFFLE, FLIPS)
             if DECODE_ONCE:  # read back by pass 2, which then decodes nothing
                 d, _ = block_shift(j0 + u, row_groups, cols, G)
                 store_values(out_ptr + d, offs, m, a)
@@ -341,7 +344,8 @@ def _two_passes(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_
                             RESIDUAL)
     else:
         _second_pass_decoded(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd,
-                             offs, c, live, lg, row_groups, cols, chunk_groups, P, G, HADAMARD, RESIDUAL, SHUFFLE)
+                             offs, c, live, lg, row_groups, cols, chunk_groups, P, G, HADAMARD, RESIDUAL, SHUFFLE,
+                             FLIPS)
 
 
 # -- one pass: a step's rows of every chunk at once ---------------------------------
@@ -437,13 +441,14 @@ def _step_in(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, t, row_
 
 @triton.jit
 def _step_out(words, s, r, w, start, offs, m, out_ptr, res_out_ptr, cols, eps, PP: tl.constexpr, RGP: tl.constexpr,
-              G: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, SHUFFLE: tl.constexpr):
+              G: tl.constexpr, HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, SHUFFLE: tl.constexpr,
+              FLIPS: tl.constexpr):
     """Decode a step's loads (:func:`_step_in`), add the residual, and store
     the new residual and the normalised, weighted rows: the same
     instructions per value as :func:`_two_passes`, so the same bits."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
     R: tl.constexpr = words.shape[0] // (PP * RGP)
-    x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE), r, RESIDUAL)
+    x = _plus_residual(decode_output(words, s, OUT, G, HADAMARD, SHUFFLE, FLIPS), r, RESIDUAL)
     sq = lane_sums(tl.where(as_lanes(m, G), x * x, 0.0))  # padding lanes and columns past the row: not in the row
     mx = step_row_max(sq, PP, R)
     finite, k, up = row_scale(mx)
@@ -457,7 +462,8 @@ def _step_out(words, s, r, w, start, offs, m, out_ptr, res_out_ptr, cols, eps, P
 @triton.jit
 def _one_pass(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_ptr, res_out_ptr, t, row_groups, cols,
               msg_groups, chunk_groups, eps, P: tl.constexpr, G: tl.constexpr, R: tl.constexpr, RGP: tl.constexpr,
-              HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, LANES: tl.constexpr, ALIGNED: tl.constexpr):
+              HADAMARD: tl.constexpr, RESIDUAL: tl.constexpr, LANES: tl.constexpr, ALIGNED: tl.constexpr,
+              FLIPS: tl.constexpr):
     """:func:`output_norm_tile` in one pass: tile ``t``'s ``R`` rows of every
     chunk decoded, added, summed and stored together (a thread holds ``P * R
     * RGP * G`` values over the program's threads: few enough where
@@ -473,4 +479,4 @@ def _one_pass(buf_ptr, first, chunk_bytes, payload_bytes, res_ptr, w_ptr, out_pt
                                               row_groups, cols, msg_groups, chunk_groups, P, PP, G, R, RGP,
                                               RESIDUAL, ALIGNED)
     _step_out(words, s, r, w, start, offs, m, out_ptr, res_out_ptr, cols, eps, PP, RGP, G, HADAMARD, RESIDUAL,
-              SHUFFLE)
+              SHUFFLE, FLIPS)

@@ -488,6 +488,52 @@ def fwht(v, G: tl.constexpr, SHUFFLE: tl.constexpr = False, PRESCALE: tl.constex
     return v
 
 
+# -- sign flips --------------------------------------------------------------
+#
+# ``FLIPS`` (``rotation.sign_flips``: bit ``i`` set where value ``i`` of every
+# group is negated) is a compile-time constant: a lane's eight sign bits are
+# its byte of the pattern (lane ``l`` holds values ``8 l .. 8 l + 7``), built
+# per lane from ``tl.arange`` and constants (loop-invariant: computed once per
+# program), and a value is flipped by one XOR of its sign bit -- exactly the
+# reference's product by -1, but for the sign of a NaN, which the
+# comparisons ignore. ``FLIPS = 0`` compiles to nothing.
+
+
+@triton.constexpr_function
+def _flip_word(FLIPS: int, i: int) -> int:
+    """Bits ``32 i .. 32 i + 31`` of ``FLIPS`` (lanes ``4 i .. 4 i + 3``'s
+    bytes) as a signed int32."""
+    w = (FLIPS >> (32 * i)) & 0xFFFFFFFF
+    return w - (1 << 32) if w >> 31 else w
+
+
+@triton.jit
+def _flip_masks(FLIPS: tl.constexpr, L: tl.constexpr):
+    """uint32 ``[1, L, V]``: the fp32 sign bit where ``FLIPS`` flips value
+    ``k`` of lane ``l`` (bit ``8 l + k``), else 0."""
+    lane = tl.arange(0, L)[None, :]
+    w = tl.full(lane.shape, _flip_word(FLIPS, 0), tl.int32)
+    for i in tl.static_range(1, L // 4):
+        w = tl.where((lane >> 2) == i, _flip_word(FLIPS, i), w)
+    b = (w >> ((lane & 3) * 8)).to(tl.uint32, bitcast=True)  # bit k: value k of the lane
+    return _values8(b << 31, b << 30, b << 29, b << 28, b << 27, b << 26, b << 25, b << 24) & 0x80000000
+
+
+@triton.jit
+def flip(v, FLIPS: tl.constexpr):
+    """``v [BG, L, V]`` (fp32 or a 16-bit float) with value ``i`` of every
+    group negated where ``FLIPS`` has bit ``i`` set, as ``quant._flip``;
+    ``v`` itself for ``FLIPS = 0``."""
+    if FLIPS != 0:
+        m = _flip_masks(FLIPS, v.shape[1])
+        if v.dtype == tl.float32:
+            return (v.to(tl.uint32, bitcast=True) ^ m).to(tl.float32, bitcast=True)
+        else:
+            return (v.to(tl.uint16, bitcast=True) ^ (m >> 16).to(tl.uint16)).to(v.dtype, bitcast=True)
+    else:
+        return v
+
+
 # -- quantization ------------------------------------------------------------
 
 
@@ -832,17 +878,18 @@ def _decode_output_bf16(words, s, G: tl.constexpr, HADAMARD: tl.constexpr):
 
 @triton.jit
 def decode_output(words, s, dtype: tl.constexpr, G: tl.constexpr, HADAMARD: tl.constexpr,
-                  SHUFFLE: tl.constexpr = False):
+                  SHUFFLE: tl.constexpr = False, FLIPS: tl.constexpr = 0):
     """The values ``[BG, L, V]`` of gathered groups (``words``, ``s`` as
     :func:`load_chunk_groups` returns them) as ``quant.output_reference``,
     in ``dtype``: ``fwht(2 q) * scale`` with rotation, else ``2 q * scale``
-    (``quant.OUTPUT_SCALE``; each exact until this one product), saturated
-    to ``dtype`` (:func:`saturate`); compiled, bf16 of groups up to 32 in
-    bf16x2 (:func:`_decode_output_bf16`)."""
+    (``quant.OUTPUT_SCALE``; each exact until this one product), the signs
+    ``FLIPS`` flipped back (:func:`flip`), saturated to ``dtype``
+    (:func:`saturate`: symmetric, so flipping after it is the same);
+    compiled, bf16 of groups up to 32 in bf16x2 (:func:`_decode_output_bf16`)."""
     if COMPILED and SHUFFLE and dtype == tl.bfloat16 and G <= 32:
-        return _decode_output_bf16(words, s, G, HADAMARD)
+        return flip(_decode_output_bf16(words, s, G, HADAMARD), FLIPS)
     else:
         q = codes_of(words, LOG2_OUTPUT_SCALE)
         if HADAMARD:
             q = fwht(q, G, SHUFFLE)
-        return saturate(q * s[:, :, None], dtype, SHUFFLE)
+        return saturate(flip(q * s[:, :, None], FLIPS), dtype, SHUFFLE)

@@ -46,6 +46,14 @@ FIELDS = [f.name for f in dataclasses.fields(EchoConfig)]
     ({"min_bytes": MAX_MESSAGE_BYTES + 1}, "min_bytes=4611686018427387905: must be an integer from 0 to "
                                            "4611686018427387904 (2^62: byte counts stay int64"),
     ({"first_exact_calls": 10**9}, "first_exact_calls=1000000000: must be an integer from 0 to 65536"),
+    ({"rotation_seed": -1}, "rotation_seed=-1: must be an integer from 0 to 9223372036854775807 (seeds are int64)"),
+    ({"rotation_seed": MAX_SEED + 1}, "rotation_seed=9223372036854775808: must be an integer from 0 to"),
+    ({"rotation_seed": True}, "rotation_seed=True: must be an integer"),
+    ({"rotation_seed": 2.0}, "rotation_seed=2.0: must be an integer"),
+    ({"rotation_seed": "3"}, "rotation_seed='3': must be an integer"),
+    ({"rotation_seed": 3, "hadamard": False}, "rotation_seed=3 with hadamard=False: the seed picks the signs "
+                                              "flipped before the Hadamard rotation, and without one it changes "
+                                              "nothing"),
 ])
 def test_the_python_api_refuses_bad_values_by_name(kwargs, message):
     with pytest.raises(EchoConfigError) as info:
@@ -53,6 +61,13 @@ def test_the_python_api_refuses_bad_values_by_name(kwargs, message):
     assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(EchoConfigError):  # replace() builds through the same checks
         EchoConfig().replace(**kwargs)
+
+
+def test_rotation_seeds_read_from_text_and_span_int64():
+    assert EchoConfig.from_mapping({"echo_rotation_seed": "12"}, prefix="echo_").rotation_seed == 12
+    assert EchoConfig(rotation_seed=MAX_SEED).rotation_seed == MAX_SEED
+    assert EchoConfig().rotation_seed == 0  # the shipped rotation
+    assert EchoConfig.naive().rotation_seed == 0  # no rotation, no seed
 
 
 def test_an_echo_config_error_is_a_value_error_and_a_usage_error():
@@ -129,6 +144,8 @@ def test_configs_still_copy_and_pickle():
     ({"seed": 3.7}, "", "seed=3.7: expected an integer"),
     ({"seed": "9223372036854775808"}, "", "seed=9223372036854775808: must be an integer from 0 to"),
     ({"first_exact_calls": True}, "", "first_exact_calls=True: expected an integer"),
+    ({"rotation_seed": "7k"}, "", "rotation_seed='7k': expected an integer (size suffixes"),
+    ({"echo_rotation_seed": "-2"}, "echo_", "rotation_seed=-2: must be an integer from 0 to"),
     ({"feedback": None}, "", "feedback=None: expected a boolean"),
     ({"feedback": 2}, "", "feedback=2: expected a boolean"),
     ({"rounding": 1}, "", "rounding=1: expected text"),

@@ -45,6 +45,16 @@ def test_int8_feedback_keeps_rows_independent(backend, world, hidden, group):
                                   feedback_dtype="int8") == 8
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("world,hidden,group,rotation_seed", [(3, 333, 32, 1), (4, 96, 16, 2), (8, 1000, 64, 3)])
+def test_a_rotation_seed_keeps_rows_independent(backend, world, hidden, group, rotation_seed):
+    """The sign flips depend on a value's column alone (its place in its group)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    assert check_rows_independent(world, hidden, group, torch.bfloat16, backend=backend, seed=world + hidden,
+                                  rotation_seed=rotation_seed) == 8
+
+
 def test_without_hadamard_too():
     assert check_rows_independent(4, 333, 32, torch.bfloat16, backend="reference", hadamard=False) == 8
 

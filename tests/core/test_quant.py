@@ -317,3 +317,44 @@ def test_a_scale_that_would_round_to_bf16_infinity_makes_the_group_non_finite():
     codes, scales, err = quantize_groups(u, QMAX, shift=3)
     assert torch.isnan(scales[0].float()) and (codes[0] == 8).all() and (err[0] == 0).all()
     assert torch.isfinite(scales[1].float()) and quant.BF16_SCALE_LIMIT == float.fromhex("0x1.ff0000p+127")
+
+
+def test_no_flip_is_the_identity_on_every_float():
+    """``_flip`` with pattern 0 (seed 0) multiplies by +1: every fp32 bit
+    pattern a stage can hold comes back unchanged (NaNs quiet, as every
+    stage's values are after a product), so seed 0 is the rotation of
+    before the seed existed, bit for bit."""
+    from echo_vllm import quant
+
+    bits = torch.randint(-2**31, 2**31, (1 << 16,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    v = bits.to(torch.int32).view(torch.float32) * 1.0  # quiet any signalling NaN, as a stage's product does
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 3.4e38])
+    v = torch.cat((v[:-8], specials)).reshape(-1, 32)
+    for g in (16, 32):
+        assert torch.equal(quant._flip(v, 0, g).view(torch.int32), v.view(torch.int32))
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_seed_0_references_are_those_without_flips(monkeypatch, hadamard):
+    """Every reference stage with ``flips=0`` gives the bits it gives with
+    the flip taken out (``_flip`` replaced by the identity): the code of
+    before the rotation seed, on values that include NaN, infinities,
+    signed zeros and subnormals."""
+    from echo_vllm import quant
+
+    lay = WireLayout(3 * 77, 3, 16, 77)
+    x = torch.randn(3, lay.numel) * torch.exp(3 * torch.randn(3, lay.numel))
+    x.view(-1)[[0, 5, 40, 99, 130]] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, -3e38])
+    x = x.bfloat16()
+
+    def chain():
+        fb = 1e-2 * torch.randn(3, lay.padded_numel, generator=torch.Generator().manual_seed(1))
+        wire = quant.stage1_reference(x, fb, lay, hadamard=hadamard, has_incoming=True)
+        q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb, [0, 1, 2], lay)
+        return (wire, q2, fb, quant.output_reference(q2, lay, torch.bfloat16, hadamard=hadamard),
+                quant.consume_reference(x, fb, lay, hadamard=hadamard))
+
+    seeded = chain()
+    monkeypatch.setattr(quant, "_flip", lambda v, flips, g: v)
+    for a, b in zip(seeded, chain()):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -52,24 +52,28 @@ QMAX = 7
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reference_chain(xs, fb, layout, *, hadamard, incoming):
+def reference_chain(xs, fb, layout, *, hadamard, incoming, flips=0):
     """The composed pipeline for P ranks (``xs [P, numel]``; ``fb [P, ...]``
-    or None, updated in place): ``(wire [P, P, B], q2 [P, B], y [numel])``."""
-    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    or None, updated in place; ``flips``: the rotation's sign flips):
+    ``(wire [P, P, B], q2 [P, B], y [numel])``."""
+    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
     q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb, list(range(layout.world_size)), layout,
                                 qmax=QMAX)
-    return wire, q2, quant.output_reference(q2, layout, xs.dtype, hadamard=hadamard)
+    return wire, q2, quant.output_reference(q2, layout, xs.dtype, hadamard=hadamard, flips=flips)
 
 
 # -- every phase of every rank, one at a time ------------------------------------------
 
 
 def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, incoming, tile_groups, programs,
-                            special=False, pattern=None):
+                            special=False, pattern=None, rotation_seed=0):
     from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.rotation import sign_flips
 
     lay = WireLayout(numel, world, group, cols)
-    tag = f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming}"
+    flips = sign_flips(rotation_seed, group)
+    tag = (f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming} "
+           f"rotation seed {rotation_seed}")
     if pattern is None:
         x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
     else:  # the edges of the range (support.extremes)
@@ -85,18 +89,18 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
         b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
     tiling = fk.FusedTiling(tile_groups, 2, programs)
     ys = [torch.empty(numel, dtype=x.dtype, device=DEVICE) for _ in range(world)]
-    wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
+    wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips)
     fb_after = {1: None, 2: fb_ref}
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
-        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
         fb_after[1] = fb1
     n = world * lay.chunk_bytes
     for phase in (1, 2, 3):
         for r in range(world):
             fk.fused_all_reduce(x[r:r + 1], fbs[r], table, lay, rank=r, gathered_offset=world * cb, qmax=QMAX,
-                                hadamard=hadamard, has_incoming=incoming, tiling=tiling, timeout_ns=0, out=ys[r],
-                                phase=phase)
+                                hadamard=hadamard, has_incoming=incoming, tiling=tiling, timeout_ns=0, flips=flips,
+                                out=ys[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 recv = bufs[r][:n].view(world, lay.chunk_bytes)
@@ -129,6 +133,16 @@ PHASE_CASES = [
 def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups, programs):
     in_kernel_process(_phases_match_reference, numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups,
                       programs)
+
+
+#: PHASE_CASES under a rotation seed: every group size, both 16-bit inputs and fp32, int8 feedback.
+FLIP_PHASE_CASES = [(c, seed) for seed, c in enumerate((PHASE_CASES[1], PHASE_CASES[2], PHASE_CASES[4],
+                                                        PHASE_CASES[6], PHASE_CASES[7]), start=1)]
+
+
+@pytest.mark.parametrize("case,rotation_seed", FLIP_PHASE_CASES, ids=str)
+def test_phases_under_a_rotation_seed_match_reference(case, rotation_seed):
+    in_kernel_process(_phases_match_reference, *case, rotation_seed=rotation_seed)
 
 
 @pytest.mark.parametrize("fb", ["fp32", "int8"])

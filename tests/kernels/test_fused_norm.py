@@ -29,19 +29,21 @@ QMAX = 7
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
                        w_dt=None, special=False, aligned=None, one_pass_rows=0, keep=False,
-                       decode_once=True):
+                       decode_once=True, rotation_seed=0):
     """``keep`` (without ``residual``): Echo's output also written into a
     buffer of its own (a decoder's first norm's next residual)."""
     from echo_vllm.kernels import fused_kernel as fk
+    from echo_vllm.rotation import sign_flips
 
     dtype = DTYPES[dt]
+    flips = sign_flips(rotation_seed, group)
     lay = WireLayout(rows * cols, world, group, cols)
     plan = norm_tiling(lay)[0]
     aligned = plan.aligned if aligned is None else aligned
     tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
                         decode_once=decode_once)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows} keep={keep} decode once={decode_once}")
+           f"one pass={one_pass_rows} keep={keep} decode once={decode_once} rotation seed {rotation_seed}")
     assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
@@ -60,16 +62,17 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     fb1 = None
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
-        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
-    wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming)
-    want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard)
-    want_kept = quant.output_reference(q2, lay, dtype, hadamard=hadamard)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
+    wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips)
+    want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard, flips=flips)
+    want_kept = quant.output_reference(q2, lay, dtype, hadamard=hadamard, flips=flips)
     n = world * lay.chunk_bytes
     for phase in (1, 2, 3):
         for r in range(world):
             got_out, got_res = fk.fused_all_reduce_norm(
                 x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
-                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, out=outs[r],
+                qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, flips=flips,
+                out=outs[r],
                 residual_out=kept[r], phase=phase)
         for r in range(world):
             if phase == 1:
@@ -117,6 +120,14 @@ def test_norm_phases_match_reference(rows, cols, world, group, dt, fb, hadamard,
     tile of a program in one loop)."""
     in_kernel_process(_norm_phases_match, rows, cols, world, group, dt, fb, hadamard, incoming, tile_rows, programs,
                       one_pass_rows=0 if passes == "two" else max(1, tile_rows // 2))
+
+
+@pytest.mark.parametrize("passes", ["two", "one"])
+@pytest.mark.parametrize("case,rotation_seed", [(NORM_PHASE_CASES[0], 1), (NORM_PHASE_CASES[2], 2),
+                                                (NORM_PHASE_CASES[6], 3)], ids=str)
+def test_norm_phases_under_a_rotation_seed_match_reference(case, rotation_seed, passes):
+    in_kernel_process(_norm_phases_match, *case, rotation_seed=rotation_seed,
+                      one_pass_rows=0 if passes == "two" else max(1, case[8] // 2))
 
 
 #: Phase 3's paths: two passes (Echo's output read back, or decoded twice), one pass.

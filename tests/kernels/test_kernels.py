@@ -214,19 +214,21 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 
 
 def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
-                    cols=0):
+                    cols=0, flips=0):
     """One Echo call for ``world`` virtual ranks: every kernel against its
-    reference on identical inputs, each stage fed the reference's output."""
+    reference on identical inputs, each stage fed the reference's output;
+    ``flips``: the rotation's sign flips (``rotation.sign_flips``)."""
     device = "cpu" if impl == "cpu" else DEVICE
     K = stages(impl)
     lay = WireLayout(numel, world, group, cols)
     x = _values((world, numel), seed, special=special).to(dtype).to(device)
     fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
-    tag = f"{impl} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} fb={fb_dtype}"
+    tag = (f"{impl} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} "
+           f"fb={fb_dtype} flips={flips:#x}")
 
-    wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
-    wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming)
+    wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
+    wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
     assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
@@ -239,13 +241,13 @@ def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype,
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
 
-    y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
-    y = K.output(q2_ref, lay, dtype, hadamard=hadamard)
+    y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard, flips=flips)
+    y = K.output(q2_ref, lay, dtype, hadamard=hadamard, flips=flips)
     assert_same_bits(y, y_ref, f"output [{tag}]", nan_any=True)
 
     if fb_ref is not None:
-        c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard)
-        c = K.consume(x, fb_ref, lay, hadamard=hadamard)
+        c_ref = quant.consume_reference(x, fb_ref, lay, hadamard=hadamard, flips=flips)
+        c = K.consume(x, fb_ref, lay, hadamard=hadamard, flips=flips)
         assert_same_bits(c, c_ref, f"consume [{tag}]", nan_any=True)
 
 
@@ -375,6 +377,51 @@ def _special_values_match_reference(dt, hadamard, fb):
                                             ("fp32", True, "fp32"), ("bf16", True, "int8"), ("fp32", False, "int8")])
 def test_special_values_match_reference(dt, hadamard, fb):
     in_kernel_process(_special_values_match_reference, dt, hadamard, fb)
+
+
+#: Cases under a rotation seed's sign flips (``rotation.sign_flips``): every
+#: group size (its pattern is as wide as the group), every input dtype,
+#: the fp16 path that folds the input scale into the carried error's add,
+#: several rows, int8 feedback, one without the Hadamard (the flips then
+#: change codes, not values), special values.
+FLIP_CASES = [
+    # rows, cols, P, g, dtype, hadamard, incoming, fb dtype, rotation seed, special
+    (1, 31 * 16 + 5, 2, 16, "fp16", True, True, "fp32", 1, False),
+    (5, 256, 3, 32, "bf16", True, True, "bf16", 2, False),
+    (3, 96, 4, 32, "fp16", True, True, "bf16", 3, True),
+    (4, 576, 3, 128, "fp32", True, False, "fp32", 4, False),
+    (7, 333, 3, 64, "bf16", True, True, "int8", 5, False),
+    (2, 1000, 2, 32, "bf16", False, True, "fp32", 6, True),
+    (1, 41 * 32 + 9, 2, 32, "fp32", True, True, "int8", 7, True),
+]
+
+
+def _flips_case(rows, cols, world, group, dt, hadamard, incoming, fb, rotation_seed, special, impl):
+    from echo_vllm.rotation import sign_flips
+
+    run_and_compare(rows * cols, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
+                    fb_dtype=FB_DTYPES.get(fb), seed=rows + cols, special=special, impl=impl, cols=cols,
+                    flips=sign_flips(rotation_seed, group))
+
+
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
+@pytest.mark.parametrize("rows,cols,world,group,dt,hadamard,incoming,fb,rotation_seed,special", FLIP_CASES)
+def test_sign_flips_match_reference(impl, rows, cols, world, group, dt, hadamard, incoming, fb, rotation_seed, special):
+    """Every stage under a rotation seed, kernels and numba loops against the references."""
+    run_impl(impl, _flips_case, rows, cols, world, group, dt, hadamard, incoming, fb, rotation_seed, special, impl)
+
+
+def _a_bad_sign_pattern_is_refused(impl):
+    lay = WireLayout(64, 2, 32)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=_device(impl))
+    for flips in (-1, 1 << 32, 2.0, True):
+        with pytest.raises(ValueError, match=r"flips=.*: expected a sign pattern of 32 bits"):
+            kernels(impl).stage1(x, None, lay, qmax=QMAX, hadamard=True, has_incoming=False, flips=flips)
+
+
+@pytest.mark.parametrize("impl", ["triton", "cpu"])
+def test_a_bad_sign_pattern_is_refused(impl):
+    run_impl(impl, _a_bad_sign_pattern_is_refused, impl)
 
 
 def _decode_of_arbitrary_bytes_matches_reference(group, impl):
@@ -512,17 +559,18 @@ def test_a_row_too_wide_for_int32_columns_is_refused():
     assert contract.message_ints(ok) == (ok.row_groups, ok.cols, ok.rows * ok.row_groups)
 
 
-def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32"):
+def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32", rotation_seed=0):
     """A chain of Echo calls (StackedCommunicator over virtual ranks, feedback
     carried) gives the same bits on the ``triton`` (or ``numba``) backend as
-    on the references: layouts, buffers and backends agree end to end."""
+    on the references: layouts, buffers, backends and the rotation seed
+    agree end to end."""
     from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 
     world, shape, device = 3, (5, 77), _device(mode)
     results = {}
     for m in ("reference", mode):
         cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m,
-                         feedback_dtype=feedback_dtype)
+                         feedback_dtype=feedback_dtype, rotation_seed=rotation_seed)
         # the exact path hands back its input, the carried error absorbed
         ar = StackedCommunicator(cfg, VirtualTransport(world), device=device, exact_all_reduce=lambda xs: xs)
         assert ar.backend(torch.device(device)).name == cfg.backend
@@ -540,9 +588,11 @@ def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float
     assert_same_bits(results[mode][1], results["reference"][1], "absorb", nan_any=True)
 
 
-@pytest.mark.parametrize("mode,feedback_dtype", [("triton", "float32"), ("triton", "int8"), ("cpu", "float32")])
-def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype):
-    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode, feedback_dtype)
+@pytest.mark.parametrize("mode,feedback_dtype,rotation_seed", [("triton", "float32", 0), ("triton", "int8", 0),
+                                                                ("cpu", "float32", 0), ("triton", "bfloat16", 3),
+                                                                ("cpu", "int8", 4)])
+def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype, rotation_seed):
+    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode, feedback_dtype, rotation_seed)
 
 
 @needs_numba
@@ -1015,18 +1065,21 @@ def test_direct_launches_give_the_reference_bits_on_gpu():
 # -- batch invariance through the kernels ------------------------------------------
 
 
-def _rows_independent(world, hidden, group, dtype, device):
+def _rows_independent(world, hidden, group, dtype, device, rotation_seed=0):
     from support.invariance import check_rows_independent
 
     return check_rows_independent(world, hidden, group, dtype, backend="triton", device=device,
-                                  tokens_a=2, tokens_b=3, calls=3, exact_at=1, seed=world * hidden)
+                                  tokens_a=2, tokens_b=3, calls=3, exact_at=1, seed=world * hidden,
+                                  rotation_seed=rotation_seed)
 
 
-@pytest.mark.parametrize("world,hidden,group,dt", [(3, 333, 16, "fp16"), (4, 200, 32, "bf16")])
-def test_kernels_keep_rows_independent(world, hidden, group, dt):
+@pytest.mark.parametrize("world,hidden,group,dt,rotation_seed", [(3, 333, 16, "fp16", 0), (4, 200, 32, "bf16", 0),
+                                                                 (3, 200, 32, "bf16", 9)])
+def test_kernels_keep_rows_independent(world, hidden, group, dt, rotation_seed):
     """Rows of A alone == rows of A inside [A; B] and [B; A] through the Triton
-    kernels, call after call (feedback carried, an exact call absorbing it)."""
-    assert in_kernel_process(_rows_independent, world, hidden, group, DTYPES[dt], DEVICE) == 6
+    kernels, call after call (feedback carried, an exact call absorbing it),
+    under a rotation seed too."""
+    assert in_kernel_process(_rows_independent, world, hidden, group, DTYPES[dt], DEVICE, rotation_seed) == 6
 
 
 @pytest.mark.gpu

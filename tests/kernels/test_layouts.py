@@ -5,6 +5,7 @@ from its loads to its stores, so the compiler converts nothing through
 shared memory (``LDS``/``STS`` and a barrier per tile) and the lane shuffles
 of the butterflies are valid; with int8 feedback a lane's 8 codes are one
 64-bit access. The fused kernel's phases fit its register cap unspilled.
+All of it holds under a rotation seed's sign flips too.
 (float32 feedback gives a lane 4 values per 16 bytes: converted through
 shared memory, shuffles off; not checked here.)
 """
@@ -21,10 +22,20 @@ from test_kernels import _compiler_pool, _reporting
 FORBIDDEN = ("LDS", "STS", "LDSM", "STSM", "LDL", "STL")
 
 
-def _reports(fb_dtype: torch.dtype) -> dict[str, dict]:
+#: A rotation seed whose sign flips the kernels are compiled with beside none.
+ROTATION_SEED = 1
+
+
+def _reports(fb_dtype: torch.dtype, flips: int = 0) -> dict[str, dict]:
     from echo_vllm.bench import sass_report
 
-    return {r["kernel"]: r for r in sass_report.report(fb_dtype)}
+    return {r["kernel"]: r for r in sass_report.report(fb_dtype, flips)}
+
+
+def _flips(group: int = 32) -> int:
+    from echo_vllm.rotation import sign_flips
+
+    return sign_flips(ROTATION_SEED, group)
 
 
 def _whole_fused_kernel_spills(fb_dtype: torch.dtype) -> tuple[dict, int]:
@@ -41,11 +52,14 @@ def _whole_fused_kernel_spills(fb_dtype: torch.dtype) -> tuple[dict, int]:
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict[str, dict]]:
     pool = _compiler_pool()
-    return {name: pool.submit(_reporting, _reports, dt).result(timeout=600)
-            for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8))}
+    out = {name: pool.submit(_reporting, _reports, dt).result(timeout=600)
+           for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8))}
+    for name, dt in (("bf16 flips", torch.bfloat16), ("int8 flips", torch.int8)):
+        out[name] = pool.submit(_reporting, _reports, dt, _flips()).result(timeout=600)
+    return out
 
 
-@pytest.mark.parametrize("fb", ["bf16", "int8"])
+@pytest.mark.parametrize("fb", ["bf16", "int8", "bf16 flips", "int8 flips"])
 def test_no_tile_goes_through_shared_memory(reports, fb):
     for kernel, r in reports[fb].items():
         bad = {op: n for op, n in r["memory"].items() if op.startswith(FORBIDDEN)}
@@ -177,9 +191,10 @@ def reduce_layout_problems(ttgir: str) -> list[str]:
     return problems
 
 
-def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int) -> dict[str, str]:
+def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int, flips: int = 0) -> dict[str, str]:
     """TTGIR of every kernel for one message shape: the composed stage kernels
-    (stage 1 with and without a carried error) and the whole fused kernel."""
+    (stage 1 with and without a carried error) and the whole fused kernel,
+    with the rotation's sign flips ``flips``."""
     from echo_vllm import kernels
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import consume_kernel, fused_kernel, output_kernel, stage1_kernel, stage2_kernel
@@ -192,13 +207,15 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
                                                    dtype=fb_dtype)
     wire = torch.zeros(2, world, lay.chunk_bytes, dtype=torch.uint8)
     calls = {
-        "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None)),
-        "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False)),
+        "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None,
+                                                         flips=flips)),
+        "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False,
+                                                               flips=flips)),
         "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7)),
-        "output": (output_kernel, lambda: kernels.output(wire[0], lay, dtype, hadamard=True)),
+        "output": (output_kernel, lambda: kernels.output(wire[0], lay, dtype, hadamard=True, flips=flips)),
     }
     if fb is not None:
-        calls["consume"] = (consume_kernel, lambda: kernels.consume(x, fb, lay, hadamard=True))
+        calls["consume"] = (consume_kernel, lambda: kernels.consume(x, fb, lay, hadamard=True, flips=flips))
     out = {}
     with compile_only():
         for name, (module, call) in calls.items():
@@ -209,7 +226,8 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
             y = torch.empty(1, lay.numel, dtype=dtype)
             for incoming in (True, False):
                 lp = fused_kernel._launch_plan(lay, tiling, 1, world * lay.chunk_bytes, 7, True, True, incoming,
-                                               fused_kernel.ALL_PHASES, fused_kernel.tiling_lanes(tiling, lay, x[:1], y))
+                                               fused_kernel.ALL_PHASES,
+                                               fused_kernel.tiling_lanes(tiling, lay, x[:1], y), flips)
                 k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
                                         fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
                                         lp.constexprs)
@@ -217,16 +235,22 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     return out
 
 
-def _shuffle_problems(rows, cols, dtype, fb_dtype, group) -> dict[str, list[str]]:
-    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group).items()
+def _shuffle_problems(rows, cols, dtype, fb_dtype, group, flips=0) -> dict[str, list[str]]:
+    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group, flips).items()
             if (p := layout_problems(t))}
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
-@pytest.mark.parametrize("dtype,fb,group", [(torch.bfloat16, torch.bfloat16, 32), (torch.float16, torch.int8, 16),
-                                            (torch.bfloat16, None, 32)])
-def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group):
-    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group).result(timeout=600)
+@pytest.mark.parametrize("dtype,fb,group,flipped", [(torch.bfloat16, torch.bfloat16, 32, False),
+                                                    (torch.float16, torch.int8, 16, False),
+                                                    (torch.bfloat16, None, 32, False),
+                                                    (torch.bfloat16, torch.bfloat16, 32, True),
+                                                    (torch.float16, torch.int8, 16, True)])
+def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group, flipped):
+    """``flipped``: under a rotation seed's sign flips (built from the lane index, in the lane layout)."""
+    flips = _flips(group) if flipped else 0
+    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group,
+                                       flips).result(timeout=600)
     assert problems == {}, problems
 
 
@@ -344,7 +368,11 @@ def _small_cases() -> list:
     from test_fused_norm import NORM_PHASE_CASES
     from test_output_norm import CASES
 
+    from test_fused import FLIP_PHASE_CASES
+
     cases = [pytest.param("test_fused", "_phases_match_reference", c, {}, id=f"phases{c}") for c in PHASE_CASES]
+    cases += [pytest.param("test_fused", "_phases_match_reference", c, {"rotation_seed": s}, id=f"phases{c} seed {s}")
+              for c, s in FLIP_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {"one_pass_rows": max(1, c[8] // 2)},
                            id=f"norm one pass{c}") for c in NORM_PHASE_CASES]

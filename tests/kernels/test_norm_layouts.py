@@ -8,7 +8,9 @@ same rows (whole-row tiles in phases 1-2 once spilled 30 loads at P = 8),
 and every lane shuffle of theirs is in the lane layout and every
 reduction over lanes runs over consecutive lane bits (``test_layouts``:
 the one-pass step holds every chunk of a row on 8 warps). Without a
-residual, keeping Echo's output (a decoder's first norm), at P = 8 too."""
+residual, keeping Echo's output (a decoder's first norm), at P = 8 too.
+Under a rotation seed's sign flips, at P = 8: no spill in the output
+phases, every shuffle in the lane layout."""
 
 from __future__ import annotations
 
@@ -62,3 +64,27 @@ def test_norm_kernels_shuffle_in_the_lane_layout():
     got = _compiler_pool().submit(_reporting, _shuffle_problems).result(timeout=900)
     assert len(got) == 12 and all(shuffles > 0 for _, shuffles in got.values()), got  # the decodes shuffle
     assert {name: problems for name, (problems, _) in got.items() if problems} == {}
+
+
+def _flipped_norm_rows():
+    from test_layouts import layout_problems
+
+    from echo_vllm.bench import sass_report
+    from echo_vllm.bench.host_overhead import compile_only
+    from echo_vllm.rotation import sign_flips
+
+    flips = sign_flips(1, 32)
+    with compile_only():
+        kernels = sass_report._norm_kernels(8, flips=flips)
+    kernels.pop("values_per_thread")
+    return ({name: layout_problems(k.asm["ttgir"]) for name, k in kernels.items()},
+            {r["kernel"]: r for r in sass_report.norm_report((8,), flips=flips)})
+
+
+def test_norm_kernels_under_a_rotation_seed_shuffle_in_the_lane_layout_without_spills():
+    problems, rows = _compiler_pool().submit(_reporting, _flipped_norm_rows).result(timeout=900)
+    assert {name: p for name, p in problems.items() if p} == {} and len(problems) == 4
+    for name in ("output_norm P=8", "fused phase 3 norm P=8"):
+        r = rows[name]
+        assert (r["maxnreg"] is None or r["registers"] <= r["maxnreg"]) and not _spills(r, "LDL") \
+            and not _spills(r, "STL"), r

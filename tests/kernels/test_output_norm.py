@@ -32,9 +32,9 @@ def partials(shape, seed: int, *, special: bool = False) -> torch.Tensor:
     return x
 
 
-def gathered_of(x: torch.Tensor, layout: WireLayout, *, hadamard: bool) -> torch.Tensor:
+def gathered_of(x: torch.Tensor, layout: WireLayout, *, hadamard: bool, flips: int = 0) -> torch.Tensor:
     """The all-gathered chunks of one Echo call of ``x [P, numel]`` (references)."""
-    wire = quant.stage1_reference(x, None, layout, qmax=QMAX, hadamard=hadamard, has_incoming=False)
+    wire = quant.stage1_reference(x, None, layout, qmax=QMAX, hadamard=hadamard, has_incoming=False, flips=flips)
     return quant.stage2_reference(wire.transpose(0, 1).contiguous(), None, list(range(layout.world_size)), layout,
                                   qmax=QMAX)
 
@@ -46,17 +46,18 @@ def norm_operands(rows: int, cols: int, dtype, w_dtype, seed: int, device=DEVICE
     return res, w
 
 
-def expected(gathered, layout, dtype, res, w, *, hadamard):
+def expected(gathered, layout, dtype, res, w, *, hadamard, flips=0):
     """``(out, new residual)`` of the spec: Echo's output, then the norm."""
-    y = quant.output_reference(gathered, layout, dtype, hadamard=hadamard).view(layout.rows, layout.cols)
+    y = quant.output_reference(gathered, layout, dtype, hadamard=hadamard, flips=flips).view(layout.rows, layout.cols)
     if res is None:
         return rmsnorm.rms_norm(y, w, EPS, variance="kernel"), None
     return rmsnorm.add_rms_norm(y, res, w, EPS, variance="kernel")
 
 
 def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual, special=False, seed=0,
-                         one_pass=True, decode_once=True):
+                         one_pass=True, decode_once=True, rotation_seed=0):
     from echo_vllm import kernels
+    from echo_vllm.rotation import sign_flips
     from echo_vllm.kernels.output_norm_kernel import output_norm as kernel
     from echo_vllm.rmsnorm_plan import norm_tiling
 
@@ -65,16 +66,17 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
     tiling = norm_tiling(lay, one_pass=one_pass)[0]
     if not decode_once:
         tiling = tiling._replace(decode_once=False)
+    flips = sign_flips(rotation_seed, group)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} w={w_dt} had={hadamard} res={residual} "
-           f"one pass={tiling.one_pass_rows} decode once={tiling.decode_once}")
+           f"one pass={tiling.one_pass_rows} decode once={tiling.decode_once} rotation seed {rotation_seed}")
 
     def output_norm(*args, **kw):
-        return kernel(*args, **kw, tiling=tiling)
+        return kernel(*args, **kw, flips=flips, tiling=tiling)
 
     x = partials((world, lay.numel), seed + cols, special=special).to(dtype)
-    g = gathered_of(x, lay, hadamard=hadamard)
+    g = gathered_of(x, lay, hadamard=hadamard, flips=flips)
     res, w = norm_operands(rows, cols, dtype, DTYPES[w_dt], seed + 1)
-    want_out, want_res = expected(g, lay, dtype, res if residual else None, w, hadamard=hadamard)
+    want_out, want_res = expected(g, lay, dtype, res if residual else None, w, hadamard=hadamard, flips=flips)
     res_k = res.clone() if residual else None
     out, new_res = output_norm(g, lay, dtype, w, EPS, hadamard=hadamard, residual=res_k)
     assert_same_bits(out.view(rows, cols), want_out, f"normed output [{tag}]", nan_any=True)
@@ -88,7 +90,7 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
         assert_same_bits(res_out, want_res, f"new residual, separate buffer [{tag}]", nan_any=True)
         assert_same_bits(res_in, res, f"residual input untouched [{tag}]")
         assert_same_bits(out2.view(rows, cols), want_out, f"normed output, separate buffer [{tag}]", nan_any=True)
-    y_ref = quant.output_reference(g, lay, dtype, hadamard=hadamard)
+    y_ref = quant.output_reference(g, lay, dtype, hadamard=hadamard, flips=flips)
     if not residual:
         assert new_res is None
         # a decoder's first norm: Echo's output kept beside it, as the next residual
@@ -98,7 +100,7 @@ def _output_norm_matches(rows, cols, world, group, dt, w_dt, hadamard, residual,
         assert_same_bits(out3.view(rows, cols), want_out, f"normed output, output kept [{tag}]", nan_any=True)
         assert_same_bits(kept, y_ref, f"kept output [{tag}]", nan_any=True)
     # the plain output kernel is unchanged beside it
-    y = kernels.output(g, lay, dtype, hadamard=hadamard)
+    y = kernels.output(g, lay, dtype, hadamard=hadamard, flips=flips)
     assert_same_bits(y, y_ref, f"plain output [{tag}]", nan_any=True)
 
 
@@ -126,6 +128,13 @@ CASES = [
 def test_output_norm_matches_reference(rows, cols, world, group, dt, w_dt, hadamard, residual, one_pass):
     in_kernel_process(_output_norm_matches, rows, cols, world, group, dt, w_dt, hadamard, residual,
                       one_pass=one_pass)
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["plan", "two-passes"])
+@pytest.mark.parametrize("case,rotation_seed", [(CASES[0], 1), (CASES[4], 2), (CASES[9], 3)], ids=str)
+def test_output_norm_under_a_rotation_seed_matches_reference(case, rotation_seed, one_pass):
+    """The norm's decode undoes the sign flips (bf16 rows of one column, fp16, g = 128)."""
+    in_kernel_process(_output_norm_matches, *case, one_pass=one_pass, rotation_seed=rotation_seed)
 
 
 @pytest.mark.parametrize("case", [CASES[3], CASES[5]], ids=str)

@@ -74,6 +74,7 @@ SAMPLE = {
     "max_bytes": ("64m", 64 << 20),
     "rounding": ("stochastic", "stochastic"),
     "seed": ("7", 7),
+    "rotation_seed": ("3", 3),
     "feedback_dtype": ("float32", "float32"),
     "first_exact_calls": ("2", 2),
     "backend": ("reference", "reference"),
