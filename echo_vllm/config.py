@@ -68,6 +68,8 @@ ROUNDING_MODES = ("nearest", "stochastic")
 BACKEND_CHOICES = ("auto", "reference", "triton", "numba", "fused")
 #: Values of ``EchoConfig.feedback_dtype`` (formats: ``echo_vllm.quant``'s docstring).
 FEEDBACK_DTYPES = ("float32", "bfloat16", "int8")
+#: Values of ``EchoConfig.encoder`` (``echo_vllm.quant``'s docstring, Encoders).
+ENCODERS = ("absmax", "signed_mse")
 
 
 class EchoConfigError(UsageError):
@@ -128,6 +130,21 @@ class EchoConfig:
     value by at most half a step of 1/127 of its group's largest error
     (``echo_vllm.quant``; EVAL.md, "Feedback storage"). Every backend implements
     all three, bit for bit."""
+
+    encoder: str = "absmax"
+    """How each group of 32 values picks its scale and 4-bit codes, on the
+    same wire (4.5 bit/value) and with the same decoder, ``(code - 8) *
+    scale``. ``absmax`` (the default): scale = the group's largest magnitude
+    / 7, codes in [-7, 7] (zero exact, rounding unbiased; code 0 unused).
+    ``signed_mse``: the scale carries the sign of the group's largest-
+    magnitude value, which lands on code -8, so all 16 codes are used, and
+    a few clipping ratios of that scale (``quant.SIGNED_MSE_CLIPS``) are
+    tried, keeping the one with the least squared error of the group: about
+    15% less one-shot error on real activations (EVAL.md), at the price of
+    more arithmetic in the quantizing kernels. Every backend implements
+    both, bit for bit; stage 1 and stage 2 use it, the int8 feedback format
+    keeps its own quantizer. It stays off by default until paired
+    perplexity runs and GPU timings of the kernels back it."""
 
     batch_invariant: bool = False
     """Make every path choice independent of the batch: ``min_bytes`` and
@@ -194,6 +211,7 @@ class EchoConfig:
         _check_choice("rounding", self.rounding, ROUNDING_MODES)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
         _check_choice("feedback_dtype", self.feedback_dtype, FEEDBACK_DTYPES)
+        _check_choice("encoder", self.encoder, ENCODERS)
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -417,6 +435,7 @@ __all__ = [
     "BITS",
     "BYTE_SIZE_FIELDS",
     "DEFAULT_MIN_BYTES",
+    "ENCODERS",
     "EchoConfig",
     "EchoConfigError",
     "FALSE_TEXT",

@@ -44,10 +44,10 @@ class ComposedBackend(EchoBackend):
         """Stage 1, the all-to-all, stage 2, the all-gather: the gathered chunks."""
         cfg, st = self.config, self.stages
         wire = st.stage1(xs, feedback, layout, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-                         noise=self._noise(layout.padded_numel, xs.device))
+                         noise=self._noise(layout.padded_numel, xs.device), encoder=cfg.encoder)
         recv = self.transport.all_to_all(wire)
         q2 = st.stage2(recv, feedback, self._own_chunks, layout, qmax=cfg.qmax,
-                       noise=self._noise(layout.chunk_numel, xs.device))
+                       noise=self._noise(layout.chunk_numel, xs.device), encoder=cfg.encoder)
         return self.transport.all_gather(q2)
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):

@@ -573,7 +573,7 @@ class FusedSymmMemBackend(EchoBackend):
         return self._k.fused_all_reduce(
             xs, feedback, b.table, layout, rank=self.rank, gathered_offset=b.gathered_offset, qmax=cfg.qmax,
             hadamard=cfg.hadamard, has_incoming=has_incoming, tiling=self._tilings(layout), timeout_ns=self.timeout_ns,
-            out=out, sms=self.sms, status=self.status, compile_only=compile_only,
+            encoder=cfg.encoder, out=out, sms=self.sms, status=self.status, compile_only=compile_only,
         )
 
     def all_reduce_norm(self, xs, layout, feedback, norm, tiling, *, has_incoming):
@@ -589,7 +589,7 @@ class FusedSymmMemBackend(EchoBackend):
         out, res = self._k.fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, out=norm.out,
+            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, encoder=cfg.encoder, out=norm.out,
             residual_out=norm.residual_out, sms=self.sms, status=self.status,
         )
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)

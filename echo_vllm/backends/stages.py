@@ -41,11 +41,11 @@ class StageOps(Protocol):
     """Whether ``noise`` (stochastic rounding) is supported."""
 
     def stage1(self, x: torch.Tensor, feedback: torch.Tensor | None, layout: WireLayout, *, qmax: int,
-               hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None,
+               hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None, encoder: str = "absmax",
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def stage2(self, recv: torch.Tensor, feedback: torch.Tensor | None, own_chunks: list[int],
-               layout: WireLayout, *, qmax: int, noise: torch.Tensor | None = None,
+               layout: WireLayout, *, qmax: int, noise: torch.Tensor | None = None, encoder: str = "absmax",
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def output(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool,
@@ -89,13 +89,14 @@ class ReferenceStages:
     name = "reference"
     stochastic = True
 
-    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, encoder="absmax", out=None):
         wire = quant.stage1_reference(x, feedback, layout, qmax=qmax, hadamard=hadamard,
-                                      has_incoming=has_incoming, noise=noise)
+                                      has_incoming=has_incoming, noise=noise, encoder=encoder)
         return _into(out, wire)
 
-    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
-        return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise))
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, encoder="absmax", out=None):
+        return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise,
+                                                 encoder=encoder))
 
     def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
         return _into(out, quant.output_reference(gathered, layout, out_dtype, hadamard=hadamard))
@@ -125,13 +126,14 @@ class KernelStages:
         self._k = kernels
         self._fused_norm = getattr(kernels, "output_norm", None)
 
-    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, out=None):
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, encoder="absmax", out=None):
         _no_noise(self.name, noise)
-        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming, out=out)
+        return self._k.stage1(x, feedback, layout, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
+                              encoder=encoder, out=out)
 
-    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, encoder="absmax", out=None):
         _no_noise(self.name, noise)
-        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, out=out)
+        return self._k.stage2(recv, feedback, own_chunks, layout, qmax=qmax, encoder=encoder, out=out)
 
     def output(self, gathered, layout, out_dtype, *, hadamard, out=None):
         return self._k.output(gathered, layout, out_dtype, hadamard=hadamard, out=out)

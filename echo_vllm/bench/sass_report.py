@@ -1,10 +1,12 @@
 """What the compiler makes of each Echo kernel, without a GPU.
 
-``python -m echo_vllm.bench.sass_report [--feedback-dtype float32,int8]``
+``python -m echo_vllm.bench.sass_report [--feedback-dtype float32,int8] [--encoders absmax,signed_mse]``
 compiles stage 1, stage 2, output and consume for sm_90 (bf16 input, g = 32,
 Hadamard on, P = 8, sizes with the 1 GiB benchmark's specialization) and the
 fused kernel's phases, once per feedback dtype (default bfloat16, the
-library's), under ``host_overhead.compile_only`` and prints, per
+library's) and encoder (``EchoConfig.encoder``, default absmax; the output
+and consume kernels do not depend on it), under
+``host_overhead.compile_only`` and prints, per
 kernel: registers and static shared memory (``cuobjdump
 --dump-resource-usage``), the SASS instruction count of one thread (the
 kernels have no loops, so that is what each thread executes, for
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -33,6 +36,7 @@ import tempfile
 import torch
 
 from ..cli_args import choice_list
+from ..config import ENCODERS
 from ..quant import FEEDBACK_STORAGE
 from .host_overhead import _calls, compile_only
 
@@ -75,7 +79,7 @@ def kernel_report(compiled) -> dict:
 
 
 def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16, rows: int = 4096,
-                 cols: int = 8192):
+                 cols: int = 8192, encoder: str = "absmax"):
     """The fused kernel compiled for one phase alone (``fused_kernel.ALL_PHASES``:
     the whole kernel; 64 MiB of rows of 8192 by default)."""
     from ..kernels import fused_kernel as fk
@@ -86,7 +90,7 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     tiling = fk.tiling_for(lay, 132)
     lp = fk._launch_plan(lay, tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                         fk.tiling_lanes(tiling, lay, x, y))
+                         fk.tiling_lanes(tiling, lay, x, y), encoder)
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
@@ -146,8 +150,9 @@ def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False
     return rows
 
 
-def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """One row per kernel, feedback in ``fb_dtype``: the stage kernels (no loops: the SASS count is
+def report(fb_dtype: torch.dtype = torch.bfloat16, encoder: str = "absmax") -> list[dict]:
+    """One row per kernel, feedback in ``fb_dtype``, stages 1 and 2 with
+    ``encoder``: the stage kernels (no loops: the SASS count is
     what a thread executes, for ``TILE_VALUES / threads`` values) and the
     fused kernel's three phases compiled alone (static counts of a loop
     over tiles: phases 1 and 3 handle a thread's 8 values of each of the
@@ -159,13 +164,13 @@ def report(fb_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     values_per_thread = contract.TILE_VALUES // (32 * contract.NUM_WARPS)
     rows = []
     with compile_only():
-        for name, call in _calls(1 << 22, 8, fb_dtype).items():
+        for name, call in _calls(1 << 22, 8, fb_dtype, encoder).items():
             call()
             compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
             r = kernel_report(compiled)
             rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / values_per_thread})
         for phase in (1, 2, 3):
-            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype))
+            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype, encoder=encoder))
             rows.append({"kernel": f"fused phase {phase}", **r, "sass_per_value": r["sass"] / (8 if phase == 2 else 64)})
     return rows
 
@@ -176,17 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feedback-dtype", type=choice_list(tuple(FEEDBACK_STORAGE)), default="bfloat16",
                     help="comma-separated feedback buffer formats to compile for (of " + ", ".join(FEEDBACK_STORAGE)
                          + "), one table each")
+    ap.add_argument("--encoders", type=choice_list(ENCODERS), default="absmax",
+                    help="comma-separated encoders to compile stages 1 and 2 for (of " + ", ".join(ENCODERS)
+                         + "), one table each")
+    ap.add_argument("--json", help="also write every table's rows to this file")
     ap.add_argument("--norm", action="store_true",
                     help="also the output phase with the residual add + RMSNorm (8192 x 4096, P = 8 and 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    tables = {}
     for dt in args.feedback_dtype:
-        print(f"feedback {dt}:")
-        print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
-        for r in report(FEEDBACK_STORAGE[dt]):
-            mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
-            print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
-                  f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+        for encoder in args.encoders:
+            print(f"feedback {dt}, encoder {encoder}:")
+            print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
+            tables[f"{dt} {encoder}"] = rows = report(FEEDBACK_STORAGE[dt], encoder)
+            for r in rows:
+                mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
+                print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
+                      f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(tables, f, indent=1)
     if args.norm:
         print("with the residual add + RMSNorm (bf16 feedback):")
         for r in norm_report():
