@@ -24,8 +24,10 @@ So a row's output bits depend only on that row's inputs and carried error:
 reducing rows A alone or inside [A; B] gives the same bits for A.
 
 * payload: two 4-bit codes per byte, element ``2i`` in the low nibble,
-  ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (symmetric:
-  zero is exact and round-to-nearest is unbiased; code 0 is never written).
+  ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (absmax:
+  symmetric, zero is exact and round-to-nearest is unbiased; code 0 is
+  never written) or [-8, 7] (signed_mse); the value is ``q * scale``
+  whatever the encoder (Encoders, below).
 * scales: one bf16 per group. bf16 has fp32's exponent range, so no finite
   input overflows it (fp16 scales overflow above 65504 * 7) and groups with
   max below 1e-3 keep full precision (fp16 reciprocals underflow there).
@@ -35,6 +37,50 @@ reducing rows A alone or inside [A; B] gives the same bits for A.
 The 8-group alignment makes every chunk a multiple of 16 bytes long (and the
 scale block 16-byte aligned inside it) for every supported group size, so
 kernels can use 16-byte accesses on the wire buffers.
+
+Encoders (how a group's scale and codes are chosen)
+---------------------------------------------------
+``EchoConfig.encoder``, in stage 1 and stage 2 alike (the int8 feedback
+format keeps absmax with qmax 127); same wire, same 4.5 bits, same decoder.
+
+* ``absmax`` (the default): ``s = bf16(max(amax * fp32(1/7), FLT_MIN))``,
+  ``q = round(fp32(u * fp32(1/s)))``, in [-7, 7] without a clamp.
+* ``signed_mse``: the scale carries the sign that puts the group's
+  largest-magnitude value on q = -8 (of a tie between +amax and -amax,
+  the negative value; of zeros, a -0), so all 16 codes are used; each
+  ratio ``c`` of :data:`SIGNED_MSE_CLIPS` gives a candidate ``s = -+
+  bf16(max(amax * fp32(c) / 8, FLT_MIN))``, quantized as ``q = clamp(
+  round(u * fp32(1/s)), -8, 7)`` -- the product rounded once, exact -- and
+  the group keeps the first candidate with the least :func:`tree_sum` of
+  its squared errors ``(u - q s)**2``. 8/7 is absmax's step: a group of
+  values all +-amax (what the rotation makes of one outlier) stays exact,
+  where with the extreme on -8 its other sign would clip to +7 -- on
+  SmolLM2's real partials signed scales alone erred more than absmax
+  (pooled over the calls), with 8/7 beside them less. 1 puts the extreme
+  exactly on -8, 0.95 clips it.
+
+  The set, from the one-shot relative MSE (sum of squared errors over sum
+  of squares) of stage 1's rotated partials of every all-reduce of
+  SmolLM2-135M at TP = 3 (256 tokens of Hamlet; mean over the 61 calls)
+  and of Gaussian groups (``scripts/experiments/encoder_clips.py``):
+  absmax 0.00820 / 0.00941; {8/7, 1} 0.00633 / 0.00722; {8/7, 1, 0.95}
+  0.00600 / 0.00683; adding 0.9 0.00677 (Gaussian), and 0.85 .. 0.7 nothing
+  (never kept). Each candidate costs the quantizing kernels a rounding, a
+  dequantization and a sum of squares per value from the same registers
+  and a reciprocal per group: compiled for sm_90, stage 1 goes from 47.6
+  to 60.9 SASS per value with {8/7, 1} and to 71.6 with {8/7, 1, 0.95}
+  (``python -m echo_vllm.bench.sass_report --encoders absmax,signed_mse``).
+  So three ratios: 27% less error than absmax where two give 23%, and a
+  fourth buys under 1%.
+
+  Range: no candidate decodes beyond ``(1 + 2**-8) amax`` (q >= -8 times a
+  ratio-<=-1 scale, ``|q| <= 7`` times 8/7's, :func:`code_bound`), the
+  bound of absmax's ``7 * bf16(amax / 7)``, and the largest candidate
+  scale, 8/7's, is absmax's, so the same groups are non-finite: the
+  guarantees of Range below hold for both encoders. A value the clip cuts
+  errs by up to ``code_bound(m) - 7`` steps (1.45 at 0.95), not half a
+  step; the group's sum of squares is at most the 8/7 candidate's.
+  Stochastic rounding uses the scale the round-to-nearest search chose.
 
 Feedback buffer (what each rank keeps between calls)
 ----------------------------------------------------
@@ -159,6 +205,12 @@ into its sum (one rounding, :func:`fma_exact_product`) exactly where it is
 exact -- a code times a scale: the stage-1 error ``u - r * s`` and the
 stage-2 sum -- while every other product and sum is rounded on its own (the
 kernels are compiled with FMA contraction off and call ``fma`` there).
+signed_mse adds two: its codes round the exact product ``u * fp32(1/s)``
+(float64 here and in the numba loops, ``fma(u, inv, magic)`` compiled),
+and its sums of squares add in :func:`tree_sum`'s order. Stage 2's sum
+starts from -0, the additive identity, so that a signed scale's code 8,
+which decodes as -0, keeps its sign as in the kernels (which start from the
+first chunk).
 """
 
 from __future__ import annotations
@@ -401,7 +453,9 @@ def _nearest(u: torch.Tensor, inv: torch.Tensor, lo: int, hi: int, shift: int, e
     unit = 2.0**-shift
     if encoder == "absmax":
         return round_half_even(torch.clamp(u * inv, lo * unit, hi * unit), shift)
-    q = torch.round(u.double() * inv.double() * 2.0**shift)  # torch.round: ties to even
+    # torch.round: ties to even; + 0.0 makes a code 0 of a negative product +0,
+    # as the magic-number rounding's (its t - magic) is
+    q = torch.round(u.double() * inv.double() * 2.0**shift) + 0.0
     return (torch.clamp(q, lo, hi) * unit).float()
 
 

@@ -104,13 +104,15 @@ ALIGN_GROUPS: tl.constexpr = tl.constexpr(_ALIGN_GROUPS)
 FB_INV_QMAX: tl.constexpr = tl.constexpr(float(inv_qmax_f32(FEEDBACK_QMAX)))
 #: A group whose unrounded scale reaches this is non-finite (``quant.BF16_SCALE_LIMIT``).
 BF16_SCALE_LIMIT: tl.constexpr = tl.constexpr(_BF16_SCALE_LIMIT)
-#: signed_mse's scale multipliers (``quant.clip_multipliers``:
-#: :func:`_signed_mse_multipliers` in kernels), and the largest.
-SIGNED_MSE_MULTIPLIERS = clip_multipliers()
-SIGNED_MSE_TOP: tl.constexpr = tl.constexpr(max(SIGNED_MSE_MULTIPLIERS))
+#: signed_mse's scale multipliers (``quant.clip_multipliers``; a kernel reads
+#: them through :func:`_signed_mse_multipliers`), and the largest. Constexprs,
+#: so that Triton's cache key holds their values.
+SIGNED_MSE_MULTIPLIERS: tl.constexpr = tl.constexpr(clip_multipliers())
+SIGNED_MSE_TOP: tl.constexpr = tl.constexpr(max(clip_multipliers()))
 #: Per candidate, whether a clamp of its codes to -8 / 7 can act
 #: (``quant.code_bound`` at 8.5 / 7.5); where not, it is left out, as absmax's.
-SIGNED_MSE_CLAMPS = tuple((code_bound(m) >= 8.5, code_bound(m) >= 7.5) for m in SIGNED_MSE_MULTIPLIERS)
+SIGNED_MSE_CLAMPS: tl.constexpr = tl.constexpr(
+    tuple((code_bound(m) >= 8.5, code_bound(m) >= 7.5) for m in clip_multipliers()))
 #: log2 of ``quant.OUTPUT_SCALE``: decoded codes come out times 2**this.
 LOG2_OUTPUT_SCALE: tl.constexpr = tl.constexpr(int(_OUTPUT_SCALE).bit_length() - 1)
 
@@ -629,8 +631,8 @@ def reciprocal(s):
 
 @triton.constexpr_function
 def _signed_mse_multipliers() -> tuple:
-    """:data:`SIGNED_MSE_MULTIPLIERS`, as a kernel's constexpr."""
-    return SIGNED_MSE_MULTIPLIERS
+    """:data:`SIGNED_MSE_MULTIPLIERS`, as a tuple a kernel can index."""
+    return SIGNED_MSE_MULTIPLIERS.value
 
 
 @triton.constexpr_function
@@ -639,8 +641,8 @@ def _signed_mse_clamps(k) -> tuple:
     codes clamped to -8 / 7 (:data:`SIGNED_MSE_CLAMPS`); ``k = -1``: whether
     any candidate does."""
     if k < 0:
-        return tuple(any(c[i] for c in SIGNED_MSE_CLAMPS) for i in (0, 1))
-    return SIGNED_MSE_CLAMPS[k]
+        return tuple(any(c[i] for c in SIGNED_MSE_CLAMPS.value) for i in (0, 1))
+    return SIGNED_MSE_CLAMPS.value[k]
 
 
 @triton.jit

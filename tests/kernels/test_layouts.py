@@ -21,31 +21,32 @@ from test_kernels import _compiler_pool, _reporting
 FORBIDDEN = ("LDS", "STS", "LDSM", "STSM", "LDL", "STL")
 
 
-def _reports(fb_dtype: torch.dtype) -> dict[str, dict]:
+def _reports(fb_dtype: torch.dtype, encoder: str = "absmax") -> dict[str, dict]:
     from echo_vllm.bench import sass_report
 
-    return {r["kernel"]: r for r in sass_report.report(fb_dtype)}
+    return {r["kernel"]: r for r in sass_report.report(fb_dtype, encoder)}
 
 
-def _whole_fused_kernel_spills(fb_dtype: torch.dtype) -> tuple[dict, int]:
+def _whole_fused_kernel_spills(fb_dtype: torch.dtype, encoder: str = "absmax") -> tuple[dict, int]:
     """The whole fused kernel's report (every phase, barriers) and its register cap."""
     from echo_vllm.bench import sass_report
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import fused_kernel as fk
 
     with compile_only():
-        k = sass_report._fused_phase(fk.ALL_PHASES, fb_dtype=fb_dtype)
+        k = sass_report._fused_phase(fk.ALL_PHASES, fb_dtype=fb_dtype, encoder=encoder)
     return sass_report.kernel_report(k), k.metadata.maxnreg
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict[str, dict]]:
     pool = _compiler_pool()
-    return {name: pool.submit(_reporting, _reports, dt).result(timeout=600)
-            for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8))}
+    return {name: pool.submit(_reporting, _reports, dt, enc).result(timeout=600)
+            for name, dt, enc in (("bf16", torch.bfloat16, "absmax"), ("int8", torch.int8, "absmax"),
+                                  ("bf16 signed_mse", torch.bfloat16, "signed_mse"))}
 
 
-@pytest.mark.parametrize("fb", ["bf16", "int8"])
+@pytest.mark.parametrize("fb", ["bf16", "int8", "bf16 signed_mse"])
 def test_no_tile_goes_through_shared_memory(reports, fb):
     for kernel, r in reports[fb].items():
         bad = {op: n for op, n in r["memory"].items() if op.startswith(FORBIDDEN)}
@@ -71,14 +72,18 @@ def _spills(report: dict) -> int:
 
 def test_fused_kernel_fits_its_register_cap_and_int8_spills_no_more():
     """The whole fused kernel (every phase and the barriers in one body) at
-    its cap: with int8 feedback no more spill instructions than with bf16
-    (whose whole kernel spills a few at the 80 registers of the 2048:8:3
-    plan; the phases alone spill none, checked above)."""
+    its cap: with int8 feedback, or quantizing with signed_mse, no more
+    spill instructions than with bf16 and absmax (whose whole kernel spills
+    a few at the 80 registers of the 2048:8:3 plan; the phases alone spill
+    none, checked above)."""
     pool = _compiler_pool()
-    (bf16, cap), (int8, cap8) = (pool.submit(_reporting, _whole_fused_kernel_spills, dt).result(timeout=600)
-                                 for dt in (torch.bfloat16, torch.int8))
-    assert bf16["registers"] <= cap and int8["registers"] <= cap8 == cap, (cap, bf16, int8)
+    (bf16, cap), (int8, cap8), (signed, cap_s) = (
+        pool.submit(_reporting, _whole_fused_kernel_spills, dt, enc).result(timeout=600)
+        for dt, enc in ((torch.bfloat16, "absmax"), (torch.int8, "absmax"), (torch.bfloat16, "signed_mse")))
+    assert bf16["registers"] <= cap and int8["registers"] <= cap8 == cap == cap_s >= signed["registers"], (
+        cap, bf16, int8, signed)
     assert _spills(int8) <= _spills(bf16), (_spills(int8), _spills(bf16))
+    assert _spills(signed) <= _spills(bf16), (_spills(signed), _spills(bf16))
 
 
 # -- every lane shuffle in the lane layout, for every shape the compiler tells apart ------------------
@@ -130,13 +135,13 @@ def shuffle_layout_problems(ttgir: str) -> list[str]:
             continue
         shape, layout = re.match(r"tensor<([\dx]+)x\w+, (#\w+)>", operands).groups()
         dims = [int(d) for d in shape.split("x")]
-        if len(dims) != 3:
+        if len(dims) not in (2, 3) or (packed and len(dims) != 3):
             problems.append(f"shuffle on a rank-{len(dims)} tensor {operands}")
             continue
-        bases = _layout_bases(defs[layout], 3)
-        for m in masks:
+        bases = _layout_bases(defs[layout], len(dims))
+        for m in masks:  # a group's lane index is dimension 1 ([BG, L, V] values, [BG, L] lane sums)
             k = m.bit_length() - 1
-            if k >= len(bases["lane"]) or bases["lane"][k] != (0, m, 0):
+            if k >= len(bases["lane"]) or bases["lane"][k] != (0, m, 0)[:len(dims)]:
                 problems.append(f"shfl mask {m} on {layout} = {defs[layout]}")
         if packed and bases["register"][:3] != [(0, 0, 1), (0, 0, 2), (0, 0, 4)]:
             problems.append(f"packed decode on {layout} = {defs[layout]}")
@@ -177,9 +182,11 @@ def reduce_layout_problems(ttgir: str) -> list[str]:
     return problems
 
 
-def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int) -> dict[str, str]:
+def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int,
+                     encoder: str = "absmax") -> dict[str, str]:
     """TTGIR of every kernel for one message shape: the composed stage kernels
-    (stage 1 with and without a carried error) and the whole fused kernel."""
+    (stage 1 with and without a carried error) and the whole fused kernel,
+    quantizing with ``encoder``."""
     from echo_vllm import kernels
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import consume_kernel, fused_kernel, output_kernel, stage1_kernel, stage2_kernel
@@ -192,9 +199,11 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
                                                    dtype=fb_dtype)
     wire = torch.zeros(2, world, lay.chunk_bytes, dtype=torch.uint8)
     calls = {
-        "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None)),
-        "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False)),
-        "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7)),
+        "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None,
+                                                         encoder=encoder)),
+        "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False,
+                                                               encoder=encoder)),
+        "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7, encoder=encoder)),
         "output": (output_kernel, lambda: kernels.output(wire[0], lay, dtype, hadamard=True)),
     }
     if fb is not None:
@@ -209,7 +218,8 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
             y = torch.empty(1, lay.numel, dtype=dtype)
             for incoming in (True, False):
                 lp = fused_kernel._launch_plan(lay, tiling, 1, world * lay.chunk_bytes, 7, True, True, incoming,
-                                               fused_kernel.ALL_PHASES, fused_kernel.tiling_lanes(tiling, lay, x[:1], y))
+                                               fused_kernel.ALL_PHASES, fused_kernel.tiling_lanes(tiling, lay, x[:1], y),
+                                               encoder)
                 k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
                                         fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
                                         lp.constexprs)
@@ -217,16 +227,20 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     return out
 
 
-def _shuffle_problems(rows, cols, dtype, fb_dtype, group) -> dict[str, list[str]]:
-    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group).items()
+def _shuffle_problems(rows, cols, dtype, fb_dtype, group, encoder) -> dict[str, list[str]]:
+    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group, encoder).items()
             if (p := layout_problems(t))}
 
 
+@pytest.mark.parametrize("encoder", ["absmax", "signed_mse"])
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("dtype,fb,group", [(torch.bfloat16, torch.bfloat16, 32), (torch.float16, torch.int8, 16),
                                             (torch.bfloat16, None, 32)])
-def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group):
-    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group).result(timeout=600)
+def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group, encoder):
+    """(signed_mse adds the lane sums of its squared errors: shuffles of
+    ``[BG, L]`` tensors, in stage 2 and phase 2 too.)"""
+    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group,
+                                       encoder).result(timeout=600)
     assert problems == {}, problems
 
 
@@ -340,11 +354,13 @@ def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str,
 
 
 def _small_cases() -> list:
-    from test_fused import PHASE_CASES
+    from test_fused import PHASE_CASES, SIGNED_PHASE_CASES
     from test_fused_norm import NORM_PHASE_CASES
     from test_output_norm import CASES
 
     cases = [pytest.param("test_fused", "_phases_match_reference", c, {}, id=f"phases{c}") for c in PHASE_CASES]
+    cases += [pytest.param("test_fused", "_phases_match_reference", c, {"encoder": "signed_mse"},
+                           id=f"phases signed_mse{c}") for c in SIGNED_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {"one_pass_rows": max(1, c[8] // 2)},
                            id=f"norm one pass{c}") for c in NORM_PHASE_CASES]

@@ -75,6 +75,7 @@ SAMPLE = {
     "rounding": ("stochastic", "stochastic"),
     "seed": ("7", 7),
     "feedback_dtype": ("float32", "float32"),
+    "encoder": ("signed_mse", "signed_mse"),
     "first_exact_calls": ("2", 2),
     "backend": ("reference", "reference"),
     "health_every": ("4", 4),
