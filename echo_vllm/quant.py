@@ -24,8 +24,10 @@ So a row's output bits depend only on that row's inputs and carried error:
 reducing rows A alone or inside [A; B] gives the same bits for A.
 
 * payload: two 4-bit codes per byte, element ``2i`` in the low nibble,
-  ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (symmetric:
-  zero is exact and round-to-nearest is unbiased; code 0 is never written).
+  ``2i+1`` in the high nibble; code = q + 8 with q in [-7, 7] (absmax:
+  symmetric, zero is exact and round-to-nearest is unbiased; code 0 is
+  never written) or [-8, 7] (signed_mse); the value is ``q * scale``
+  whatever the encoder (Encoders, below).
 * scales: one bf16 per group. bf16 has fp32's exponent range, so no finite
   input overflows it (fp16 scales overflow above 65504 * 7) and groups with
   max below 1e-3 keep full precision (fp16 reciprocals underflow there).
@@ -35,6 +37,50 @@ reducing rows A alone or inside [A; B] gives the same bits for A.
 The 8-group alignment makes every chunk a multiple of 16 bytes long (and the
 scale block 16-byte aligned inside it) for every supported group size, so
 kernels can use 16-byte accesses on the wire buffers.
+
+Encoders (how a group's scale and codes are chosen)
+---------------------------------------------------
+``EchoConfig.encoder``, in stage 1 and stage 2 alike (the int8 feedback
+format keeps absmax with qmax 127); same wire, same 4.5 bits, same decoder.
+
+* ``absmax`` (the default): ``s = bf16(max(amax * fp32(1/7), FLT_MIN))``,
+  ``q = round(fp32(u * fp32(1/s)))``, in [-7, 7] without a clamp.
+* ``signed_mse``: the scale carries the sign that puts the group's
+  largest-magnitude value on q = -8 (of a tie between +amax and -amax,
+  the negative value; of zeros, a -0), so all 16 codes are used; each
+  ratio ``c`` of :data:`SIGNED_MSE_CLIPS` gives a candidate ``s = -+
+  bf16(max(amax * fp32(c) / 8, FLT_MIN))``, quantized as ``q = clamp(
+  round(u * fp32(1/s)), -8, 7)`` -- the product rounded once, exact -- and
+  the group keeps the first candidate with the least :func:`tree_sum` of
+  its squared errors ``(u - q s)**2``. 8/7 is absmax's step: a group of
+  values all +-amax (what the rotation makes of one outlier) stays exact,
+  where with the extreme on -8 its other sign would clip to +7 -- on
+  SmolLM2's real partials signed scales alone erred more than absmax
+  (pooled over the calls), with 8/7 beside them less. 1 puts the extreme
+  exactly on -8, 0.95 clips it.
+
+  The set, from the one-shot relative MSE (sum of squared errors over sum
+  of squares) of stage 1's rotated partials of every all-reduce of
+  SmolLM2-135M at TP = 3 (256 tokens of Hamlet; mean over the 61 calls)
+  and of Gaussian groups (``scripts/experiments/encoder_clips.py``):
+  absmax 0.00820 / 0.00941; {8/7, 1} 0.00633 / 0.00722; {8/7, 1, 0.95}
+  0.00600 / 0.00683; adding 0.9 0.00677 (Gaussian), and 0.85 .. 0.7 nothing
+  (never kept). Each candidate costs the quantizing kernels a rounding, a
+  dequantization and a sum of squares per value from the same registers
+  and a reciprocal per group: compiled for sm_90, stage 1 goes from 47.6
+  to 60.9 SASS per value with {8/7, 1} and to 71.6 with {8/7, 1, 0.95}
+  (``python -m echo_vllm.bench.sass_report --encoders absmax,signed_mse``).
+  So three ratios: 27% less error than absmax where two give 23%, and a
+  fourth buys under 1%.
+
+  Range: no candidate decodes beyond ``(1 + 2**-8) amax`` (q >= -8 times a
+  ratio-<=-1 scale, ``|q| <= 7`` times 8/7's, :func:`code_bound`), the
+  bound of absmax's ``7 * bf16(amax / 7)``, and the largest candidate
+  scale, 8/7's, is absmax's, so the same groups are non-finite: the
+  guarantees of Range below hold for both encoders. A value the clip cuts
+  errs by up to ``code_bound(m) - 7`` steps (1.45 at 0.95), not half a
+  step; the group's sum of squares is at most the 8/7 candidate's.
+  Stochastic rounding uses the scale the round-to-nearest search chose.
 
 Feedback buffer (what each rank keeps between calls)
 ----------------------------------------------------
@@ -162,6 +208,12 @@ into its sum (one rounding, :func:`fma_exact_product`) exactly where it is
 exact -- a code times a scale: the stage-1 error ``u - r * s`` and the
 stage-2 sum -- while every other product and sum is rounded on its own (the
 kernels are compiled with FMA contraction off and call ``fma`` there).
+signed_mse adds two: its codes round the exact product ``u * fp32(1/s)``
+(float64 here and in the numba loops, ``fma(u, inv, magic)`` compiled),
+and its sums of squares add in :func:`tree_sum`'s order. Stage 2's sum
+starts from -0, the additive identity, so that a signed scale's code 8,
+which decodes as -0, keeps its sign as in the kernels (which start from the
+first chunk).
 """
 
 from __future__ import annotations
@@ -171,7 +223,7 @@ from functools import cached_property
 
 import torch
 
-from .config import FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfigError
+from .config import ENCODERS, FEEDBACK_DTYPES, SUPPORTED_GROUP_SIZES, EchoConfigError
 from .rotation import fwht, sign_vector
 
 #: Values per kernel alignment unit, in groups: keeps chunks 16-byte aligned.
@@ -194,8 +246,20 @@ OUTPUT_SCALE = 2.0
 #: for |y| <= 2**22 in fp32 arithmetic.
 RNE_MAGIC = 12582912.0
 
-#: Code offset: q in [-7, 7] is stored as q + 8 in [1, 15].
+#: Code offset: q in [-8, 7] is stored as q + 8 in [0, 15].
 CODE_OFFSET = 8
+
+#: The 4-bit wire's largest code magnitude: absmax's qmax (codes in [-7, 7]);
+#: signed_mse's codes reach -8.
+WIRE_QMAX = 7
+
+#: ``EchoConfig.encoder="signed_mse"``: the ratios ``c`` of the signed
+#: scale ``c * amax / 8`` tried for each group, in order (a later one is
+#: kept only where it errs strictly less): 8/7 is absmax's step (both signs
+#: of a group whose values are all +-amax, as the rotation makes of one
+#: outlier, stay exact), 1 the extreme value on -8, 0.95 clips it. Chosen
+#: from measurement (module docstring, Encoders).
+SIGNED_MSE_CLIPS = (8 / 7, 1.0, 0.95)
 
 #: Wire and scale dtypes.
 SCALE_DTYPE = torch.bfloat16
@@ -334,14 +398,17 @@ def from_wire_order(v: torch.Tensor, layout: WireLayout) -> torch.Tensor:
 
 
 def quantize_groups(
-    u: torch.Tensor, qmax: int, noise: torch.Tensor | None = None, *, shift: int = 0
+    u: torch.Tensor, qmax: int, noise: torch.Tensor | None = None, *, shift: int = 0, encoder: str = "absmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize fp32 ``u[..., G, g]`` group-wise.
+    """Quantize fp32 ``u[..., G, g]`` group-wise with ``encoder`` (module
+    docstring, Encoders).
 
-    Returns ``(codes uint8 [..., G, g] in [1, 15], scales bf16 [..., G],
-    err fp32 [..., G, g])`` with ``err = u - dequant``; ``err`` is 0 for
-    non-finite groups (their scale is NaN). ``noise`` (uniform [0, 1), same
-    shape as ``u``) switches to stochastic rounding ``floor(y + noise)``.
+    Returns ``(codes uint8 [..., G, g] in [8 + lo, 8 + hi], scales bf16 [..., G],
+    err fp32 [..., G, g])`` with ``err = u - dequant`` and ``(lo, hi)`` =
+    :func:`code_range`; ``err`` is 0 for non-finite groups (their scale is
+    NaN). ``noise`` (uniform [0, 1), same shape as ``u``) switches to
+    stochastic rounding ``floor(y + noise)`` (``signed_mse``: with the scale
+    its round-to-nearest search chose).
 
     ``shift``: ``u`` holds the values to quantize times ``2**-shift`` (stage
     2's sum, :func:`stage2_shift`); scales and codes are those of the values
@@ -350,18 +417,18 @@ def quantize_groups(
     the rounding's magic number ``RNE_MAGIC * 2**-shift``): the same bits
     wherever the unshifted arithmetic does not overflow.
 
-    Error bound: for finite groups, |err| <= scale / 2 element-wise for
-    round-to-nearest (< scale for stochastic), scale = bf16(amax / qmax).
+    Error bound (absmax): for finite groups, |err| <= scale / 2 element-wise
+    for round-to-nearest (< scale for stochastic), scale = bf16(amax / qmax).
     """
     assert u.dtype == torch.float32
-    scales, s, inv, bad = group_scales(u, qmax, shift)
+    scales, s, inv, bad = group_scales(u, qmax, shift, encoder)
+    lo, hi = code_range(qmax, encoder)
     unit = 2.0**-shift
-    y = u * inv.unsqueeze(-1)  # code * 2**-shift
-    y = torch.clamp(y, -qmax * unit, qmax * unit)
     if noise is None:
-        r = round_half_even(y, shift)
+        r = _nearest(u, inv.unsqueeze(-1), lo, hi, shift, encoder)
     else:
-        r = torch.clamp(torch.floor(y * 2.0**shift + noise), -float(qmax), float(qmax)) * unit
+        y = u * inv.unsqueeze(-1)  # code * 2**-shift
+        r = torch.clamp(torch.floor(y * 2.0**shift + noise), float(lo), float(hi)) * unit
     r = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=r.dtype), r)
     codes = (r * 2.0**shift + CODE_OFFSET).to(WIRE_DTYPE)
     err = fma_exact_product(-r, s.unsqueeze(-1), u)
@@ -369,28 +436,129 @@ def quantize_groups(
     return codes, scales, err
 
 
+def code_range(qmax: int, encoder: str = "absmax") -> tuple[int, int]:
+    """``(lo, hi)``: the codes ``q`` (stored as ``q + 8``) ``encoder`` writes:
+    ``[-qmax, qmax]`` for absmax, ``[-8, 7]`` for signed_mse (the 4-bit
+    wire's only: ``qmax`` must be :data:`WIRE_QMAX`)."""
+    if encoder == "absmax":
+        return -qmax, qmax
+    if qmax != WIRE_QMAX:
+        raise ValueError(f"qmax={qmax}: signed_mse is defined for the 4-bit wire (qmax {WIRE_QMAX})")
+    return -(WIRE_QMAX + 1), WIRE_QMAX
+
+
+def _nearest(u: torch.Tensor, inv: torch.Tensor, lo: int, hi: int, shift: int, encoder: str) -> torch.Tensor:
+    """``u * inv`` rounded to the nearest multiple of ``2**-shift`` (ties to
+    even), clamped to ``[lo, hi] * 2**-shift``. absmax rounds the fp32
+    product ``u * inv`` (two roundings); signed_mse the exact product (one
+    rounding, what ``fma(u, inv, magic)`` computes; formed in float64, where
+    a product of two fp32 values is exact)."""
+    unit = 2.0**-shift
+    if encoder == "absmax":
+        return round_half_even(torch.clamp(u * inv, lo * unit, hi * unit), shift)
+    # torch.round: ties to even; + 0.0 makes a code 0 of a negative product +0,
+    # as the magic-number rounding's (its t - magic) is
+    q = torch.round(u.double() * inv.double() * 2.0**shift) + 0.0
+    return (torch.clamp(q, lo, hi) * unit).float()
+
+
 def group_scales(
-    u: torch.Tensor, qmax: int, shift: int = 0
+    u: torch.Tensor, qmax: int, shift: int = 0, encoder: str = "absmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scale of each group of fp32 ``u[..., G, g]`` (values times
-    ``2**-shift``, :func:`quantize_groups`) for codes in [-qmax, qmax]:
+    ``2**-shift``, :func:`quantize_groups`) under ``encoder``:
     ``(scales bf16 [..., G], s fp32, inv fp32, bad bool)``.
 
-    ``s = bf16(max(amax * (fp32(1/qmax) * 2**shift), FLT_MIN))`` over the
-    finite values, ``inv = fp32(1 / s)`` (one correctly rounded division per
-    group), ``bad``: the group holds NaN or Inf, or its scale reaches
-    :data:`BF16_SCALE_LIMIT` (it would round to infinity); ``scales`` is
-    ``s`` with NaN where ``bad``. Shared by the wire format and the int8
-    feedback buffer."""
+    absmax (codes in [-qmax, qmax]): ``s = bf16(max(amax * (fp32(1/qmax) *
+    2**shift), FLT_MIN))`` over the finite values; signed_mse:
+    :func:`_signed_mse_scales`. ``inv = fp32(1 / s)`` (one correctly rounded
+    division per group), ``bad``: the group holds NaN or Inf, or its scale
+    reaches :data:`BF16_SCALE_LIMIT` (it would round to infinity); ``scales``
+    is ``s`` with NaN where ``bad``. absmax is shared by the wire format and
+    the int8 feedback buffer."""
+    if encoder not in ENCODERS:
+        raise EchoConfigError(f"encoder={encoder!r}: choose one of {', '.join(ENCODERS)}")
     finite = torch.isfinite(u)
     amax = torch.where(finite, u.abs(), torch.zeros((), dtype=u.dtype)).amax(dim=-1)
-    s_raw = amax * (inv_qmax_f32(qmax) * 2.0**shift)
-    bad = ~finite.all(dim=-1) | ~(s_raw < BF16_SCALE_LIMIT)
-    s16 = torch.clamp_min(s_raw, FLT_MIN).to(SCALE_DTYPE)
+    if encoder == "signed_mse":
+        s16, bad = _signed_mse_scales(u, finite, amax, qmax, shift)
+    else:
+        s_raw = amax * (inv_qmax_f32(qmax) * 2.0**shift)
+        bad = ~finite.all(dim=-1) | ~(s_raw < BF16_SCALE_LIMIT)
+        s16 = _bf16_scale(s_raw)
     s = s16.float()
     inv = 1.0 / s
     scales = torch.where(bad, torch.full((), float("nan"), dtype=SCALE_DTYPE), s16)
     return scales, s, inv, bad
+
+
+def _bf16_scale(s_raw: torch.Tensor) -> torch.Tensor:
+    """``bf16(max(s_raw, FLT_MIN))``: a scale as stored (nearest even)."""
+    return torch.clamp_min(s_raw, FLT_MIN).to(SCALE_DTYPE)
+
+
+def clip_multipliers() -> tuple[float, ...]:
+    """signed_mse's scale multipliers, one per :data:`SIGNED_MSE_CLIPS`
+    ratio ``c``: ``fp32(c) / 8`` (exact: a power of two; ``fp32(1/7)`` for
+    8/7), as Python floats: the kernels' constants."""
+    return tuple(float(torch.tensor(c, dtype=torch.float32)) / (WIRE_QMAX + 1) for c in SIGNED_MSE_CLIPS)
+
+
+def code_bound(multiplier: float) -> float:
+    """The largest ``|u * fp32(1 / s)|`` of a group quantized with the
+    scale ``s = bf16(max(fp32(amax * multiplier), FLT_MIN))`` (``|u| <=
+    amax``): ``fp32(amax * m)`` is at most ``2**-24`` below ``amax * m``,
+    the bf16 rounding at most ``2**-8`` below that (the clamp to ``FLT_MIN``
+    only raises it), the reciprocal at most ``2**-24`` above ``1 / s``.
+    A code of an exact product below 8.5 (7.5) in magnitude rounds to at
+    least -8 (at most 7): the clamp there cannot act."""
+    return (1.0 / multiplier) * (1 + 2.0**-24) / ((1 - 2.0**-24) * (1 - 2.0**-8))
+
+
+def _signed_mse_scales(
+    u: torch.Tensor, finite: torch.Tensor, amax: torch.Tensor, qmax: int, shift: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """signed_mse's scales ``(s16 bf16 [..., G], bad bool [..., G])`` of the
+    groups of ``u`` (``amax``: their largest finite magnitude).
+
+    The scale's sign puts the group's largest-magnitude value on code -8:
+    positive if that value is negative, negative if it is positive; where
+    both ``+amax`` and ``-amax`` occur (or only zeros, one of them -0), the
+    negative one decides (a positive scale). Candidate ``k`` is ``sign *
+    bf16(max(amax * (m_k * 2**shift), FLT_MIN))``, ``m_k`` of
+    :func:`clip_multipliers`; its error is that of :func:`_nearest`'s codes
+    (the stored scale, its correctly rounded reciprocal, codes clamped to
+    [-8, 7]), and the group keeps the first candidate whose :func:`tree_sum`
+    of squared errors is the smallest (a later one must be strictly
+    smaller). ``bad`` as for absmax, with the largest multiplier (no
+    candidate's scale rounds to infinity)."""
+    lo, hi = code_range(qmax, "signed_mse")
+    mults = clip_multipliers()
+    top = finite & (u.abs() == amax.unsqueeze(-1))
+    sign = torch.where((top & torch.signbit(u)).any(dim=-1), 1.0, -1.0)
+    bad = ~finite.all(dim=-1) | ~(amax * (max(mults) * 2.0**shift) < BF16_SCALE_LIMIT)
+    best = best_sse = None
+    for m in mults:
+        s16 = (_bf16_scale(amax * (m * 2.0**shift)).float() * sign).to(SCALE_DTYPE)  # exact: a sign change
+        s = s16.float().unsqueeze(-1)
+        err = fma_exact_product(-_nearest(u, 1.0 / s, lo, hi, shift, "signed_mse"), s, u)
+        sse = tree_sum(err * err)
+        if best is None:
+            best, best_sse = s16, sse
+        else:
+            better = sse < best_sse
+            best, best_sse = torch.where(better, s16, best), torch.where(better, sse, best_sse)
+    return best, bad
+
+
+def tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dimension (a power of two) as a balanced tree:
+    adjacent pairs first (elements ``2i`` and ``2i + 1``), then pairs of
+    those, each add rounded on its own -- the order the kernels add in
+    (registers, then lanes), so the sum has the same bits everywhere."""
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
 
 
 def round_half_even(y: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -563,8 +731,10 @@ def stage1_reference(
     has_incoming: bool = False,
     noise: torch.Tensor | None = None,
     flips: int = 0,
+    encoder: str = "absmax",
 ) -> torch.Tensor:
-    """Quantize each local rank's input plus its carried error.
+    """Quantize each local rank's input plus its carried error (with
+    ``encoder``: :func:`quantize_groups`).
 
     ``x``: [R, numel] (any float dtype). ``feedback``: a buffer holding at
     least ``padded_numel`` values per row (float32, bfloat16 or int8 blocks:
@@ -583,7 +753,7 @@ def stage1_reference(
     if feedback is not None and has_incoming:
         u = u + read_feedback(feedback, 0, np_, g)
     codes, scales, err = quantize_groups(
-        u.reshape(r, np_ // g, g), qmax, None if noise is None else noise.reshape(r, np_ // g, g)
+        u.reshape(r, np_ // g, g), qmax, None if noise is None else noise.reshape(r, np_ // g, g), encoder=encoder
     )
     if feedback is not None:
         write_feedback(feedback, 0, err.reshape(r, np_), g)
@@ -598,8 +768,10 @@ def stage2_reference(
     *,
     qmax: int = 7,
     noise: torch.Tensor | None = None,
+    encoder: str = "absmax",
 ) -> torch.Tensor:
-    """Reduce the chunks each local rank received and requantize the sum.
+    """Reduce the chunks each local rank received and requantize the sum
+    (with ``encoder``: :func:`quantize_groups`).
 
     ``recv``: [R, P, chunk_bytes], ``recv[r, i]`` = rank i's chunk for local
     rank r (whose chunk index is ``own_chunks[r]``). The sum runs in fp32 in
@@ -613,11 +785,14 @@ def stage2_reference(
     r, p = recv.shape[0], recv.shape[1]
     c, g = layout.chunk_numel, layout.group_size
     k = stage2_shift(p)
-    acc = torch.zeros(r, c // g, g, dtype=torch.float32, device=recv.device)
+    # -0 is the additive identity (x + -0 == x for every x, -0 too): the sum is
+    # of the P terms alone (a signed_mse scale decodes code 8 as -0)
+    acc = torch.full((r, c // g, g), -0.0, dtype=torch.float32, device=recv.device)
     for i in range(p):  # acc + code * scale * 2**-k, rounded once (the product is exact)
         q, s = decode_codes(recv[:, i], layout)
         acc = fma_exact_product(q, s * 2.0**-k, acc)
-    codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g), shift=k)
+    codes, scales, err = quantize_groups(acc, qmax, None if noise is None else noise.reshape(r, c // g, g), shift=k,
+                                         encoder=encoder)
     if feedback is not None:
         for n, j in enumerate(own_chunks):
             row = feedback[n : n + 1]

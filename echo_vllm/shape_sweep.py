@@ -10,7 +10,8 @@ So the sweep covers widths below, at and above one group (1-70, 127-129,
 and a few large ones), rows 1-9 and odd counts, P = 2, 3, 4, 8, bf16 / fp16 /
 fp32 inputs, bf16 and int8 feedback or none, every group size, and values that are
 random, zero, huge, tiny (the dtype's subnormals) or non-finite, with and
-without a feedback buffer, each case a
+without a feedback buffer, and every width again quantizing with
+signed_mse (``EchoConfig.encoder``), each case a
 chain of :data:`CALLS` calls with the error carried.
 
 One case is run by :func:`run_case` through Echo's 4-bit path
@@ -29,7 +30,7 @@ import itertools
 
 import torch
 
-from .config import EchoConfig
+from .config import ENCODERS, EchoConfig
 from .quant import SUPPORTED_GROUP_SIZES
 
 #: Calls per case: the first starts clean, the next two carry the error.
@@ -64,18 +65,21 @@ class SweepCase:
     group_size: int = 32
     hadamard: bool = True
     seed: int = 0
+    encoder: str = "absmax"
+    """One of ``config.ENCODERS``."""
 
     @property
     def label(self) -> str:
         return (f"{self.rows}x{self.cols}-P{self.world_size}-{self.dtype}-fb{self.feedback_dtype}-{self.values}"
-                f"-g{self.group_size}{'' if self.hadamard else '-norot'}")
+                f"-g{self.group_size}{'' if self.hadamard else '-norot'}"
+                f"{'' if self.encoder == 'absmax' else '-' + self.encoder}")
 
     def config(self, backend: str) -> EchoConfig:
         """Every call of the chain takes Echo's 4-bit path (no size gate, no exact calls)."""
         storage = FEEDBACK_DTYPES[self.feedback_dtype]
         return EchoConfig(group_size=self.group_size, hadamard=self.hadamard, min_bytes=0, first_exact_calls=0,
                           exact_last_call=False, feedback=storage is not None, feedback_dtype=storage or "bfloat16",
-                          health_every=0, backend=backend)
+                          health_every=0, backend=backend, encoder=self.encoder)
 
 
 def cases(scale: str = "gpu") -> list[SweepCase]:
@@ -83,7 +87,9 @@ def cases(scale: str = "gpu") -> list[SweepCase]:
     axes rotating through their values (every group size and rotation on),
     plus the full product P x input x feedback (bf16, int8) for
     :data:`NARROW_WIDTHS`, every value kind for width 1 and narrow rows
-    without a feedback buffer. ``fused``: the part of ``gpu`` the fused kernel
+    without a feedback buffer; then every width and every value kind of
+    width 1 again with the other encoders (the axes rotating from another
+    point). ``fused``: the part of ``gpu`` the fused kernel
     runs over P processes (:data:`FUSED_WIDTHS`, every 9th width).
     ``interpreter``: the few that Triton's
     interpreter can afford on CI's two cores (width 1 and neighbours of one
@@ -107,6 +113,19 @@ def cases(scale: str = "gpu") -> list[SweepCase]:
         for k, (p, dt) in enumerate(zip(WORLD_SIZES, ("bf16", "fp16", "bf16", "fp16"))):  # no feedback buffer
             out.append(SweepCase(rows=2, cols=(1, 3, 33, 70)[k], world_size=p, dtype=dt, feedback_dtype="none",
                                  values="random", seed=2100 + k))
+        for e, encoder in enumerate(ENCODERS[1:], 1):
+            kinds = itertools.cycle(VALUE_KINDS[e:] + VALUE_KINDS[:e])
+            for i, cols in enumerate(WIDTHS):
+                out.append(SweepCase(
+                    rows=ROW_COUNTS[(i + 5) % len(ROW_COUNTS)] if cols < 1000 else 1 + i % 3, cols=cols,
+                    world_size=WORLD_SIZES[(i + 1) % 4], dtype=tuple(DTYPES)[(i + 2) % 3],
+                    feedback_dtype=tuple(FEEDBACK_DTYPES)[(i // 4 + 1) % 3], values=next(kinds),
+                    group_size=SUPPORTED_GROUP_SIZES[(i // 2 + 1) % len(SUPPORTED_GROUP_SIZES)],
+                    hadamard=i % 7 != 3, seed=4000 * e + i, encoder=encoder))
+            for k, kind in enumerate(VALUE_KINDS):
+                out.append(SweepCase(rows=3, cols=1, world_size=(3, 8)[k % 2], dtype=tuple(DTYPES)[k % 3],
+                                     feedback_dtype=("int8", "bf16")[k % 2], values=kind, seed=4000 * e + 900 + k,
+                                     encoder=encoder))
     elif scale == "fused":
         out = [c for c in cases("gpu") if c.cols in FUSED_WIDTHS or (c.cols <= 70 and c.cols % 9 == 0)]
     elif scale == "interpreter":
@@ -114,6 +133,10 @@ def cases(scale: str = "gpu") -> list[SweepCase]:
                                                    (1, 33, 4, "huge"), (2, 129, 2, "tiny")]):
             out.append(SweepCase(rows=rows, cols=cols, world_size=p, dtype=tuple(DTYPES)[j % 3],
                                  feedback_dtype=tuple(FEEDBACK_DTYPES)[j % 3], values=kind, seed=3000 + j))
+        out.append(SweepCase(rows=3, cols=1, world_size=3, dtype="bf16", feedback_dtype="int8", values="huge",
+                             seed=3100, encoder="signed_mse"))
+        out.append(SweepCase(rows=2, cols=33, world_size=2, dtype="fp16", feedback_dtype="bf16", values="random",
+                             seed=3101, encoder="signed_mse"))
     else:
         raise ValueError(f"scale={scale!r}: 'gpu', 'fused' or 'interpreter'")
     return out

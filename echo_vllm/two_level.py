@@ -128,6 +128,7 @@ def two_level_reference(
     hadamard: bool = False,
     has_incoming: bool = False,
     flips: int = 0,
+    encoder: str = "absmax",
 ) -> torch.Tensor:
     """Two-level Echo of every rank's input ``xs [P, numel]`` (rank order)
     over the hosts of ``hosts`` (equal sizes, ``choose_topology``'s two-level)
@@ -138,7 +139,7 @@ def two_level_reference(
     ``quant.read_feedback``) or None; its values are added to the host sums
     if ``has_incoming``, and it ends holding this call's errors (module
     docstring), in place. ``flips``: the rotation seed's sign pattern
-    (``rotation.sign_flips``), as on the flat path.
+    (``rotation.sign_flips``) and ``encoder``, as on the flat path.
     """
     p, g_ranks, h_hosts = xs.shape[0], hosts.ranks_per_host[0], hosts.hosts
     assert p == hosts.world_size == layout.world_size == g_ranks * h_hosts, (p, hosts, layout)
@@ -153,8 +154,9 @@ def two_level_reference(
         idx = list(members)
         fb = feedback[idx] if feedback is not None else None
         wire = quant.stage1_reference(sums[idx], fb, sl, qmax=qmax, hadamard=hadamard, has_incoming=has_incoming,
-                                      flips=flips)
-        q2 = quant.stage2_reference(wire.transpose(0, 1), fb, list(range(h_hosts)), sl, qmax=qmax)
+                                      flips=flips, encoder=encoder)
+        q2 = quant.stage2_reference(wire.transpose(0, 1), fb, list(range(h_hosts)), sl, qmax=qmax,
+                                    encoder=encoder)
         if feedback is not None:
             feedback[idx] = fb
         gathered.append(q2)

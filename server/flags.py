@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, FEEDBACK_DTYPES, ROUNDING_MODES,
+from ..config import (AUTO_BYTES, BACKEND_CHOICES, BYTE_SIZE_FIELDS, ENCODERS, FEEDBACK_DTYPES, ROUNDING_MODES,
                       SUPPORTED_GROUP_SIZES, TOPOLOGY_CHOICES, EchoConfig)
 from ..postnorm_policy import DEFAULT_POSTNORM_POLICY, POSTNORM_POLICIES
 # the keys and modes are the plugin's (one list: the plugin refuses what it does not know)
@@ -42,6 +42,7 @@ _CHOICES: dict[str, tuple] = {
     "group_size": SUPPORTED_GROUP_SIZES,
     "rounding": ROUNDING_MODES,
     "feedback_dtype": FEEDBACK_DTYPES,
+    "encoder": ENCODERS,
     "backend": BACKEND_CHOICES,
     "topology": TOPOLOGY_CHOICES,
 }

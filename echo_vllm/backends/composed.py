@@ -45,9 +45,9 @@ class ComposedBackend(EchoBackend):
         """Stage 1, the all-to-all, stage 2, the all-gather: the gathered chunks."""
         cfg, st = self.config, self.stages
         wire = st.stage1(xs, feedback, layout, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-                         flips=self.flips, **self._noise(layout.padded_numel, xs.device))
+                         flips=self.flips, encoder=cfg.encoder, **self._noise(layout.padded_numel, xs.device))
         recv = self.transport.all_to_all(wire)
-        q2 = st.stage2(recv, feedback, self._own_chunks, layout, qmax=cfg.qmax,
+        q2 = st.stage2(recv, feedback, self._own_chunks, layout, qmax=cfg.qmax, encoder=cfg.encoder,
                        **self._noise(layout.chunk_numel, xs.device))
         return self.transport.all_gather(q2)
 

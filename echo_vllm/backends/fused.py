@@ -583,7 +583,8 @@ class FusedSymmMemBackend(EchoBackend):
         out, res = fused_all_reduce_norm(
             xs, feedback, b.table, layout, norm.weight, norm.eps, residual=norm.residual, rank=self.rank,
             gathered_offset=b.gathered_offset, qmax=cfg.qmax, hadamard=cfg.hadamard, has_incoming=has_incoming,
-            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, flips=self.flips, out=norm.out,
+            tiling=self._norm_tilings(layout, tiling), timeout_ns=self.timeout_ns, flips=self.flips,
+            encoder=cfg.encoder, out=norm.out,
             residual_out=norm.residual_out, sms=self.sms, status=self.status,
         )
         shape = norm.residual.shape if norm.residual is not None else (layout.rows, layout.cols)

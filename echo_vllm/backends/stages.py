@@ -45,10 +45,11 @@ class StageOps(Protocol):
 
     def stage1(self, x: torch.Tensor, feedback: torch.Tensor | None, layout: WireLayout, *, qmax: int,
                hadamard: bool, has_incoming: bool, noise: torch.Tensor | None = None, flips: int = 0,
+               encoder: str = "absmax",
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def stage2(self, recv: torch.Tensor, feedback: torch.Tensor | None, own_chunks: list[int],
-               layout: WireLayout, *, qmax: int, noise: torch.Tensor | None = None,
+               layout: WireLayout, *, qmax: int, noise: torch.Tensor | None = None, encoder: str = "absmax",
                out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def output(self, gathered: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool,
@@ -88,13 +89,15 @@ class ReferenceStages:
     name = "reference"
     stochastic = True
 
-    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, flips=0, out=None):
+    def stage1(self, x, feedback, layout, *, qmax, hadamard, has_incoming, noise=None, flips=0, encoder="absmax",
+               out=None):
         wire = quant.stage1_reference(x, feedback, layout, qmax=qmax, hadamard=hadamard,
-                                      has_incoming=has_incoming, noise=noise, flips=flips)
+                                      has_incoming=has_incoming, noise=noise, flips=flips, encoder=encoder)
         return _into(out, wire)
 
-    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, out=None):
-        return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise))
+    def stage2(self, recv, feedback, own_chunks, layout, *, qmax, noise=None, encoder="absmax", out=None):
+        return _into(out, quant.stage2_reference(recv, feedback, own_chunks, layout, qmax=qmax, noise=noise,
+                                                 encoder=encoder))
 
     def output(self, gathered, layout, out_dtype, *, hadamard, flips=0, out=None):
         return _into(out, quant.output_reference(gathered, layout, out_dtype, hadamard=hadamard, flips=flips))

@@ -92,9 +92,10 @@ class TwoLevelBackend(ComposedBackend):
         chunks: list[torch.Tensor | None] = [None] * xs.shape[0]
         for tr, pos in self.cross_host:  # 2. Echo over the hosts, each local rank on its shard
             wire = torch.cat([st.stage1(sums[p], rows(feedback, p), sl, qmax=cfg.qmax, hadamard=cfg.hadamard,
-                                        has_incoming=has_incoming, flips=self.flips) for p in pos])
+                                        has_incoming=has_incoming, flips=self.flips, encoder=cfg.encoder) for p in pos])
             recv = tr.all_to_all(wire)
-            q2 = torch.cat([st.stage2(recv[i : i + 1], rows(feedback, p), [self._host[p]], sl, qmax=cfg.qmax)
+            q2 = torch.cat([st.stage2(recv[i : i + 1], rows(feedback, p), [self._host[p]], sl, qmax=cfg.qmax,
+                                      encoder=cfg.encoder)
                             for i, p in enumerate(pos)])
             gathered = tr.all_gather(q2)
             for p in pos:

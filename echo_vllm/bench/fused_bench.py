@@ -1,6 +1,6 @@
 """The fused kernel against its memory roofline, on one GPU.
 
-``echo-vllm bench fused [--world-sizes 2,4,8] [--sizes 64M,1G] [--out DIR]``
+``echo-vllm bench fused [--world-sizes 2,4,8] [--sizes 64M,1G] [--encoders absmax,signed_mse] [--out DIR]``
 
 For each P and message size (bf16 rows of ``--hidden`` values per rank):
 
@@ -23,6 +23,9 @@ For each P and message size (bf16 rows of ``--hidden`` values per rank):
   so it cannot predict the latency or bandwidth of real peer stores, nor
   the skew between GPUs.
 * **composed stage kernels** on the same layout, with their roofline.
+* **encoders** (``--encoders absmax,signed_mse``): phases 1 and 2 and
+  stages 1 and 2 again with each further ``EchoConfig.encoder``, in a
+  table beside the first's (the cost of signed_mse's search).
 
 Before timing, every kernel is checked against the references bit for bit
 (the emulated whole kernel over a chain of calls, the phases, the stage
@@ -40,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli_args import MAX_RANKS, RANKS_WHY, count, counts, out_dir
+from ..cli_args import MAX_RANKS, RANKS_WHY, choice_list, count, counts, out_dir
+from ..config import ENCODERS, EchoConfig
 from ..outputs import check_names, write_json
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len
 from . import report, timing
@@ -189,10 +193,10 @@ def _buffers(lay: WireLayout, sets: int, fb_dtype: torch.dtype):
     return out
 
 
-def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
+def verify(world: int, hidden: int, fb_dtype: torch.dtype, encoder: str = "absmax") -> list[str]:
     """The emulated whole kernel (barriers on), three chained calls, against
-    the composed references: output bits on every rank, feedback bits, and
-    every flag back at 0. Returns the mismatches."""
+    the composed references (quantizing with ``encoder``): output bits on
+    every rank, feedback bits, and every flag back at 0. Returns the mismatches."""
     from .. import quant
     from ..kernels import fused_kernel as fk
 
@@ -205,17 +209,20 @@ def verify(world: int, hidden: int, fb_dtype: torch.dtype) -> list[str]:
     for call in range(3):
         xs = torch.randn(world, lay.numel, device="cuda").to(torch.bfloat16) * (10.0 ** (call - 1))
         fk.fused_all_reduce(xs, fb, table, lay, rank=0, gathered_offset=world * lay.chunk_bytes, qmax=7,
-                            hadamard=True, has_incoming=call > 0, tiling=tiling, timeout_ns=10 * 10**9, out=y)
-        wire = quant.stage1_reference(xs.cpu(), fb_ref, lay, qmax=7, hadamard=True, has_incoming=call > 0)
-        q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb_ref, list(range(world)), lay, qmax=7)
+                            hadamard=True, has_incoming=call > 0, tiling=tiling, timeout_ns=10 * 10**9,
+                            encoder=encoder, out=y)
+        wire = quant.stage1_reference(xs.cpu(), fb_ref, lay, qmax=7, hadamard=True, has_incoming=call > 0,
+                                      encoder=encoder)
+        q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb_ref, list(range(world)), lay, qmax=7,
+                                    encoder=encoder)
         want = quant.output_reference(q2, lay, torch.bfloat16, hadamard=True)
         for r in range(world):
             if not torch.equal(y[r].cpu().view(torch.int16), want.view(torch.int16)):
-                bad.append(f"P={world} call {call} rank {r}: output bits differ")
+                bad.append(f"P={world} {encoder} call {call} rank {r}: output bits differ")
     if not torch.equal(fb.cpu().view(torch.uint8), fb_ref.view(torch.uint8)):
-        bad.append(f"P={world}: feedback bits differ")
+        bad.append(f"P={world} {encoder}: feedback bits differ")
     if any(int(p.abs().sum()) for p in pads):
-        bad.append(f"P={world}: flags not back at 0")
+        bad.append(f"P={world} {encoder}: flags not back at 0")
     return bad
 
 
@@ -248,7 +255,10 @@ def plan_specs(text: str) -> list[str]:
 
 
 def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch.dtype, gbps: float,
-            stages: bool = True, plan: str = "") -> Case:
+            stages: bool = True, plan: str = "", encoders: tuple[str, ...] = ("absmax",)) -> Case:
+    """One case's times: the phases alone, the emulated whole kernel and the
+    stage kernels with the first of ``encoders``; phases 1 and 2 and stages
+    1 and 2 again with each other one (``report.encoder_key``)."""
     from ..backends.triton_stages import TritonStages
     from ..kernels import fused_kernel as fk
 
@@ -260,13 +270,15 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
     emul = parse_plan(plan, lay, sms // world) if plan else fk.tiling_for(lay, sms // world)  # P ranks share it
     case = Case(world, size_bytes, hidden, plan=one._asdict(), bytes=phase_bytes(lay, fb_dtype))
     kw = dict(gathered_offset=world * lay.chunk_bytes, qmax=7, hadamard=True, has_incoming=True,
-              timeout_ns=10 * 10**9)
+              timeout_ns=10 * 10**9, encoder=encoders[0])
 
-    for ph in (1, 2, 3):
-        def run(i, ph=ph):
+    for ph, enc in [(1, e) for e in encoders] + [(2, e) for e in encoders] + [(3, encoders[0])]:
+        def run(i, ph=ph, enc=enc):
             x, fb, y, table, _, _ = sets_[i % sets]
-            fk.fused_all_reduce(x[:1], fb[:1], table, lay, rank=0, tiling=one, out=y[0], phase=ph, **kw)
-        case.times_us[f"phase{ph}"] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
+            fk.fused_all_reduce(x[:1], fb[:1], table, lay, rank=0, tiling=one, out=y[0], phase=ph,
+                                **{**kw, "encoder": enc})
+        key = report.encoder_key(f"phase{ph}", enc, encoders)
+        case.times_us[key] = timing.cuda_graph_time(run, iters=10, calls_per_graph=sets).median_s * 1e6
     case.times_us["phases"] = sum(case.times_us[f"phase{ph}"] for ph in (1, 2, 3))
 
     def whole(i):
@@ -284,10 +296,16 @@ def measure(world: int, size_bytes: int, hidden: int, sets: int, fb_dtype: torch
         recv = torch.empty_like(wire)
         q2 = torch.empty(1, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
         gathered = torch.empty(world, lay.chunk_bytes, dtype=torch.uint8, device="cuda")
+        def stage1(e):
+            return lambda i: st.stage1(sets_[i % sets][0][:1], sets_[i % sets][1][:1], lay, qmax=7, hadamard=True,
+                                       has_incoming=True, encoder=e, out=wire)
+
+        def stage2(e):
+            return lambda i: st.stage2(recv, sets_[i % sets][1][:1], [0], lay, qmax=7, encoder=e, out=q2)
+
         runs = {
-            "stage1": lambda i: st.stage1(sets_[i % sets][0][:1], sets_[i % sets][1][:1], lay, qmax=7, hadamard=True,
-                                          has_incoming=True, out=wire),
-            "stage2": lambda i: st.stage2(recv, sets_[i % sets][1][:1], [0], lay, qmax=7, out=q2),
+            **{report.encoder_key("stage1", e, encoders): stage1(e) for e in encoders},
+            **{report.encoder_key("stage2", e, encoders): stage2(e) for e in encoders},
             "output": lambda i: st.output(gathered, lay, torch.bfloat16, hadamard=True, out=sets_[i % sets][2][0]),
         }
         for name, run in runs.items():
@@ -326,6 +344,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="rotating input/buffer sets (>= 3: L2 holds 60 MB)")
     ap.add_argument("--feedback-dtype", default="bfloat16", choices=tuple(FEEDBACK_STORAGE),
                     help="the feedback buffer's format (int8: codes + a bf16 scale per group)")
+    ap.add_argument("--encoders", type=choice_list(ENCODERS), default=EchoConfig.encoder,
+                    help="comma list of encoders (EchoConfig.encoder) to time phases 1 and 2 and stages 1 and 2 "
+                         "with, in one run; the first is the whole kernel's, the others are compared with it")
     ap.add_argument("--no-stages", action="store_true", help="skip the composed stage kernels")
     ap.add_argument("--plans", type=plan_specs, default=None,
                     help="tuning: tile_values:num_warps:per_sm plans to time instead of "
@@ -341,9 +362,9 @@ def run(args: argparse.Namespace) -> int:
         print("bench fused: needs a CUDA GPU", file=sys.stderr)
         return 2
     fb_dtype = FEEDBACK_STORAGE[args.feedback_dtype]
-    worlds, sizes = args.world_sizes, args.sizes
+    worlds, sizes, encoders = args.world_sizes, args.sizes, tuple(args.encoders)
     if not args.skip_verify:
-        bad = [b for p in worlds for b in verify(p, args.hidden, fb_dtype)]
+        bad = [b for p in worlds for e in encoders for b in verify(p, args.hidden, fb_dtype, e)]
         if not verified("bench fused", bad, "the references",
                         f"emulated whole kernel == references bit for bit, flags reset (P={worlds})"):
             return 1
@@ -352,14 +373,19 @@ def run(args: argparse.Namespace) -> int:
     for p in worlds:
         for z in sizes:
             for plan in args.plans or [""]:
-                cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages, plan))
+                cases.append(measure(p, z, args.hidden, args.buffer_sets, fb_dtype, gbps, not args.no_stages, plan,
+                                     encoders))
                 print(json.dumps(asdict(cases[-1])), flush=True)
     print(table(cases, gbps))
+    if len(encoders) > 1:
+        print(f"\nphases 1, 2 and stages 1, 2 by encoder (x: against {encoders[0]})")
+        print(report.encoder_table([(f"P={c.world_size} {report.human_bytes(c.size_bytes)}", c.times_us)
+                                    for c in cases], ("phase1", "phase2", "stage1", "stage2"), encoders))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(args.out) / "fused.json",
                    {"device": name, "copy_gbps": gbps, "sm_clock": sm_clock_mhz(), "feedback_dtype": args.feedback_dtype,
-                    "cases": [asdict(c) for c in cases]}, indent=1)
+                    "encoders": list(encoders), "cases": [asdict(c) for c in cases]}, indent=1)
     return 0
 
 

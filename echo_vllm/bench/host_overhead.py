@@ -102,10 +102,12 @@ def compile_only():
         direct_launch.current_device, direct_launch.current_stream = old_dev, old_stream
 
 
-def _calls(numel: int, world_size: int, fb_dtype: torch.dtype = torch.float32, flips: int = 0):
+def _calls(numel: int, world_size: int, fb_dtype: torch.dtype = torch.float32, flips: int = 0,
+           encoder: str = "absmax"):
     """One rank's four wrapper calls with caller-supplied buffers (as the
     benchmark and a CUDA-graph caller make them), feedback in ``fb_dtype``,
-    the rotation's sign flips ``flips`` (``rotation.sign_flips``)."""
+    the rotation's sign flips ``flips`` (``rotation.sign_flips``), stages 1
+    and 2 quantizing with ``encoder``."""
     from .. import kernels
     from ..quant import WireLayout, feedback_row_len
 
@@ -117,8 +119,9 @@ def _calls(numel: int, world_size: int, fb_dtype: torch.dtype = torch.float32, f
     y = torch.empty(lay.numel, dtype=torch.bfloat16)
     xo = torch.empty_like(x)
     return {
-        "stage1": lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=True, flips=flips, out=wire),
-        "stage2": lambda: kernels.stage2(wire, fb, [0], lay, qmax=7, out=q2),
+        "stage1": lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=True, flips=flips,
+                                         encoder=encoder, out=wire),
+        "stage2": lambda: kernels.stage2(wire, fb, [0], lay, qmax=7, encoder=encoder, out=q2),
         "output": lambda: kernels.output(wire[0], lay, torch.bfloat16, hadamard=True, flips=flips, out=y),
         "consume": lambda: kernels.consume(x, fb, lay, hadamard=True, flips=flips, out=xo),
     }

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import quant
-from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, count, counts, device, out_dir, real
-from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
+from ..cli_args import MAX_RANKS, RANKS_WHY, UsageError, choice_list, count, counts, device, out_dir, real
+from ..config import ENCODERS, SUPPORTED_GROUP_SIZES, EchoConfig
 from ..outputs import check_names
 from ..quant import FEEDBACK_STORAGE, WireLayout, feedback_row_len, write_feedback
 from . import projection, report, timing
@@ -125,10 +125,13 @@ def kernel_bytes(lay: WireLayout, fb_dtype: torch.dtype, in_elem_bytes: int = 2)
     }
 
 
-def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, hadamard: bool):
-    """name -> (run(i), bytes it must move)."""
+def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, hadamard: bool,
+         encoders: tuple[str, ...] = ("absmax",)):
+    """name -> (run(i), bytes it must move); stages 1 and 2 once per encoder
+    (``report.encoder_key``), the naive ones with the first."""
     nbytes = kernel_bytes(lay, slots[0].fb.dtype)
     k = len(slots)
+    first = encoders[0]
 
     def s(i):
         return slots[i % k]
@@ -136,20 +139,27 @@ def _ops(backend, lay: WireLayout, slots: list[Slot], outs: dict, qmax: int, had
     def consume(i):
         return backend.consume(s(i).x, s(i).fb, lay, hadamard=hadamard, out=outs["x"])
 
+    def stage1(e):
+        return lambda i: backend.stage1(s(i).x, s(i).fb, lay, qmax=qmax, hadamard=hadamard, has_incoming=True,
+                                        encoder=e, out=outs["wire"])
+
+    def stage2(e):
+        return lambda i: backend.stage2(s(i).recv, s(i).fb, [0], lay, qmax=qmax, encoder=e, out=outs["q2"])
+
     runs = {
-        "stage1": lambda i: backend.stage1(s(i).x, s(i).fb, lay, qmax=qmax, hadamard=hadamard,
-                                           has_incoming=True, out=outs["wire"]),
-        "stage2": lambda i: backend.stage2(s(i).recv, s(i).fb, [0], lay, qmax=qmax, out=outs["q2"]),
+        **{report.encoder_key("stage1", e, encoders): stage1(e) for e in encoders},
+        **{report.encoder_key("stage2", e, encoders): stage2(e) for e in encoders},
         "output": lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=hadamard,
                                            out=outs["y"]),
         "consume": consume,
         "naive_stage1": lambda i: backend.stage1(s(i).x, None, lay, qmax=qmax, hadamard=False,
-                                                 has_incoming=False, out=outs["wire"]),
-        "naive_stage2": lambda i: backend.stage2(s(i).recv, None, [0], lay, qmax=qmax, out=outs["q2"]),
+                                                 has_incoming=False, encoder=first, out=outs["wire"]),
+        "naive_stage2": lambda i: backend.stage2(s(i).recv, None, [0], lay, qmax=qmax, encoder=first,
+                                                 out=outs["q2"]),
         "naive_output": lambda i: backend.output(s(i).gathered, lay, torch.bfloat16, hadamard=False,
                                                  out=outs["y"]),
     }
-    return {name: (run, nbytes[name]) for name, run in runs.items()}
+    return {name: (run, nbytes[name.split()[0]]) for name, run in runs.items()}
 
 
 # -- verification -------------------------------------------------------------
@@ -188,11 +198,12 @@ def _verify_once(backend, device: torch.device, cfg: EchoConfig, world_size: int
         fb_ref = None if fb is None else fb.clone()
         fb_ker = None if fb is None else fb.clone()
         inc = fb is not None
-        w_ref = quant.stage1_reference(x, fb_ref, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc)
-        w = backend.stage1(x, fb_ker, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc)
+        enc = cfg.encoder
+        w_ref = quant.stage1_reference(x, fb_ref, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc, encoder=enc)
+        w = backend.stage1(x, fb_ker, lay, qmax=cfg.qmax, hadamard=had, has_incoming=inc, encoder=enc)
         recv = w_ref.transpose(0, 1).contiguous()
-        q_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=cfg.qmax)
-        q = backend.stage2(recv, fb_ker, own, lay, qmax=cfg.qmax)
+        q_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=cfg.qmax, encoder=enc)
+        q = backend.stage2(recv, fb_ker, own, lay, qmax=cfg.qmax, encoder=enc)
         y_ref = quant.output_reference(q_ref, lay, torch.bfloat16, hadamard=had)
         y = backend.output(q_ref, lay, torch.bfloat16, hadamard=had)
         checks = {"stage1": (w, w_ref), "stage2": (q, q_ref)}
@@ -272,7 +283,8 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: int, iters: int,
-                 mode: str = "auto", hidden: int = 0) -> SizeResult:
+                 mode: str = "auto", hidden: int = 0, encoders: tuple[str, ...] = ()) -> SizeResult:
+    """``encoders``: stages 1 and 2 timed with each (default: ``cfg.encoder``)."""
     lay = message_layout(size_bytes // 2, world_size, cfg.group_size, hidden)
     fb_dtype = FEEDBACK_STORAGE[cfg.feedback_dtype]
     n_slots = timing.rotation(size_bytes * (1 + fb_dtype.itemsize))
@@ -284,7 +296,8 @@ def measure_size(backend, device, cfg: EchoConfig, world_size: int, size_bytes: 
         "x": torch.empty(1, lay.numel, dtype=torch.bfloat16, device=device),
     }
     result = SizeResult(world_size, size_bytes, lay.wire_bytes_per_rank)
-    for name, (run, nbytes) in _ops(backend, lay, slots, outs, cfg.qmax, cfg.hadamard).items():
+    for name, (run, nbytes) in _ops(backend, lay, slots, outs, cfg.qmax, cfg.hadamard,
+                                    tuple(encoders) or (cfg.encoder,)).items():
         t, eager = time_call(run, device, size_bytes, iters, mode)
         result.kernels[name] = KernelResult(name, t, nbytes, eager)
     del slots
@@ -417,6 +430,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(0: one row)")
     ap.add_argument("--no-hadamard", action="store_true", help="time Echo without the rotation")
     ap.add_argument("--feedback-dtype", default=EchoConfig.feedback_dtype, choices=tuple(FEEDBACK_STORAGE))
+    ap.add_argument("--encoders", type=choice_list(ENCODERS), default=EchoConfig.encoder,
+                    help="comma list of encoders (EchoConfig.encoder) to time stages 1 and 2 with, in one run; "
+                         "the first is the Echo call's (totals, projection), the others are compared with it")
     ap.add_argument("--device", type=device(), default="cuda", help="cuda (the real benchmark) or cpu (smoke run)")
     ap.add_argument("--skip-verify", action="store_true", help="do not check kernels against references first")
     ap.add_argument("--out", type=out_dir, default=None, help="directory for kernels.json and PNGs")
@@ -472,8 +488,9 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench kernels: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard, feedback_dtype=args.feedback_dtype)
-    worlds, sizes = args.world_sizes, _sizes(args)
+    cfg = EchoConfig(group_size=args.group_size, hadamard=not args.no_hadamard, feedback_dtype=args.feedback_dtype,
+                     encoder=args.encoders[0])
+    worlds, sizes, encoders = args.world_sizes, _sizes(args), tuple(args.encoders)
     need, size, p = max((memory_needed(z, p, cfg, device), z, p) for p in worlds for z in sizes)
     if need > device_memory_bytes(device):  # an allocation would fail (or the OOM killer strike) mid-run
         raise UsageError(f"size {report.human_bytes(size)} at P={p}: needs about "
@@ -481,11 +498,15 @@ def run(args: argparse.Namespace) -> int:
                          f"of {device} memory (--sizes / --max-size)")
     backend = _backend(device)
     if not args.skip_verify:
-        bad = [f"P={p}: {b}" for p in worlds for b in verify(backend, device, cfg, p, numel=min(3 << 20, max(sizes)) + 77)]
-        if args.hidden:  # the row layout too: whole rows of the model's width
-            rows = max(1, min(3 << 20, max(sizes)) // args.hidden)
-            bad += [f"P={p} rows of {args.hidden}: {b}" for p in worlds
-                    for b in verify(backend, device, cfg, p, numel=rows * args.hidden, hidden=args.hidden)]
+        bad = []
+        for e in encoders:
+            ecfg = cfg.replace(encoder=e)
+            bad += [f"P={p} {e}: {b}" for p in worlds
+                    for b in verify(backend, device, ecfg, p, numel=min(3 << 20, max(sizes)) + 77)]
+            if args.hidden:  # the row layout too: whole rows of the model's width
+                rows = max(1, min(3 << 20, max(sizes)) // args.hidden)
+                bad += [f"P={p} {e} rows of {args.hidden}: {b}" for p in worlds
+                        for b in verify(backend, device, ecfg, p, numel=rows * args.hidden, hidden=args.hidden)]
         if bad:
             print("bench kernels: kernels differ from the references, refusing to time them: " + ", ".join(bad),
                   file=sys.stderr)
@@ -500,14 +521,20 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for p in worlds:
         for size in sizes:
-            results.append(measure_size(backend, device, cfg, p, size, args.iters, args.timing, args.hidden))
+            results.append(measure_size(backend, device, cfg, p, size, args.iters, args.timing, args.hidden,
+                                        encoders))
             r = results[-1]
             print(f"  P={p} {report.human_bytes(size):>9}: echo {r.total_s(ECHO_KERNELS) * 1e6:9.1f} us, "
                   f"naive {r.total_s(NAIVE_KERNELS) * 1e6:9.1f} us", flush=True)
     print()
     print(f"Per-rank kernel times, config {cfg.group_size=} hadamard={cfg.hadamard} "
-          f"feedback={cfg.feedback_dtype}; %copy = bytes read+written / time vs copy bandwidth")
+          f"feedback={cfg.feedback_dtype} encoder={cfg.encoder}; %copy = bytes read+written / time vs copy bandwidth")
     print(kernel_table(results, copy_gbps))
+    if len(encoders) > 1:
+        print(f"\nStages 1 and 2 by encoder (device time; x: against {encoders[0]})")
+        print(report.encoder_table([(f"P={r.world_size} {report.human_bytes(r.size_bytes)}",
+                                     {k: v.time_s * 1e6 for k, v in r.kernels.items()}) for r in results],
+                                   ("stage1", "stage2"), encoders))
     eager = eager_table(results)
     if eager:
         print("\nEager call time (CUDA events around one Python call: host launch + device) / device time "
@@ -529,6 +556,7 @@ def run(args: argparse.Namespace) -> int:
             "reference_gbps": refs,
             "timing": args.timing,
             "config": cfg.to_dict(),
+            "encoders": list(encoders),
             "results": results_json(results, copy_gbps),
             "projection_model": projection.__doc__,
             "compiled": compiled,

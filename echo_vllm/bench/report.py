@@ -132,6 +132,37 @@ def format_table(rows: Sequence[Row], baseline: str, algos: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def encoder_key(kernel: str, encoder: str, encoders: Sequence[str]) -> str:
+    """The result key of ``kernel`` quantizing with ``encoder`` in a run over
+    ``encoders`` (``EchoConfig.encoder`` values, ``--encoders``): the bare
+    name for the first (the run's other tables use it), ``"<kernel>
+    <encoder>"`` for the others."""
+    return kernel if encoder == encoders[0] else f"{kernel} {encoder}"
+
+
+def encoder_table(rows: Sequence[tuple[str, dict[str, float]]], kernels: Sequence[str], encoders: Sequence[str]) -> str:
+    """One line per ``(label, times)``: each of ``kernels``' time with each
+    of ``encoders`` (``times`` keyed by :func:`encoder_key`, in us), the
+    others as a ratio to the first's."""
+    head = f"{'':>20} |" + "".join(
+        f" {k + ' ' + e:>26} |" if e == encoders[0] else f" {k + ' ' + e:>19} {'x':>6} |"
+        for k in kernels for e in encoders)
+    lines = [head, "-" * len(head)]
+    for label, times in rows:
+        cells = ""
+        for k in kernels:
+            base = times.get(k)
+            for e in encoders:
+                t = times.get(encoder_key(k, e, encoders))
+                if e == encoders[0]:
+                    cells += f" {t:23.1f} us |" if t else f" {'-':>26} |"
+                else:
+                    ratio = f"{t / base:6.3f}" if t and base else f"{'-':>6}"
+                    cells += (f" {t:16.1f} us {ratio} |" if t else f" {'-':>19} {ratio} |")
+        lines.append(f"{label:>20} |{cells}")
+    return "\n".join(lines)
+
+
 def write_json(out_dir: str, name: str, payload: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)

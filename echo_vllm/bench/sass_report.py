@@ -1,10 +1,12 @@
 """What the compiler makes of each Echo kernel, without a GPU.
 
-``python -m echo_vllm.bench.sass_report [--feedback-dtype float32,int8]``
+``python -m echo_vllm.bench.sass_report [--feedback-dtype float32,int8] [--encoders absmax,signed_mse]``
 compiles stage 1, stage 2, output and consume for sm_90 (bf16 input, g = 32,
 Hadamard on, P = 8, sizes with the 1 GiB benchmark's specialization) and the
 fused kernel's phases, once per feedback dtype (default bfloat16, the
-library's), under ``host_overhead.compile_only`` and prints, per
+library's) and encoder (``EchoConfig.encoder``, default absmax; the output
+and consume kernels do not depend on it), under
+``host_overhead.compile_only`` and prints, per
 kernel: registers and static shared memory (``cuobjdump
 --dump-resource-usage``), the SASS instruction count of one thread (the
 kernels have no loops, so that is what each thread executes, for
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -33,7 +36,7 @@ import tempfile
 import torch
 
 from ..cli_args import choice_list, count
-from ..config import MAX_SEED
+from ..config import ENCODERS, MAX_SEED
 from ..quant import FEEDBACK_STORAGE
 from ..rotation import sign_flips
 from .host_overhead import _calls, compile_only
@@ -60,10 +63,13 @@ def kernel_report(compiled) -> dict:
     finally:
         os.unlink(path)
     ops = collections.Counter()
+    loaded, late_spills = False, 0  # spill stores after the first global load: inside the work, not the prologue
     for line in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m and m.group(1) != "NOP":
             ops[m.group(1)] += 1
+            loaded |= m.group(1).startswith("LDG")
+            late_spills += loaded and m.group(1).startswith("STL")
     regs = re.search(r"REG:(\d+)", usage)
     shared = re.search(r"SHARED:(\d+)", usage)
     return {
@@ -71,13 +77,14 @@ def kernel_report(compiled) -> dict:
         "shared_bytes": int(shared.group(1)) if shared else None,
         "sass": sum(ops.values()),
         "memory": {op: n for op, n in sorted(ops.items()) if op.startswith(MEMORY_PREFIXES)},
+        "late_spill_stores": late_spills,
         "shuffles": sum(n for op, n in ops.items() if op.startswith("SHFL")),
         "barriers": sum(n for op, n in ops.items() if op.startswith("BAR")),
     }
 
 
 def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.bfloat16, rows: int = 4096,
-                 cols: int = 8192, flips: int = 0):
+                 cols: int = 8192, flips: int = 0, encoder: str = "absmax"):
     """The fused kernel compiled for one phase alone (``fused_kernel.ALL_PHASES``:
     the whole kernel; 64 MiB of rows of 8192 by default), the rotation's sign
     flips ``flips``."""
@@ -89,7 +96,7 @@ def _fused_phase(phase: int, world_size: int = 8, fb_dtype: torch.dtype = torch.
     fb = torch.zeros(1, feedback_row_len(lay.padded_numel, fb_dtype, lay.group_size), dtype=fb_dtype)
     tiling = fk.tiling_for(lay, 132)
     lp = fk._launch_plan(lay, tiling, 1, world_size * lay.chunk_bytes, 7, True, True, True, phase,
-                         fk.tiling_lanes(tiling, lay, x, y), flips)
+                         fk.tiling_lanes(tiling, lay, x, y), flips, encoder)
     return lp.launcher.compile(lp.grid, (x, fb, y, torch.zeros(2, world_size, dtype=torch.int64)),
                                fk.launch_ints(lp, x, fb, lay, rank=0, timeout_ns=10**9), lp.constexprs)
 
@@ -150,8 +157,9 @@ def norm_report(world_sizes: tuple[int, ...] = (8, 2), keep_output: bool = False
     return rows
 
 
-def report(fb_dtype: torch.dtype = torch.bfloat16, flips: int = 0) -> list[dict]:
-    """One row per kernel, feedback in ``fb_dtype``: the stage kernels (no loops: the SASS count is
+def report(fb_dtype: torch.dtype = torch.bfloat16, flips: int = 0, encoder: str = "absmax") -> list[dict]:
+    """One row per kernel, feedback in ``fb_dtype``, stages 1 and 2 with
+    ``encoder``: the stage kernels (no loops: the SASS count is
     what a thread executes, for ``TILE_VALUES / threads`` values) and the
     fused kernel's three phases compiled alone (static counts of a loop
     over tiles: phases 1 and 3 handle a thread's 8 values of each of the
@@ -164,13 +172,13 @@ def report(fb_dtype: torch.dtype = torch.bfloat16, flips: int = 0) -> list[dict]
     values_per_thread = contract.TILE_VALUES // (32 * contract.NUM_WARPS)
     rows = []
     with compile_only():
-        for name, call in _calls(1 << 22, 8, fb_dtype, flips).items():
+        for name, call in _calls(1 << 22, 8, fb_dtype, flips, encoder).items():
             call()
             compiled = list(modules[name]._LAUNCH.fn.device_caches[-1][0].values())[-1]
             r = kernel_report(compiled)
             rows.append({"kernel": name, **r, "sass_per_value": r["sass"] / values_per_thread})
         for phase in (1, 2, 3):
-            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype, flips=flips))
+            r = kernel_report(_fused_phase(phase, fb_dtype=fb_dtype, flips=flips, encoder=encoder))
             rows.append({"kernel": f"fused phase {phase}", **r, "sass_per_value": r["sass"] / (8 if phase == 2 else 64)})
     return rows
 
@@ -181,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feedback-dtype", type=choice_list(tuple(FEEDBACK_STORAGE)), default="bfloat16",
                     help="comma-separated feedback buffer formats to compile for (of " + ", ".join(FEEDBACK_STORAGE)
                          + "), one table each")
+    ap.add_argument("--encoders", type=choice_list(ENCODERS), default="absmax",
+                    help="comma-separated encoders to compile stages 1 and 2 for (of " + ", ".join(ENCODERS)
+                         + "), one table each")
+    ap.add_argument("--json", help="also write every table's rows to this file")
     ap.add_argument("--norm", action="store_true",
                     help="also the output phase with the residual add + RMSNorm (8192 x 4096, P = 8 and 2)")
     ap.add_argument("--rotation-seed", type=count(0, MAX_SEED, "seeds are int64"), default=0,
@@ -188,13 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     flips = sign_flips(args.rotation_seed, 32)
+    tables = {}
     for dt in args.feedback_dtype:
-        print(f"feedback {dt}, rotation seed {args.rotation_seed} (sign flips {flips:#010x}):")
-        print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
-        for r in report(FEEDBACK_STORAGE[dt], flips):
-            mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
-            print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
-                  f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+        for encoder in args.encoders:
+            print(f"feedback {dt}, encoder {encoder}, rotation seed {args.rotation_seed} (sign flips {flips:#010x}):")
+            print(f"{'kernel':<14} {'regs':>4} {'shared':>6} {'SASS':>5} {'/value':>6} {'SHFL':>4} {'BAR':>3}  memory")
+            tables[f"{dt} {encoder}"] = rows = report(FEEDBACK_STORAGE[dt], flips, encoder)
+            for r in rows:
+                mem = " ".join(f"{op}x{n}" for op, n in r["memory"].items())
+                print(f"{r['kernel']:<14} {r['registers']:>4} {r['shared_bytes']:>6} {r['sass']:>5} "
+                      f"{r['sass_per_value']:>6.1f} {r['shuffles']:>4} {r['barriers']:>3}  {mem}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(tables, f, indent=1)
     if args.norm:
         print("with the residual add + RMSNorm (bf16 feedback):")
         for r in norm_report(flips=flips):

@@ -49,10 +49,11 @@ def stage1_load(x_ptr, fb_ptr, j, lg, rows, row_groups, cols, msg_groups, chunk_
 
 @triton.jit
 def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chunk_numel, chunk_groups,
-                  G: tl.constexpr, INV_QMAX: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr,
-                  HAS_INCOMING: tl.constexpr, LANES: tl.constexpr, FLIPS: tl.constexpr = 0):
+                  G: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr, HADAMARD: tl.constexpr,
+                  HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr, FLIPS: tl.constexpr = 0):
     """u = rot(flip(x) * c) [+ e] (``c = quant.input_scale``, ``FLIPS``:
-    ``tile.flip``'s, exact like the product); quantize; the new
+    ``tile.flip``'s, exact like the product); quantize (``tile.quantize``'s
+    ``ENCODER``); the new
     error into the feedback buffer (wire order), the codes and scales into
     the chunk at byte ``wire_first`` (``LANES``: ``contract.lane_layout`` of
     the message). A 16-bit ``x`` times ``c`` is exact,
@@ -81,7 +82,7 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
             u = u * C + feedback_values(fb_ptr, e)
     else:
         u = u * C
-    words, s_bits, err = quantize(u, INV_QMAX)
+    words, s_bits, err = quantize(u, INV_QMAX, 0, ENCODER, SHUFFLE)
     gmask = lg < chunk_groups
     if HAS_FB:
         store_feedback(fb_ptr, j * chunk_numel, lg, gmask, err, True)  # quantize's err: finite
@@ -90,12 +91,14 @@ def stage1_finish(x, e, fb_ptr, wire_ptr, wire_first, payload_bytes, j, lg, chun
 
 @triton.jit
 def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_first, lg, chunk_groups,
-                P: tl.constexpr, G: tl.constexpr, INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr):
+                P: tl.constexpr, G: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr, HAS_FB: tl.constexpr,
+                LANES: tl.constexpr):
     """Sum the ``P`` received chunks (at ``recv_first + i * chunk_bytes``) of
-    groups ``lg`` in fp32 in rank order, requantize, add the error into the
-    feedback buffer's own chunk (its value 0 at ``own_first``; 16-bit
-    feedback is loaded with the chunks, its latency hidden under theirs).
-    Returns ``(words, scale bits)``."""
+    groups ``lg`` in fp32 in rank order, requantize (``tile.quantize``'s
+    ``ENCODER``), add the error into the feedback buffer's own chunk (its
+    value 0 at ``own_first``; 16-bit feedback is loaded with the chunks, its
+    latency hidden under theirs). ``LANES``: the tile has a lane for every
+    thread (``contract.lane_layout``). Returns ``(words, scale bits)``."""
     gmask = lg < chunk_groups
     # feedback in the lane layout is loaded with the chunks (one memory
     # latency per tile, not two); a 32-bit tile is converted through shared
@@ -103,8 +106,8 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
     # conversions
     EARLY: tl.constexpr = lanes_hold(fb_ptr.dtype.element_ty)
     # the sum at 2**-K of its size (quant.stage2_shift), the power of two in
-    # the codes' unit (free); the reference's 0 + dequant(chunk 0) is
-    # dequant(chunk 0) (never -0)
+    # the codes' unit (free); the reference's -0 + dequant(chunk 0) is
+    # dequant(chunk 0)
     K: tl.constexpr = _stage2_shift(P)
     wp, sp = chunk_lanes(recv_ptr, recv_first, payload_bytes, lg, G)
     words, s = load_lanes(wp, sp, gmask)
@@ -117,7 +120,7 @@ def stage2_tile(recv_ptr, recv_first, chunk_bytes, payload_bytes, fb_ptr, own_fi
     # caller's tile loop into 2 registers per chunk and per pointer
     for i in tl.static_range(1, P):  # rank order: the reference's sum
         acc = accumulate_chunk(acc, wp + i * (chunk_bytes // 4), sp + i * (chunk_bytes // 2), gmask, -K)
-    words, s_bits, err = quantize(acc, INV_QMAX, K)
+    words, s_bits, err = quantize(acc, INV_QMAX, K, ENCODER, EARLY and LANES)
     if HAS_FB:
         if not EARLY:
             e = load_feedback(fb_ptr, own_first, lg, gmask, G)

@@ -23,6 +23,7 @@ import functools
 import types
 import torch
 
+from ..config import ENCODERS
 from ..quant import FEEDBACK_STORAGE, WIRE_DTYPE, WireLayout, feedback_row_len, inv_qmax_f32
 
 #: Warps per program of the stage kernels.
@@ -45,7 +46,7 @@ def programs(layout: WireLayout) -> int:
     return -(-layout.chunk_groups // groups_per_program(layout))
 
 
-#: Largest qmax whose codes (q + 8) fit a nibble.
+#: Largest qmax whose codes (q + 8, q down to -(qmax + 1) for signed_mse) fit a nibble.
 MAX_QMAX = 7
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,14 +55,20 @@ FEEDBACK_DTYPES = tuple(FEEDBACK_STORAGE.values())
 
 
 @functools.lru_cache(maxsize=None, typed=True)
-def qmax_constants(qmax: int) -> types.MappingProxyType:
-    """The constexpr of the quantizer: fp32(1/qmax), exactly the value the
-    reference multiplies by (the kernels need no clamp to qmax, ``tile.quantize``).
+def quantizer_constants(qmax: int, encoder: str = "absmax") -> types.MappingProxyType:
+    """The constexprs of the quantizer: ``ENCODER`` and ``INV_QMAX``,
+    ``fp32(1/qmax)``, exactly the value absmax's reference multiplies by
+    (the kernels need no clamp to qmax, ``tile.quantize``); signed_mse
+    quantizes for the 4-bit wire (qmax 7) with ``tile.SIGNED_MSE_MULTIPLIERS``.
     Cached: building the fp32 value costs a tensor, which is not something
     to do per call."""
     if not isinstance(qmax, int) or isinstance(qmax, bool) or not 1 <= qmax <= MAX_QMAX:
         raise ValueError(f"qmax={qmax!r}: the 4-bit kernels support 1..{MAX_QMAX}")
-    return types.MappingProxyType({"INV_QMAX": float(inv_qmax_f32(qmax))})
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder={encoder!r}: the kernels support {', '.join(ENCODERS)}")
+    if encoder == "signed_mse" and qmax != MAX_QMAX:
+        raise ValueError(f"qmax={qmax}: the kernels' signed_mse writes the 4-bit wire's codes (qmax {MAX_QMAX})")
+    return types.MappingProxyType({"INV_QMAX": float(inv_qmax_f32(qmax)), "ENCODER": encoder})
 
 
 #: Plans cached per wrapper: distinct (layout, rows, options) seen at once.

@@ -42,6 +42,8 @@ else:
 
 _F = np.float32
 MAGIC = _F(12582912.0)
+#: 1.5 * 2**52: (y + this) - this rounds a float64 y to an integer, ties to even (|y| <= 2**51).
+RNE_MAGIC_64 = 6755399441055744.0
 FLT_MIN = _F(2.0**-126)
 CODE_BIAS = _F(8.0)
 #: bf16 bits of the NaN scale of a non-finite group.
@@ -159,6 +161,76 @@ def _quantize(u, ub, g, qmax, inv_qmax, codes, err, one, one_bits, shift=0):
         codes[k] = np.int32(np.float64(r) * up) + 8
         err[k] = _F(np.float64(u[k]) - np.float64(r) * np.float64(s))  # one rounding (the product is exact)
     return s_bits
+
+
+@_njit
+def _signed_mse_top(ub, g):
+    """``(amax bits, negative, bad)`` of the group whose bits are ``ub[:g]``:
+    the largest magnitude, whether a value of that magnitude is negative
+    (``quant._signed_mse_scales``: a tie goes to the negative one), whether
+    the group holds NaN or Inf."""
+    amax_bits = np.uint32(0)
+    neg = False
+    for k in range(g):
+        a = ub[k] & np.uint32(0x7FFFFFFF)
+        if a >= np.uint32(0x7F800000):
+            return amax_bits, neg, True
+        sign = ub[k] >= np.uint32(0x80000000)
+        if a > amax_bits:
+            amax_bits, neg = a, sign
+        elif a == amax_bits:
+            neg = neg or sign
+    return amax_bits, neg, False
+
+
+@_njit
+def _quantize_signed_mse(u, ub, g, mults, codes, err, cand, one, one_bits, shift=0):
+    """Quantize ``u[:g]`` as ``quant.quantize_groups(encoder="signed_mse")``:
+    each multiplier of ``mults`` (``quant.clip_multipliers``) gives a signed
+    scale; its codes round the exact product ``u * (1 / scale)`` (in
+    float64) and clamp to [-8, 7]; the first candidate with the least
+    ``quant.tree_sum`` of squared errors is kept. ``cand``: scratch, an
+    int32 and two fp32 arrays of ``g``. Fills ``codes`` and ``err``, returns
+    the scale's bf16 bits (0x7FC0 for a non-finite group)."""
+    c_codes, c_err, sq = cand
+    up = np.float64(2.0) ** shift
+    amax_bits, neg, bad = _signed_mse_top(ub, g)
+    one_bits[0] = amax_bits
+    amax = one[0]
+    if bad or not amax * _F(mults.max() * _F(up)) < SCALE_LIMIT:
+        for k in range(g):
+            codes[k] = 8
+            err[k] = _F(0.0)
+        return NAN_BF16
+    sign = np.uint16(0) if neg else np.uint16(0x8000)
+    best_bits = NAN_BF16
+    best_sse = _F(0.0)
+    for m in range(mults.shape[0]):
+        s32 = amax * _F(mults[m] * _F(up))
+        if s32 < FLT_MIN:
+            s32 = FLT_MIN
+        one[0] = s32
+        s_bits = _bf16_round(one_bits[0]) | sign
+        one_bits[0] = np.uint32(s_bits) << np.uint32(16)
+        s = one[0]
+        inv = np.float64(_F(1.0) / s)
+        for k in range(g):
+            q = (np.float64(u[k]) * inv * up + RNE_MAGIC_64) - RNE_MAGIC_64  # exact: one rounding
+            q = min(max(q, -8.0), 7.0)
+            c_codes[k] = np.int32(q) + 8
+            c_err[k] = _F(np.float64(u[k]) - q / up * np.float64(s))  # one rounding (the product is exact)
+            sq[k] = c_err[k] * c_err[k]
+        h = 1
+        while h < g:  # quant.tree_sum: adjacent pairs, then pairs of those
+            for k in range(0, g, 2 * h):
+                sq[k] = sq[k] + sq[k + h]
+            h *= 2
+        if m == 0 or sq[0] < best_sse:
+            best_bits, best_sse = s_bits, sq[0]
+            for k in range(g):
+                codes[k] = c_codes[k]
+                err[k] = c_err[k]
+    return best_bits
 
 
 @_njit
@@ -314,10 +386,17 @@ def _scratch(g):
 
 
 @_njit
-def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, hadamard,
-                prescale):
+def _candidate_scratch(g):
+    """signed_mse's per-candidate codes, errors and squared errors (:func:`_quantize_signed_mse`)."""
+    return np.empty(g, np.int32), np.empty(g, np.float32), np.empty(g, np.float32)
+
+
+@_njit
+def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb, pb, g, qmax, inv_qmax, mults,
+                hadamard, prescale):
     # prescale[k]: quant.input_scale times value k's sign (rotation.sign_vector): one exact product
     u, ub, e, eb, codes, one, one_bits = _scratch(g)
+    cand = _candidate_scratch(g)
     groups_per_chunk = c // g
     n_groups = (wire.shape[0] // cb) * groups_per_chunk
     for gi in range(n_groups):
@@ -332,24 +411,31 @@ def _stage1_row(x, x_bf16, msg, fb, fbq, fb_kind, has_fb, incoming, wire, c, cb,
             _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
             for k in range(g):
                 u[k] = u[k] + e[k]
-        s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, e, one, one_bits)
+        if mults.shape[0]:
+            s_bits = _quantize_signed_mse(u, ub, g, mults, codes, e, cand, one, one_bits)
+        else:
+            s_bits = _quantize(u, ub, g, qmax, inv_qmax, codes, e, one, one_bits)
         if has_fb:
             _store_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
         _write_group(wire, j * cb, pb, gi - j * groups_per_chunk, g, codes, s_bits)
 
 
 @_njit
-def _stage2_row(recv, p, fb, fbq, fb_kind, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax, shift):
+def _stage2_row(recv, p, fb, fbq, fb_kind, has_fb, own, out, c, cb, pb, g, qmax, inv_qmax, mults, shift):
     acc, ab, e, eb, codes, one, one_bits = _scratch(g)
+    cand = _candidate_scratch(g)
     err = np.empty(g, np.float32)
     up = np.float64(2.0) ** shift
     unit = _F(1.0 / up)
     for lg in range(c // g):
         for k in range(g):
-            acc[k] = _F(0.0)
+            acc[k] = _F(-0.0)  # the additive identity, as the reference's
         for i in range(p):  # the sum at 2**-shift of its size (quant.stage2_reference)
             _decode_group(recv, i * cb, pb, lg, g, acc, one, one_bits, True, True, unit)
-        s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits, shift)
+        if mults.shape[0]:
+            s_bits = _quantize_signed_mse(acc, ab, g, mults, codes, err, cand, one, one_bits, shift)
+        else:
+            s_bits = _quantize(acc, ab, g, qmax, inv_qmax, codes, err, one, one_bits, shift)
         if has_fb:
             gi = own * (c // g) + lg
             _load_fb_group(fb, fbq, fb_kind, gi, g, e, eb, one, one_bits)
@@ -423,8 +509,14 @@ def _require(*tensors: torch.Tensor | None) -> None:
             raise ValueError(f"CPU loops got a tensor on {t.device}")
 
 
-def _qmax(qmax: int) -> tuple[np.float32, np.float32]:
-    return _F(qmax), _F(contract.qmax_constants(qmax)["INV_QMAX"])
+def _quantizer(qmax: int, encoder: str) -> tuple[np.float32, np.float32, np.ndarray]:
+    """``(qmax, absmax's multiplier, signed_mse's multipliers)``: the loops
+    run signed_mse where the last is not empty (the kernels' constants,
+    ``contract.quantizer_constants``)."""
+    consts = contract.quantizer_constants(qmax, encoder)
+    if encoder == "absmax":
+        return _F(qmax), _F(consts["INV_QMAX"]), np.empty(0, np.float32)
+    return _F(qmax), _F(consts["INV_QMAX"]), np.array(quant.clip_multipliers(), np.float32)
 
 
 def _feedback_rows(feedback: torch.Tensor | None, rows: int):
@@ -450,7 +542,7 @@ def _signs(flips: int, layout: WireLayout) -> np.ndarray:
     return sign_vector(contract.check_flips(flips, layout), layout.group_size).numpy()
 
 
-def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, flips=0, out=None):
+def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, flips=0, encoder="absmax", out=None):
     """CPU loop version of ``quant.stage1_reference`` (see ``kernels.stage1``)."""
     _require(x, feedback, out)
     rows = x.shape[0] if x.dim() == 2 else -1
@@ -460,18 +552,18 @@ def stage1(x, feedback, layout: WireLayout, *, qmax, hadamard, has_incoming, fli
     p = layout.world_size
     wire = contract.wire_or_new(out, (rows, p, layout.chunk_bytes), x)
     fb, fbq, kind = _feedback_rows(feedback, rows)
-    q, inv_q = _qmax(qmax)
+    q, inv_q, mults = _quantizer(qmax, encoder)
     wire_np = wire.numpy()
     c = _signs(flips, layout) * _F(quant.input_scale(layout.group_size, bool(hadamard)))
     for r in range(rows):
         xr, x_bf16 = _as_loop_input(x[r])
         _stage1_row(xr, x_bf16, contract.message_ints(layout), fb[r], fbq[r], kind,
                     feedback is not None, bool(has_incoming), wire_np[r].reshape(-1), layout.chunk_numel,
-                    layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, bool(hadamard), c)
+                    layout.chunk_bytes, layout.payload_bytes, layout.group_size, q, inv_q, mults, bool(hadamard), c)
     return wire
 
 
-def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
+def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, encoder="absmax", out=None):
     """CPU loop version of ``quant.stage2_reference`` (see ``kernels.stage2``)."""
     from .stage2_kernel import own_chunk_progression
 
@@ -486,12 +578,12 @@ def stage2(recv, feedback, own_chunks, layout: WireLayout, *, qmax, out=None):
         contract.check_feedback(feedback, rows, layout)
     wire = contract.wire_or_new(out, (rows, layout.chunk_bytes), recv)
     fb, fbq, kind = _feedback_rows(feedback, rows)
-    q, inv_q = _qmax(qmax)
+    q, inv_q, mults = _quantizer(qmax, encoder)
     recv_np, out_np = recv.numpy(), wire.numpy()
     for r in range(rows):
         _stage2_row(recv_np[r].reshape(-1), p, fb[r], fbq[r], kind, feedback is not None,
                     int(own_chunks[r]), out_np[r], layout.chunk_numel, layout.chunk_bytes,
-                    layout.payload_bytes, layout.group_size, q, inv_q, quant.stage2_shift(p))
+                    layout.payload_bytes, layout.group_size, q, inv_q, mults, quant.stage2_shift(p))
     return wire
 
 

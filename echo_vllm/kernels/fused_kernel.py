@@ -264,7 +264,7 @@ def _peer_buffer(table_ptr, i):
 @triton.jit
 def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
             chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
-            P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+            P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr,
             HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
             K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False, FLIPS: tl.constexpr = 0):
     """Stage 1 of every chunk of the program's tiles, each chunk stored into
@@ -287,7 +287,7 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
                                        chunk_groups, G, HAS_FB, HAS_INCOMING)
                 dest_n = _peer_buffer(table_ptr, j_n)
             stage1_finish(x, e, fb_ptr, dest, rank * chunk_bytes, payload_bytes, j, lg,
-                          chunk_numel, chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, FLIPS)
+                          chunk_numel, chunk_groups, G, INV_QMAX, ENCODER, HADAMARD, HAS_FB, HAS_INCOMING, LANES, FLIPS)
             if k + 1 < P:
                 x, e, j, dest = x_n, e_n, j_n, dest_n
 
@@ -295,7 +295,8 @@ def _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups,
 @triton.jit
 def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
             payload_bytes, n_tiles, P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
-            HAS_FB: tl.constexpr, K: tl.constexpr = 0, RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
+            ENCODER: tl.constexpr, HAS_FB: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr = 0,
+            RGP: tl.constexpr = 0, ALIGNED: tl.constexpr = False):
     """Stage 2 of the own chunk's tiles, the result stored into every rank's
     ``gathered`` slot ``rank``; the P peer bases are loaded together before
     the stores, one latency per tile instead of one per peer (kept out of
@@ -304,7 +305,7 @@ def _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, c
     for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         lg = tile_groups(t, BG, row_groups, chunk_groups, K, RGP, ALIGNED)
         words, s_bits = stage2_tile(mine, 0, chunk_bytes, payload_bytes, fb_ptr, tl.cast(rank, tl.int64) * chunk_numel,
-                                    lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
+                                    lg, chunk_groups, P, G, INV_QMAX, ENCODER, HAS_FB, LANES)
         gmask = lg < chunk_groups
         peers = ()
         for k in tl.static_range(P):
@@ -344,7 +345,7 @@ def _fused_kernel(
     x_ptr, fb_ptr, y_ptr, table_ptr,
     rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, y_rank_stride, gathered_offset, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles,
-    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr, LANES: tl.constexpr,
     FLIPS: tl.constexpr,
 ):
@@ -361,13 +362,13 @@ def _fused_kernel(
     gathered_offset = gathered_offset.to(tl.int64)
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES,
-                FLIPS=FLIPS)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, ENCODER, HADAMARD, HAS_FB, HAS_INCOMING,
+                LANES, FLIPS=FLIPS)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB)
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, ENCODER, HAS_FB, LANES)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
@@ -418,7 +419,7 @@ def _fused_norm_kernel(
     rank, timeout_ns, status_addr, x_rank_stride, fb_rank_stride, out_rank_stride, res_rank_stride, gathered_offset,
     row_groups, cols, msg_groups, chunk_numel, chunk_groups, chunk_bytes, payload_bytes, n_tiles, eps,
     P: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RGP: tl.constexpr, INV_QMAX: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
+    ENCODER: tl.constexpr, HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, PHASE: tl.constexpr,
     RESIDUAL: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr, DECODE_ONCE: tl.constexpr,
     ALIGNED: tl.constexpr, ONE_PASS_ROWS: tl.constexpr, FLIPS: tl.constexpr,
 ):
@@ -437,13 +438,13 @@ def _fused_norm_kernel(
     BG: tl.constexpr = K * RGP
     if PHASE == 0 or PHASE == 1:
         _phase1(x_ptr, fb_ptr, table_ptr, rank, row_groups, cols, msg_groups, chunk_numel, chunk_groups,
-                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, K,
-                RGP, ALIGNED, FLIPS)
+                chunk_bytes, payload_bytes, n_tiles, P, G, BG, INV_QMAX, ENCODER, HADAMARD, HAS_FB, HAS_INCOMING,
+                LANES, K, RGP, ALIGNED, FLIPS)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 1)
     if PHASE == 0 or PHASE == 2:
         _phase2(fb_ptr, table_ptr, rank, gathered_offset, row_groups, chunk_numel, chunk_groups, chunk_bytes,
-                payload_bytes, n_tiles, P, G, BG, INV_QMAX, HAS_FB, K, RGP, ALIGNED)
+                payload_bytes, n_tiles, P, G, BG, INV_QMAX, ENCODER, HAS_FB, LANES, K, RGP, ALIGNED)
     if PHASE == 0:
         _barrier(table_ptr, rank, timeout_ns, status_addr, P, 2)
     if PHASE == 0 or PHASE == 3:
@@ -590,7 +591,8 @@ def _launcher(num_warps: int, registers: int, norm: bool = False) -> Launcher:
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int, hadamard: bool,
-                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool, flips: int = 0) -> LaunchPlan:
+                 has_fb: bool, has_incoming: bool, phase: int, lanes: bool, flips: int = 0,
+                 encoder: str = "absmax") -> LaunchPlan:
     """``ints`` after :func:`launch_ints`' per-call ones:
     gathered_offset, :func:`contract.message_ints`, :func:`contract.chunk_ints`, tiles."""
     la = _launcher(tiling.num_warps, tiling.registers)
@@ -599,7 +601,8 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
         grid=(tiling.programs, ranks, 1),
         ints=(gathered_offset, *contract.message_ints(layout), *contract.chunk_ints(layout), tiling.tiles(layout)),
         constexprs=la.constexprs(
-            P=layout.world_size, G=layout.group_size, BG=tiling.groups_per_tile, **contract.qmax_constants(qmax),
+            P=layout.world_size, G=layout.group_size, BG=tiling.groups_per_tile,
+            **contract.quantizer_constants(qmax, encoder),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, PHASE=phase, LANES=lanes, FLIPS=flips,
         ),
     )
@@ -608,7 +611,7 @@ def _launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_o
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
 def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathered_offset: int, qmax: int,
                       hadamard: bool, has_fb: bool, has_incoming: bool, phase: int, residual: int,
-                      lanes: bool, flips: int = 0) -> LaunchPlan:
+                      lanes: bool, flips: int = 0, encoder: str = "absmax") -> LaunchPlan:
     """:func:`_launch_plan` of :func:`_fused_norm_kernel` (``tiling.norm`` set)."""
     la = _launcher(tiling.num_warps, tiling.registers, True)
     t = tiling.norm
@@ -618,7 +621,7 @@ def _norm_launch_plan(layout: WireLayout, tiling: FusedTiling, ranks: int, gathe
         ints=(gathered_offset, *contract.message_ints(layout), *contract.chunk_ints(layout), tiling.tiles(layout)),
         constexprs=la.constexprs(
             P=layout.world_size, G=layout.group_size, K=t.rows, RGP=t.padded_row_groups,
-            **contract.qmax_constants(qmax), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
+            **contract.quantizer_constants(qmax, encoder), HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming,
             PHASE=phase, RESIDUAL=residual, LANES=lanes, STEP=t.chunks_per_step,
             DECODE_ONCE=t.decode_once, ALIGNED=t.aligned, ONE_PASS_ROWS=t.one_pass_rows, FLIPS=flips,
         ),
@@ -687,6 +690,7 @@ def fused_all_reduce(
     tiling: FusedTiling,
     timeout_ns: int,
     flips: int = 0,
+    encoder: str = "absmax",
     out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
     sms: int | None = None,
@@ -695,8 +699,9 @@ def fused_all_reduce(
 ) -> torch.Tensor:
     """One Echo all-reduce of this rank's ``x [1, numel]`` -> ``[numel]`` of
     ``x.dtype``, through the symmetric buffers ``table`` describes (see the
-    module docstring); ``feedback [1, >= padded_numel]`` and ``flips`` (the
-    rotation's sign flips) as in ``quant.stage1_reference`` / ``stage2_reference``.
+    module docstring); ``feedback [1, >= padded_numel]``, ``flips`` (the
+    rotation's sign flips) and ``encoder`` as in ``quant.stage1_reference`` /
+    ``stage2_reference``.
 
     ``x [P, numel]`` (with ``rank=0``, ``feedback [P, ...]``, ``out [P,
     numel]``) runs every rank of one address space in this one launch
@@ -729,7 +734,7 @@ def fused_all_reduce(
     contract.check_device(x, feedback, table, out)
     lp = _launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                       bool(has_incoming), phase, tiling_lanes(tiling, layout, x, out),
-                      contract.check_flips(flips, layout))
+                      contract.check_flips(flips, layout), encoder)
     fb = feedback if feedback is not None else x
     ints = launch_ints(lp, x, fb, layout, rank=rank, timeout_ns=timeout_ns,
                        status_addr=status.data_ptr() if status is not None else 0)
@@ -759,6 +764,7 @@ def fused_all_reduce_norm(
     tiling: FusedTiling,
     timeout_ns: int,
     flips: int = 0,
+    encoder: str = "absmax",
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     phase: int = ALL_PHASES,
@@ -790,7 +796,7 @@ def fused_all_reduce_norm(
     lp = _norm_launch_plan(layout, tiling, ranks, gathered_offset, qmax, bool(hadamard), feedback is not None,
                            bool(has_incoming), phase, residual_mode(residual, residual_out),
                            tiling_lanes(tiling, layout, x, out, weight, res, res_out),
-                           contract.check_flips(flips, layout))
+                           contract.check_flips(flips, layout), encoder)
     ints = (rank, timeout_ns, status.data_ptr() if status is not None else 0, x.stride(0), fb.stride(0),
             layout.numel, layout.numel, *lp.ints, float(eps))
     tensors = (x, fb, table, res, weight, out, res_out)

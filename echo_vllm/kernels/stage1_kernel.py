@@ -25,7 +25,7 @@ def _stage1_kernel(
     x_ptr, fb_ptr, wire_ptr,
     x_row_stride, fb_row_stride, wire_row_stride, row_groups, cols, msg_groups,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr,
+    G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_FB: tl.constexpr, HAS_INCOMING: tl.constexpr, LANES: tl.constexpr,
     FLIPS: tl.constexpr,
 ):
@@ -37,14 +37,14 @@ def _stage1_kernel(
     x, e = stage1_load(x_ptr + r * x_row_stride, fb_row, j, lg, group_rows(lg, row_groups), row_groups, cols,
                        msg_groups, chunk_numel, chunk_groups, G, HAS_FB, HAS_INCOMING)
     stage1_finish(x, e, fb_row, wire_ptr, r * wire_row_stride + j * chunk_bytes, payload_bytes, j, lg, chunk_numel,
-                  chunk_groups, G, INV_QMAX, HADAMARD, HAS_FB, HAS_INCOMING, LANES, FLIPS)
+                  chunk_groups, G, INV_QMAX, ENCODER, HADAMARD, HAS_FB, HAS_INCOMING, LANES, FLIPS)
 
 
 _LAUNCH = Launcher(_stage1_kernel, contract.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool, has_incoming: bool,
+def _plan(layout: WireLayout, rows: int, qmax: int, encoder: str, hadamard: bool, has_fb: bool, has_incoming: bool,
           lanes: bool, flips: int) -> LaunchPlan:
     """``ints``: wire_row_stride, :func:`contract.message_ints`, :func:`contract.chunk_ints`."""
     p = layout.world_size
@@ -53,7 +53,7 @@ def _plan(layout: WireLayout, rows: int, qmax: int, hadamard: bool, has_fb: bool
         grid=(contract.programs(layout), p, rows),
         ints=(p * layout.chunk_bytes, *contract.message_ints(layout), *contract.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            G=layout.group_size, BG=contract.groups_per_program(layout), **contract.qmax_constants(qmax),
+            G=layout.group_size, BG=contract.groups_per_program(layout), **contract.quantizer_constants(qmax, encoder),
             HADAMARD=hadamard, HAS_FB=has_fb, HAS_INCOMING=has_incoming, LANES=lanes, FLIPS=flips,
         ),
         wire_shape=(rows, p, layout.chunk_bytes),
@@ -69,6 +69,7 @@ def stage1(
     hadamard: bool,
     has_incoming: bool,
     flips: int = 0,
+    encoder: str = "absmax",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage1_reference``: ``x [R, numel]`` ->
@@ -80,7 +81,7 @@ def stage1(
     if feedback is not None:
         contract.check_feedback(feedback, rows, layout)
     contract.check_device(x, feedback, out)
-    plan = _plan(layout, rows, qmax, bool(hadamard), feedback is not None, bool(has_incoming),
+    plan = _plan(layout, rows, qmax, encoder, bool(hadamard), feedback is not None, bool(has_incoming),
                  contract.lane_layout(layout.cols, contract.TILE_VALUES, contract.NUM_WARPS, x),
                  contract.check_flips(flips, layout))
     wire = contract.wire_or_new(out, plan.wire_shape, x)

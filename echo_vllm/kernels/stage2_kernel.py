@@ -27,13 +27,14 @@ def _stage2_kernel(
     recv_ptr, fb_ptr, out_ptr,
     recv_row_stride, fb_row_stride, out_row_stride, own_base, own_stride,
     chunk_numel, chunk_groups, chunk_bytes, payload_bytes,
-    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, HAS_FB: tl.constexpr,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, INV_QMAX: tl.constexpr, ENCODER: tl.constexpr,
+    HAS_FB: tl.constexpr,
 ):
     r = tl.program_id(1).to(tl.int64)
     lg = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     own = own_base + own_stride * r
     words, s_bits = stage2_tile(recv_ptr, r * recv_row_stride, chunk_bytes, payload_bytes, fb_ptr + r * fb_row_stride,
-                                own * chunk_numel, lg, chunk_groups, P, G, INV_QMAX, HAS_FB)
+                                own * chunk_numel, lg, chunk_groups, P, G, INV_QMAX, ENCODER, HAS_FB, True)
     store_chunk_groups(out_ptr, r * out_row_stride, payload_bytes, lg, lg < chunk_groups, words, s_bits, G)
 
 
@@ -62,7 +63,7 @@ _LAUNCH = Launcher(_stage2_kernel, contract.LAUNCH_OPTIONS)
 
 
 @functools.lru_cache(maxsize=contract.PLAN_CACHE_SIZE, typed=True)
-def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool) -> LaunchPlan:
+def _plan(layout: WireLayout, rows: int, qmax: int, encoder: str, has_fb: bool) -> LaunchPlan:
     """``ints``: recv_row_stride, out_row_stride, then :func:`contract.chunk_ints`."""
     p = layout.world_size
     return LaunchPlan(
@@ -70,7 +71,7 @@ def _plan(layout: WireLayout, rows: int, qmax: int, has_fb: bool) -> LaunchPlan:
         grid=(contract.programs(layout), rows, 1),
         ints=(p * layout.chunk_bytes, layout.chunk_bytes, *contract.chunk_ints(layout)),
         constexprs=_LAUNCH.constexprs(
-            P=p, G=layout.group_size, BG=contract.groups_per_program(layout), **contract.qmax_constants(qmax),
+            P=p, G=layout.group_size, BG=contract.groups_per_program(layout), **contract.quantizer_constants(qmax, encoder),
             HAS_FB=has_fb,
         ),
         wire_shape=(rows, layout.chunk_bytes),
@@ -84,6 +85,7 @@ def stage2(
     layout: WireLayout,
     *,
     qmax: int,
+    encoder: str = "absmax",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of ``quant.stage2_reference``: ``recv [R, P, chunk_bytes]``
@@ -97,7 +99,7 @@ def stage2(
     if feedback is not None:
         contract.check_feedback(feedback, rows, layout)
     contract.check_device(recv, feedback, out)
-    plan = _plan(layout, rows, qmax, feedback is not None)
+    plan = _plan(layout, rows, qmax, encoder, feedback is not None)
     wire = contract.wire_or_new(out, plan.wire_shape, recv)
     fb = feedback if feedback is not None else recv
     recv_stride, out_stride, *chunk = plan.ints

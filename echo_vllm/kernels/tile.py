@@ -78,7 +78,7 @@ from triton import knobs
 
 from ..quant import ALIGN_GROUPS as _ALIGN_GROUPS
 from ..quant import BF16_SCALE_LIMIT as _BF16_SCALE_LIMIT
-from ..quant import FEEDBACK_QMAX, inv_qmax_f32
+from ..quant import FEEDBACK_QMAX, clip_multipliers, code_bound, inv_qmax_f32
 from ..quant import OUTPUT_SCALE as _OUTPUT_SCALE
 
 #: Compiled (not Triton's interpreter): hardware conversions and lane shuffles.
@@ -104,6 +104,15 @@ ALIGN_GROUPS: tl.constexpr = tl.constexpr(_ALIGN_GROUPS)
 FB_INV_QMAX: tl.constexpr = tl.constexpr(float(inv_qmax_f32(FEEDBACK_QMAX)))
 #: A group whose unrounded scale reaches this is non-finite (``quant.BF16_SCALE_LIMIT``).
 BF16_SCALE_LIMIT: tl.constexpr = tl.constexpr(_BF16_SCALE_LIMIT)
+#: signed_mse's scale multipliers (``quant.clip_multipliers``; a kernel reads
+#: them through :func:`_signed_mse_multipliers`), and the largest. Constexprs,
+#: so that Triton's cache key holds their values.
+SIGNED_MSE_MULTIPLIERS: tl.constexpr = tl.constexpr(clip_multipliers())
+SIGNED_MSE_TOP: tl.constexpr = tl.constexpr(max(clip_multipliers()))
+#: Per candidate, whether a clamp of its codes to -8 / 7 can act
+#: (``quant.code_bound`` at 8.5 / 7.5); where not, it is left out, as absmax's.
+SIGNED_MSE_CLAMPS: tl.constexpr = tl.constexpr(
+    tuple((code_bound(m) >= 8.5, code_bound(m) >= 7.5) for m in clip_multipliers()))
 #: log2 of ``quant.OUTPUT_SCALE``: decoded codes come out times 2**this.
 LOG2_OUTPUT_SCALE: tl.constexpr = tl.constexpr(int(_OUTPUT_SCALE).bit_length() - 1)
 
@@ -565,26 +574,185 @@ def group_scale(u, INV_QMAX: tl.constexpr):
 
 
 @triton.jit
-def quantize(u, INV_QMAX: tl.constexpr, SHIFT: tl.constexpr = 0):
+def quantize(u, INV_QMAX: tl.constexpr, SHIFT: tl.constexpr = 0, ENCODER: tl.constexpr = "absmax",
+             SHUFFLE: tl.constexpr = False):
     """Group-quantize fp32 ``u [BG, L, V]`` as ``quant.quantize_groups``
-    (round to nearest; ``u`` holds the values times ``2**-SHIFT``: the scale's
-    multiplier and the rounding's magic number are scaled, nothing else).
+    with ``ENCODER`` (round to nearest; ``u`` holds the values times
+    ``2**-SHIFT``: the scale's multiplier and the rounding's magic number are
+    scaled, nothing else). ``INV_QMAX``: absmax's ``fp32(1/qmax)``; signed_mse
+    (:func:`_quantize_signed_mse`, whose lane sums shuffle when ``SHUFFLE``)
+    quantizes for the 4-bit wire with :data:`SIGNED_MSE_MULTIPLIERS`.
 
-    Returns ``(words uint32 [BG, L], scale bits uint16 [BG], err fp32 [BG, L, V])``:
-    a lane's ``V`` codes packed in one word (value ``k`` in bits ``4k..4k+3``).
-    The reference's clamp of ``u / scale`` to ``[-qmax, qmax]`` is left out:
-    ``scale >= amax / qmax * (1 - 2**-9)`` bounds it by ``qmax + 0.03``,
-    which rounds to ``qmax`` anyway.
+    Returns ``(words uint32 [BG, L], scale bits uint16 [BG] or [BG, L], err
+    fp32 [BG, L, V])``: a lane's ``V`` codes packed in one word (value ``k``
+    in bits ``4k..4k+3``); signed_mse's scale bits per lane (the same on
+    each of a group's lanes). absmax leaves out the reference's clamp of
+    ``u / scale`` to ``[-qmax, qmax]``: ``scale >= amax / qmax * (1 -
+    2**-9)`` bounds it by ``qmax + 0.03``, which rounds to ``qmax`` anyway.
     """
-    good, s_bits, s, inv = group_scale(u, INV_QMAX * 2.0 ** SHIFT)
+    if ENCODER == "signed_mse":
+        return _quantize_signed_mse(u, SHIFT, SHUFFLE)
+    else:
+        tl.static_assert(ENCODER == "absmax", "encoders: absmax, signed_mse")
+        good, s_bits, s, inv = group_scale(u, INV_QMAX * 2.0 ** SHIFT)
+        MAGIC: tl.constexpr = RNE_MAGIC * 2.0 ** -SHIFT
+        t = u * inv[:, None, None] + MAGIC
+        r = t - MAGIC
+        err = tl.where(good[:, None, None], tl.fma(r, -s[:, None, None], u), 0.0)
+        # t = 1.5 * 2**(23 - SHIFT) + r exactly, its last place 2**-SHIFT: its
+        # low 4 bits are the code's r mod 16, and (r mod 16) ^ 8 = r + 8, the code
+        words = tl.where(good[:, None], pack_codes(t.to(tl.uint32, bitcast=True) & 0xF) ^ ZERO_WORD, ZERO_WORD)
+        return words, tl.where(good, s_bits, BF16_NAN_BITS).to(tl.uint16), err
+
+
+@triton.jit
+def _umax(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _round_product(u, inv, MAGIC: tl.constexpr):
+    """``MAGIC + round_half_even(u * inv)``, rounded to ``MAGIC``'s last place,
+    of the exact product (``quant._nearest`` for signed_mse): one ``fma``
+    compiled; in Triton's interpreter, whose ``fma`` rounds twice, the
+    product is formed in float64 (exact) and rounded there by float64's own
+    magic number in the same unit."""
+    if COMPILED:
+        return tl.fma(u, inv, MAGIC)
+    else:
+        W: tl.constexpr = MAGIC * 2.0**29  # 1.5 * 2**52 units: rounds to the unit in float64
+        q = (u.to(tl.float64) * inv.to(tl.float64) + W) - W
+        return (q + MAGIC).to(tl.float32)
+
+
+@triton.jit
+def _register_sum(v):
+    """``[BG, L, V]`` -> ``[BG, L]``: each lane's ``V`` values summed as
+    ``quant.tree_sum`` (pairs ``2i, 2i + 1``, then pairs of those), in registers."""
+    BG: tl.constexpr = v.shape[0]
+    L: tl.constexpr = v.shape[1]
+    a, b = tl.split(tl.reshape(v, (BG, L, V // 2, 2)))
+    a, b = tl.split(tl.reshape(a + b, (BG, L, V // 4, 2)))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.constexpr_function
+def _shuffle_asm(M) -> str:
+    """PTX of a butterfly shuffle with lane mask ``M``."""
+    return f"shfl.sync.bfly.b32 $0, $1, {M}, 0x1f, -1;"
+
+
+@triton.jit
+def lane_sum(s, SHUFFLE: tl.constexpr):
+    """``[BG, L]`` lane partials -> each lane holds its group's sum, added as
+    ``quant.tree_sum`` (lane pairs ``lane ^ 1``, then ``lane ^ 2``, ...;
+    ``mine + partner`` gives both lanes the same bits). The partner's value
+    travels as bits: a flip (:func:`lane_partner` without ``SHUFFLE``)
+    multiplies by 0 and 1, which would make NaN of an infinite sum."""
+    BG: tl.constexpr = s.shape[0]
+    L: tl.constexpr = s.shape[1]
+    for i in tl.static_range(4):  # lane masks 1, 2, 4, 8
+        if (1 << i) < L:
+            bits = s.to(tl.int32, bitcast=True)
+            if COMPILED and SHUFFLE:
+                p = tl.inline_asm_elementwise(_shuffle_asm(1 << i), "=r,r", [bits], dtype=tl.int32, is_pure=True,
+                                              pack=1)
+            else:
+                p = tl.reshape(tl.flip(tl.reshape(bits, (BG, L // (2 << i), 2, 1 << i)), 2), (BG, L))
+            s = s + p.to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def reciprocal(s):
+    """``fp32(1 / s)``, correctly rounded (``quant.group_scales``' ``inv``):
+    compiled, one ``rcp.rn.f32`` (a few instructions fewer than the
+    division ``div_rn`` makes of ``1 / s``)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=r,r", [s], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.constexpr_function
+def _signed_mse_multipliers() -> tuple:
+    """:data:`SIGNED_MSE_MULTIPLIERS`, as a tuple a kernel can index."""
+    return SIGNED_MSE_MULTIPLIERS.value
+
+
+@triton.constexpr_function
+def _signed_mse_clamps(k) -> tuple:
+    """``(lower, upper)``: whether candidate ``k`` of signed_mse needs its
+    codes clamped to -8 / 7 (:data:`SIGNED_MSE_CLAMPS`); ``k = -1``: whether
+    any candidate does."""
+    if k < 0:
+        return tuple(any(c[i] for c in SIGNED_MSE_CLAMPS.value) for i in (0, 1))
+    return SIGNED_MSE_CLAMPS.value[k]
+
+
+@triton.jit
+def _signed_codes(u, inv, s, SHIFT: tl.constexpr, LOWER: tl.constexpr, UPPER: tl.constexpr):
+    """``(t, err)`` of the scale ``s`` (``inv = 1 / s``, both broadcast to
+    ``u``): ``t = MAGIC + clamp(round(u * inv), -8, 7)`` (the clamps that
+    can act, ``LOWER`` / ``UPPER``), ``err = u - (t - MAGIC) * s``."""
     MAGIC: tl.constexpr = RNE_MAGIC * 2.0 ** -SHIFT
-    t = u * inv[:, None, None] + MAGIC
-    r = t - MAGIC
-    err = tl.where(good[:, None, None], tl.fma(r, -s[:, None, None], u), 0.0)
-    # t = 1.5 * 2**(23 - SHIFT) + r exactly, its last place 2**-SHIFT: its
-    # low 4 bits are the code's r mod 16, and (r mod 16) ^ 8 = r + 8, the code
+    t = _round_product(u, inv, MAGIC)
+    if UPPER:
+        t = tl.minimum(t, MAGIC + 7.0 * 2.0 ** -SHIFT)
+    if LOWER:
+        t = tl.maximum(t, MAGIC - 8.0 * 2.0 ** -SHIFT)
+    return t, tl.fma(t - MAGIC, -s, u)
+
+
+@triton.jit
+def _quantize_signed_mse(u, SHIFT: tl.constexpr, SHUFFLE: tl.constexpr):
+    """:func:`quantize` for signed_mse (``quant._signed_mse_scales``): the
+    scale's sign puts the group's largest-magnitude value on code -8; each
+    candidate ratio (``quant.clip_multipliers``) is quantized from the same
+    registers for its :func:`lane_sum` of squared errors, and the first
+    with the least is quantized again to keep (a later one where strictly
+    less): fewer registers than carrying each candidate's codes and errors.
+    The largest magnitude and its sign come from one unsigned max of each
+    value's bits rotated left by one (magnitude above, sign as the last bit:
+    a tie goes to the negative value; NaN and Inf rank above every finite
+    value). A clamp to [-8, 7] is left out where it cannot act
+    (:data:`SIGNED_MSE_CLAMPS`). Scale bits come back per lane when there
+    are several candidates (each lane chose for its group), per group for one."""
+    M: tl.constexpr = _signed_mse_multipliers()
+    CLAMPS: tl.constexpr = _signed_mse_clamps(-1)
+    bits = u.to(tl.uint32, bitcast=True)
+    key = tl.reduce(tl.reduce((bits << 1) | (bits >> 31), 2, _umax), 1, _umax)
+    top = (key >> 1) | (key << 31)  # the bits of the largest-magnitude value
+    amax = (top & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    good = amax * (SIGNED_MSE_TOP * 2.0 ** SHIFT) < BF16_SCALE_LIMIT  # false for Inf and NaN too
+    sign = (((top >> 16) & 0x8000) ^ 0x8000).to(tl.uint16)  # the scale's: opposite to the value's
+    for k in tl.static_range(len(M)):
+        s_bits = f32_to_bf16_bits(tl.maximum(amax * (M[k] * 2.0 ** SHIFT), FLT_MIN)) | sign
+        s = bf16_bits_to_f32(s_bits)
+        inv = reciprocal(s)
+        if len(M) == 1:
+            s_best, sf_best, inv_best = s_bits, s[:, None], inv[:, None]
+        else:
+            _, err = _signed_codes(u, inv[:, None, None], s[:, None, None], SHIFT, _signed_mse_clamps(k)[0],
+                                   _signed_mse_clamps(k)[1])
+            sse = lane_sum(_register_sum(err * err), SHUFFLE)
+            if k == 0:
+                sse_best = sse
+                s_best = tl.broadcast_to(s_bits[:, None], sse.shape)
+                sf_best = tl.broadcast_to(s[:, None], sse.shape)
+                inv_best = tl.broadcast_to(inv[:, None], sse.shape)
+            else:
+                better = sse < sse_best
+                sse_best = tl.where(better, sse, sse_best)
+                s_best = tl.where(better, s_bits[:, None], s_best)
+                sf_best = tl.where(better, s[:, None], sf_best)
+                inv_best = tl.where(better, inv[:, None], inv_best)
+    t, err = _signed_codes(u, inv_best[:, :, None], sf_best[:, :, None], SHIFT, CLAMPS[0], CLAMPS[1])
+    # the codes are t's low 4 bits, as for absmax (r in [-8, 7]: (r mod 16) ^ 8 = r + 8)
     words = tl.where(good[:, None], pack_codes(t.to(tl.uint32, bitcast=True) & 0xF) ^ ZERO_WORD, ZERO_WORD)
-    return words, tl.where(good, s_bits, BF16_NAN_BITS).to(tl.uint16), err
+    good_s = good if len(M) == 1 else good[:, None]
+    return words, tl.where(good_s, s_best, BF16_NAN_BITS).to(tl.uint16), tl.where(good[:, None, None], err, 0.0)
 
 
 @triton.jit
@@ -687,13 +855,21 @@ def _load_u16(ptrs, mask):
 @triton.jit
 def store_chunk_groups(buf_ptr, chunk_first, payload_bytes, lg, gmask, words, s_bits, G: tl.constexpr):
     """Write groups ``lg`` of the chunk at byte ``chunk_first``: their words
-    (``[BG, L]``), then their scales (``[BG]``; the first lane of a group
-    writes it) at ``payload_bytes + 2 * lg``."""
+    (``[BG, L]``), then their scales (``[BG]`` or per lane ``[BG, L]``; the
+    first lane of a group writes it) at ``payload_bytes + 2 * lg``."""
     wi, si, lane = _lane_grid(lg, G)
     m = gmask[:, None]
     tl.store(chunk_words(buf_ptr, chunk_first) + wi, words, mask=m)
-    _store_u16(chunk_scales(buf_ptr, chunk_first, payload_bytes) + si, tl.broadcast_to(s_bits[:, None], wi.shape),
-               m & (lane == 0))
+    _store_u16(chunk_scales(buf_ptr, chunk_first, payload_bytes) + si, _per_lane(s_bits, wi), m & (lane == 0))
+
+
+@triton.jit
+def _per_lane(s, like):
+    """A group's value ``s`` (``[BG]``, or ``[BG, L]`` already per lane) on each of its lanes, as ``like [BG, L]``."""
+    if len(s.shape) == 1:
+        return tl.broadcast_to(s[:, None], like.shape)
+    else:
+        return s
 
 
 @triton.jit

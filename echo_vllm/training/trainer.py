@@ -272,7 +272,7 @@ def _echo_dict(cfg) -> dict | None:
         return None
     d = cfg.to_dict()
     return {k: d[k] for k in ("group_size", "feedback", "hadamard", "exact_last_call", "first_exact_calls",
-                              "min_bytes", "feedback_dtype", "rounding")}
+                              "min_bytes", "feedback_dtype", "encoder", "rounding")}
 
 
 __all__ = ["TrainConfig", "evaluate", "make_optimizer", "train", "train_step"]

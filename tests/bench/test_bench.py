@@ -90,6 +90,31 @@ def test_kernels_cli_smoke_on_cpu(tmp_path, capsys):
     assert "verified" in out and "PROJECTION (not a measurement)" in out
 
 
+def test_kernels_times_stages_1_and_2_with_each_encoder_in_one_run(tmp_path, capsys):
+    """``--encoders absmax,signed_mse``: stages 1 and 2 verified and timed
+    with both, the second as "<kernel> signed_mse" beside the first."""
+    rc = cli.main(["kernels", "--device", "cpu", "--world-sizes", "2", "--sizes", "16K", "--iters", "1",
+                   "--encoders", "absmax,signed_mse", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    assert data["encoders"] == ["absmax", "signed_mse"] and data["config"]["encoder"] == "absmax"
+    (res,) = data["results"]
+    assert {"stage1", "stage2", "stage1 signed_mse", "stage2 signed_mse"} <= set(res["kernels"])
+    assert res["kernels"]["stage1 signed_mse"]["bytes"] == res["kernels"]["stage1"]["bytes"]
+    assert "Stages 1 and 2 by encoder" in capsys.readouterr().out
+
+
+def test_encoder_table_puts_each_encoder_beside_the_first():
+    from echo_vllm.bench import report
+
+    encoders = ("absmax", "signed_mse")
+    assert report.encoder_key("stage1", "absmax", encoders) == "stage1"
+    assert report.encoder_key("stage1", "signed_mse", encoders) == "stage1 signed_mse"
+    table = report.encoder_table([("P=8 1 GiB", {"stage1": 100.0, "stage1 signed_mse": 125.0})], ("stage1",),
+                                 encoders)
+    assert table.splitlines()[-1].endswith("100.0 us |            125.0 us  1.250 |")
+
+
 def test_kernels_model_only_needs_no_device(capsys):
     rc = cli.main(["kernels", "--model-only", "--sizes", "64M,1G", "--world-sizes", "8"])
     assert rc == 0
@@ -156,15 +181,19 @@ def test_allreduce_names_a_world_size_variable_that_is_no_integer(value, refused
     assert f"WORLD_SIZE={value!r}: not an integer (torchrun sets it: unset it outside torchrun)" in error
 
 
-@pytest.mark.parametrize("dtypes,message", [("bfloat16,bfloat16", "a value is given twice"),
-                                            ("bfloat16,int7", "'int7': choose from float32,bfloat16,int8")])
-def test_sass_report_refuses_a_repeated_or_unknown_feedback_dtype(dtypes, message, monkeypatch, capsys):
+@pytest.mark.parametrize("option,values,message", [
+    ("--feedback-dtype", "bfloat16,bfloat16", "a value is given twice"),
+    ("--feedback-dtype", "bfloat16,int7", "'int7': choose from float32,bfloat16,int8"),
+    ("--encoders", "absmax,absmax", "a value is given twice"),
+    ("--encoders", "absmax,signed", "'signed': choose from absmax,signed_mse")])
+def test_sass_report_refuses_a_repeated_or_unknown_feedback_dtype_or_encoder(option, values, message, monkeypatch,
+                                                                              capsys):
     """A repeated format compiled and printed its table twice."""
     from echo_vllm.bench import sass_report
 
     monkeypatch.setattr(sass_report, "report", lambda *a: pytest.fail("compiled"))
     with pytest.raises(SystemExit) as info:
-        sass_report.main(["--feedback-dtype", dtypes])
+        sass_report.main([option, values])
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 

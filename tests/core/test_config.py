@@ -43,6 +43,8 @@ FIELDS = [f.name for f in dataclasses.fields(EchoConfig)]
     ({"group_size": "64"}, "group_size='64': choose one of 16, 32, 64, 128 (a number, not text)"),
     ({"group_size": 64.0}, "group_size=64.0: choose one of"),
     ({"rounding": "nearst"}, "rounding='nearst': choose one of nearest, stochastic; did you mean 'nearest'?"),
+    ({"encoder": "signed-mse"}, "encoder='signed-mse': choose one of absmax, signed_mse; did you mean 'signed_mse'?"),
+    ({"encoder": None}, "encoder=None: choose one of absmax, signed_mse"),
     ({"min_bytes": MAX_MESSAGE_BYTES + 1}, "min_bytes=4611686018427387905: must be an integer from 0 to "
                                            "4611686018427387904 (2^62: byte counts stay int64"),
     ({"first_exact_calls": 10**9}, "first_exact_calls=1000000000: must be an integer from 0 to 65536"),
@@ -149,6 +151,7 @@ def test_configs_still_copy_and_pickle():
     ({"feedback": None}, "", "feedback=None: expected a boolean"),
     ({"feedback": 2}, "", "feedback=2: expected a boolean"),
     ({"rounding": 1}, "", "rounding=1: expected text"),
+    ({"echo_encoder": "mse"}, "echo_", "encoder='mse': choose one of absmax, signed_mse"),
     ({"timeout_s": "1e300"}, "", "timeout_s=1e+300: must be a number of seconds above 0, at most 86400"),
     ({"timeout_s": 10**400}, "", "timeout_s=1000"),
     ({"min_bytes": "99999999999999999999T"}, "", "min_bytes='99999999999999999999T' (1.1e+32 bytes): must be at "

@@ -59,6 +59,18 @@ def test_without_hadamard_too():
     assert check_rows_independent(4, 333, 32, torch.bfloat16, backend="reference", hadamard=False) == 8
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("world,hidden,group,feedback_dtype", [(3, 333, 32, "bfloat16"), (4, 96, 16, "int8"),
+                                                               (8, 1000, 64, "float32")])
+def test_signed_mse_keeps_rows_independent(backend, world, hidden, group, feedback_dtype):
+    """signed_mse chooses each group's scale from that group alone (its
+    largest value and its own squared errors), so rows stay independent."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    assert check_rows_independent(world, hidden, group, torch.bfloat16, backend=backend, seed=world + hidden,
+                                  feedback_dtype=feedback_dtype, encoder="signed_mse") == 8
+
+
 def _paths(cfg: EchoConfig, tokens: int) -> list[str]:
     comm = StackedCommunicator(cfg, VirtualTransport(2))
     x = torch.zeros(2, tokens, 4096, dtype=torch.bfloat16)

@@ -115,13 +115,18 @@ def _stages(name: str):
 @pytest.mark.parametrize("stages", ["reference", "numba"])
 @pytest.mark.parametrize("host_map,rows,cols", MAPS)
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
-def test_virtual_backend_matches_the_reference_over_a_chain(stages, host_map, rows, cols, dt):
+@pytest.mark.parametrize("rotation_seed,encoder", [(0, "absmax"), (3, "signed_mse")])
+def test_virtual_backend_matches_the_reference_over_a_chain(stages, host_map, rows, cols, dt, rotation_seed, encoder):
     """Three Echo calls of a chain, then an exact call that absorbs the last
-    error: outputs, absorbed inputs and the carried error, bit for bit."""
+    error: outputs, absorbed inputs and the carried error, bit for bit (a
+    rotation seed's flips and the encoder reach the cross-host stages)."""
     from echo_vllm.backends import TwoLevelBackend
+    from echo_vllm.rotation import sign_flips
 
     hosts, p = HostMap(host_map), len(host_map)
-    cfg = EchoConfig(min_bytes=0, topology="two_level", host_map=host_map, feedback_dtype="bfloat16")
+    cfg = EchoConfig(min_bytes=0, topology="two_level", host_map=host_map, feedback_dtype="bfloat16",
+                     rotation_seed=rotation_seed, encoder=encoder)
+    flips = sign_flips(rotation_seed, cfg.group_size)
     backend = TwoLevelBackend.over(cfg, VirtualTransport(p), _stages(stages), hosts)
     # the exact path hands back its input, the carried error absorbed
     comm = StackedCommunicator(cfg, VirtualTransport(p), backend=backend, exact_all_reduce=lambda xs: xs)
@@ -133,13 +138,15 @@ def test_virtual_backend_matches_the_reference_over_a_chain(stages, host_map, ro
     for t in range(3):
         xs = _inputs(p, (rows, cols), 100 + t, DTYPES[dt])
         y = comm.all_reduce(xs, slot=CallSlot(t), path=Path.ECHO, chain=chain)
-        want = tl.two_level_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True, has_incoming=t > 0)
+        want = tl.two_level_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True, has_incoming=t > 0,
+                                      flips=flips, encoder=encoder)
         assert torch.equal(y.reshape(-1), want), t
         assert torch.equal(chain.buffer(n_fb)[:, :n_fb], fb), t
     assert chain.buffer(n_fb).shape == (p, n_fb)  # the shard's, not the flat path's
     xs = _inputs(p, (rows, cols), 200, DTYPES[dt])
     absorbed = comm.all_reduce(xs, slot=CallSlot(3), path=Path.EXACT, chain=chain)
-    assert torch.equal(absorbed.reshape(p, -1), tl.consume_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True))
+    assert torch.equal(absorbed.reshape(p, -1),
+                       tl.consume_reference(xs.reshape(p, -1), fb, lay, hosts, hadamard=True, flips=flips))
     assert not torch.equal(absorbed, xs)  # the error was added: not vacuous
 
 

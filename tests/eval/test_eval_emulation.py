@@ -408,9 +408,21 @@ def test_variant_specs():
         parse_variant("fast")
     with pytest.raises(EchoConfigError, match="duplicate"):
         parse_variants(["naive", "naive"])
+    signed = parse_variant("echo:encoder=signed_mse")  # EchoConfig.encoder, as any field
+    assert signed.config == _preset_config("echo").replace(encoder="signed_mse") and signed.bits_per_value == 4.5
+    with pytest.raises(EchoConfigError, match="encoder='mse': choose one of absmax, signed_mse"):
+        parse_variant("echo:encoder=mse")
+
+
+def _preset_config(name: str) -> EchoConfig:
+    """The config a preset names, with the variants' min_bytes=0."""
+    return EchoConfig(**{"min_bytes": 0, **PRESETS[name][1]})
 
 
 def test_vllm_additional_config_roundtrips_through_echoconfig():
+    signed = parse_variant("default:encoder=signed_mse").vllm_additional_config(emulate=3)
+    assert signed["echo_encoder"] == "signed_mse"
+    assert EchoConfig.from_mapping(signed, prefix="echo_").encoder == "signed_mse"
     v = parse_variant("echo+last:group_size=64")
     extra = v.vllm_additional_config(emulate=4)
     assert extra["tp_comm"] == "echo" and extra["tp_comm_emulate"] == 4

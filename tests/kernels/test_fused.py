@@ -52,13 +52,14 @@ QMAX = 7
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reference_chain(xs, fb, layout, *, hadamard, incoming, flips=0):
+def reference_chain(xs, fb, layout, *, hadamard, incoming, flips=0, encoder="absmax"):
     """The composed pipeline for P ranks (``xs [P, numel]``; ``fb [P, ...]``
-    or None, updated in place; ``flips``: the rotation's sign flips):
-    ``(wire [P, P, B], q2 [P, B], y [numel])``."""
-    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
+    or None, updated in place; ``flips``: the rotation's sign flips;
+    ``encoder``: stages 1 and 2's): ``(wire [P, P, B], q2 [P, B], y [numel])``."""
+    wire = quant.stage1_reference(xs, fb, layout, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips,
+                                  encoder=encoder)
     q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), fb, list(range(layout.world_size)), layout,
-                                qmax=QMAX)
+                                qmax=QMAX, encoder=encoder)
     return wire, q2, quant.output_reference(q2, layout, xs.dtype, hadamard=hadamard, flips=flips)
 
 
@@ -66,14 +67,14 @@ def reference_chain(xs, fb, layout, *, hadamard, incoming, flips=0):
 
 
 def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, incoming, tile_groups, programs,
-                            special=False, pattern=None, rotation_seed=0):
+                            special=False, pattern=None, rotation_seed=0, encoder="absmax"):
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.rotation import sign_flips
 
     lay = WireLayout(numel, world, group, cols)
     flips = sign_flips(rotation_seed, group)
     tag = (f"numel={numel} cols={lay.cols} P={world} g={group} {dt} fb={fb_dtype} had={hadamard} inc={incoming} "
-           f"rotation seed {rotation_seed}")
+           f"rotation seed {rotation_seed} {encoder}")
     if pattern is None:
         x = _values((world, numel), numel + world, special=special).to(DTYPES[dt]).to(DEVICE)
     else:  # the edges of the range (support.extremes)
@@ -89,18 +90,19 @@ def _phases_match_reference(numel, world, group, cols, dt, fb_dtype, hadamard, i
         b.fill_(0xA5)  # stale bytes: every byte compared below must have been written
     tiling = fk.FusedTiling(tile_groups, 2, programs)
     ys = [torch.empty(numel, dtype=x.dtype, device=DEVICE) for _ in range(world)]
-    wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips)
+    wire, q2, y = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips, encoder=encoder)
     fb_after = {1: None, 2: fb_ref}
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
-        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips,
+                               encoder=encoder)
         fb_after[1] = fb1
     n = world * lay.chunk_bytes
     for phase in (1, 2, 3):
         for r in range(world):
             fk.fused_all_reduce(x[r:r + 1], fbs[r], table, lay, rank=r, gathered_offset=world * cb, qmax=QMAX,
                                 hadamard=hadamard, has_incoming=incoming, tiling=tiling, timeout_ns=0, flips=flips,
-                                out=ys[r], phase=phase)
+                                encoder=encoder, out=ys[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 recv = bufs[r][:n].view(world, lay.chunk_bytes)
@@ -127,12 +129,17 @@ PHASE_CASES = [
     (1000, 4, 16, 0, "fp16", "int8", True, False, 16, 3),
     (3 * 256, 2, 128, 256, "fp32", "int8", False, True, 4, 1),
 ]
+#: PHASE_CASES again with signed_mse (``EchoConfig.encoder``): pairwise over
+#: g, dtype, feedback, rotation and a tile plan that loops unevenly.
+SIGNED_PHASE_CASES = [PHASE_CASES[i] for i in (0, 1, 3, 5, 7)]
 
 
-@pytest.mark.parametrize("numel,world,group,cols,dt,fb,hadamard,incoming,tile_groups,programs", PHASE_CASES)
-def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups, programs):
+@pytest.mark.parametrize("numel,world,group,cols,dt,fb,hadamard,incoming,tile_groups,programs,encoder",
+                         [(*c, "absmax") for c in PHASE_CASES] + [(*c, "signed_mse") for c in SIGNED_PHASE_CASES])
+def test_phases_match_reference(numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups, programs,
+                                encoder):
     in_kernel_process(_phases_match_reference, numel, world, group, cols, dt, fb, hadamard, incoming, tile_groups,
-                      programs)
+                      programs, encoder=encoder)
 
 
 #: PHASE_CASES under a rotation seed: every group size, both 16-bit inputs and fp32, int8 feedback.
@@ -145,31 +152,36 @@ def test_phases_under_a_rotation_seed_match_reference(case, rotation_seed):
     in_kernel_process(_phases_match_reference, *case, rotation_seed=rotation_seed)
 
 
-@pytest.mark.parametrize("fb", ["fp32", "int8"])
-def test_phases_special_values_match_reference(fb):
+@pytest.mark.parametrize("fb,encoder", [("fp32", "absmax"), ("int8", "absmax"), ("bf16", "signed_mse")])
+def test_phases_special_values_match_reference(fb, encoder):
     """NaN/Inf groups decode to NaN on every rank; huge, tiny and zero groups
     as the reference."""
     in_kernel_process(_phases_match_reference, 40 * 32 + 9, 2, 32, 0, "bf16", fb, True, True, 8, 2,
-                      special=True)  # 3 tiles on 2 programs
+                      special=True, encoder=encoder)  # 3 tiles on 2 programs
 
 
-@pytest.mark.parametrize("pattern,dt,hadamard,fb", [("sweep", "bf16", True, "bf16"), ("cancel", "fp32", False, "int8"),
-                                                   ("subnormal", "fp16", True, "fp32")])
-def test_phases_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb):
+@pytest.mark.parametrize("pattern,dt,hadamard,fb,encoder", [
+    ("sweep", "bf16", True, "bf16", "absmax"), ("cancel", "fp32", False, "int8", "absmax"),
+    ("subnormal", "fp16", True, "fp32", "absmax"), ("sweep", "fp32", False, "int8", "signed_mse"),
+    ("cancel", "bf16", True, "bf16", "signed_mse"), ("subnormal", "bf16", True, "fp32", "signed_mse")])
+def test_phases_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb, encoder):
     """Magnitudes up to the dtype's max, cancelling pairs, subnormals
     (support.extremes): every phase of every rank gives the references' bits."""
-    in_kernel_process(_phases_match_reference, 6 * 40, 3, 16, 40, dt, fb, hadamard, True, 4, 2, pattern=pattern)
+    in_kernel_process(_phases_match_reference, 6 * 40, 3, 16, 40, dt, fb, hadamard, True, 4, 2, pattern=pattern,
+                      encoder=encoder)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("encoder", ["absmax", "signed_mse"])
 @pytest.mark.parametrize("fb", ["bf16", "int8"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_phases_at_the_edges_of_the_range_on_gpu(pattern, dt, fb):
+def test_phases_at_the_edges_of_the_range_on_gpu(pattern, dt, fb, encoder):
     """The same compiled (the bf16x2 output decode and its saturation, the
-    fused prescale of stage 1), 1000 rows of 2880 over 8 ranks."""
-    _phases_match_reference(1000 * 2880, 8, 32, 2880, dt, fb, True, True, 64, 132, pattern=pattern)
+    fused prescale of stage 1, signed_mse's shuffled sums), 1000 rows of
+    2880 over 8 ranks."""
+    _phases_match_reference(1000 * 2880, 8, 32, 2880, dt, fb, True, True, 64, 132, pattern=pattern, encoder=encoder)
 
 
 # -- the whole kernel, barriers included, over processes sharing memory ---------------
@@ -209,7 +221,7 @@ def run_forked_ranks(world, one_rank, deadline_s):
 
 
 def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadamard=True, deadline_s=60.0,
-                   fb_dtype="fp32"):
+                   fb_dtype="fp32", encoder="absmax"):
     """In the interpreter worker: ``world`` forked processes (one per rank)
     run ``calls`` chained calls of the whole kernel on buffers in shared
     memory (mapped at the same addresses in every child, so one table
@@ -231,12 +243,12 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
         for c in range(calls):
             fk.fused_all_reduce(xs[c, rank:rank + 1], fbs[rank:rank + 1], table, lay, rank=rank,
                                 gathered_offset=bufs[0].numel() // 2, qmax=QMAX, hadamard=hadamard,
-                                has_incoming=c > 0, tiling=tiling, timeout_ns=0, out=ys[c, rank])
+                                has_incoming=c > 0, tiling=tiling, timeout_ns=0, encoder=encoder, out=ys[c, rank])
 
     run_forked_ranks(world, one_rank, deadline_s)
     fb_ref = fb0.clone()
     for c in range(calls):
-        _, _, y = reference_chain(xs[c], fb_ref, lay, hadamard=hadamard, incoming=c > 0)
+        _, _, y = reference_chain(xs[c], fb_ref, lay, hadamard=hadamard, incoming=c > 0, encoder=encoder)
         for r in range(world):
             assert_same_bits(ys[c, r], y, f"call {c}, rank {r}", nan_any=True)
     assert_same_bits(fbs, fb_ref, "feedback after the chain")
@@ -244,14 +256,17 @@ def _emulate_ranks(world, rows, cols, group, calls, tile_groups, programs, hadam
 
 
 @INTERPRETER_ONLY
-@pytest.mark.parametrize("fb", ["fp32", "int8"])
-def test_whole_kernel_with_barriers_over_processes(fb):
+@pytest.mark.parametrize("fb,encoder,deadline_s", [("fp32", "absmax", 60.0), ("int8", "absmax", 60.0),
+                                                   ("bf16", "signed_mse", 180.0)])
+def test_whole_kernel_with_barriers_over_processes(fb, encoder, deadline_s):
     """P = 3 processes run 3 chained calls of the whole kernel (two programs
     looping over four tiles, barriers between the phases; NaN/Inf in call
     1): every rank returns the reference chain's bits, the feedback buffers
-    hold its errors, and every flag is back to 0 at the end."""
+    hold its errors, and every flag is back to 0 at the end. (signed_mse's
+    three candidates take the interpreter about three times as long.)"""
     _interpreter_pool().submit(_reporting, _emulate_ranks, world=3, rows=5, cols=77, group=16, calls=3,
-                               tile_groups=4, programs=2, fb_dtype=fb).result(timeout=300)
+                               tile_groups=4, programs=2, fb_dtype=fb, encoder=encoder,
+                               deadline_s=deadline_s).result(timeout=600)
 
 
 def test_compile_only_launches_nothing():

@@ -29,9 +29,10 @@ QMAX = 7
 
 def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incoming, tile_rows, programs, residual=True,
                        w_dt=None, special=False, aligned=None, one_pass_rows=0, keep=False,
-                       decode_once=True, rotation_seed=0):
+                       decode_once=True, rotation_seed=0, encoder="absmax"):
     """``keep`` (without ``residual``): Echo's output also written into a
-    buffer of its own (a decoder's first norm's next residual)."""
+    buffer of its own (a decoder's first norm's next residual); phases 1
+    and 2 quantize with ``encoder``."""
     from echo_vllm.kernels import fused_kernel as fk
     from echo_vllm.rotation import sign_flips
 
@@ -43,7 +44,7 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     tiling = NormTiling(tile_rows, plan.padded_row_groups, 1, aligned=aligned, one_pass_rows=one_pass_rows,
                         decode_once=decode_once)
     tag = (f"rows={rows} cols={cols} P={world} g={group} {dt} fb={fb_dtype} K={tile_rows} res={residual} al={aligned} "
-           f"one pass={one_pass_rows} keep={keep} decode once={decode_once} rotation seed {rotation_seed}")
+           f"one pass={one_pass_rows} keep={keep} decode once={decode_once} rotation seed {rotation_seed} {encoder}")
     assert not (keep and residual)
     x = _values((world, lay.numel), rows + cols, special=special).to(dtype).to(DEVICE)
     fb_ref = _feedback(world, lay, FB_DTYPES[fb_dtype], 7) if fb_dtype else None
@@ -62,8 +63,9 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
     fb1 = None
     if fb_dtype:  # the reference's feedback after stage 1 alone
         fb1 = _feedback(world, lay, FB_DTYPES[fb_dtype], 7)
-        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
-    wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips)
+        quant.stage1_reference(x, fb1, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips,
+                               encoder=encoder)
+    wire, q2, _ = reference_chain(x, fb_ref, lay, hadamard=hadamard, incoming=incoming, flips=flips, encoder=encoder)
     want_out, want_res = expected(q2, lay, dtype, res0 if residual else None, w, hadamard=hadamard, flips=flips)
     want_kept = quant.output_reference(q2, lay, dtype, hadamard=hadamard, flips=flips)
     n = world * lay.chunk_bytes
@@ -72,8 +74,7 @@ def _norm_phases_match(rows, cols, world, group, dt, fb_dtype, hadamard, incomin
             got_out, got_res = fk.fused_all_reduce_norm(
                 x[r:r + 1], fbs[r], table, lay, w, EPS, residual=ress[r], rank=r, gathered_offset=world * cb,
                 qmax=QMAX, hadamard=hadamard, has_incoming=incoming, tiling=fused_tiling, timeout_ns=0, flips=flips,
-                out=outs[r],
-                residual_out=kept[r], phase=phase)
+                encoder=encoder, out=outs[r], residual_out=kept[r], phase=phase)
         for r in range(world):
             if phase == 1:
                 assert_same_bits(bufs[r][:n].view(world, lay.chunk_bytes), wire[:, r], f"phase 1 recv {r} [{tag}]")
@@ -146,6 +147,13 @@ def test_norm_phases_without_residual_and_fp32_weight(keep, passes):
 def test_norm_phases_decoding_twice():
     """Two passes, the second decoding the chunks again (large tiles' choice), with the residual."""
     in_kernel_process(_norm_phases_match, 7, 77, 3, 16, "bf16", "bf16", True, True, 2, 3, decode_once=False)
+
+
+@pytest.mark.parametrize("case", [NORM_PHASE_CASES[0], NORM_PHASE_CASES[2]], ids=str)
+def test_norm_phases_with_signed_mse(case):
+    """Phases 1 and 2 of the norm kernel (whole rows per tile) quantizing
+    with signed_mse (``EchoConfig.encoder``)."""
+    in_kernel_process(_norm_phases_match, *case, encoder="signed_mse")
 
 
 def test_norm_phases_of_aligned_rows_by_either_index():

@@ -37,6 +37,8 @@ QMAX = 7
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Feedback buffer formats (``quant.FEEDBACK_STORAGE``), by the cases' short names.
 FB_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+#: ``EchoConfig.encoder``'s values (the kernels quantize with each).
+ENCODERS = ("absmax", "signed_mse")
 
 
 
@@ -214,10 +216,11 @@ def _feedback(rows: int, layout: WireLayout, dtype: torch.dtype, seed: int, extr
 
 
 def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype, seed, special=False, impl="triton",
-                    cols=0, flips=0):
+                    cols=0, flips=0, encoder="absmax"):
     """One Echo call for ``world`` virtual ranks: every kernel against its
     reference on identical inputs, each stage fed the reference's output;
-    ``flips``: the rotation's sign flips (``rotation.sign_flips``)."""
+    ``flips``: the rotation's sign flips (``rotation.sign_flips``); stages 1
+    and 2 quantize with ``encoder``."""
     device = "cpu" if impl == "cpu" else DEVICE
     K = stages(impl)
     lay = WireLayout(numel, world, group, cols)
@@ -225,18 +228,19 @@ def run_and_compare(numel, world, group, dtype, *, hadamard, incoming, fb_dtype,
     fb_ref = _feedback(world, lay, fb_dtype, seed + 1, device=device) if fb_dtype is not None else None
     fb_ker = fb_ref.clone() if fb_ref is not None else None
     tag = (f"{impl} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} inc={incoming} "
-           f"fb={fb_dtype} flips={flips:#x}")
+           f"fb={fb_dtype} flips={flips:#x} {encoder}")
 
-    wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
-    wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips)
+    wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips,
+                                      encoder=encoder)
+    wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=incoming, flips=flips, encoder=encoder)
     assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
 
     recv = wire_ref.transpose(0, 1).contiguous()
     own = list(range(world))
-    q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX)
-    q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX)
+    q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX, encoder=encoder)
+    q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX, encoder=encoder)
     assert_same_bits(q2, q2_ref, f"stage2 wire [{tag}]")
     if fb_ref is not None:
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
@@ -328,14 +332,22 @@ def _tile_values() -> int:
     return contract.TILE_VALUES
 
 
+def _with_encoders(cases: list, signed: slice = slice(1, None, 2)) -> list:
+    """``cases`` with absmax, and the ``signed`` ones again with signed_mse
+    (every other case by default: still pairwise over the axes), the
+    encoder last."""
+    return [(*c, "absmax") for c in cases] + [(*c, "signed_mse") for c in cases[signed]]
+
+
 # compiled on a GPU host (in_kernel_process runs there): the whole cases, as the acceptance run verified them
-@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", CASES if CUDA else INTERPRETER_CASES)
-def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset,encoder",
+                         _with_encoders(CASES if CUDA else INTERPRETER_CASES))
+def test_pipeline_matches_reference(groups, world, group, dt, hadamard, incoming, fb, offset, encoder):
     numel = max(1, groups * group + offset)
     in_kernel_process(
         run_and_compare,
         numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world,
+        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world, encoder=encoder,
     )
 
 
@@ -354,29 +366,30 @@ ROW_CASES = [
 ]
 
 
-@pytest.mark.parametrize("rows,cols,world,group,dt,hadamard,incoming,fb", ROW_CASES)
+@pytest.mark.parametrize("rows,cols,world,group,dt,hadamard,incoming,fb,encoder", _with_encoders(ROW_CASES))
 @pytest.mark.parametrize("impl", ["triton", "cpu"])
-def test_row_messages_match_reference(impl, rows, cols, world, group, dt, hadamard, incoming, fb):
+def test_row_messages_match_reference(impl, rows, cols, world, group, dt, hadamard, incoming, fb, encoder):
     """The position-owned layout of several rows, kernels against references."""
     run_impl(
         impl, run_and_compare,
         rows * cols, world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=FB_DTYPES.get(fb), seed=rows * 11 + cols, impl=impl, cols=cols,
+        fb_dtype=FB_DTYPES.get(fb), seed=rows * 11 + cols, impl=impl, cols=cols, encoder=encoder,
     )
 
 
-def _special_values_match_reference(dt, hadamard, fb):
+def _special_values_match_reference(dt, hadamard, fb, encoder):
     """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs."""
     run_and_compare(
         40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
-        fb_dtype=FB_DTYPES[fb], seed=3, special=True,
+        fb_dtype=FB_DTYPES[fb], seed=3, special=True, encoder=encoder,
     )
 
 
-@pytest.mark.parametrize("dt,hadamard,fb", [("bf16", False, "fp32"), ("bf16", True, "fp32"), ("fp32", False, "fp32"),
-                                            ("fp32", True, "fp32"), ("bf16", True, "int8"), ("fp32", False, "int8")])
-def test_special_values_match_reference(dt, hadamard, fb):
-    in_kernel_process(_special_values_match_reference, dt, hadamard, fb)
+@pytest.mark.parametrize("dt,hadamard,fb,encoder", _with_encoders(
+    [("bf16", False, "fp32"), ("bf16", True, "fp32"), ("fp32", False, "fp32"), ("fp32", True, "fp32"),
+     ("bf16", True, "int8"), ("fp32", False, "int8")]))
+def test_special_values_match_reference(dt, hadamard, fb, encoder):
+    in_kernel_process(_special_values_match_reference, dt, hadamard, fb, encoder)
 
 
 #: Cases under a rotation seed's sign flips (``rotation.sign_flips``): every
@@ -424,17 +437,18 @@ def test_a_bad_sign_pattern_is_refused(impl):
     run_impl(impl, _a_bad_sign_pattern_is_refused, impl)
 
 
-def _decode_of_arbitrary_bytes_matches_reference(group, impl):
-    """Stage 2 and the output decode whatever bytes arrive (random scales:
-    subnormal, huge, inf, NaN) exactly as the reference does."""
+def _decode_of_arbitrary_bytes_matches_reference(group, impl, encoder="absmax"):
+    """Stage 2 (requantizing with ``encoder``) and the output decode whatever
+    bytes arrive (random scales: subnormal, huge, inf, NaN, either sign)
+    exactly as the reference does."""
     world, device, K = 3, _device(impl), kernels(impl)
     lay = WireLayout(20 * group, world, group)
     gen = torch.Generator().manual_seed(group)
     recv = torch.randint(0, 256, (world, world, lay.chunk_bytes), generator=gen, dtype=torch.uint8).to(device)
     fb_ref = _feedback(world, lay, torch.float32, 5, device=device)
     fb_ker = fb_ref.clone()
-    q2_ref = quant.stage2_reference(recv, fb_ref, [0, 1, 2], lay, qmax=QMAX)
-    q2 = K.stage2(recv, fb_ker, [0, 1, 2], lay, qmax=QMAX)
+    q2_ref = quant.stage2_reference(recv, fb_ref, [0, 1, 2], lay, qmax=QMAX, encoder=encoder)
+    q2 = K.stage2(recv, fb_ker, [0, 1, 2], lay, qmax=QMAX, encoder=encoder)
     assert_same_bits(q2, q2_ref, "stage2 wire (random bytes)")
     assert_same_bits(fb_ker, fb_ref, "stage2 feedback (random bytes)")
     for dt in (torch.bfloat16, torch.float16):
@@ -445,32 +459,35 @@ def _decode_of_arbitrary_bytes_matches_reference(group, impl):
 
 
 @needs_numba
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("groups,world,group,dt,hadamard,incoming,fb,offset", CASES)
-def test_cpu_loops_match_reference(groups, world, group, dt, hadamard, incoming, fb, offset):
+def test_cpu_loops_match_reference(groups, world, group, dt, hadamard, incoming, fb, offset, encoder):
     """The numba CPU loops (``ECHO_KERNELS=cpu``) give the references' bits too."""
     run_and_compare(
         max(1, groups * group + offset), world, group, DTYPES[dt], hadamard=hadamard, incoming=incoming,
-        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world, impl="cpu",
+        fb_dtype=FB_DTYPES.get(fb), seed=groups * 7 + world, impl="cpu", encoder=encoder,
     )
 
 
 @needs_numba
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
-def test_cpu_loops_special_values_match_reference(dt, hadamard):
+def test_cpu_loops_special_values_match_reference(dt, hadamard, encoder):
     run_and_compare(
         40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, incoming=True,
-        fb_dtype=torch.float32, seed=3, special=True, impl="cpu",
+        fb_dtype=torch.float32, seed=3, special=True, impl="cpu", encoder=encoder,
     )
 
 
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("impl", ["triton", "cpu"])
 @pytest.mark.parametrize("group", [16, 128])
-def test_decode_of_arbitrary_bytes_matches_reference(group, impl):
-    run_impl(impl, _decode_of_arbitrary_bytes_matches_reference, group, impl)
+def test_decode_of_arbitrary_bytes_matches_reference(group, impl, encoder):
+    run_impl(impl, _decode_of_arbitrary_bytes_matches_reference, group, impl, encoder)
 
 
-def _real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb_dtype):
+def _real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb_dtype, encoder="absmax"):
     """R = 1 (one real rank of P): only chunk ``rank`` of the buffer changes
     (int8: its blocks' bytes)."""
     world, group, device, K = 3, 32, _device(impl), kernels(impl)
@@ -480,8 +497,8 @@ def _real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb_dtype):
     recv = recv_all[rank : rank + 1]
     fb_ref = _feedback(1, lay, fb_dtype, 12, device=device)
     fb_ker, before = fb_ref.clone(), fb_ref.clone()
-    q2_ref = quant.stage2_reference(recv, fb_ref, [rank], lay, qmax=QMAX)
-    q2 = K.stage2(recv, fb_ker, [rank], lay, qmax=QMAX)
+    q2_ref = quant.stage2_reference(recv, fb_ref, [rank], lay, qmax=QMAX, encoder=encoder)
+    q2 = K.stage2(recv, fb_ker, [rank], lay, qmax=QMAX, encoder=encoder)
     assert_same_bits(q2, q2_ref, "stage2 wire (one rank)")
     assert_same_bits(fb_ker, fb_ref, "stage2 feedback (one rank)")
     c = quant.feedback_row_len(lay.chunk_numel, fb_dtype, group)
@@ -490,9 +507,10 @@ def _real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb_dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "cpu"])
-@pytest.mark.parametrize("rank,fb", [(0, "fp32"), (2, "fp32"), (2, "int8")])
-def test_real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb):
-    run_impl(impl, _real_rank_stage2_updates_its_own_chunk_only, rank, impl, FB_DTYPES[fb])
+@pytest.mark.parametrize("rank,fb,encoder", [(0, "fp32", "absmax"), (2, "fp32", "absmax"), (2, "int8", "absmax"),
+                                             (1, "bf16", "signed_mse")])
+def test_real_rank_stage2_updates_its_own_chunk_only(rank, impl, fb, encoder):
+    run_impl(impl, _real_rank_stage2_updates_its_own_chunk_only, rank, impl, FB_DTYPES[fb], encoder)
 
 
 def _out_buffers_are_filled_in_place():
@@ -530,6 +548,10 @@ def _bad_arguments_raise_clear_errors():
         kernels().stage1(x.to(torch.int32), None, lay, qmax=QMAX, hadamard=False, has_incoming=False)
     with pytest.raises(ValueError, match="qmax"):
         kernels().stage1(x, None, lay, qmax=8, hadamard=False, has_incoming=False)
+    with pytest.raises(ValueError, match="encoder='bogus'"):
+        kernels().stage1(x, None, lay, qmax=QMAX, hadamard=False, has_incoming=False, encoder="bogus")
+    with pytest.raises(ValueError, match="qmax=5: the kernels' signed_mse"):
+        kernels().stage1(x, None, lay, qmax=5, hadamard=False, has_incoming=False, encoder="signed_mse")
     with pytest.raises(ValueError, match="out"):
         kernels().stage1(x, None, lay, qmax=QMAX, hadamard=False, has_incoming=False,
                  out=torch.empty(2, 2, lay.chunk_bytes + 1, dtype=torch.uint8, device=DEVICE))
@@ -559,7 +581,7 @@ def test_a_row_too_wide_for_int32_columns_is_refused():
     assert contract.message_ints(ok) == (ok.row_groups, ok.cols, ok.rows * ok.row_groups)
 
 
-def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32", rotation_seed=0):
+def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float32", rotation_seed=0, encoder="absmax"):
     """A chain of Echo calls (StackedCommunicator over virtual ranks, feedback
     carried) gives the same bits on the ``triton`` (or ``numba``) backend as
     on the references: layouts, buffers, backends and the rotation seed
@@ -570,7 +592,7 @@ def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float
     results = {}
     for m in ("reference", mode):
         cfg = EchoConfig(min_bytes=0, hadamard=True, backend="numba" if m == "cpu" else m,
-                         feedback_dtype=feedback_dtype, rotation_seed=rotation_seed)
+                         feedback_dtype=feedback_dtype, rotation_seed=rotation_seed, encoder=encoder)
         # the exact path hands back its input, the carried error absorbed
         ar = StackedCommunicator(cfg, VirtualTransport(world), device=device, exact_all_reduce=lambda xs: xs)
         assert ar.backend(torch.device(device)).name == cfg.backend
@@ -588,32 +610,36 @@ def _echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype="float
     assert_same_bits(results[mode][1], results["reference"][1], "absorb", nan_any=True)
 
 
-@pytest.mark.parametrize("mode,feedback_dtype,rotation_seed", [("triton", "float32", 0), ("triton", "int8", 0),
-                                                                ("cpu", "float32", 0), ("triton", "bfloat16", 3),
-                                                                ("cpu", "int8", 4)])
-def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype, rotation_seed):
-    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode, feedback_dtype, rotation_seed)
+@pytest.mark.parametrize("mode,feedback_dtype,rotation_seed,encoder", [
+    ("triton", "float32", 0, "absmax"), ("triton", "int8", 0, "absmax"), ("cpu", "float32", 0, "absmax"),
+    ("triton", "bfloat16", 3, "absmax"), ("cpu", "int8", 4, "absmax"),
+    ("triton", "bfloat16", 0, "signed_mse"), ("cpu", "float32", 5, "signed_mse")])
+def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype, rotation_seed, encoder):
+    """(``EchoConfig.rotation_seed`` and ``encoder`` reach every backend's stages.)"""
+    run_impl(mode, _echo_calls_through_ops_match_the_reference_path, mode, feedback_dtype, rotation_seed, encoder)
 
 
 @needs_numba
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("feedback_dtype", ["bfloat16", "int8"])
-def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype):
+def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype, encoder):
     """The same end to end on the numba backend with the other buffer formats."""
-    _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype)
+    _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype, encoder)
 
 
 # -- chains of calls, every feedback format (int8 included) ---------------------------
 
 
 def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, seed, calls=3, cols=0,
-                          special=False, fb=None, impl="cpu", pattern=None):
+                          special=False, fb=None, impl="cpu", pattern=None, encoder="absmax"):
     """``calls`` Echo calls of one chain, the numba loops (or the Triton
     kernels, ``impl="triton"``) against references, stage by stage and bit
     for bit: the feedback buffers carry each call's error into the next
     call's stage 1 (both sides evolve on their own, so a difference anywhere
     compounds and shows), then an exact call consumes the last one. ``fb``:
     a starting buffer (default :func:`_feedback`); ``pattern``: inputs at
-    the edges of the range (``support.extremes``) instead of :func:`_values`."""
+    the edges of the range (``support.extremes``) instead of :func:`_values`;
+    stages 1 and 2 quantize with ``encoder``."""
     K, device = stages(impl), _device(impl)
     lay = WireLayout(numel, world, group, cols)
 
@@ -627,16 +653,17 @@ def run_chain_and_compare(numel, world, group, dtype, *, hadamard, fb_dtype, see
     own = list(range(world))
     for t in range(calls):
         tag = (f"call {t} numel={numel} cols={lay.cols} P={world} g={group} {dtype} had={hadamard} fb={fb_dtype}"
-               f"{' ' + pattern if pattern else ''}")
+               f"{' ' + pattern if pattern else ''} {encoder}")
         x = values(seed + t)
         inc = t > 0 or fb is not None
-        wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
-        wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc)
+        wire_ref = quant.stage1_reference(x, fb_ref, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc,
+                                          encoder=encoder)
+        wire = K.stage1(x, fb_ker, lay, qmax=QMAX, hadamard=hadamard, has_incoming=inc, encoder=encoder)
         assert_same_bits(wire, wire_ref, f"stage1 wire [{tag}]")
         assert_same_bits(fb_ker, fb_ref, f"stage1 feedback [{tag}]")
         recv = wire_ref.transpose(0, 1).contiguous()
-        q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX)
-        q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX)
+        q2_ref = quant.stage2_reference(recv, fb_ref, own, lay, qmax=QMAX, encoder=encoder)
+        q2 = K.stage2(recv, fb_ker, own, lay, qmax=QMAX, encoder=encoder)
         assert_same_bits(q2, q2_ref, f"stage2 wire [{tag}]")
         assert_same_bits(fb_ker, fb_ref, f"stage2 feedback [{tag}]")
         y_ref = quant.output_reference(q2_ref, lay, dtype, hadamard=hadamard)
@@ -662,33 +689,37 @@ INT8_CASES = [
 
 
 @needs_numba
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("groups,world,group,dt,hadamard,offset,cols", INT8_CASES)
-def test_cpu_loops_match_reference_over_a_chain(groups, world, group, dt, hadamard, offset, cols, fb):
+def test_cpu_loops_match_reference_over_a_chain(groups, world, group, dt, hadamard, offset, cols, fb, encoder):
     numel = max(1, groups * group + offset)
     if cols:
         numel = max(1, numel // cols) * cols
     run_chain_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb],
-                          seed=groups * 7 + world, cols=cols)
+                          seed=groups * 7 + world, cols=cols, encoder=encoder)
 
 
-@pytest.mark.parametrize("groups,world,group,dt,hadamard,offset,cols", INT8_CASES[:5])
-def test_kernels_match_reference_over_an_int8_chain(groups, world, group, dt, hadamard, offset, cols):
+@pytest.mark.parametrize("groups,world,group,dt,hadamard,offset,cols,encoder",
+                         _with_encoders(INT8_CASES[:5], slice(0, 5, 2)))
+def test_kernels_match_reference_over_an_int8_chain(groups, world, group, dt, hadamard, offset, cols, encoder):
     """The Triton kernels over a chain whose int8 buffer carries each call's error."""
     numel = max(1, groups * group + offset)
     if cols:
         numel = max(1, numel // cols) * cols
     in_kernel_process(run_chain_and_compare, numel, world, group, DTYPES[dt], hadamard=hadamard,
-                      fb_dtype=torch.int8, seed=groups * 7 + world, cols=cols, impl="triton")
+                      fb_dtype=torch.int8, seed=groups * 7 + world, cols=cols, impl="triton", encoder=encoder)
 
 
-@pytest.mark.parametrize("impl,dt,hadamard", [("cpu", dt, had) for dt in DTYPES for had in (False, True)]
-                         + [("triton", "bf16", True), ("triton", "fp16", False)])
-def test_int8_feedback_special_values_match_reference(impl, dt, hadamard):
+@pytest.mark.parametrize("impl,dt,hadamard,encoder",
+                         [("cpu", dt, had, enc) for dt in DTYPES for had in (False, True) for enc in ENCODERS]
+                         + [("triton", "bf16", True, "absmax"), ("triton", "fp16", False, "absmax"),
+                            ("triton", "fp32", True, "signed_mse")])
+def test_int8_feedback_special_values_match_reference(impl, dt, hadamard, encoder):
     """NaN/Inf groups, scales near fp32 max, subnormals, zeros of both signs,
     through a chain whose int8 buffer carries them."""
     run_impl(impl, run_chain_and_compare, 40 * 32 + 9, 2, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=torch.int8,
-             seed=3, special=True, impl=impl)
+             seed=3, special=True, impl=impl, encoder=encoder)
 
 
 # -- the edges of each dtype's range ------------------------------------------------
@@ -708,33 +739,38 @@ EXTREME_CASES = [
 ]
 
 
-@pytest.mark.parametrize("pattern,dt,world,group,hadamard,fb,rows,cols", EXTREME_CASES)
-def test_kernels_at_the_edges_of_the_range_match_reference(pattern, dt, world, group, hadamard, fb, rows, cols):
+@pytest.mark.parametrize("pattern,dt,world,group,hadamard,fb,rows,cols,encoder",
+                         _with_encoders(EXTREME_CASES, slice(None)))
+def test_kernels_at_the_edges_of_the_range_match_reference(pattern, dt, world, group, hadamard, fb, rows, cols,
+                                                           encoder):
     in_kernel_process(run_chain_and_compare, rows * cols, world, group, DTYPES[dt], hadamard=hadamard,
-                      fb_dtype=FB_DTYPES[fb], seed=rows + cols, calls=2, cols=cols, impl="triton", pattern=pattern)
+                      fb_dtype=FB_DTYPES[fb], seed=rows + cols, calls=2, cols=cols, impl="triton", pattern=pattern,
+                      encoder=encoder)
 
 
 @needs_numba
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("hadamard", [False, True])
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_cpu_loops_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb):
+def test_cpu_loops_at_the_edges_of_the_range_match_reference(pattern, dt, hadamard, fb, encoder):
     run_chain_and_compare(12 * 69, 4, 32, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb], seed=7,
-                          cols=69, pattern=pattern)
+                          cols=69, pattern=pattern, encoder=encoder)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("fb", ["bf16", "int8", "fp32"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("world,group,hadamard", [(8, 32, True), (4, 128, True), (3, 16, False)])
-def test_kernels_at_the_edges_of_the_range_on_gpu(world, group, hadamard, pattern, dt, fb):
+def test_kernels_at_the_edges_of_the_range_on_gpu(world, group, hadamard, pattern, dt, fb, encoder):
     """The compiled kernels (bf16x2 output decode, satfinite casts, fused
-    prescale) at prefill sizes."""
+    prescale, signed_mse's shuffled sums) at prefill sizes."""
     run_chain_and_compare(1024 * 1000, world, group, DTYPES[dt], hadamard=hadamard, fb_dtype=FB_DTYPES[fb],
-                          seed=world, calls=3, cols=1000, impl="triton", pattern=pattern)
+                          seed=world, calls=3, cols=1000, impl="triton", pattern=pattern, encoder=encoder)
 
 
 def _arbitrary_int8_feedback_bytes_as_the_reference(group, impl):
@@ -951,35 +987,38 @@ def test_installed_triton_is_one_direct_launch_was_checked_against():
         ((1 << 23) - 16, 3, 16, "fp16", True),
     ],
 )
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("fb", ["fp32", "bf16", "int8"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb):
+def test_large_shapes_on_gpu(numel, world, group, dt, hadamard, fb, encoder):
     run_and_compare(numel, world, group, DTYPES[dt], hadamard=hadamard, incoming=True,
-                    fb_dtype=FB_DTYPES[fb], seed=numel % 1000 + world, special=True)
+                    fb_dtype=FB_DTYPES[fb], seed=numel % 1000 + world, special=True, encoder=encoder)
 
 
 @pytest.mark.parametrize(
     "rows,cols,world,group",
     [(4096, 4096, 8, 32), (1000, 2880, 4, 128), (333, 1000, 3, 16), (2048, 576, 3, 32)],
 )
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("fb", ["bf16", "int8"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_large_row_messages_on_gpu(rows, cols, world, group, fb):
+def test_large_row_messages_on_gpu(rows, cols, world, group, fb, encoder):
     """The position-owned layout at prefill sizes, compiled kernels vs references."""
     run_and_compare(rows * cols, world, group, torch.bfloat16, hadamard=True, incoming=True,
-                    fb_dtype=FB_DTYPES[fb], seed=rows + cols, special=True, cols=cols)
+                    fb_dtype=FB_DTYPES[fb], seed=rows + cols, special=True, cols=cols, encoder=encoder)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("numel,world,group,cols", [((1 << 22) + 123, 8, 32, 0), (2048 * 2880, 4, 128, 2880)])
-def test_int8_chains_on_gpu(numel, world, group, cols):
+def test_int8_chains_on_gpu(numel, world, group, cols, encoder):
     """Compiled kernels over a chain of calls whose int8 buffer carries the
     error, special values included, against the references."""
     run_chain_and_compare(numel, world, group, torch.bfloat16, hadamard=True, fb_dtype=torch.int8, seed=world,
-                          cols=cols, special=True, impl="triton")
+                          cols=cols, special=True, impl="triton", encoder=encoder)
 
 
 @pytest.mark.gpu
@@ -991,15 +1030,16 @@ def test_arbitrary_int8_feedback_bytes_on_gpu(group):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("hadamard,feedback_dtype", [(False, "float32"), (True, "float32"), (True, "int8")])
-def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype):
+@pytest.mark.parametrize("hadamard,feedback_dtype,encoder", [(False, "float32", "absmax"), (True, "float32", "absmax"),
+                                                             (True, "int8", "absmax"), (True, "bfloat16", "signed_mse")])
+def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype, encoder):
     """A whole Echo call (stage 1, all-to-all, stage 2, all-gather, output,
     feedback update) captured in a CUDA graph and replayed gives the bits of
     the eager call from the same state."""
     from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
 
     world, shape = 4, (512, 4096)
-    cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=feedback_dtype)
+    cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=feedback_dtype, encoder=encoder)
     ar = StackedCommunicator(cfg, VirtualTransport(world), device="cuda")
     chain = FeedbackChain.of(cfg, world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
     x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
@@ -1065,28 +1105,31 @@ def test_direct_launches_give_the_reference_bits_on_gpu():
 # -- batch invariance through the kernels ------------------------------------------
 
 
-def _rows_independent(world, hidden, group, dtype, device, rotation_seed=0):
+def _rows_independent(world, hidden, group, dtype, device, rotation_seed=0, encoder="absmax"):
     from support.invariance import check_rows_independent
 
     return check_rows_independent(world, hidden, group, dtype, backend="triton", device=device,
                                   tokens_a=2, tokens_b=3, calls=3, exact_at=1, seed=world * hidden,
-                                  rotation_seed=rotation_seed)
+                                  rotation_seed=rotation_seed, encoder=encoder)
 
 
-@pytest.mark.parametrize("world,hidden,group,dt,rotation_seed", [(3, 333, 16, "fp16", 0), (4, 200, 32, "bf16", 0),
-                                                                 (3, 200, 32, "bf16", 9)])
-def test_kernels_keep_rows_independent(world, hidden, group, dt, rotation_seed):
+@pytest.mark.parametrize("world,hidden,group,dt,rotation_seed,encoder", [
+    (3, 333, 16, "fp16", 0, "absmax"), (4, 200, 32, "bf16", 0, "absmax"), (3, 200, 32, "bf16", 9, "absmax"),
+    (3, 200, 32, "bf16", 0, "signed_mse")])
+def test_kernels_keep_rows_independent(world, hidden, group, dt, rotation_seed, encoder):
     """Rows of A alone == rows of A inside [A; B] and [B; A] through the Triton
     kernels, call after call (feedback carried, an exact call absorbing it),
-    under a rotation seed too."""
-    assert in_kernel_process(_rows_independent, world, hidden, group, DTYPES[dt], DEVICE, rotation_seed) == 6
+    under a rotation seed and with either encoder."""
+    assert in_kernel_process(_rows_independent, world, hidden, group, DTYPES[dt], DEVICE, rotation_seed,
+                             encoder) == 6
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("encoder", ENCODERS)
 @pytest.mark.parametrize("world,hidden,group", [(8, 4096, 32), (4, 2880, 128), (3, 1000, 16)])
-def test_kernels_keep_rows_independent_at_prefill_sizes_on_gpu(world, hidden, group):
+def test_kernels_keep_rows_independent_at_prefill_sizes_on_gpu(world, hidden, group, encoder):
     from support.invariance import check_rows_independent
 
     assert check_rows_independent(world, hidden, group, torch.bfloat16, backend="triton", device="cuda",
-                                  tokens_a=517, tokens_b=1531, seed=hidden) == 8
+                                  tokens_a=517, tokens_b=1531, seed=hidden, encoder=encoder) == 8

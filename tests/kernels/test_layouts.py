@@ -26,10 +26,10 @@ FORBIDDEN = ("LDS", "STS", "LDSM", "STSM", "LDL", "STL")
 ROTATION_SEED = 1
 
 
-def _reports(fb_dtype: torch.dtype, flips: int = 0) -> dict[str, dict]:
+def _reports(fb_dtype: torch.dtype, flips: int = 0, encoder: str = "absmax") -> dict[str, dict]:
     from echo_vllm.bench import sass_report
 
-    return {r["kernel"]: r for r in sass_report.report(fb_dtype, flips)}
+    return {r["kernel"]: r for r in sass_report.report(fb_dtype, flips, encoder)}
 
 
 def _flips(group: int = 32) -> int:
@@ -38,28 +38,28 @@ def _flips(group: int = 32) -> int:
     return sign_flips(ROTATION_SEED, group)
 
 
-def _whole_fused_kernel_spills(fb_dtype: torch.dtype) -> tuple[dict, int]:
+def _whole_fused_kernel_spills(fb_dtype: torch.dtype, encoder: str = "absmax") -> tuple[dict, int]:
     """The whole fused kernel's report (every phase, barriers) and its register cap."""
     from echo_vllm.bench import sass_report
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import fused_kernel as fk
 
     with compile_only():
-        k = sass_report._fused_phase(fk.ALL_PHASES, fb_dtype=fb_dtype)
+        k = sass_report._fused_phase(fk.ALL_PHASES, fb_dtype=fb_dtype, encoder=encoder)
     return sass_report.kernel_report(k), k.metadata.maxnreg
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict[str, dict]]:
     pool = _compiler_pool()
-    out = {name: pool.submit(_reporting, _reports, dt).result(timeout=600)
-           for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8))}
-    for name, dt in (("bf16 flips", torch.bfloat16), ("int8 flips", torch.int8)):
-        out[name] = pool.submit(_reporting, _reports, dt, _flips()).result(timeout=600)
-    return out
+    cases = (("bf16", torch.bfloat16, 0, "absmax"), ("int8", torch.int8, 0, "absmax"),
+             ("bf16 flips", torch.bfloat16, _flips(), "absmax"), ("int8 flips", torch.int8, _flips(), "absmax"),
+             ("bf16 signed_mse", torch.bfloat16, 0, "signed_mse"))
+    return {name: pool.submit(_reporting, _reports, dt, flips, enc).result(timeout=600)
+            for name, dt, flips, enc in cases}
 
 
-@pytest.mark.parametrize("fb", ["bf16", "int8", "bf16 flips", "int8 flips"])
+@pytest.mark.parametrize("fb", ["bf16", "int8", "bf16 flips", "int8 flips", "bf16 signed_mse"])
 def test_no_tile_goes_through_shared_memory(reports, fb):
     for kernel, r in reports[fb].items():
         bad = {op: n for op, n in r["memory"].items() if op.startswith(FORBIDDEN)}
@@ -87,12 +87,19 @@ def test_fused_kernel_fits_its_register_cap_and_int8_spills_no_more():
     """The whole fused kernel (every phase and the barriers in one body) at
     its cap: with int8 feedback no more spill instructions than with bf16
     (whose whole kernel spills a few at the 80 registers of the 2048:8:3
-    plan; the phases alone spill none, checked above)."""
+    plan; the phases alone spill none, checked above, signed_mse's too).
+    Quantizing with signed_mse it spills a few more 64-bit values (4
+    against 2, on the 2026-12 compiler); like absmax's, every one is stored
+    before the first global load -- loop invariants, reloaded, never a
+    store inside the work (``sass_report``'s ``late_spill_stores``)."""
     pool = _compiler_pool()
-    (bf16, cap), (int8, cap8) = (pool.submit(_reporting, _whole_fused_kernel_spills, dt).result(timeout=600)
-                                 for dt in (torch.bfloat16, torch.int8))
-    assert bf16["registers"] <= cap and int8["registers"] <= cap8 == cap, (cap, bf16, int8)
+    (bf16, cap), (int8, cap8), (signed, cap_s) = (
+        pool.submit(_reporting, _whole_fused_kernel_spills, dt, enc).result(timeout=600)
+        for dt, enc in ((torch.bfloat16, "absmax"), (torch.int8, "absmax"), (torch.bfloat16, "signed_mse")))
+    assert bf16["registers"] <= cap and int8["registers"] <= cap8 == cap == cap_s >= signed["registers"], (
+        cap, bf16, int8, signed)
     assert _spills(int8) <= _spills(bf16), (_spills(int8), _spills(bf16))
+    assert signed["late_spill_stores"] == bf16["late_spill_stores"] == 0, (signed, bf16)
 
 
 # -- every lane shuffle in the lane layout, for every shape the compiler tells apart ------------------
@@ -144,13 +151,13 @@ def shuffle_layout_problems(ttgir: str) -> list[str]:
             continue
         shape, layout = re.match(r"tensor<([\dx]+)x\w+, (#\w+)>", operands).groups()
         dims = [int(d) for d in shape.split("x")]
-        if len(dims) != 3:
+        if len(dims) not in (2, 3) or (packed and len(dims) != 3):
             problems.append(f"shuffle on a rank-{len(dims)} tensor {operands}")
             continue
-        bases = _layout_bases(defs[layout], 3)
-        for m in masks:
+        bases = _layout_bases(defs[layout], len(dims))
+        for m in masks:  # a group's lane index is dimension 1 ([BG, L, V] values, [BG, L] lane sums)
             k = m.bit_length() - 1
-            if k >= len(bases["lane"]) or bases["lane"][k] != (0, m, 0):
+            if k >= len(bases["lane"]) or bases["lane"][k] != (0, m, 0)[:len(dims)]:
                 problems.append(f"shfl mask {m} on {layout} = {defs[layout]}")
         if packed and bases["register"][:3] != [(0, 0, 1), (0, 0, 2), (0, 0, 4)]:
             problems.append(f"packed decode on {layout} = {defs[layout]}")
@@ -191,10 +198,11 @@ def reduce_layout_problems(ttgir: str) -> list[str]:
     return problems
 
 
-def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int, flips: int = 0) -> dict[str, str]:
+def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: int, flips: int = 0,
+                     encoder: str = "absmax") -> dict[str, str]:
     """TTGIR of every kernel for one message shape: the composed stage kernels
     (stage 1 with and without a carried error) and the whole fused kernel,
-    with the rotation's sign flips ``flips``."""
+    with the rotation's sign flips ``flips``, quantizing with ``encoder``."""
     from echo_vllm import kernels
     from echo_vllm.bench.host_overhead import compile_only
     from echo_vllm.kernels import consume_kernel, fused_kernel, output_kernel, stage1_kernel, stage2_kernel
@@ -208,10 +216,10 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     wire = torch.zeros(2, world, lay.chunk_bytes, dtype=torch.uint8)
     calls = {
         "stage1": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=fb is not None,
-                                                         flips=flips)),
+                                                         flips=flips, encoder=encoder)),
         "stage1 fresh": (stage1_kernel, lambda: kernels.stage1(x, fb, lay, qmax=7, hadamard=True, has_incoming=False,
-                                                               flips=flips)),
-        "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7)),
+                                                               flips=flips, encoder=encoder)),
+        "stage2": (stage2_kernel, lambda: kernels.stage2(wire, fb, [0, 1], lay, qmax=7, encoder=encoder)),
         "output": (output_kernel, lambda: kernels.output(wire[0], lay, dtype, hadamard=True, flips=flips)),
     }
     if fb is not None:
@@ -226,8 +234,8 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
             y = torch.empty(1, lay.numel, dtype=dtype)
             for incoming in (True, False):
                 lp = fused_kernel._launch_plan(lay, tiling, 1, world * lay.chunk_bytes, 7, True, True, incoming,
-                                               fused_kernel.ALL_PHASES,
-                                               fused_kernel.tiling_lanes(tiling, lay, x[:1], y), flips)
+                                               fused_kernel.ALL_PHASES, fused_kernel.tiling_lanes(tiling, lay, x[:1], y),
+                                               flips, encoder)
                 k = lp.launcher.compile(lp.grid, (x[:1], fb[:1], y, torch.zeros(2, world, dtype=torch.int64)),
                                         fused_kernel.launch_ints(lp, x[:1], fb[:1], lay, rank=0, timeout_ns=10**9),
                                         lp.constexprs)
@@ -235,22 +243,26 @@ def _compiled_ttgirs(rows: int, cols: int, dtype: torch.dtype, fb_dtype, group: 
     return out
 
 
-def _shuffle_problems(rows, cols, dtype, fb_dtype, group, flips=0) -> dict[str, list[str]]:
-    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group, flips).items()
+def _shuffle_problems(rows, cols, dtype, fb_dtype, group, flips=0, encoder="absmax") -> dict[str, list[str]]:
+    return {k: p for k, t in _compiled_ttgirs(rows, cols, dtype, fb_dtype, group, flips, encoder).items()
             if (p := layout_problems(t))}
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
-@pytest.mark.parametrize("dtype,fb,group,flipped", [(torch.bfloat16, torch.bfloat16, 32, False),
-                                                    (torch.float16, torch.int8, 16, False),
-                                                    (torch.bfloat16, None, 32, False),
-                                                    (torch.bfloat16, torch.bfloat16, 32, True),
-                                                    (torch.float16, torch.int8, 16, True)])
-def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group, flipped):
-    """``flipped``: under a rotation seed's sign flips (built from the lane index, in the lane layout)."""
+@pytest.mark.parametrize("dtype,fb,group,flipped,encoder", [(torch.bfloat16, torch.bfloat16, 32, False, "absmax"),
+                                                            (torch.float16, torch.int8, 16, False, "absmax"),
+                                                            (torch.bfloat16, None, 32, False, "absmax"),
+                                                            (torch.bfloat16, torch.bfloat16, 32, True, "absmax"),
+                                                            (torch.float16, torch.int8, 16, True, "absmax"),
+                                                            (torch.bfloat16, torch.bfloat16, 32, False, "signed_mse"),
+                                                            (torch.float16, torch.int8, 16, True, "signed_mse")])
+def test_every_lane_shuffle_is_in_the_lane_layout(rows, cols, dtype, fb, group, flipped, encoder):
+    """``flipped``: under a rotation seed's sign flips (built from the lane
+    index, in the lane layout); signed_mse adds the lane sums of its squared
+    errors (shuffles of ``[BG, L]`` tensors, in stage 2 and phase 2 too)."""
     flips = _flips(group) if flipped else 0
-    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group,
-                                       flips).result(timeout=600)
+    problems = _compiler_pool().submit(_reporting, _shuffle_problems, rows, cols, dtype, fb, group, flips,
+                                       encoder).result(timeout=600)
     assert problems == {}, problems
 
 
@@ -364,7 +376,7 @@ def _case_problems(module: str, fn: str, args: tuple, kwargs: dict) -> dict[str,
 
 
 def _small_cases() -> list:
-    from test_fused import PHASE_CASES
+    from test_fused import PHASE_CASES, SIGNED_PHASE_CASES
     from test_fused_norm import NORM_PHASE_CASES
     from test_output_norm import CASES
 
@@ -373,6 +385,8 @@ def _small_cases() -> list:
     cases = [pytest.param("test_fused", "_phases_match_reference", c, {}, id=f"phases{c}") for c in PHASE_CASES]
     cases += [pytest.param("test_fused", "_phases_match_reference", c, {"rotation_seed": s}, id=f"phases{c} seed {s}")
               for c, s in FLIP_PHASE_CASES]
+    cases += [pytest.param("test_fused", "_phases_match_reference", c, {"encoder": "signed_mse"},
+                           id=f"phases signed_mse{c}") for c in SIGNED_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {}, id=f"norm{c}") for c in NORM_PHASE_CASES]
     cases += [pytest.param("test_fused_norm", "_norm_phases_match", c, {"one_pass_rows": max(1, c[8] // 2)},
                            id=f"norm one pass{c}") for c in NORM_PHASE_CASES]

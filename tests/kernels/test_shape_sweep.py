@@ -21,6 +21,7 @@ import pytest
 from test_kernels import CUDA, DTYPES, FB_DTYPES, in_kernel_process, needs_numba, run_and_compare
 
 from echo_vllm import shape_sweep
+from echo_vllm.config import ENCODERS
 
 GPU_CASES = shape_sweep.cases("gpu")
 INTERPRETER_CASES = shape_sweep.cases("interpreter")
@@ -44,7 +45,7 @@ def test_stage_kernels_match_their_references_on_gpu(case):
     """Each stage kernel fed the reference's previous stage: names the stage that differs."""
     run_and_compare(case.rows * case.cols, case.world_size, case.group_size, DTYPES[case.dtype],
                     hadamard=case.hadamard, incoming=True, fb_dtype=FB_DTYPES.get(case.feedback_dtype), seed=case.seed,
-                    special=case.values == "nonfinite", cols=case.cols)
+                    special=case.values == "nonfinite", cols=case.cols, encoder=case.encoder)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: c.label)
@@ -72,3 +73,7 @@ def test_the_sweep_covers_every_axis():
     assert set(range(1, 71)) | {127, 128, 129} <= widths
     assert {c.rows for c in GPU_CASES} >= set(range(1, 10))
     assert any(c.cols == 1 for c in INTERPRETER_CASES)
+    for encoder in ENCODERS:  # every width and value kind of width 1 with each encoder
+        assert {c.cols for c in GPU_CASES if c.encoder == encoder} == widths
+        assert {c.values for c in ones if c.encoder == encoder} == set(shape_sweep.VALUE_KINDS)
+        assert any(c.encoder == encoder and c.cols == 1 for c in INTERPRETER_CASES)

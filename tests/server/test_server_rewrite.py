@@ -76,6 +76,7 @@ SAMPLE = {
     "seed": ("7", 7),
     "rotation_seed": ("3", 3),
     "feedback_dtype": ("float32", "float32"),
+    "encoder": ("signed_mse", "signed_mse"),
     "first_exact_calls": ("2", 2),
     "backend": ("reference", "reference"),
     "health_every": ("4", 4),

@@ -30,6 +30,18 @@ CQ = 0.5 + 2.0**-19
 U32 = 2.0**-24
 
 
+def error_steps(encoder: str) -> float:
+    """``|u - dequant(q)| <= error_steps * |scale|`` for every value of a
+    finite group. absmax: :data:`CQ`. signed_mse: a code clamped to 7 while
+    ``u / scale`` reaches ``quant.code_bound(m)`` (the smallest multiplier's
+    is the largest) errs by that minus 7 steps (a clamp to -8 by less), an
+    unclamped one by half a step; its product is exact, and the error is
+    rounded once (2**-24 of itself, below 2**-20 of a step)."""
+    if encoder == "absmax":
+        return CQ
+    return max(0.5, quant.code_bound(min(quant.clip_multipliers())) - 7) + 2.0**-19
+
+
 def _smallest_subnormal(dtype: torch.dtype) -> float:
     fi = torch.finfo(dtype)
     return fi.tiny * fi.eps  # 2**(min_exp - mantissa bits)
@@ -86,13 +98,16 @@ def _wire_scales(wire: torch.Tensor, layout: WireLayout) -> torch.Tensor:
     return quant.decode_codes(wire, layout)[1][..., 0].double()
 
 
-def one_call_bound(x: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool):
+def one_call_bound(x: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, *, hadamard: bool,
+                   encoder: str = "absmax"):
     """``(y, S, bound)`` of one Echo call of ``x [P, numel]`` without carried
-    error through the references: the output, the exact sum and an
-    elementwise bound on ``|y - S|`` (all ``[numel]``, fp64 but ``y``).
+    error through the references (quantizing with ``encoder``): the output,
+    the exact sum and an elementwise bound on ``|y - S|`` (all ``[numel]``,
+    fp64 but ``y``).
 
     In the wire domain (values times ``quant.input_scale``, rotated) stage 1
-    errs by at most ``CQ * s1_r`` on rank r, stage 2 by ``CQ * s2``, its fp32
+    errs by at most ``cq * |s1_r|`` on rank r (``cq``: :func:`error_steps`),
+    stage 2 by ``cq * |s2|``, its fp32
     rank-order sum by ``(P - 1) u32 sum_r |D_r|``, and the fp32 rotation by
     ``gamma_log2(g) <= 1.01 log2(g) u32`` of the sum of the group's
     ``|x c|``; the output is
@@ -102,16 +117,16 @@ def one_call_bound(x: torch.Tensor, layout: WireLayout, out_dtype: torch.dtype, 
     An fp32 input's ``x * c`` may round in the subnormal range: ``2**-150``
     per value."""
     p, g = layout.world_size, layout.group_size
-    wire = quant.stage1_reference(x, None, layout, hadamard=hadamard)
-    q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), None, list(range(p)), layout)
+    wire = quant.stage1_reference(x, None, layout, hadamard=hadamard, encoder=encoder)
+    q2 = quant.stage2_reference(wire.transpose(0, 1).contiguous(), None, list(range(p)), layout, encoder=encoder)
     y = quant.output_reference(q2, layout, out_dtype, hadamard=hadamard)
     s = exact_sum(x)
-    s1 = _per_value(_wire_scales(wire, layout), g).reshape(p, layout.padded_numel)  # rank r's scales, wire order
-    s2 = _per_value(_wire_scales(q2, layout), g).reshape(1, layout.padded_numel)
+    s1 = _per_value(_wire_scales(wire, layout), g).reshape(p, layout.padded_numel).abs()  # rank r's, wire order
+    s2 = _per_value(_wire_scales(q2, layout), g).reshape(1, layout.padded_numel).abs()
     d = quant.decode_chunks(wire, layout).double().abs().sum(0).reshape(1, layout.padded_numel)  # sum_r |D_r|
     c = quant.input_scale(g, hadamard)
     xc = quant.to_wire_order(x.double().abs() * c, layout).sum(0, keepdim=True)  # sum_r |x_r c|
-    per_value = CQ * (s1.sum(0, keepdim=True) + s2) + (p - 1) * U32 * d  # |error| of each wire value
+    per_value = error_steps(encoder) * (s1.sum(0, keepdim=True) + s2) + (p - 1) * U32 * d  # |error| of each
     if x.dtype == torch.float32:
         per_value = per_value + p * 2.0**-150
     if hadamard:  # |rot(e)_i| <= sum over the group; the rotation's own rounding, on the group's sum

@@ -23,11 +23,13 @@ def _rows(world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int) -
 def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dtype, *, backend: str,
                            device: str = "cpu", tokens_a: int = 3, tokens_b: int = 5, calls: int = 4,
                            hadamard: bool = True, exact_at: int | None = 2, seed: int = 0,
-                           feedback_dtype: str = EchoConfig.feedback_dtype, rotation_seed: int = 0) -> int:
+                           feedback_dtype: str = EchoConfig.feedback_dtype, rotation_seed: int = 0,
+                           encoder: str = EchoConfig.encoder) -> int:
     """Raise AssertionError on the first call whose A rows differ; return the
     number of (call, arrangement) pairs compared."""
     cfg = EchoConfig(min_bytes=0, group_size=group, hadamard=hadamard, exact_last_call=False,
-                     first_exact_calls=0, backend=backend, feedback_dtype=feedback_dtype, rotation_seed=rotation_seed)
+                     first_exact_calls=0, backend=backend, feedback_dtype=feedback_dtype, rotation_seed=rotation_seed,
+                     encoder=encoder)
     comm = StackedCommunicator(cfg, VirtualTransport(world), device=device)
     chains = {k: FeedbackChain.of(cfg, world, device) for k in ("A", "AB", "BA")}
     compared = 0
@@ -44,8 +46,8 @@ def check_rows_independent(world: int, hidden: int, group: int, dtype: torch.dty
             if differ.any():
                 raise AssertionError(
                     f"call {t} ({'exact' if t == exact_at else 'Echo'}), P={world} hidden={hidden} g={group} "
-                    f"{dtype} {backend} feedback={feedback_dtype} rotation_seed={rotation_seed}: A's rows inside "
-                    f"{name} differ from A alone in "
+                    f"{dtype} {backend} feedback={feedback_dtype} rotation_seed={rotation_seed} {encoder}: A's rows "
+                    f"inside {name} differ from A alone in "
                     f"{int(differ.sum())} of {differ.numel()} values")
             compared += 1
     return compared
