@@ -59,19 +59,14 @@ format keeps absmax with qmax 127); same wire, same 4.5 bits, same decoder.
   (pooled over the calls), with 8/7 beside them less. 1 puts the extreme
   exactly on -8, 0.95 clips it.
 
-  The set, from the one-shot relative MSE (sum of squared errors over sum
-  of squares) of stage 1's rotated partials of every all-reduce of
-  SmolLM2-135M at TP = 3 (256 tokens of Hamlet; mean over the 61 calls)
-  and of Gaussian groups (``scripts/experiments/encoder_clips.py``):
-  absmax 0.00820 / 0.00941; {8/7, 1} 0.00633 / 0.00722; {8/7, 1, 0.95}
-  0.00600 / 0.00683; adding 0.9 0.00677 (Gaussian), and 0.85 .. 0.7 nothing
-  (never kept). Each candidate costs the quantizing kernels a rounding, a
-  dequantization and a sum of squares per value from the same registers
-  and a reciprocal per group: compiled for sm_90, stage 1 goes from 47.6
-  to 60.9 SASS per value with {8/7, 1} and to 71.6 with {8/7, 1, 0.95}
-  (``python -m echo_vllm.bench.sass_report --encoders absmax,signed_mse``).
-  So three ratios: 27% less error than absmax where two give 23%, and a
-  fourth buys under 1%.
+  The set is chosen from two measurements (EVAL.md, "The signed_mse
+  encoder"): the one-shot error of stage 1's rotated partials of real
+  all-reduces and of Gaussian groups (``scripts/experiments/encoder_clips.py``),
+  and what each candidate costs the quantizing kernels -- a rounding, a
+  dequantization and a sum of squares per value from the same registers,
+  a reciprocal per group (``python -m echo_vllm.bench.sass_report
+  --encoders absmax,signed_mse``). Three ratios take nearly all of the
+  gain; ratios below 0.95 are never kept.
 
   Range: no candidate decodes beyond ``(1 + 2**-8) amax`` (q >= -8 times a
   ratio-<=-1 scale, ``|q| <= 7`` times 8/7's, :func:`code_bound`), the

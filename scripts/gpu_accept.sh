@@ -16,7 +16,8 @@
 #      3 and 4) [300 s]; its lost peers (an absent and a killed peer: a
 #      named timeout, never a hang) [45 s]; every other GPU-marked test that
 #      needs no vLLM (health counters under CUDA-graph replay and in inference
-#      mode, a training step through the kernels, the norm's division) [45 s];
+#      mode, a training step through the kernels, the norm's division,
+#      two-level Echo with 4 and 8 ranks as processes on the one GPU) [150 s];
 #      `bench norm` (Echo + add + RMSNorm fused vs Echo then the norm, hidden
 #      4096, T = 1k, 4k and 8k, P = 8, 4 and 2; verifies both first) [150 s].
 #      Qwen3-8B's layer compute for the TTFT projection is measured apart
@@ -84,7 +85,7 @@ elif [ "$RUN" = 2 ]; then
     --json "$OUT/fused_check.json"
   # the fused backend's absent and killed peers
   step lost_peers 45 "$PY" scripts/gpu_fused_check.py --worlds "" --json "$OUT/lost_peers.json"
-  step gpu_tests 45 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
+  step gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/core tests/training tests/bench \
     tests/eval --tb=line
   # 9 cases, each verified bit for bit and timed in one pass and in two
   step bench_norm 150 "$PY" -m echo_vllm.cli bench norm --world-sizes 8,4,2 --tokens 1024,4096,8192 \

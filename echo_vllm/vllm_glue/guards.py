@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..cli_args import MAX_RANKS
 from ..config import EchoConfigError
 from ..hosts import TWO_LEVEL, HostMap, choose_topology, host_map_refusal
 from . import compat
@@ -123,7 +124,7 @@ def launch_tp_hosts(tp: int, pp: int, dp: int, nnodes: int, executor: Any) -> tu
     ``r // L``. Ray's placement group decides at start, an external
     launcher (torchrun) or an executor class places the ranks itself, and
     data parallelism's engines split the nodes: None for those."""
-    if executor not in MP_EXECUTORS:
+    if executor not in MP_EXECUTORS or tp > MAX_RANKS:  # a group larger than Echo runs has no host map to check
         return None
     if nnodes == 1:
         return (0,) * tp

@@ -206,7 +206,10 @@ def _fp32_rank_order_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _rank(rank, world, host_map, device="cpu"):
     """One rank's pass of each dtype (tensors on ``device``: ``cuda`` takes
-    GPU ``rank`` and the Triton stages over NCCL sub-groups); CPU results."""
+    GPU ``rank`` and the Triton stages over NCCL sub-groups, ``cuda:0`` the
+    one GPU every rank shares); CPU results."""
+    import torch.distributed as dist
+
     from echo_vllm.transport import ProcessGroupTransport
 
     if device == "cuda":
@@ -219,6 +222,8 @@ def _rank(rank, world, host_map, device="cpu"):
 
         def exact(x):
             seen.append(x.clone())
+            if x.is_cuda and dist.get_backend() == "gloo":  # ranks sharing one GPU: gathered on the host
+                return _fp32_rank_order_sum(x.cpu()).to(x.device)
             return _fp32_rank_order_sum(x)
 
         comm = EchoCommunicator(cfg, ProcessGroupTransport(), device=device, exact_all_reduce=exact,
@@ -290,6 +295,17 @@ def test_every_nccl_rank_gets_the_references_bits():
     sub-groups NCCL communicators (scripts/gpu_multi.sh runs it)."""
     host_map = (0, 0, 1, 1)
     _check_ranks(HostMap(host_map), run_processes(_rank, 4, host_map, "cuda", backend="nccl"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("host_map", [pytest.param((0, 0, 1, 1), id="2x2"),
+                                      pytest.param((0, 0, 0, 0, 1, 1, 1, 1), id="2x4")])
+def test_every_rank_on_one_gpu_over_gloo_gets_the_references_bits(host_map):
+    """The ranks as processes sharing GPU 0 (NCCL refuses two ranks on one
+    GPU): CUDA tensors, the Triton stages, the sub-groups over gloo (the
+    bytes staged through the host), bf16 and fp16, feedback carried."""
+    _check_ranks(HostMap(host_map), run_processes(_rank, len(host_map), host_map, "cuda:0"))
 
 
 # -- bytes per level -----------------------------------------------------------------

@@ -624,7 +624,7 @@ def test_echo_calls_through_ops_match_the_reference_path(mode, feedback_dtype, r
 @pytest.mark.parametrize("feedback_dtype", ["bfloat16", "int8"])
 def test_echo_calls_through_numba_match_the_reference_path(feedback_dtype, encoder):
     """The same end to end on the numba backend with the other buffer formats."""
-    _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype, encoder)
+    _echo_calls_through_ops_match_the_reference_path("cpu", feedback_dtype, encoder=encoder)
 
 
 # -- chains of calls, every feedback format (int8 included) ---------------------------

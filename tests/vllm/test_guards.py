@@ -129,7 +129,7 @@ def _hosts_engine(tp=4, pp=1, dp=1, nnodes=1, executor=None):
 
 
 def _echo(**fields):
-    return TpCommSettings(mode="echo", echo=EchoConfig(**fields))
+    return TpCommSettings(tp_comm="echo", echo=EchoConfig(**fields))
 
 
 HOST_CASES = [
@@ -167,6 +167,6 @@ def test_host_settings_the_launch_cannot_run_are_refused(engine, fields, refusal
 
 def test_host_settings_do_not_matter_without_echo_on_a_group():
     engine = EngineFacts.from_vllm_config(_hosts_engine())
-    assert conflicts(TpCommSettings(mode="nccl"), engine) == []
-    emulated = TpCommSettings(mode="echo", emulate_world_size=4, echo=EchoConfig(topology="two_level"))
+    assert conflicts(TpCommSettings(tp_comm="nccl"), engine) == []
+    emulated = TpCommSettings(tp_comm="echo", emulate_world_size=4, echo=EchoConfig(topology="two_level"))
     assert conflicts(emulated, EngineFacts.from_vllm_config(_hosts_engine(tp=1))) == []
