@@ -179,6 +179,8 @@ class BackgroundFlows:
         self._end(collect=exc[0] is None)
 
     def _end(self, collect: bool) -> None:
+        """Stop the flows: gracefully, collecting their reports, after a
+        measurement; at once (SIGKILL) when the bench is failing or interrupted."""
         if not self._procs:
             return
         self._stop.set()
@@ -189,10 +191,11 @@ class BackgroundFlows:
                 except queue.Empty:
                     break
         for p in self._procs:
-            p.join(5)
+            if collect:
+                p.join(5)
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
         self._procs = []
 
     def throughput_bps(self) -> float:

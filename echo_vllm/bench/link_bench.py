@@ -35,6 +35,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -44,10 +45,12 @@ import torch.distributed as dist
 from ..cli_args import MAX_RANKS, UsageError, bit_rates, choice_list, count, counts, duration, out_dir, real
 from ..config import SUPPORTED_GROUP_SIZES, EchoConfig
 from ..quant import WireLayout
+from ..training import TPCommConfig
+from ..training.collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT
 from . import netns, report, timing
 from .link_calls import (ALGOS, BASELINE, VERIFIED_CALLS, EchoCalls, FreeTransport, algo_refusal, bench_config,
                          check_bits, contender, digest, echo_config, message, reference_digests)
-from .link_model import MODEL_WORKLOADS, ModelWorkload
+from .link_model import MODEL_WORKLOADS, ModelWorkload, measure_model
 
 WORKLOADS = ("allreduce",) + MODEL_WORKLOADS
 
@@ -97,14 +100,18 @@ def predicted_link_bytes(algo: str, hosts: int, ranks_per_host: int, layout: Wir
     return 2 * (hosts - 1) / hosts * wire_per_value * layout.numel
 
 
-def point_plan(size_bytes: int, rate_bps: int, hosts: int, ranks_per_host: int, max_call_s: float) -> tuple[bool, str]:
-    """Whether to measure ``size_bytes`` at ``rate_bps``, and why not: the
-    16-bit call's bytes alone would take longer than ``max_call_s``."""
+def point_plan(size_bytes: int, rate_bps: int, hosts: int, ranks_per_host: int, flows: int,
+               max_call_s: float) -> tuple[bool, str]:
+    """Whether to measure ``size_bytes`` at ``rate_bps`` beside ``flows``
+    background flows per host, and why not: the 16-bit call's bytes alone
+    would take longer than ``max_call_s`` at its share of the link (its
+    ring's one connection out of each host against the flows: 1 / (1 + F))."""
     p = hosts * ranks_per_host
-    wire_s = 2 * (p - 1) / p * size_bytes * 8 / rate_bps
+    wire_s = 2 * (p - 1) / p * size_bytes * 8 / rate_bps * (1 + flows)
     if wire_s > max_call_s:
-        return False, (f"16-bit would take >= {wire_s:.0f} s per call on the wire at {netns.format_rate(rate_bps)} "
-                       f"(--max-call-s {max_call_s:g})")
+        beside = f" beside {flows} flows" if flows else ""
+        return False, (f"16-bit would take >= {wire_s:.0f} s per call on the wire at {netns.format_rate(rate_bps)}"
+                       f"{beside} (--max-call-s {max_call_s:g})")
     return True, ""
 
 
@@ -165,17 +172,12 @@ def _allreduce_rows(rank: int, world: int, phase: Phase) -> list[dict]:
 
 
 def _model_rows(phase: Phase) -> list[dict]:
-    from ..training import TPCommConfig
-    from ..training.collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT
-
     rows = []
     kinds = tuple(w for w in phase.workloads if w in MODEL_WORKLOADS)
     for algo in phase.algos:
         fwd = echo_config(algo, FORWARD_DEFAULT, phase.host_map)
         comm_cfg = (TPCommConfig(mode="exact") if fwd is None else
                     TPCommConfig(mode="echo", forward=fwd, backward=echo_config(algo, BACKWARD_DEFAULT, phase.host_map)))
-        from .link_model import measure_model
-
         rows.append({"algo": algo, **measure_model(comm_cfg, phase.model, kinds)})
     return rows
 
@@ -264,12 +266,20 @@ def gpu_equivalent_bps(rate_bps: int, kernel_bps_here: float) -> float:
     return rate_bps / 8 / kernel_bps_here * GPU_KERNEL_BYTES_PER_S * 8
 
 
+def link_use(row: dict) -> float:
+    """The share of its link's rate a call used: its bytes by the arithmetic
+    over its time. Near 1, the call is link-bound (the link, not the CPU,
+    sets its time); with background flows it is the call's share of the link."""
+    return row["predicted_bytes_per_host"] * 8 / (row["median_s"] * row["rate_bps"])
+
+
 def format_phase(rows: list[dict], hosts: int, ranks_per_host: int, rate_bps: int, flows: int) -> str:
     """One phase: per size and algorithm the time, the speedup, the wire's
-    limit on it, and the link's bytes against the arithmetic."""
+    limit on it, the link's use, and its bytes against the arithmetic."""
     base = {r["size_bytes"]: r for r in rows if r["algo"] == BASELINE}
     head = (f"{'size':>9} {'algo':>9} | {'ms median':>10} {'min':>9} {'max':>9} | {'speedup':>7} {'wire lim':>8} | "
-            f"{'MB out/host':>11} {'arith MB':>9} {'meas/arith':>10} {'MB in/host':>10} | {'kernels ms':>10}")
+            f"{'link use':>8} | {'MB out/host':>11} {'arith MB':>9} {'meas/arith':>10} {'MB in/host':>10} | "
+            f"{'kernels ms':>10}")
     lines = [f"link {netns.format_rate(rate_bps)}, {hosts} hosts x {ranks_per_host} ranks, "
              f"{'quiet' if not flows else f'{flows} background flows per host'}", head, "-" * len(head)]
     for r in rows:
@@ -282,8 +292,9 @@ def format_phase(rows: list[dict], hosts: int, ranks_per_host: int, rate_bps: in
         ratio = f"{tx / r['predicted_bytes_per_host']:10.3f}" if tx is not None else "-"
         kern = f"{r['kernel_s'] * 1e3:10.1f}" if r["algo"] != BASELINE else "-"
         lines.append(f"{report.human_bytes(r['size_bytes']):>9} {r['algo']:>9} | {r['median_s'] * 1e3:10.1f} "
-                     f"{r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} | {speed:>7} {limit:>8} | {_mb(tx):>11} "
-                     f"{_mb(r['predicted_bytes_per_host']):>9} {ratio:>10} {_mb(rx):>10} | {kern:>10}")
+                     f"{r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} | {speed:>7} {limit:>8} | "
+                     f"{link_use(r):8.2f} | {_mb(tx):>11} {_mb(r['predicted_bytes_per_host']):>9} {ratio:>10} "
+                     f"{_mb(rx):>10} | {kern:>10}")
     return "\n".join(lines)
 
 
@@ -409,10 +420,18 @@ def _references(args, sizes: list[int]) -> dict:
 def run(args: argparse.Namespace) -> int:
     netns.check_requirements()
     _check_args(args)
-    if args.fault is not None:
-        from .link_faults import run_fault_command
+    try:
+        if args.fault is not None:
+            from .link_faults import run_fault_command
 
-        return run_fault_command(args)
+            return run_fault_command(args)
+        return _run(args)
+    except netns.TestbedError as e:  # a command that builds the testbed failed: one line, nothing left behind
+        print(f"echo-vllm bench link: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..spawn import run_processes
     from .flows import BackgroundFlows
 
@@ -420,13 +439,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"command: echo-vllm bench link {' '.join(args.argv)}")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} "
           "(shared: other work runs beside this one)")
-    sizes = list(args.sizes)
-    plans = {rate: [(s, *point_plan(s, rate, args.hosts, args.ranks_per_host, args.max_call_s)) for s in sizes]
-             for rate in args.rate}
-    wanted = sorted({s for rate in args.rate for s, ok, _ in plans[rate] if ok})
+    plans = {(rate, flows): [(s, *point_plan(s, rate, args.hosts, args.ranks_per_host, flows, args.max_call_s))
+                             for s in args.sizes]
+             for rate in args.rate for flows in args.background}
+    wanted = sorted({s for plan in plans.values() for s, ok, _ in plan if ok})
     digests = _references(args, wanted) if "allreduce" in args.workloads else {}
     shape = netns.LinkShape(args.rate[0], delay_s=args.delay, loss=args.loss)
-    all_rows, model_rows, flow_rates = [], [], []
+    all_rows, model_rows, phases = [], [], []
     with netns.Testbed(args.hosts, shape) as bed:
         meta = _meta(args, bed)
         print(f"testbed: {bed.describe()}")
@@ -434,31 +453,34 @@ def run(args: argparse.Namespace) -> int:
               "(within a host over the namespace's loopback, unshaped)")
         for rate in args.rate:
             bed.set_shape(netns.LinkShape(rate, delay_s=args.delay, loss=args.loss))
-            run_sizes = tuple(s for s, ok, _ in plans[rate] if ok)
-            for s, ok, why in plans[rate]:
-                if not ok:
-                    print(f"  {report.human_bytes(s)} at {netns.format_rate(rate)}: skipped, {why}")
             for flows in args.background:
-                phase = _phase(args, run_sizes, digests, flows)
                 print(f"\n== {bed.shape.describe()}; {flows} background flows per host", flush=True)
-                t0 = time.perf_counter()
+                for s, ok, why in plans[(rate, flows)]:
+                    if not ok:
+                        print(f"  {report.human_bytes(s)}: skipped, {why}")
+                phase = _phase(args, tuple(s for s, ok, _ in plans[(rate, flows)] if ok), digests, flows)
+                t0, load0 = time.perf_counter(), os.getloadavg()[0]
                 with BackgroundFlows(bed, flows) as bg:
                     per_rank = run_processes(rank_main, p, phase, rank_setup=bed.placement(args.ranks_per_host),
                                              timeout_s=args.timeout_s)
+                record = {"rate_bps": rate, "flows": flows, "seconds": time.perf_counter() - t0,
+                          "load_avg_before": load0, "load_avg_after": os.getloadavg()[0],
+                          "background_bps": bg.throughput_bps()}
+                phases.append(record)
                 if flows:
-                    flow_rates.append({"rate_bps": rate, "flows": flows, "background_bps": bg.throughput_bps()})
                     print(f"  background: {netns.format_rate(bg.throughput_bps())} sent per host on average")
                 rows = merge_allreduce(per_rank, phase, rate, flows)
                 all_rows += rows
                 model_rows += merge_model(per_rank, rate, flows)
                 if rows:
                     print(format_phase(rows, args.hosts, args.ranks_per_host, rate, flows))
-                print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    _summary(args, meta, all_rows, model_rows, flow_rates)
+                print(f"  ({record['seconds']:.0f} s; machine load {load0:.1f} -> {record['load_avg_after']:.1f})",
+                      flush=True)
+    _summary(args, meta, all_rows, model_rows, phases)
     return 0
 
 
-def _summary(args, meta: dict, rows: list[dict], model_rows: list[dict], flow_rates: list[dict]) -> None:
+def _summary(args, meta: dict, rows: list[dict], model_rows: list[dict], phases: list[dict]) -> None:
     if rows:
         print("\nspeedup over gloo's 16-bit all-reduce (slowest rank's median per call); link/kernel = link "
               "bytes/s over Echo's CPU kernels' message bytes/s per rank at the largest size; GPU link = the "
@@ -477,7 +499,7 @@ def _summary(args, meta: dict, rows: list[dict], model_rows: list[dict], flow_ra
     if args.out:
         name = f"link_h{args.hosts}g{args.ranks_per_host}"
         path = report.write_json(args.out, name + ".json", {**meta, "rows": rows, "model": model_rows,
-                                                             "background": flow_rates, "args": _args_dict(args)})
+                                                             "phases": phases, "args": _args_dict(args)})
         print(f"\nwrote {path}")
         _plot(args.out, name + ".png", rows, meta)
 

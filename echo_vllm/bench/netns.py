@@ -81,16 +81,21 @@ MAX_HOSTS = 64
 #: The htb class of a link's traffic, the class that drops (its queue
 #: holds nothing), and their parent qdisc's handle.
 ROOT, PASS_CLASS, DROP_CLASS = "1:", "1:10", "1:20"
-#: htb's quantum (bytes a class sends per round): above the largest GSO
-#: packet, below htb's maximum, so the kernel does not warn about it.
-HTB_QUANTUM_BYTES = 1 << 17
+#: htb's quantum (bytes a class sends per round): a few frames, within
+#: htb's bounds, so the kernel does not warn about it.
+HTB_QUANTUM_BYTES = 1 << 14
 
+#: Largest frame on a link (its MTU plus the Ethernet header). The links
+#: build no GSO packets: each TCP segment is its own frame, as on a NIC's
+#: wire (segmentation is the NIC's job), so a queue holds frames and a drop
+#: loses one.
+FRAME_BYTES = 1514
 #: Queue of a link: this many seconds of its rate, at least
-#: :data:`MIN_QUEUE_BYTES` (two 64 KiB GSO packets and some). A switch
-#: port's buffer is shallow; a deep one would turn background traffic into
-#: seconds of queueing delay instead of a shared rate.
+#: :data:`MIN_QUEUE_FRAMES` frames. A switch port's buffer is shallow; a
+#: deep one turns background traffic into queueing delay (256 KiB at
+#: 10 Mbit/s: 0.2 s a round trip) instead of a shared rate.
 QUEUE_S = 0.02
-MIN_QUEUE_BYTES = 256 << 10
+MIN_QUEUE_FRAMES = 32
 
 #: Seconds any one ``ip``/``tc`` command may take (they take milliseconds).
 COMMAND_TIMEOUT_S = 30
@@ -148,7 +153,7 @@ class LinkShape:
     (0 to 1; 1 drops everything: a cut link)."""
     queue_bytes: int = 0
     """Bytes a link's queue holds before it drops (0: :data:`QUEUE_S` of the
-    rate, at least :data:`MIN_QUEUE_BYTES`)."""
+    rate, at least :data:`MIN_QUEUE_FRAMES` frames)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rate_bps, int) or isinstance(self.rate_bps, bool) or not 8000 <= self.rate_bps <= 10**12:
@@ -166,7 +171,7 @@ class LinkShape:
 
     @property
     def queue_limit_bytes(self) -> int:
-        return self.queue_bytes or max(MIN_QUEUE_BYTES, int(self.rate_bytes_per_s * QUEUE_S))
+        return self.queue_bytes or max(MIN_QUEUE_FRAMES * FRAME_BYTES, int(self.rate_bytes_per_s * QUEUE_S))
 
     def describe(self) -> str:
         """One line: the rate, the queue and the qdiscs that make them."""
@@ -184,7 +189,7 @@ class LinkShape:
         # netem holds the delayed packets too: the link's queue plus what
         # the delay keeps in flight, in full-size frames
         in_flight = self.rate_bytes_per_s * self.delay_s
-        return max(1000, int((self.queue_limit_bytes + in_flight) // 1514) + 1)
+        return max(1000, int((self.queue_limit_bytes + in_flight) // FRAME_BYTES) + 1)
 
 
 def format_rate(bps: float) -> str:
@@ -219,7 +224,7 @@ def shaping_commands(ns: str, dev: str, shape: LinkShape, *, sending_side: bool)
     delay), and on the ``sending_side`` (a host's own end) the random drop.
     ``dev`` must have no root qdisc of its own yet (a veth's default)."""
     tc = ["tc", "-n", ns]
-    burst = max(2 * 65536, int(shape.rate_bytes_per_s * 0.001))  # a 64 KiB GSO packet must pass whole
+    burst = max(4 * FRAME_BYTES, int(shape.rate_bytes_per_s * 0.001))  # a millisecond of the rate
     cmds = [
         tc + ["qdisc", "add", "dev", dev, "root", "handle", ROOT, "htb", "default", PASS_CLASS.split(":")[1]],
         tc + ["class", "add", "dev", dev, "parent", ROOT, "classid", PASS_CLASS, "htb",
@@ -362,9 +367,9 @@ def link_counters(dev: str = HOST_IF) -> tuple[int, int]:
     """``(tx_bytes, rx_bytes)`` of ``dev`` in the caller's network namespace:
     ``/proc/self/net/dev``, which shows the namespace of the reading process
     (``/sys/class/net`` shows the namespace sysfs was mounted in, the root
-    one here); both are the kernel's ``dev_get_stats``. Bytes are frames as
-    the stack handed them to the device (a 64 KiB GSO packet counts its
-    headers once, not once per wire segment)."""
+    one here); both are the kernel's ``dev_get_stats``. Bytes are whole
+    frames, headers included (the links build no GSO packets: one frame per
+    TCP segment, :data:`FRAME_BYTES` at most)."""
     with open("/proc/self/net/dev") as f:
         for line in f:
             name, sep, rest = line.partition(":")
@@ -507,6 +512,9 @@ class Testbed:
             # both ends are made inside their namespaces: nothing ever appears in the root one
             run_command(["ip", "link", "add", "name", HOST_IF, "netns", ns, "type", "veth",
                          "peer", "name", port, "netns", sw])
+            for where, dev in ((ns, HOST_IF), (sw, port)):  # one frame per segment (FRAME_BYTES)
+                run_command(["ip", "-n", where, "link", "set", "dev", dev, "gso_max_size", str(FRAME_BYTES - 14),
+                             "gso_max_segs", "1"])
             run_command(["ip", "-n", ns, "addr", "add", f"{host_address(i)}/{SUBNET.prefixlen}", "dev", HOST_IF])
             run_command(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
             run_command(["ip", "-n", ns, "link", "set", HOST_IF, "up"])
