@@ -141,7 +141,8 @@ class Phase:
 
     @property
     def host_map(self) -> tuple[int, ...]:
-        return tuple(r // self.ranks_per_host for r in range(self.hosts * self.ranks_per_host))
+        """Each rank's host, as the testbed placed it (Echo's topology is given it, not left to detect)."""
+        return netns.host_map(self.hosts, self.ranks_per_host)
 
 
 def _deltas(probes: list) -> list[tuple[int, int]]:
@@ -150,7 +151,8 @@ def _deltas(probes: list) -> list[tuple[int, int]]:
 
 def _allreduce_rows(rank: int, world: int, phase: Phase) -> list[dict]:
     cfg = EchoConfig(**phase.config)
-    leader = rank % phase.ranks_per_host == 0
+    host = phase.host_map[rank]
+    leader = phase.host_map.index(host) == rank
     probe = netns.link_counters if leader and phase.counted else None
     rows = []
     for size in phase.sizes:
@@ -166,7 +168,7 @@ def _allreduce_rows(rank: int, world: int, phase: Phase) -> list[dict]:
             finally:
                 c.close()
             rows.append({"size_bytes": size, "algo": algo, **t.to_dict(), "samples_s": t.samples_s,
-                         "kernel_s": kernels.median_s, "host": rank // phase.ranks_per_host,
+                         "kernel_s": kernels.median_s, "host": host,
                          "link": _deltas(t.probes) if probe else None})
     return rows
 
@@ -306,19 +308,20 @@ def format_ladder(rows: list[dict], algos: tuple[str, ...]) -> str:
     by = {(r["rate_bps"], r["flows"], r["size_bytes"], r["algo"]): r for r in rows}
     lines = []
     for algo in (a for a in algos if a != BASELINE):
-        head = (f"{algo + ' vs 16-bit':>18} {'flows':>5} | {'link/kernel':>11} {'GPU link':>11} | "
+        head = (f"{algo + ' vs 16-bit':>18} {'flows':>5} | {'kernel MB/s':>11} {'link/kernel':>11} {'GPU link':>13} | "
                 + " ".join(f"{report.human_bytes(s):>8}" for s in sizes))
         lines += [head, "-" * len(head)]
         for rate, flows in cases:
             at = [r for r in rows if r["rate_bps"] == rate and r["flows"] == flows and r["algo"] == algo]
             k = kernel_bytes_per_s(at)
-            ratio = f"{rate / 8 / k:11.3f}" if k else "-"
+            speed = f"{k / 1e6:11.1f}" if k else f"{'-':>11}"
+            ratio = f"{rate / 8 / k:11.3f}" if k else f"{'-':>11}"
             gpu = netns.format_rate(gpu_equivalent_bps(rate, k)) if k else "-"
             cells = []
             for s in sizes:
                 b, e = by.get((rate, flows, s, BASELINE)), by.get((rate, flows, s, algo))
                 cells.append(f"{b['median_s'] / e['median_s']:7.2f}x" if b and e else f"{'-':>8}")
-            lines.append(f"{netns.format_rate(rate):>18} {flows:>5} | {ratio} {gpu:>11} | " + " ".join(cells))
+            lines.append(f"{netns.format_rate(rate):>18} {flows:>5} | {speed} {ratio} {gpu:>13} | " + " ".join(cells))
         lines.append("")
     return "\n".join(lines)
 
@@ -402,7 +405,7 @@ def _phase(args, sizes: tuple[int, ...], digests: dict, flows: int) -> Phase:
 def _references(args, sizes: list[int]) -> dict:
     """The reference's digests of every (Echo algorithm, size) up to --verify-max-size."""
     p = args.hosts * args.ranks_per_host
-    host_map = tuple(r // args.ranks_per_host for r in range(p))
+    host_map = netns.host_map(args.hosts, args.ranks_per_host)
     out = {}
     for size in sizes:
         if size > args.verify_max_size:

@@ -78,6 +78,7 @@ class FaultPlan:
 def fault_rank(rank: int, world: int, plan: FaultPlan, ready) -> dict:
     """Calls until one fails (``run_processes``' function): what failed,
     where, after how long; the digests of the calls that completed."""
+    host = netns.host_map(world // plan.ranks_per_host, plan.ranks_per_host)[rank]
     x = message(rank, plan.size_bytes, plan.hidden, 0)
     transport = NamedTransport()
     calls = SixteenBit(x) if plan.algo == "16-bit" else EchoCalls(EchoConfig(**plan.config), x, transport)
@@ -90,12 +91,12 @@ def fault_rank(rank: int, world: int, plan: FaultPlan, ready) -> dict:
         try:
             y = calls(i)
         except Exception as e:  # gloo raises RuntimeError / DistBackendError; report whatever it is
-            return {"rank": rank, "host": rank // plan.ranks_per_host, "failed_call": i,
+            return {"rank": rank, "host": host, "failed_call": i,
                     "collective": transport.current if plan.algo != "16-bit" else "16-bit all-reduce",
                     "error": f"{type(e).__name__}: {' '.join(str(e).split())}", "after_s": time.monotonic() - start,
                     "at": time.time(), "completed": done}
         done.append(digest(y if y is not None else calls.work))
-    return {"rank": rank, "host": rank // plan.ranks_per_host, "failed_call": None, "completed": done}
+    return {"rank": rank, "host": host, "failed_call": None, "completed": done}
 
 
 def strike(bed: netns.Testbed, kind: str, host: int) -> None:
@@ -114,8 +115,8 @@ def run_fault(bed: netns.Testbed, plan: FaultPlan, *, timeout_s: float, after_s:
     from ..spawn import run_processes
 
     world = bed.hosts * plan.ranks_per_host
-    victims = frozenset(r for r in range(world) if r // plan.ranks_per_host == plan.host) if plan.kind == "kill" \
-        else frozenset()
+    hosts = netns.host_map(bed.hosts, plan.ranks_per_host)
+    victims = frozenset(r for r in range(world) if hosts[r] == plan.host) if plan.kind == "kill" else frozenset()
     ready = mp.get_context("spawn").Event()
     struck: dict = {}
 

@@ -100,6 +100,18 @@ MIN_QUEUE_FRAMES = 32
 #: Seconds any one ``ip``/``tc`` command may take (they take milliseconds).
 COMMAND_TIMEOUT_S = 30
 
+#: Settings of every namespace the testbed makes (per-namespace sysctls).
+NAMESPACE_SYSCTLS = {
+    # no IPv6 (where the kernel has it): no autoconfiguration chatter on the links' counters
+    "net/ipv6/conf/default/disable_ipv6": "1",
+    "net/ipv6/conf/all/disable_ipv6": "1",
+    # keep the congestion window across an idle gap: between an Echo call's
+    # phases the ranks run their kernels, milliseconds on a GPU but past
+    # TCP's 200 ms idle limit on this CPU, and a GPU cluster's link would
+    # never fall back to slow start there
+    "net/ipv4/tcp_slow_start_after_idle": "0",
+}
+
 _CLONE_NEWNET = 0x40000000
 
 
@@ -379,6 +391,12 @@ def link_counters(dev: str = HOST_IF) -> tuple[int, int]:
     raise TestbedError(f"no interface {dev!r} in this network namespace (pid {os.getpid()})")
 
 
+def host_map(hosts: int, ranks_per_host: int) -> tuple[int, ...]:
+    """The host of every rank, in rank order: ranks ``h G .. h G + G - 1``
+    on host ``h`` (hosts contiguous, as launchers number them)."""
+    return tuple(r // ranks_per_host for r in range(hosts * ranks_per_host))
+
+
 @dataclass(frozen=True)
 class RankPlacement:
     """Puts rank ``r`` of a spawned group on host ``r // ranks_per_host``:
@@ -388,16 +406,8 @@ class RankPlacement:
     namespaces: tuple[str, ...]
     ranks_per_host: int
 
-    def host_of(self, rank: int) -> int:
-        return rank // self.ranks_per_host
-
-    @property
-    def host_map(self) -> tuple[int, ...]:
-        """The host of every rank, in rank order."""
-        return tuple(self.host_of(r) for r in range(len(self.namespaces) * self.ranks_per_host))
-
     def __call__(self, rank: int, world_size: int) -> None:
-        enter_namespace(self.namespaces[self.host_of(rank)])
+        enter_namespace(self.namespaces[host_map(len(self.namespaces), self.ranks_per_host)[rank]])
         os.environ["GLOO_SOCKET_IFNAME"] = HOST_IF
 
 
@@ -495,10 +505,9 @@ class Testbed:
     def _add_namespace(self, ns: str) -> None:
         run_command(["ip", "netns", "add", ns])
         self.made.append(ns)
-        # no IPv6: no autoconfiguration chatter on the links' counters
-        run_command(["ip", "netns", "exec", ns, "sh", "-c",
-                     "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
-                     "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6"], check=False)
+        for key, value in NAMESPACE_SYSCTLS.items():  # the namespace's own copies: the root's stay as they are
+            run_command(["ip", "netns", "exec", ns, "sh", "-c", f"echo {value} > /proc/sys/{key}"],
+                        check=not key.startswith("net/ipv6"))
         run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _build(self) -> None:
@@ -596,6 +605,6 @@ def _shaping_hint(cmd: list[str], err: TestbedError) -> str:
 __all__ = [
     "BENCHMARK_RANGE", "HOST_IF", "LinkShape", "PREFIX", "RankPlacement", "SUBNET", "Testbed", "TestbedError",
     "TestbedUnavailable", "check_requirements", "drop_filter_bytecode", "enter_namespace", "format_rate",
-    "host_address", "host_of_address", "link_counters", "namespace_name", "remove_stale", "requirements_refusal",
+    "host_address", "host_map", "host_of_address", "link_counters", "namespace_name", "remove_stale", "requirements_refusal",
     "shaping_commands", "stale_namespaces",
 ]
