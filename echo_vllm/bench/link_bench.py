@@ -50,7 +50,7 @@ from ..training.collectives import BACKWARD_DEFAULT, FORWARD_DEFAULT
 from . import netns, report, timing
 from .link_calls import (ALGOS, BASELINE, VERIFIED_CALLS, EchoCalls, FreeTransport, algo_refusal, bench_config,
                          check_bits, contender, digest, echo_config, message, reference_digests)
-from .link_model import MODEL_WORKLOADS, ModelWorkload, measure_model
+from .link_model import MODEL_WORKLOADS, ModelWorkload, measure_models
 
 WORKLOADS = ("allreduce",) + MODEL_WORKLOADS
 
@@ -150,6 +150,8 @@ def _deltas(probes: list) -> list[tuple[int, int]]:
 
 
 def _allreduce_rows(rank: int, world: int, phase: Phase) -> list[dict]:
+    """Per size: Echo's kernels alone, then every algorithm's bits checked,
+    then their calls timed in turn (16-bit, flat, ..., 16-bit, flat, ...)."""
     cfg = EchoConfig(**phase.config)
     host = phase.host_map[rank]
     leader = phase.host_map.index(host) == rank
@@ -160,28 +162,30 @@ def _allreduce_rows(rank: int, world: int, phase: Phase) -> list[dict]:
         free = EchoCalls(cfg, x, FreeTransport(world, rank))
         kernels = timing.host_time(free, iters=phase.iters, warmup=phase.warmup, barrier=dist.barrier)
         free.close()
-        for algo in phase.algos:
-            c = contender(algo, cfg, x, phase.host_map)
-            try:
+        calls = {algo: contender(algo, cfg, x, phase.host_map) for algo in phase.algos}
+        try:
+            for algo, c in calls.items():
                 check_bits(algo, size, [digest(y) for y in c.first_calls()], phase.digests.get((algo, size)))
-                t = timing.host_time(c, iters=phase.iters, warmup=phase.warmup, barrier=dist.barrier, probe=probe)
-            finally:
+            times = timing.interleaved_host_time(calls, iters=phase.iters, warmup=phase.warmup, barrier=dist.barrier,
+                                                 probe=probe)
+        finally:
+            for c in calls.values():
                 c.close()
+        for algo, t in times.items():
             rows.append({"size_bytes": size, "algo": algo, **t.to_dict(), "samples_s": t.samples_s,
-                         "kernel_s": kernels.median_s, "host": host,
-                         "link": _deltas(t.probes) if probe else None})
+                         "kernel_s": kernels.median_s, "host": host, "link": _deltas(t.probes) if probe else None})
     return rows
 
 
 def _model_rows(phase: Phase) -> list[dict]:
-    rows = []
-    kinds = tuple(w for w in phase.workloads if w in MODEL_WORKLOADS)
+    configs = {}
     for algo in phase.algos:
         fwd = echo_config(algo, FORWARD_DEFAULT, phase.host_map)
-        comm_cfg = (TPCommConfig(mode="exact") if fwd is None else
-                    TPCommConfig(mode="echo", forward=fwd, backward=echo_config(algo, BACKWARD_DEFAULT, phase.host_map)))
-        rows.append({"algo": algo, **measure_model(comm_cfg, phase.model, kinds)})
-    return rows
+        configs[algo] = (TPCommConfig(mode="exact") if fwd is None else
+                         TPCommConfig(mode="echo", forward=fwd,
+                                      backward=echo_config(algo, BACKWARD_DEFAULT, phase.host_map)))
+    kinds = tuple(w for w in phase.workloads if w in MODEL_WORKLOADS)
+    return [{"algo": algo, **out} for algo, out in measure_models(configs, phase.model, kinds).items()]
 
 
 def rank_main(rank: int, world: int, phase: Phase) -> dict:
@@ -442,11 +446,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"command: echo-vllm bench link {' '.join(args.argv)}")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} "
           "(shared: other work runs beside this one)")
+    sizes = args.sizes if "allreduce" in args.workloads else []
     plans = {(rate, flows): [(s, *point_plan(s, rate, args.hosts, args.ranks_per_host, flows, args.max_call_s))
-                             for s in args.sizes]
+                             for s in sizes]
              for rate in args.rate for flows in args.background}
     wanted = sorted({s for plan in plans.values() for s, ok, _ in plan if ok})
-    digests = _references(args, wanted) if "allreduce" in args.workloads else {}
+    digests = _references(args, wanted)
     shape = netns.LinkShape(args.rate[0], delay_s=args.delay, loss=args.loss)
     all_rows, model_rows, phases = [], [], []
     with netns.Testbed(args.hosts, shape) as bed:
@@ -511,21 +516,58 @@ def _args_dict(args) -> dict:
     return {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in vars(args).items()}
 
 
+def speedups(rows: list[dict]) -> list[tuple[dict, float]]:
+    """Each Echo row with its speedup over the 16-bit row of the same rate,
+    background and size."""
+    base = {(r["rate_bps"], r["flows"], r["size_bytes"]): r for r in rows if r["algo"] == BASELINE}
+    return [(r, base[k]["median_s"] / r["median_s"]) for r in rows
+            if r["algo"] != BASELINE and (k := (r["rate_bps"], r["flows"], r["size_bytes"])) in base]
+
+
 def _plot(out: str, name: str, rows: list[dict], meta: dict) -> None:
-    series = {}
-    for r in rows:
-        if r["algo"] == BASELINE:
-            continue
-        b = next((x for x in rows if x["algo"] == BASELINE and x["rate_bps"] == r["rate_bps"]
-                  and x["flows"] == r["flows"] and x["size_bytes"] == r["size_bytes"]), None)
-        if b:
-            label = f"{r['algo']} {netns.format_rate(r['rate_bps'])}" + (f" +{r['flows']} flows" if r["flows"] else "")
-            series.setdefault(label, []).append((r["size_bytes"], b["median_s"] / r["median_s"]))
-    path = report.plot_lines(out, name, series, hline=1.0, ylabel="speedup over 16-bit (x)",
-                             title=f"Echo vs gloo 16-bit over a shaped link, {meta['hosts']} hosts x "
-                                   f"{meta['ranks_per_host']} ranks")
-    if path:
-        print(f"wrote {path}")
+    """Left: speedup against message size, a colour per rate, dashed with
+    background flows. Right: every point against its link/kernel ratio (the
+    x that carries over to GPUs), the wire's limit as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the JSON holds every number
+        return
+    points = speedups(rows)
+    if not points:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rates = sorted({r["rate_bps"] for r, _ in points})
+    colours = {rate: plt.cm.viridis(i / max(1, len(rates) - 1)) for i, rate in enumerate(rates)}
+    for (algo, rate, flows) in sorted({(r["algo"], r["rate_bps"], r["flows"]) for r, _ in points}):
+        pts = sorted((r["size_bytes"], x) for r, x in points
+                     if (r["algo"], r["rate_bps"], r["flows"]) == (algo, rate, flows))
+        left.plot(*zip(*pts), marker="o", ms=3, color=colours[rate], ls="--" if flows else "-",
+                  label=f"{algo} {netns.format_rate(rate)}" + (f" +{flows} flows" if flows else ""))
+    for flows in sorted({r["flows"] for r, _ in points}):
+        pts = [(r["rate_bps"] / 8 / (r["size_bytes"] / r["kernel_s"]), x) for r, x in points if r["flows"] == flows]
+        right.scatter(*zip(*pts), s=14, marker="^" if flows else "o", label=f"{flows} background flows")
+    base = {r["size_bytes"]: r["predicted_bytes_per_host"] for r in rows if r["algo"] == BASELINE}
+    for wall in sorted({round(base[r["size_bytes"]] / r["predicted_bytes_per_host"], 2) for r, _ in points}):
+        right.axhline(wall, color="grey", lw=0.8, ls=":")
+    for ax in (left, right):
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel("speedup over 16-bit (x)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("message size (bytes)")
+    right.set_xscale("log")
+    right.set_xlabel("link rate / Echo's CPU kernel speed (dotted: the wire's limit)")
+    fig.suptitle(f"Echo vs gloo 16-bit over a shaped link, {meta['hosts']} hosts x {meta['ranks_per_host']} ranks",
+                 fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

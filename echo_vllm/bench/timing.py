@@ -124,18 +124,35 @@ def host_time(
     ``probe()`` is read after the opening barrier and after the closing one
     of each timed call, outside the clock (the link bench's interface
     counters); the pairs land in ``Timing.probes``."""
-    for i in range(warmup):
-        run(i)
-    out = Timing()
+    return interleaved_host_time({"": run}, iters=iters, warmup=warmup, barrier=barrier, probe=probe)[""]
+
+
+def interleaved_host_time(
+    runs: dict[str, Callable[[int], object]],
+    *,
+    iters: int = 5,
+    warmup: int = 1,
+    barrier: Callable[[], object] | None = None,
+    probe: Callable[[], object] | None = None,
+) -> dict[str, Timing]:
+    """:func:`host_time` of several contenders, their timed calls taken in
+    turn (a, b, a, b, ...) after each one's warm-up: on a shared machine a
+    load that comes and goes falls on all of them alike, not on whichever
+    ran last."""
+    for run in runs.values():
+        for i in range(warmup):
+            run(i)
+    out = {name: Timing() for name in runs}
     for i in range(iters):
-        if barrier is not None:
-            barrier()
-        before = probe() if probe is not None else None
-        t0 = time.perf_counter()
-        run(warmup + i)
-        if barrier is not None:
-            barrier()
-        out.samples_s.append(time.perf_counter() - t0)
-        if probe is not None:
-            out.probes.append((before, probe()))
+        for name, run in runs.items():
+            if barrier is not None:
+                barrier()
+            before = probe() if probe is not None else None
+            t0 = time.perf_counter()
+            run(warmup + i)
+            if barrier is not None:
+                barrier()
+            out[name].samples_s.append(time.perf_counter() - t0)
+            if probe is not None:
+                out[name].probes.append((before, probe()))
     return out
