@@ -154,10 +154,13 @@ class ProcessGroupTransport(Transport):
         and all-gather post a send first, so once the peer is ready our
         payload goes out ahead of our announcement, and the peer's transfer
         to us waits for all of it. On a link that made one call's exchange
-        take twice its wire time about half the time (``bench link``)."""
-        works = [dist.irecv(t, group=self.group, group_src=peer) for t, peer in recvs]
-        works += [dist.isend(t, group=self.group, group_dst=peer) for t, peer in sends]
-        for work in works:
+        take twice its wire time about half the time (``bench link``).
+        The sends are waited for first, as gloo's own do: a peer that died
+        fails a send at once, naming its address, where a receive from it
+        only times out."""
+        receiving = [dist.irecv(t, group=self.group, group_src=peer) for t, peer in recvs]
+        sending = [dist.isend(t, group=self.group, group_dst=peer) for t, peer in sends]
+        for work in sending + receiving:
             work.wait()
 
     def exact_all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -246,10 +246,13 @@ def test_a_fault_fails_every_surviving_rank_in_time_naming_the_call(kind):
     assert len(survivors) == (2 if kind == "drop" else 1)
     for r in survivors:
         assert r["collective"] in ("stage-1 all-to-all", "stage-2 all-gather")
+        timed_out = "Timed out waiting 3000ms" in r["error"]
         if kind == "drop":
-            assert "Timed out waiting 3000ms" in r["error"]
+            assert timed_out
         else:
-            assert "198.18.0.2" in r["error"]  # the dead host's address: gloo names the peer
+            # a send to the dead host fails naming its address; where our sends
+            # had all left before it died, the receive from it times out
+            assert "198.18.0.2" in r["error"] or timed_out
     assert _ours(os.getpid()) == []
 
 
