@@ -6,11 +6,13 @@ refuse the same input the same way: one line naming the value and what is
 allowed (argparse exits 2), never a traceback, never a silent stand-in.
 
 * text parsers: :func:`parse_bytes` (``256k``, ``4MiB``), :func:`parse_int`
-  (plain integers, no suffix), :func:`parse_bool` (pydantic's spellings);
+  (plain integers, no suffix), :func:`parse_bool` (pydantic's spellings),
+  :func:`parse_bit_rate` (tc's ``50mbit``), :func:`parse_duration` (``5ms``);
 * :func:`did_you_mean`: the close-match suggestion of every "unknown" error;
 * argparse types: :func:`count` (an integer in a range whose upper bound
   says why), :func:`byte_size`, :func:`counts` / :func:`byte_sizes` (comma
-  lists), :func:`factor`, :func:`real`, :func:`out_dir`, :func:`out_file`, :func:`existing_file`,
+  lists), :func:`bit_rates`, :func:`duration`, :func:`factor`, :func:`real`,
+  :func:`out_dir`, :func:`out_file`, :func:`existing_file`,
   :func:`existing_dir`, :func:`device`, :func:`file_stem`, :func:`http_url`;
 * the command line as typed: :func:`check_argv` (an option spelled with a
   look-alike dash is refused, a negative-looking value is kept with its
@@ -115,6 +117,38 @@ def parse_bytes(text: str) -> int:
     if exact.denominator != 1:
         raise ValueError(f"not a byte count: {_short(text)} is {float(exact):g} bytes, not a whole number")
     return int(exact)
+
+
+#: Bit-rate suffixes, decimal as tc's (``mbit`` = 10**6 bit/s).
+_RATE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|bit/s)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(us|ms|s)?")
+_DURATION_UNITS = {"us": Fraction(1, 10**6), "ms": Fraction(1, 1000), "s": Fraction(1), None: Fraction(1)}
+
+
+def parse_bit_rate(text: str) -> int:
+    """A link rate in bits per second, with tc's decimal suffixes:
+    ``50mbit``, ``1gbit``, ``200Mbit/s``, ``800kbps`` (``bps`` is bits here,
+    as in tc), ``1000000bit``. A fraction of a bit per second is refused.
+    Raises ``ValueError("not a bit rate: ...")``."""
+    t = str(text).strip().lower().replace("_", "")
+    m = _RATE.fullmatch(t) if len(t) <= MAX_NUMBER_TEXT else None
+    if m is None:
+        raise ValueError(f"not a bit rate: {_short(text)} (e.g. 50mbit, 1gbit)")
+    exact = Fraction(m.group(1)) * _RATE_SUFFIXES[m.group(2)]
+    if exact.denominator != 1:
+        raise ValueError(f"not a bit rate: {_short(text)} is {float(exact):g} bit/s, not a whole number")
+    return int(exact)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds: ``5ms``, ``250us``, ``0.5s``, ``2`` (seconds). Raises
+    ``ValueError("not a duration: ...")``."""
+    t = str(text).strip().lower()
+    m = _DURATION.fullmatch(t) if len(t) <= MAX_NUMBER_TEXT else None
+    if m is None:
+        raise ValueError(f"not a duration: {_short(text)} (e.g. 5ms, 250us, 0.5s)")
+    return float(Fraction(m.group(1)) * _DURATION_UNITS[m.group(2)])
 
 
 def parse_int(text: str) -> int:
@@ -333,6 +367,29 @@ def _list(text: str, one: Callable[[str], object]) -> list:
             raise ValueError(f"{_short(text)}: {typed.strip()} is given twice{same}")
         seen[value] = typed.strip()
     return values
+
+
+def bit_rates(low: int, high: int, why: str = "") -> Callable[[str], list[int]]:
+    """argparse type: a comma list of :func:`parse_bit_rate` rates in
+    ``low..high`` bit/s (at least one, each once)."""
+
+    def one(text: str) -> int:
+        value = parse_bit_rate(text)
+        check_range(value, low, high, why, shown=f"{_shown(text)} ({value} bit/s)")
+        return value
+
+    return _type("rates", lambda text: _list(text, one))
+
+
+def duration(low: float, high: float, why: str = "") -> Callable[[str], float]:
+    """argparse type: a :func:`parse_duration` in ``low..high`` seconds."""
+
+    def parse(text: str) -> float:
+        value = parse_duration(text)
+        check_range(value, low, high, why, shown=f"{_shown(text)} ({value:g} s)")
+        return value
+
+    return _type("duration", parse)
 
 
 def factor(high: int = 1024) -> Callable[[str], int]:
@@ -584,7 +641,8 @@ def report_errors(prog: str, run: Callable[[], int | None], errors: tuple[type[B
 __all__ = [
     "LOOKALIKE_DASHES", "MAX_JSON_DEPTH", "MAX_PATH_DEPTH", "NAME_MAX", "PATH_MAX", "check_argv", "env_path_problem",
     "json_depth", "parse_json", "path_problem", "path_text_problem",
-    "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "byte_size", "byte_sizes", "check_range",
-    "choice_list", "count", "counts", "device", "did_you_mean", "existing_dir", "existing_file", "factor",
-    "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "out_file", "parse_bool", "parse_bytes", "parse_int", "real", "report_errors",
+    "FALSE_TEXT", "MAX_RANKS", "MAX_TOOL_SEED", "RANKS_WHY", "SEED_WHY", "TRUE_TEXT", "UsageError", "bit_rates", "byte_size",
+    "byte_sizes", "check_range", "choice_list", "count", "counts", "device", "did_you_mean", "duration", "existing_dir",
+    "existing_file", "factor", "file_stem", "folder_problem", "hide_url_password", "http_url", "out_dir", "out_file",
+    "parse_bit_rate", "parse_bool", "parse_bytes", "parse_duration", "parse_int", "real", "report_errors",
 ]

@@ -26,8 +26,10 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300
 
 
-def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, env):
+def _worker(rank, world_size, init_file, backend, fn, args, results, timeout_s, env, rank_setup=None):
     os.environ.update(env)
+    if rank_setup is not None:  # before any thread or socket: a network namespace binds only those made after
+        rank_setup(rank, world_size)
     # P processes share the machine's cores: more threads than cores per
     # process makes every collective wait on descheduled spinners.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -88,13 +90,24 @@ def run_processes(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     env: dict[str, str] | None = None,
     start_method: str = "spawn",
+    rank_setup: Callable[[int, int], None] | None = None,
+    may_die: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes
     (or forked from the fork server, ``start_method="forkserver"``); return
     the per-rank results (picklable) in rank order. ``fn`` must be a
     module-level function. Bad arguments raise ``ValueError`` here, before
-    any process starts (a child could only report a pickling error)."""
+    any process starts (a child could only report a pickling error).
+
+    ``rank_setup(rank, world_size)``: a picklable callable each child runs
+    first, before the process group (the link testbed puts each rank in
+    its host's network namespace). ``may_die``: ranks a fault test kills on
+    purpose; their death fails nothing and their result is None. However
+    this call ends (an error, Ctrl-C, a signal handler's ``SystemExit``),
+    no child outlives it."""
     check_run_arguments(fn, world_size, backend, timeout_s, start_method)
+    if not set(may_die) <= set(range(world_size)):
+        raise ValueError(f"may_die={sorted(may_die)}: ranks from 0 to {world_size - 1}")
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="echo-rdzv-") as tmp:
@@ -102,7 +115,7 @@ def run_processes(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, backend, fn, args, results, timeout_s, env or {}),
+                args=(r, world_size, init_file, backend, fn, args, results, timeout_s, env or {}, rank_setup),
                 daemon=True,
             )
             for r in range(world_size)
@@ -111,12 +124,16 @@ def run_processes(
             p.start()
         out: dict[int, Any] = {}
         errors: list[str] = []
+        ended = False
         try:
             while len(out) + len(errors) < world_size:
                 try:
                     rank, status, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    for r in may_die:
+                        if procs[r].exitcode not in (None, 0):
+                            out.setdefault(r, None)
+                    dead = [p for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in may_die]
                     if dead and not errors:
                         errors.append(
                             "process(es) died: "
@@ -130,8 +147,9 @@ def run_processes(
                 else:
                     errors.append(f"rank {rank}:\n{value}")
                     break
+            ended = True
         finally:
-            if errors:
+            if errors or not ended:  # a failed rank, or this process interrupted: stop the rest now
                 for p in procs:
                     p.kill()
             for p in procs:

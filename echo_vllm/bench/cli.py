@@ -12,6 +12,9 @@
 * ``allreduce``: 16-bit vs naive 4-bit vs Echo; NCCL under torchrun on N
   GPUs, gloo processes on CPU (``--backend gloo --world-size 4``); on one
   GPU without torchrun it prints the kernel table.
+* ``link``: 16-bit vs Echo over a real, shaped link on one machine (root):
+  hosts as network namespaces, tc shaping, background flows, the TP model's
+  prefill and training step, faults.
 
 Each prints its tables and, with ``--out DIR``, writes a JSON file (and,
 except ``fused``, PNG plots).
@@ -20,8 +23,9 @@ except ``fused``, PNG plots).
 from __future__ import annotations
 
 import argparse
+import sys
 
-from . import allreduce_bench, fused_bench, kernels_bench, norm_bench
+from . import allreduce_bench, fused_bench, kernels_bench, link_bench, norm_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
                                             description=norm_bench.__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
     allreduce_bench.add_arguments(sub.add_parser("allreduce", help="all-reduce: NCCL (torchrun) or gloo (CPU)"))
+    link_bench.add_arguments(sub.add_parser("link", help="16-bit vs Echo over a shaped link between network namespaces",
+                                            description=link_bench.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.what == "kernels":
         return kernels_bench.run(args)
@@ -47,4 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return fused_bench.run(args)
     if args.what == "norm":
         return norm_bench.run(args)
+    if args.what == "link":
+        args.argv = argv[1:]  # the command as given, printed and kept in the JSON
+        return link_bench.run(args)
     return allreduce_bench.run(args)

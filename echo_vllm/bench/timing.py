@@ -29,6 +29,8 @@ class Timing:
     """Seconds per call."""
 
     samples_s: list[float] = field(default_factory=list)
+    probes: list[tuple[object, object]] = field(default_factory=list)
+    """``(before, after)`` values of :func:`host_time`'s ``probe`` around each sample."""
 
     @property
     def median_s(self) -> float:
@@ -38,8 +40,12 @@ class Timing:
     def min_s(self) -> float:
         return min(self.samples_s)
 
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s)
+
     def to_dict(self) -> dict:
-        return {"median_s": self.median_s, "min_s": self.min_s, "samples": len(self.samples_s)}
+        return {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s, "samples": len(self.samples_s)}
 
 
 def rotation(nbytes: int, *, min_total_bytes: int = 256 << 20, max_buffers: int = 16) -> int:
@@ -111,18 +117,42 @@ def host_time(
     iters: int = 5,
     warmup: int = 1,
     barrier: Callable[[], object] | None = None,
+    probe: Callable[[], object] | None = None,
 ) -> Timing:
     """Median wall time of ``run(i)`` with a barrier before each call (so a
-    rank that finished early does not count its wait as the next call)."""
-    for i in range(warmup):
-        run(i)
-    samples = []
+    rank that finished early does not count its wait as the next call).
+    ``probe()`` is read after the opening barrier and after the closing one
+    of each timed call, outside the clock (the link bench's interface
+    counters); the pairs land in ``Timing.probes``."""
+    return interleaved_host_time({"": run}, iters=iters, warmup=warmup, barrier=barrier, probe=probe)[""]
+
+
+def interleaved_host_time(
+    runs: dict[str, Callable[[int], object]],
+    *,
+    iters: int = 5,
+    warmup: int = 1,
+    barrier: Callable[[], object] | None = None,
+    probe: Callable[[], object] | None = None,
+) -> dict[str, Timing]:
+    """:func:`host_time` of several contenders, their timed calls taken in
+    turn (a, b, a, b, ...) after each one's warm-up: on a shared machine a
+    load that comes and goes falls on all of them alike, not on whichever
+    ran last."""
+    for run in runs.values():
+        for i in range(warmup):
+            run(i)
+    out = {name: Timing() for name in runs}
     for i in range(iters):
-        if barrier is not None:
-            barrier()
-        t0 = time.perf_counter()
-        run(warmup + i)
-        if barrier is not None:
-            barrier()
-        samples.append(time.perf_counter() - t0)
-    return Timing(samples)
+        for name, run in runs.items():
+            if barrier is not None:
+                barrier()
+            before = probe() if probe is not None else None
+            t0 = time.perf_counter()
+            run(warmup + i)
+            if barrier is not None:
+                barrier()
+            out[name].samples_s.append(time.perf_counter() - t0)
+            if probe is not None:
+                out[name].probes.append((before, probe()))
+    return out

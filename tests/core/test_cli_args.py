@@ -67,6 +67,13 @@ def refusal(ap: argparse.ArgumentParser, argv: list[str], capsys) -> str:
     (cli_args.out_dir, "/proc/echo-vllm-x", "/proc, where it would be made, is not writable"),
     (cli_args.out_dir, "/etc/hostname", "exists and is not a folder"),
     (cli_args.out_dir, "", "'': expected a folder"),
+    (cli_args.bit_rates(10**6, 10**11), "50", "not a bit rate: '50' (e.g. 50mbit, 1gbit)"),
+    (cli_args.bit_rates(10**6, 10**11), "50m", "not a bit rate: '50m'"),
+    (cli_args.bit_rates(10**6, 10**11), "0.5mbit", "0.5mbit (500000 bit/s): must be from 1000000"),
+    (cli_args.bit_rates(10**6, 10**11), "1.5bit", "is 1.5 bit/s, not a whole number"),
+    (cli_args.bit_rates(10**6, 10**11), "50mbit,50000kbit", "50000kbit is given twice (50mbit is the same"),
+    (cli_args.duration(0, 1), "5 m", "not a duration: '5 m'"),
+    (cli_args.duration(0, 1), "2s", "2s (2 s): must be from 0 to 1"),
 ])
 def test_each_type_refuses_in_one_line_naming_the_value(kind, text, message, capsys):
     line = refusal(_parser(x=kind), [f"--x={text}"], capsys)
@@ -98,6 +105,15 @@ def test_out_dir_expands_a_quoted_tilde(tmp_path, monkeypatch):
     $HOME/x, but the tool wrote into a folder named ``~`` in the cwd."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert _parser(out=cli_args.out_dir).parse_args(["--out=~/x"]).out == str(tmp_path / "x")
+
+
+def test_rates_and_durations_read_as_tc_writes_them():
+    """tc's decimal units (``mbit`` = 10**6 bit/s; ``bps`` bits, as tc reads it)."""
+    ap = _parser(rate=cli_args.bit_rates(1, 10**12), delay=cli_args.duration(0, 10))
+    args = ap.parse_args(["--rate", "50mbit,1Gbit,200Mbit/s,800kbps,1000bit,1.5gbit", "--delay", "250us"])
+    assert args.rate == [50 * 10**6, 10**9, 200 * 10**6, 800 * 10**3, 1000, 1500 * 10**6]
+    assert args.delay == 250e-6
+    assert [cli_args.parse_duration(t) for t in ("5ms", "0.5s", "2", "0")] == [0.005, 0.5, 2.0, 0.0]
 
 
 def test_parse_bytes_and_parse_int():

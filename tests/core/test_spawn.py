@@ -6,6 +6,8 @@ the vLLM tests', through ``support.vllm_cpu.run_vllm_processes``)."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 
 import pytest
 
@@ -50,3 +52,26 @@ def test_a_local_function_is_refused_before_spawning():
     for fn in (local, lambda rank, world_size: rank):
         with pytest.raises(ValueError, match="must be a module-level function"):
             run_processes(fn, 2)
+
+
+def _name_rank(rank, world_size):
+    os.environ["ECHO_TEST_RANK_SETUP"] = f"{rank} of {world_size}"
+
+
+def _setup_seen_or_die(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.environ.get("ECHO_TEST_RANK_SETUP")
+
+
+def test_rank_setup_runs_in_each_child_and_a_rank_that_may_die_gives_none():
+    """``rank_setup`` runs before the group forms (the link testbed enters
+    a network namespace there); a rank in ``may_die`` that is killed fails
+    nothing (a fault test kills a host's ranks on purpose)."""
+    got = run_processes(_setup_seen_or_die, 2, rank_setup=_name_rank, may_die=frozenset({1}), timeout_s=120)
+    assert got == ["0 of 2", None]
+
+
+def test_may_die_names_ranks_of_the_group():
+    with pytest.raises(ValueError, match=r"may_die=\[2\]: ranks from 0 to 1"):
+        run_processes(_module_level, 2, may_die=frozenset({2}))
