@@ -361,8 +361,11 @@ def _check_args(args) -> None:
     if p > MAX_RANKS:
         raise UsageError(f"--hosts {args.hosts} x --ranks-per-host {args.ranks_per_host} = {p} ranks: "
                          f"at most {MAX_RANKS} (each is a process here)")
+    host_map = netns.host_map(args.hosts, args.ranks_per_host)
+    if args.algos is None:  # every algorithm this placement runs
+        args.algos = [a for a in ALGOS if not algo_refusal(a, host_map)]
     for algo in args.algos:
-        why = algo_refusal(algo)
+        why = algo_refusal(algo, host_map)
         if why:
             raise UsageError(f"--algos {algo}: {why}")
     if args.fault is None and BASELINE not in args.algos:
@@ -585,8 +588,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--background", type=counts(0, 64, "bulk TCP flows per host, each a thread"), default=[0],
                     help="background TCP flows out of every host during the measurement; a comma list "
                          "(0,4: quiet and congested)")
-    ap.add_argument("--algos", type=choice_list(ALGOS), default=[a for a in ALGOS if not algo_refusal(a)],
-                    help="what to measure (default: all this build has)")
+    ap.add_argument("--algos", type=choice_list(ALGOS), default=None,
+                    help="what to measure (default: all the placement runs; two-level needs 2 or more ranks per host)")
     ap.add_argument("--workloads", type=choice_list(WORKLOADS), default=["allreduce"],
                     help="allreduce (the size ladder), prefill, train (the TP model)")
     size = report.message_size()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..communicator import EchoCommunicator
 from ..config import EchoConfig
+from ..hosts import TWO_LEVEL, choose_topology
 from ..emulation import StackedCommunicator
 from ..feedback import FeedbackChain
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
@@ -31,11 +32,14 @@ BASELINE = "16-bit"
 
 
 
-def algo_refusal(algo: str) -> str:
-    """Why this build cannot run ``algo`` ("" if it can)."""
-    if algo == "two-level" and "topology" not in EchoConfig.__dataclass_fields__:
-        return "two-level Echo is not in this build (EchoConfig has no 'topology')"
-    return ""
+def algo_refusal(algo: str, host_map: tuple[int, ...]) -> str:
+    """Why ``algo`` cannot run on the testbed's placement ``host_map`` ("" if
+    it can): two-level Echo needs two or more hosts of two or more ranks
+    (``hosts.choose_topology``'s reason)."""
+    if algo != "two-level":
+        return ""
+    topology, reason = choose_topology(host_map, "auto")
+    return "" if topology == TWO_LEVEL else f"two-level Echo cannot run on {reason}"
 
 
 def echo_config(algo: str, base: EchoConfig, host_map: tuple[int, ...]) -> EchoConfig | None:
@@ -43,8 +47,6 @@ def echo_config(algo: str, base: EchoConfig, host_map: tuple[int, ...]) -> EchoC
     with its topology; the host map is the testbed's, given explicitly."""
     if algo == BASELINE:
         return None
-    if "topology" not in EchoConfig.__dataclass_fields__:
-        return base  # a build without topologies: every Echo is flat
     if algo == "flat":
         return base.replace(topology="flat")
     return base.replace(topology="two_level", host_map=host_map)

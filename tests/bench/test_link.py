@@ -169,12 +169,18 @@ def test_bad_combinations_are_refused_before_anything_is_made(argv, message, mon
         link_bench._check_args(args)
 
 
-def test_two_level_is_refused_by_name_in_a_build_without_it():
-    if not link_calls.algo_refusal("two-level"):
-        pytest.skip("this build has two-level Echo")
-    args = bench_cli.build_parser().parse_args(["link", "--algos", "16-bit,two-level"])
-    with pytest.raises(UsageError, match="--algos two-level: two-level Echo is not in this build"):
+def test_two_level_is_refused_where_a_host_has_one_rank():
+    args = bench_cli.build_parser().parse_args(["link", "--algos", "16-bit,two-level", "--ranks-per-host", "1"])
+    with pytest.raises(UsageError, match=r"--algos two-level: two-level Echo cannot run on 2 hosts x 1 rank"):
         link_bench._check_args(args)
+
+
+@pytest.mark.parametrize("ranks_per_host,algos", [(1, ["16-bit", "flat"]), (2, ["16-bit", "flat", "two-level"])])
+def test_the_default_algorithms_are_those_the_placement_runs(ranks_per_host, algos, monkeypatch):
+    monkeypatch.setattr(netns, "check_requirements", lambda: None)
+    args = bench_cli.build_parser().parse_args(["link", "--ranks-per-host", str(ranks_per_host)])
+    link_bench._check_args(args)
+    assert args.algos == algos
 
 
 # -- on the testbed --------------------------------------------------------------------------
