@@ -219,6 +219,9 @@ class EchoCommunicator:
         self._backends: dict[str, EchoBackend] = {}
         self._checked: set[tuple] = set()
         self._reserved = False
+        # per (layout, element size, backend): the bytes a record counts, worked out once
+        self._counts: dict[tuple, tuple] = {}
+        self._last_counts: tuple = (None, None, 0, None)
 
     # -- the one rank's message and the local stack the backends take ---------
 
@@ -338,13 +341,16 @@ class EchoCommunicator:
 
     def _layout_of(self, msg: torch.Tensor) -> WireLayout | None:
         """The message's layout; None for one no Echo call could carry (empty, not floating point)."""
-        return self._layout(tuple(msg.shape)) if msg.is_floating_point() and msg.numel() else None
+        if not (msg.is_floating_point() and msg.numel()):
+            return None
+        return message_layout(tuple(msg.shape), self.world_size, self.config.group_size)
 
     def _decide(self, msg: torch.Tensor, slot: CallSlot, lay: WireLayout | None, residual: bool) -> Decision:
         """:meth:`should_echo` of a message whose layout and residual check
         the call already has (each worked out once per call)."""
         fits = (not (self._fixed and self.config.feedback and lay is not None)
-                or self.chain.fits(self._feedback_numel(lay, msg.device)))
+                or self.chain.fits(self._bytes_of(self._backend or self._backends.get(msg.device.type)
+                                                  or self.backend(msg.device), lay, msg.element_size())[4]))
         return decide(CallInfo(
             nbytes=msg.numel() * msg.element_size(), dtype=msg.dtype, world_size=self.world_size,
             capturing=capturing(), call_index=slot.index, last_call=slot.last_call,
@@ -378,7 +384,7 @@ class EchoCommunicator:
         self._check(key)
         incoming = feedback and chain.take(call_index, key)
         # outside a pass no error carries: none is written (the output's bits are the same)
-        fb = (self._feedback(chain, backend.feedback_numel(lay), xs.device)
+        fb = (self._feedback(chain, self._bytes_of(backend, lay, xs.element_size())[4], xs.device)
               if feedback and call_index is not None else None)
         if norm is not None:
             y = backend.all_reduce_norm(flat, lay, fb, norm, tiling, has_incoming=incoming)
@@ -443,11 +449,29 @@ class EchoCommunicator:
         # the backend's own kernels may not take the message: its fallback ran it
         backend = self._backend or self.backend(y.device)
         reason = decision.reason if backend.fits(lay) else Reason.EXCEEDS_FUSED_BUFFERS
-        hosts = backend.hosts or HostMap((0,) * self.world_size)  # not asked: counted as one host's
-        sent = echo_bytes(lay, hosts, self.transport.local_ranks[0], backend.topology, y.element_size())
-        self.sink(CallRecord("echo", reason.value, wire_bytes=sent.total, in_host_bytes=sent.in_host,
-                             cross_host_bytes=sent.cross_host, equiv_bytes=lay.ring_bytes_per_rank(y.element_size()),
-                             checked=checked, norm=norm, **_chain_outcome(chain)))
+        total, in_host, cross_host, equiv, _ = self._bytes_of(backend, lay, y.element_size())
+        self.sink(CallRecord("echo", reason.value, wire_bytes=total, in_host_bytes=in_host,
+                             cross_host_bytes=cross_host, equiv_bytes=equiv, checked=checked, norm=norm,
+                             **_chain_outcome(chain)))
+
+    def _bytes_of(self, backend: EchoBackend, lay: WireLayout, elem_size: int) -> tuple:
+        """``(bytes this rank sends: in all, inside its host, across hosts;
+        the 16-bit ring's bytes; the carried-error values it keeps)`` for an
+        Echo call of ``lay`` on ``backend`` (:mod:`echo_vllm.wire_bytes`):
+        pure functions of the layout, asked on every call and worked out
+        once per layout."""
+        last = self._last_counts  # the same layout object call after call (message_layout is cached)
+        if last[0] is lay and last[1] is backend and last[2] == elem_size:
+            return last[3]
+        key = (lay, elem_size, id(backend))
+        counts = self._counts.get(key)
+        if counts is None:
+            hosts = backend.hosts or HostMap((0,) * self.world_size)  # not asked: counted as one host's
+            sent = echo_bytes(lay, hosts, self.transport.local_ranks[0], backend.topology, elem_size)
+            counts = self._counts[key] = (sent.total, sent.in_host, sent.cross_host,
+                                          lay.ring_bytes_per_rank(elem_size), backend.feedback_numel(lay))
+        self._last_counts = (lay, backend, elem_size, counts)
+        return counts
 
     def _record_exact(self, msg: torch.Tensor, reason: Reason, chain: FeedbackChain, norm: str = "") -> None:
         self.sink(CallRecord("exact", reason.value, nbytes=msg.numel() * msg.element_size(), norm=norm,
