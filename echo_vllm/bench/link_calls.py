@@ -16,11 +16,13 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..communicator import EchoCommunicator
+from ..communicator import EchoCommunicator, chain_key, message_layout
 from ..config import EchoConfig
-from ..hosts import TWO_LEVEL, choose_topology
 from ..emulation import StackedCommunicator
 from ..feedback import FeedbackChain
+from ..hosts import TWO_LEVEL, choose_topology
+from ..numbering import CallSlot
+from ..policy import Path
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
 from . import report
 
@@ -89,7 +91,8 @@ def reference_digests(cfg: EchoConfig, size_bytes: int, world: int, hidden: int,
     echo = StackedCommunicator(ref_cfg, VirtualTransport(world))
     chain = FeedbackChain.of(ref_cfg, world)
     try:
-        return [digest(echo.echo_all_reduce(xs, chain, call)) for call in range(VERIFIED_CALLS)]
+        return [digest(echo.all_reduce(xs, slot=CallSlot(call), path=Path.ECHO, chain=chain))
+                for call in range(VERIFIED_CALLS)]
     finally:
         echo.close()
         chain.release()
@@ -143,14 +146,16 @@ class EchoCalls:
         self.x = x
         self.echo = EchoCommunicator(cfg, transport, device=x.device)
         self.chain = FeedbackChain.of(cfg, 1, x.device)
-        self.key = self.echo.chain_key(x.unsqueeze(0))
+        self.key = chain_key(x, message_layout(tuple(x.shape), transport.world_size, cfg.group_size))
 
     def first_calls(self) -> list[torch.Tensor]:
-        return [self.echo.echo_all_reduce(self.x, self.chain, call) for call in range(VERIFIED_CALLS)]
+        return [self.echo.all_reduce(self.x, slot=CallSlot(call), path=Path.ECHO, chain=self.chain)
+                for call in range(VERIFIED_CALLS)]
 
     def __call__(self, i: int) -> torch.Tensor:
+        # the steady state of a forward pass: call 1 absorbs call 0's error
         self.chain.record(0, self.key, left_error=True)
-        return self.echo.echo_all_reduce(self.x, self.chain, 1)
+        return self.echo.all_reduce(self.x, slot=CallSlot(1), path=Path.ECHO, chain=self.chain)
 
     def close(self) -> None:
         self.echo.close()

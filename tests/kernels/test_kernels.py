@@ -1037,11 +1037,12 @@ def test_cuda_graph_replay_gives_eager_bits(hadamard, feedback_dtype, encoder):
     feedback update) captured in a CUDA graph and replayed gives the bits of
     the eager call from the same state."""
     from echo_vllm import EchoConfig, FeedbackChain, StackedCommunicator, VirtualTransport
+    from echo_vllm.communicator import message_layout
 
     world, shape = 4, (512, 4096)
     cfg = EchoConfig(min_bytes=0, hadamard=hadamard, feedback_dtype=feedback_dtype, encoder=encoder)
     ar = StackedCommunicator(cfg, VirtualTransport(world), device="cuda")
-    chain = FeedbackChain.of(cfg, world, "cuda", capacity_numel=ar.message_layout(shape).padded_numel)
+    chain = FeedbackChain.of(cfg, world, "cuda", capacity_numel=message_layout(shape, world, cfg.group_size).padded_numel)
     x0 = _values((world, *shape), 7).to(torch.bfloat16).cuda()
     x1 = _values((world, *shape), 8).to(torch.bfloat16).cuda()
     static_x = x1.clone()
