@@ -59,6 +59,7 @@ def reports() -> dict[str, dict[str, dict]]:
             for name, dt, flips, enc in cases}
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 @pytest.mark.parametrize("fb", ["bf16", "int8", "bf16 flips", "int8 flips", "bf16 signed_mse"])
 def test_no_tile_goes_through_shared_memory(reports, fb):
     for kernel, r in reports[fb].items():
@@ -66,6 +67,7 @@ def test_no_tile_goes_through_shared_memory(reports, fb):
         assert not bad and r["barriers"] == 0 and r["shared_bytes"] == 0, (fb, kernel, r)
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 def test_int8_feedback_is_accessed_a_lane_word_at_a_time(reports):
     """The codes move as 64-bit words, never byte by byte, and the
     butterflies keep their shuffles (the amax of the new error adds its own)."""
@@ -83,6 +85,7 @@ def _spills(report: dict) -> int:
     return sum(n for op, n in report["memory"].items() if op.startswith(("LDL", "STL")))
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 def test_fused_kernel_fits_its_register_cap_and_int8_spills_no_more():
     """The whole fused kernel (every phase and the barriers in one body) at
     its cap: with int8 feedback no more spill instructions than with bf16
@@ -248,6 +251,7 @@ def _shuffle_problems(rows, cols, dtype, fb_dtype, group, flips=0, encoder="absm
             if (p := layout_problems(t))}
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("dtype,fb,group,flipped,encoder", [(torch.bfloat16, torch.bfloat16, 32, False, "absmax"),
                                                             (torch.float16, torch.int8, 16, False, "absmax"),
@@ -396,6 +400,7 @@ def _small_cases() -> list:
                                  id=f"output_norm{'' if one else ' two passes'}{c}") for c in CASES for one in (True, False)]
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 @pytest.mark.parametrize("module,fn,args,kwargs", _small_cases())
 def test_small_test_cases_compile_with_every_shuffle_in_the_lane_layout(module, fn, args, kwargs):
     """The GPU runs these small cases compiled. Defects only the H200
@@ -415,6 +420,7 @@ def _several_row_steps() -> list:
     return [pytest.param(c, id=str(c)) for c in NORM_PHASE_CASES if c[8] // 2 > 1]
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 @pytest.mark.parametrize("case", _several_row_steps())
 def test_one_pass_steps_of_several_rows_reduce_without_a_permute(case):
     """The fused kernel's one pass in steps of several rows (half a tile's,

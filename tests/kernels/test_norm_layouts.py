@@ -14,6 +14,8 @@ phases, every shuffle in the lane layout."""
 
 from __future__ import annotations
 
+import pytest
+
 from test_kernels import _compiler_pool, _reporting
 
 
@@ -24,6 +26,7 @@ def _norm_rows():
     return sass_report.norm_report((8, 4, 2)) + sass_report.norm_report((8,), keep_output=True)
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 def test_norm_kernels_compile_for_sm90_without_spills():
     rows = {r["kernel"]: r for r in _compiler_pool().submit(_reporting, _norm_rows).result(timeout=900)}
     kinds = ("output_norm", "fused phase 3 norm", "fused norm whole", "fused whole")
@@ -60,6 +63,7 @@ def _shuffle_problems():
     return out
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 def test_norm_kernels_shuffle_in_the_lane_layout():
     got = _compiler_pool().submit(_reporting, _shuffle_problems).result(timeout=900)
     assert len(got) == 12 and all(shuffles > 0 for _, shuffles in got.values()), got  # the decodes shuffle
@@ -81,6 +85,7 @@ def _flipped_norm_rows():
             {r["kernel"]: r for r in sass_report.norm_report((8,), flips=flips)})
 
 
+@pytest.mark.slow  # compiles for sm_90 on CPU: CI's second tier
 def test_norm_kernels_under_a_rotation_seed_shuffle_in_the_lane_layout_without_spills():
     problems, rows = _compiler_pool().submit(_reporting, _flipped_norm_rows).result(timeout=900)
     assert {name: p for name, p in problems.items() if p} == {} and len(problems) == 4
