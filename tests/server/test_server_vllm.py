@@ -17,6 +17,9 @@ import textwrap
 
 import pytest
 
+# vLLM's own parser and engine start in subprocesses: CI's second tier
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: server/gpu_serve_check.sh's fixed KV cache (bytes), as the script passes it

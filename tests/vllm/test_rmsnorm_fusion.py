@@ -177,6 +177,7 @@ LEFT = {"the reduced output is used beyond the norm": 1, "the reduced output is 
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # traces vLLM's ops into an FX graph
 def test_fx_graph_of_vllms_ops_is_rewritten_where_it_can_be(fx):
     assert fx["first"] == {"fused": 3, **LEFT}
     assert fx["fused_args"] == [["x0", "res", "w", EPS, False, "tp:0"], ["x1", None, "w", 1e-5, False, "tp:0"],

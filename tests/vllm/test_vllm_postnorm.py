@@ -73,6 +73,10 @@ def _worker(rank, world):
     return out
 
 
+# a model session per architecture: CI's second tier
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def sessions():
     pytest.importorskip("vllm")
