@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU acceptance run: everything a GPU path can break, on one GPU host (an
-# H100 or an H200), in five runs of at most 9 minutes each, one device call
+# H100 or an H200), in six runs of at most 9 minutes each, one device call
 # each (the vLLM bundle travels one part per run: the tree and one part fit a
-# call). Every change to a GPU path ends with all five passing on the tree it
+# call). Every change to a GPU path ends with all six passing on the tree it
 # submits; BENCHMARKS.md, "GPU acceptance", holds the last result.
 #
 # Usage (repository root, on the GPU host):
 #   ECHO_COMMIT=<sha> OUT=<dir> bash scripts/gpu_accept.sh RUN
 # RUN (each step's time limit in brackets):
-#   1  kernels: every kernel test compiled on the GPU (tests/kernels, the
-#      shape sweep included: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
+#   1  kernels: the kernel tests compiled on the GPU (test_kernels.py and the
+#      shape sweep: widths 1-70, 127-129 and large, P = 2, 3, 4, 8,
 #      bf16/fp16/fp32, bf16/int8/no feedback, chains, special values) [540 s].
 #   2  the fused backend over P processes (scripts/gpu_fused_check.py:
 #      eager, CUDA graphs, auto, too large, and the shape sweep at P = 2,
@@ -30,6 +30,9 @@
 #      requests, metrics) with the norm fusion on (--echo-fuse-norm: the
 #      check requires fused calls in /metrics; vllm_check serves the
 #      default path), side by side on the one GPU [440 s each].
+#   6  the rest of tests/kernels (the fused kernel's phases, the norm
+#      kernels, two-level on the Triton stages, layouts) [540 s]: with both
+#      encoders and rotation seeds the kernel tests no longer fit one call.
 #   5  `bench fused` at P = 8, 64 MiB [240 s] against the floor in
 #      echo_vllm/bench/fused_floor.json (fails if > 10% slower, scaled by the
 #      device's copy bandwidth; it verifies the kernel first) [10 s], alone.
@@ -48,7 +51,7 @@
 # Exit status: 0 when every step of the run passed.
 case "${1:-}" in -h|--help|"") sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 RUN=$1
-case "$RUN" in 1|2|3|4|5|stash) ;; *) echo "gpu_accept.sh: RUN must be 1, 2, 3, 4, 5 or stash, got '$RUN'" >&2; exit 2 ;; esac
+case "$RUN" in 1|2|3|4|5|6|stash) ;; *) echo "gpu_accept.sh: RUN must be 1, 2, 3, 4, 5, 6 or stash, got '$RUN'" >&2; exit 2 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d /tmp/echo-accept.XXXXXX)}
@@ -78,8 +81,11 @@ echo "stashed bundle parts: $(cd "$STASH" && ls bundle.part.* 2>/dev/null | tr '
 
 if [ "$RUN" = 1 ]; then
   # compile-bound: pytest-xdist spreads the compilations over the host's cores
-  step kernel_tests 540 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels -k "not test_gpu_check" \
-    --tb=line --durations=30
+  step kernel_tests 540 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels/test_kernels.py \
+    tests/kernels/test_shape_sweep.py -k "not test_gpu_check" --tb=line --durations=30
+elif [ "$RUN" = 6 ]; then
+  step kernel_tests_rest 540 "$PY" -m pytest -q -p no:cacheprovider -n 14 tests/kernels \
+    --ignore=tests/kernels/test_kernels.py --ignore=tests/kernels/test_shape_sweep.py --tb=line --durations=30
 elif [ "$RUN" = 2 ]; then
   step fused_check 300 "$PY" scripts/gpu_fused_check.py --worlds 2,4 --sweep-worlds 2,3,4 --skip-lost-peer \
     --json "$OUT/fused_check.json"
