@@ -242,9 +242,9 @@ def test_gpu_acceptance_stash_keeps_the_carried_parts_and_runs_nothing(tmp_path)
     assert [p.read_text() for p in sorted(stash.iterdir())] == ["SHA256SUMS", "bundle.part.02", "install.py"]
     assert "stashed bundle parts: bundle.part.02" in r.stdout
     assert list(out.iterdir()) == []  # no step, no summary
-    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "6"], env=env, capture_output=True,
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_accept.sh"), "7"], env=env, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4, 5 or stash, got '6'" in bad.stderr
+    assert bad.returncode == 2 and "RUN must be 1, 2, 3, 4, 5, 6 or stash, got '7'" in bad.stderr
 
 
 def test_gpu_acceptance_refuses_an_out_folder_holding_other_files(tmp_path):
