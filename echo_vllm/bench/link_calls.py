@@ -25,6 +25,7 @@ from ..numbering import CallSlot
 from ..policy import Path
 from ..transport import ProcessGroupTransport, Transport, VirtualTransport
 from . import report
+from .allreduce_bench import STEADY
 
 ALGOS = ("16-bit", "flat", "two-level")
 """``16-bit``: gloo's bf16 all-reduce; ``flat``: Echo over all P ranks;
@@ -155,7 +156,7 @@ class EchoCalls:
     def __call__(self, i: int) -> torch.Tensor:
         # the steady state of a forward pass: call 1 absorbs call 0's error
         self.chain.record(0, self.key, left_error=True)
-        return self.echo.all_reduce(self.x, slot=CallSlot(1), path=Path.ECHO, chain=self.chain)
+        return self.echo.all_reduce(self.x, slot=STEADY, path=Path.ECHO, chain=self.chain)
 
     def close(self) -> None:
         self.echo.close()

@@ -546,13 +546,6 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD_INPUT)
-def test_bad_input_is_refused_before_vllm_starts(argv, message):
-    with pytest.raises(ServeArgsError) as info:
-        rewrite(argv)
-    assert message in str(info.value) and "\n" not in str(info.value)
-
-
 @pytest.mark.parametrize("eager", [["--enforce-eager"], ["--enforce_eager"], ["-O0"], ["-O", "0"], ["-O=0"],
                                    ["--optimization-level", "0"], ["-cc.cudagraph_mode", "NONE"],
                                    ["--compilation-config", '{"cudagraph_mode": "NONE"}']])
@@ -744,8 +737,9 @@ HOST_REJECTS = [
 ]
 
 
-@pytest.mark.parametrize("argv,message", HOST_REJECTS)
-def test_host_settings_the_launch_cannot_run_are_refused_in_one_line(argv, message):
+@pytest.mark.parametrize("argv,message", BAD_INPUT + HOST_REJECTS)
+def test_bad_input_is_refused_before_vllm_starts(argv, message):
+    """One line, before vLLM starts: bad values, and host settings the launch cannot run."""
     with pytest.raises(ServeArgsError) as info:
         rewrite(argv)
     assert message in str(info.value) and "\n" not in str(info.value)
